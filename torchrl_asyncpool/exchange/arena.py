@@ -1,0 +1,173 @@
+"""The shared-memory slot arena: every buffer of the hot path, described in one place.
+
+One arena per pool, allocated by the parent from the env specs and mapped by every worker.
+It is a single anonymous ``memfd`` (no file under ``/dev/shm``, so nothing can leak there
+even when the parent is SIGKILLed: the memory goes away with the last process mapping it).
+Every field has leading dimension ``num_slots``:
+
+=================  ===========================  =============================================
+field              dtype / shape (per slot)     written by
+=================  ===========================  =============================================
+``state``          int32 ``[]``                 see :mod:`~torchrl_asyncpool.exchange.slot_states`
+``ready_time``     float64 ``[]``               worker: ``time.monotonic()`` at ``OBS_READY``
+``lease_time``     float64 ``[]``               consumer: when ``recv`` leased the slot
+``step_time``      float64 ``[]``               worker: cumulative env step+reset seconds
+``step_count``     int64 ``[]``                 worker: env steps+resets done
+request fields     from the observation,        worker (observation keys, ``"reward"``,
+                   reward and done specs        ``"step_type"``, ``"done"``, ``"terminated"``,
+                                                ``"truncated"``)
+response fields    from the action spec         consumer (action keys)
+=================  ===========================  =============================================
+
+Fields are 64-byte aligned so two writers never share a cache line inside one field's
+slot block boundary more than necessary.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+__all__ = ["FieldSpec", "ArenaLayout", "Arena", "CONTROL_FIELDS"]
+
+_ALIGN = 64
+
+# (name, dtype) of the per-slot control words; all are scalars per slot.
+CONTROL_FIELDS = (
+    ("state", torch.int32),
+    ("ready_time", torch.float64),
+    ("lease_time", torch.float64),
+    ("step_time", torch.float64),
+    ("step_count", torch.int64),
+)
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """Shape (per slot) and dtype of one arena field."""
+
+    key: Tuple[str, ...]
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+
+class ArenaLayout:
+    """Byte offsets of every field of the arena, computed from per-slot field specs.
+
+    Args:
+        num_slots (int): number of env slots (leading dimension of every field).
+        request (dict): ``{key: (shape, dtype)}`` of the records workers publish.
+        response (dict): ``{key: (shape, dtype)}`` of the records the consumer writes back.
+    """
+
+    def __init__(self, num_slots: int, request: Dict, response: Dict):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}.")
+        self.num_slots = int(num_slots)
+        self.control = [FieldSpec((name,), (), dtype) for name, dtype in CONTROL_FIELDS]
+        self.request = [FieldSpec(_as_key(k), tuple(int(s) for s in shape), dtype) for k, (shape, dtype) in request.items()]
+        self.response = [FieldSpec(_as_key(k), tuple(int(s) for s in shape), dtype) for k, (shape, dtype) in response.items()]
+        self.offsets: Dict[Tuple[str, Tuple[str, ...]], int] = {}
+        offset = 0
+        for section, fields in (("control", self.control), ("request", self.request), ("response", self.response)):
+            for f in fields:
+                self.offsets[(section, f.key)] = offset
+                nbytes = self.num_slots * f.numel * _itemsize(f.dtype)
+                offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.nbytes = max(offset, _ALIGN)
+
+    def __repr__(self) -> str:
+        return (
+            f"ArenaLayout(num_slots={self.num_slots}, nbytes={self.nbytes}, "
+            f"request={[(f.key, f.shape, f.dtype) for f in self.request]}, "
+            f"response={[(f.key, f.shape, f.dtype) for f in self.response]})"
+        )
+
+
+class Arena:
+    """The mapped arena: tensor (and numpy) views of every field.
+
+    Create it in the parent with :meth:`create`, hand :attr:`fd` to workers (wrapped by
+    :class:`~torchrl_asyncpool.exchange.InheritedFd`) and map it there with :meth:`attach`.
+
+    Attributes:
+        request (TensorDict): request fields, batch size ``[num_slots]``.
+        response (TensorDict): response fields, batch size ``[num_slots]``.
+        state, ready_time, lease_time, step_time, step_count (np.ndarray): control words.
+
+    Examples:
+        >>> import torch
+        >>> from torchrl_asyncpool.exchange import Arena, ArenaLayout
+        >>> layout = ArenaLayout(4, {"obs": ((3,), torch.float32)}, {"action": ((), torch.int64)})
+        >>> arena = Arena.create(layout)
+        >>> arena.request["obs"].shape
+        torch.Size([4, 3])
+        >>> twin = Arena.attach(layout, arena.fd)  # a second mapping of the same memory
+        >>> twin.request["obs"][1] = 7.0
+        >>> arena.request["obs"][1]
+        tensor([7., 7., 7.])
+        >>> arena.close(); twin.close()
+    """
+
+    def __init__(self, layout: ArenaLayout, fd: int, owner: bool):
+        self.layout = layout
+        self.fd = fd
+        self._owner = owner
+        self._mm = mmap.mmap(fd, layout.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        raw = torch.frombuffer(self._mm, dtype=torch.uint8)
+        n = layout.num_slots
+
+        def view(section, f):
+            off = layout.offsets[(section, f.key)]
+            nbytes = n * f.numel * _itemsize(f.dtype)
+            return raw[off : off + nbytes].view(f.dtype).view(n, *f.shape)
+
+        for f in layout.control:
+            setattr(self, f.key[0], view("control", f).numpy())
+        self.request = TensorDict({f.key: view("request", f) for f in layout.request}, batch_size=[n])
+        self.response = TensorDict({f.key: view("response", f) for f in layout.response}, batch_size=[n])
+        if owner:
+            self.state[:] = 0
+
+    @classmethod
+    def create(cls, layout: ArenaLayout) -> "Arena":
+        """Allocates a zero-filled arena for ``layout`` in a new anonymous memfd."""
+        fd = os.memfd_create("torchrl_asyncpool_arena", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, layout.nbytes)
+            return cls(layout, fd, owner=True)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def attach(cls, layout: ArenaLayout, fd: int) -> "Arena":
+        """Maps an arena created elsewhere (the file descriptor is owned by the caller)."""
+        return cls(layout, fd, owner=False)
+
+    def close(self) -> None:
+        """Releases this process's descriptor; the mapping goes away with its last view."""
+        if self.fd >= 0:
+            if self._owner:
+                os.close(self.fd)
+            self.fd = -1
+
+
+def _as_key(key) -> Tuple[str, ...]:
+    return (key,) if isinstance(key, str) else tuple(key)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

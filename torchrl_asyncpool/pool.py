@@ -1,0 +1,533 @@
+"""AsyncEnvPool v2: env worker processes around one shared-memory slot arena."""
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import select
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torchrl.data.utils import CloudpickleWrapper
+
+from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
+from torchrl_asyncpool.exchange import slot_states as S
+from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
+from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
+from torchrl_asyncpool.exchange.metrics import PoolMetrics
+from torchrl_asyncpool.workers.env_adapter import make_adapter
+from torchrl_asyncpool.workers.env_worker import worker_main
+
+__all__ = ["AsyncEnvPool"]
+
+# Imported once by the fork server, so that every worker forks with them already loaded.
+_FORKSERVER_PRELOAD = ["torchrl_asyncpool.workers.env_worker", "torchrl.envs"]
+_START_METHODS = ("forkserver", "spawn")
+
+
+class AsyncEnvPool:
+    """A pool of env worker processes exchanging records through shared memory.
+
+    Each env owns one *slot* of a shared-memory arena. Workers publish records into their
+    slots and ring a doorbell; :meth:`recv` gathers ready slots into a batch, :meth:`send`
+    scatters actions back and rings the owning workers. Nothing is pickled after start-up
+    and readiness costs one ``eventfd`` write, not a queue message.
+
+    Episodes follow gymnasium's ``NEXT_STEP`` autoreset, owned by the workers: the record
+    after a reset is :attr:`~torchrl_asyncpool.StepType.FIRST` (reward 0), a terminal record
+    carries the real final observation and reward, the action sent for it is discarded and
+    the next record is ``FIRST`` of the next episode. The consumer never sends a reset.
+
+    Args:
+        create_env_fn (list of callables): one factory per env, each returning a TorchRL
+            :class:`~torchrl.envs.EnvBase` with an empty batch size. Specs are read once from
+            the first env (instantiated in the calling process) and fix the slot layout;
+            every env must share them.
+
+    Keyword Args:
+        create_env_kwargs (dict or list of dicts, optional): keyword arguments for the
+            factories, one dict for all or one per env.
+        envs_per_worker (int or "auto", optional): envs hosted by one worker process, each in
+            its own slot and stepped as its action arrives (not in lockstep). ``"auto"``
+            times a few steps of the spec env: cheap CPU-bound envs are grouped so that there
+            is about one worker per core, envs that block (sleep, I/O) get a process each.
+            Defaults to ``1``.
+        mp_start_method (str, optional): ``"forkserver"`` (default: workers fork from a
+            server that has torch, tensordict and torchrl already imported) or ``"spawn"``.
+            ``"fork"`` is refused: a forked child inherits the pipes that tell other pools'
+            workers their parent died.
+        worker_num_threads (int, optional): ``torch.set_num_threads`` in every worker.
+            Defaults to ``1``: env stepping gains nothing from intra-op threads and several
+            workers share few cores. ``None`` leaves torch's default.
+        pin_memory (bool, optional): allocate the receive staging buffer in pinned memory
+            (for a consumer that copies batches to CUDA). Defaults to ``False``.
+        start_timeout (float, optional): seconds to wait for every worker to build its envs
+            and publish its first record. Defaults to ``None`` (no limit; a worker that dies
+            or raises still ends the wait at once).
+
+    Lifetime of received data:
+        The TensorDict returned by :meth:`recv` views a staging buffer owned by the pool, not
+        the slots: workers never write there. It stays valid until the next :meth:`recv`
+        call; clone it to keep it longer.
+
+    Errors:
+        An env that raises in construction, reset or step makes the next :meth:`recv` raise
+        :class:`~torchrl_asyncpool.errors.EnvError` naming the env index, with the worker's
+        traceback; a worker that dies raises
+        :class:`~torchrl_asyncpool.errors.WorkerDiedError`. Both are sticky: the pool must
+        then be closed. Wrong actions raise :class:`ValueError` before anything is written
+        and leave the pool usable.
+
+    Examples:
+        >>> import torch
+        >>> from torchrl_asyncpool import AsyncEnvPool, StepType
+        >>> from torchrl_asyncpool.testing import OracleEnv
+        >>> with AsyncEnvPool([lambda: OracleEnv(env_id=0), lambda: OracleEnv(env_id=1)],
+        ...                   envs_per_worker=2) as pool:
+        ...     ready = pool.recv(min_get=2)
+        ...     print(sorted(ready.env_indices.tolist()), ready["step_type"].tolist())
+        ...     pool.send(TensorDict({"action": torch.zeros(2, dtype=torch.int64)}, [2]), ready.env_indices)
+        ...     nxt = pool.recv(min_get=2)
+        ...     print(nxt["step_type"].tolist())
+        [0, 1] [0, 0]
+        [1, 1]
+    """
+
+    def __init__(
+        self,
+        create_env_fn: Sequence[Callable],
+        *,
+        create_env_kwargs: Mapping | Sequence[Mapping] | None = None,
+        envs_per_worker: int | str = 1,
+        mp_start_method: str = "forkserver",
+        worker_num_threads: int | None = 1,
+        pin_memory: bool = False,
+        start_timeout: float | None = None,
+    ):
+        self._closed = True  # until start-up completes, close() has little to undo
+        self._procs = []
+        fns = _check_factories(create_env_fn)
+        kwargs = _check_kwargs(create_env_kwargs, len(fns))
+        if mp_start_method not in _START_METHODS:
+            raise ValueError(f"mp_start_method must be one of {_START_METHODS}, got {mp_start_method!r}.")
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs CUDA, which is not available in this process.")
+        self.num_envs = n = len(fns)
+
+        spec_adapter = make_adapter(fns[0](**kwargs[0]), 0)
+        try:
+            request, response = spec_adapter.fields()
+            self.envs_per_worker = _resolve_envs_per_worker(envs_per_worker, spec_adapter, n)
+        finally:
+            spec_adapter.close()
+        self.observation_keys = list(spec_adapter.obs_keys)
+        self.action_keys = list(response)
+        self.layout = ArenaLayout(n, request, response)
+
+        self._arena = Arena.create(self.layout)
+        self._consumer = Doorbell()
+        self._life_r, self._life_w = os.pipe()
+        k = self.envs_per_worker
+        groups = [list(range(i, min(i + k, n))) for i in range(0, n, k)]
+        self.num_workers = len(groups)
+        self._slot_worker = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+        self._bells = [Doorbell() for _ in groups]
+        self._conns = []
+        self._error = None
+        self._closed = False
+        self._life_box = [self._life_w]
+        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._life_box, 0.0)
+        try:
+            self._start_workers(mp_start_method, groups, fns, kwargs, worker_num_threads)
+            self._await_ready(start_timeout)
+        except BaseException:
+            self.close()
+            raise
+        self._life_r_close()
+
+        self._poller = select.poll()
+        self._poller.register(self._consumer.fd, select.POLLIN)
+        self._sentinels = {}
+        for w, p in enumerate(self._procs):
+            self._poller.register(p.sentinel, select.POLLIN)
+            self._sentinels[p.sentinel] = w
+        self._staging = TensorDict(
+            {**self._arena.request.clone().to_dict(), "env_index": torch.zeros(n, dtype=torch.int64)},
+            batch_size=[n],
+        )
+        if pin_memory:
+            self._staging = self._staging.pin_memory()
+        self._gather = [(self._arena.request.get(k), self._staging.get(k)) for k in self._arena.request.keys(True, True)]
+        self._staging_env_index = self._staging.get("env_index")
+        self._batch_views = {}
+        self._response = [(k, self._arena.response.get(k)) for k in self.action_keys]
+        self._metrics = PoolMetrics(self._arena, n)
+        self._last_exit = None
+
+    # -- start-up ---------------------------------------------------------------------------
+    def _life_r_close(self):
+        if self._life_r >= 0:
+            os.close(self._life_r)
+            self._life_r = -1
+
+    def _start_workers(self, method, groups, fns, kwargs, num_threads):
+        ctx = mp.get_context(method)
+        if method == "forkserver":
+            ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+        arena_fd, consumer_fd, life_fd = InheritedFd(self._arena.fd), self._consumer.inheritable(), InheritedFd(self._life_r)
+        for w, slots in enumerate(groups):
+            parent_conn, child_conn = ctx.Pipe()
+            p = ctx.Process(
+                target=worker_main,
+                args=(
+                    w, slots, [_picklable(fns[i]) for i in slots], [kwargs[i] for i in slots], self.layout,
+                    arena_fd, self._bells[w].inheritable(), consumer_fd, life_fd, child_conn, num_threads,
+                ),
+                name=f"torchrl_asyncpool-worker-{w}",
+                daemon=True,
+            )
+            p.start()
+            child_conn.close()
+            self._procs.append(p)
+            self._conns.append(parent_conn)
+
+    def _await_ready(self, timeout):
+        from multiprocessing.connection import wait
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = dict(enumerate(self._conns))
+        while pending:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(
+                    f"workers {sorted(pending)} did not finish start-up within start_timeout={timeout}s."
+                )
+            sentinels = {self._procs[w].sentinel: w for w in pending}
+            for obj in wait(list(pending.values()) + list(sentinels), remaining):
+                if obj in sentinels:
+                    w = sentinels[obj]
+                    if w in pending and not pending[w].poll():
+                        raise self._set_error(self._death_error(w, "during start-up"))
+                    continue
+                w = self._conns.index(obj)
+                msg = obj.recv()
+                if msg[0] == "error":
+                    raise self._set_error(self._env_error(msg))
+                pending.pop(w, None)
+
+    # -- public API -------------------------------------------------------------------------
+    def recv(self, min_get: int = 1, max_get: int | None = None, timeout: float | None = None) -> TensorDictBase:
+        """Waits for ready records and returns them as one batch.
+
+        Semantics are TorchRL's: the call waits until at least ``min_get`` envs are ready.
+        With ``timeout=None`` it then returns everything ready (up to ``max_get``). With a
+        timeout, the deadline bounds the whole call from entry: once ``min_get`` is met it
+        returns as soon as ``max_get`` records are ready or at the deadline with whatever is
+        ready; if fewer than ``min_get`` are ready at the deadline, :class:`TimeoutError` is
+        raised and nothing is lost (the records stay ready for the next call). When more
+        than ``max_get`` are ready, the ones that waited longest are taken.
+
+        Args:
+            min_get (int, optional): minimum batch size. Defaults to ``1``.
+            max_get (int, optional): maximum batch size. Defaults to ``None`` (no maximum).
+            timeout (float, optional): deadline in seconds from call entry. ``0`` polls.
+                Defaults to ``None`` (wait for ``min_get`` as long as it takes).
+
+        Returns:
+            TensorDict of batch size ``[B]`` with the observation keys, ``"reward"``,
+            ``"step_type"``, ``"done"``, ``"terminated"``, ``"truncated"`` and
+            ``"env_index"``; its ``env_indices`` attribute (``LongTensor [B]``) is what
+            :meth:`send` expects. Valid until the next :meth:`recv`.
+        """
+        t_enter = time.monotonic()
+        self._check_usable()
+        n = self.num_envs
+        if not isinstance(min_get, int) or not 1 <= min_get <= n:
+            raise ValueError(f"min_get must be an int in [1, num_envs={n}], got {min_get!r}.")
+        if max_get is not None and (not isinstance(max_get, int) or max_get < min_get):
+            raise ValueError(f"max_get must be None or an int >= min_get={min_get}, got {max_get!r}.")
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be None or >= 0, got {timeout!r}.")
+        if self._last_exit is None:
+            self._metrics.reset()
+        deadline = None if timeout is None else t_enter + timeout
+        state = self._arena.state
+        waited = 0.0
+        while True:
+            self._consumer.drain()  # before the scan: a ring after this wakes the poll below
+            ready = np.flatnonzero(state == S.OBS_READY)
+            if ready.size < min_get and (state == S.ERROR).any():
+                self._raise_worker_errors()
+            now = time.monotonic()
+            if ready.size >= min_get:
+                if deadline is None or (max_get is not None and ready.size >= max_get) or now >= deadline:
+                    break
+            elif deadline is not None and now >= deadline:
+                raise TimeoutError(
+                    f"recv timed out after {timeout}s with {ready.size}/{min_get} envs ready; "
+                    "nothing was consumed, ready records stay available to the next call."
+                )
+            wait_ms = None if deadline is None else max(0, math.ceil((deadline - now) * 1000.0))
+            events = self._poller.poll(wait_ms)
+            waited += time.monotonic() - now
+            for fd, _ in events:
+                if fd != self._consumer.fd:
+                    self._raise_worker_errors()
+        if max_get is not None and ready.size > max_get:
+            oldest = np.argsort(self._arena.ready_time[ready], kind="stable")[:max_get]
+            ready = np.sort(ready[oldest])
+        b = int(ready.size)
+        now = time.monotonic()
+        state[ready] = S.LEASED
+        self._arena.lease_time[ready] = now
+        dwell = float(now * b - self._arena.ready_time[ready].sum())
+        idx = torch.from_numpy(ready)
+        for src, dst in self._gather:
+            torch.index_select(src, 0, idx, out=dst[:b])
+        self._staging_env_index[:b].copy_(idx)
+        view = self._batch_views.get(b)
+        if view is None:
+            view = self._batch_views[b] = self._staging[:b]
+        out = view.copy()
+        out.env_indices = view.get("env_index")
+        cap = max_get if max_get is not None else n
+        self._metrics.on_recv(b, min(cap, n), dwell, waited)
+        self._last_exit = time.monotonic()
+        return out
+
+    def send(self, actions: TensorDictBase | Mapping, env_indices) -> None:
+        """Writes actions into the leased slots ``env_indices`` and wakes their workers.
+
+        Everything is validated before anything is written: on a :class:`ValueError` the
+        pool is untouched and the slots stay leased, so a corrected ``send`` can follow.
+
+        Args:
+            actions (TensorDict or mapping): batch ``[B]`` holding every action key of the
+                env spec with its exact per-env shape and dtype; other entries (observations,
+                policy outputs) are ignored.
+            env_indices (LongTensor or sequence of ints): ``[B]`` env indices, as returned in
+                ``recv(...).env_indices``; each must be leased (received and not yet answered).
+        """
+        self._check_usable()
+        idx = _as_index(env_indices, self.num_envs)
+        b = idx.numel()
+        state = self._arena.state
+        idx_np = idx.numpy()
+        not_leased = idx_np[state[idx_np] != S.LEASED]
+        if not_leased.size:
+            raise ValueError(
+                f"send got env indices {not_leased.tolist()} that are not awaiting an action "
+                "(each index must come from recv(...).env_indices and be answered once)."
+            )
+        values = []
+        for key, dst in self._response:
+            value = actions.get(key, None) if isinstance(actions, TensorDictBase) else _mapping_get(actions, key)
+            if value is None:
+                raise ValueError(f"send: actions miss the action key {key!r}; expected keys {self.action_keys}.")
+            expected = (b, *dst.shape[1:])
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected or value.dtype != dst.dtype:
+                given = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(
+                    f"send: action {key!r} must be a tensor of shape {expected} and dtype {dst.dtype}; given {given}."
+                )
+            values.append((dst, value))
+        for dst, value in values:
+            dst.index_copy_(0, idx, value.to("cpu", non_blocking=False))
+        now = time.monotonic()
+        self._metrics.on_send(b, float(now * b - self._arena.lease_time[idx_np].sum()))
+        state[idx_np] = S.ACTION_READY  # after the data
+        for w in np.unique(self._slot_worker[idx_np]):
+            self._bells[w].ring()
+
+    def metrics(self, reset: bool = False) -> dict:
+        """Returns the pool's health metrics (keys in ``exchange.metrics.METRIC_KEYS``).
+
+        Args:
+            reset (bool, optional): start a new measurement window after reading.
+        """
+        out = self._metrics.as_dict()
+        if reset:
+            self._metrics.reset()
+        return out
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Stops the workers and frees the arena. Idempotent.
+
+        Workers are told through their life pipe (they exit at their next wake-up, closing
+        their envs); any worker still running after ``timeout`` seconds is killed.
+        """
+        if getattr(self, "_closed_for_good", False):
+            return
+        self._closed_for_good = True
+        self._closed = True
+        if hasattr(self, "_life_box"):
+            _shutdown(self._procs, self._life_box, timeout)
+        if hasattr(self, "_finalizer"):
+            self._finalizer.detach()
+        self._life_r_close()
+        for c in getattr(self, "_conns", []):
+            c.close()
+        for b in getattr(self, "_bells", []):
+            b.close()
+        if hasattr(self, "_consumer"):
+            self._consumer.close()
+        if hasattr(self, "_arena"):
+            self._arena.close()
+
+    @property
+    def worker_pids(self) -> list:
+        """Process ids of the worker processes."""
+        return [p.pid for p in self._procs]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return (
+            f"{type(self).__name__}(num_envs={self.num_envs}, num_workers={getattr(self, 'num_workers', 0)}, "
+            f"envs_per_worker={getattr(self, 'envs_per_worker', None)}, closed={self._closed})"
+        )
+
+    # -- errors -----------------------------------------------------------------------------
+    def _check_usable(self):
+        if self._closed:
+            raise PoolClosedError(f"{type(self).__name__} is closed.")
+        if self._error is not None:
+            raise self._error
+
+    def _set_error(self, err):
+        self._error = err
+        return err
+
+    def _env_error(self, msg):
+        _, _, index, (phase, tb) = msg
+        return EnvError(index, phase, tb)
+
+    def _death_error(self, w, when=""):
+        p = self._procs[w]
+        p.join(0.05)
+        code = p.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        slots = np.flatnonzero(self._slot_worker == w).tolist()
+        when = f" {when}" if when else ""
+        return WorkerDiedError(f"worker {w} (pid {p.pid}, hosting envs {slots}) died{when} ({how}).")
+
+    def _raise_worker_errors(self):
+        for w, conn in enumerate(self._conns):
+            if conn.poll():
+                msg = conn.recv()
+                if msg[0] == "error":
+                    raise self._set_error(self._env_error(msg))
+        for w, p in enumerate(self._procs):
+            if not p.is_alive():
+                raise self._set_error(self._death_error(w))
+
+
+def _shutdown(procs, life_w_box, timeout):
+    """Closes the life pipe (workers exit at their next wake-up), then kills stragglers."""
+    if life_w_box[0] >= 0:
+        os.close(life_w_box[0])
+        life_w_box[0] = -1
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    for p in procs:
+        p.join(1.0)
+
+
+def _check_factories(create_env_fn):
+    if callable(create_env_fn) or not isinstance(create_env_fn, Sequence) or not len(create_env_fn):
+        raise TypeError(
+            "create_env_fn must be a non-empty list of callables returning EnvBase instances, "
+            f"got {type(create_env_fn).__name__}."
+        )
+    for i, fn in enumerate(create_env_fn):
+        if not callable(fn):
+            raise TypeError(f"create_env_fn[{i}] must be callable, got {type(fn).__name__}.")
+    return list(create_env_fn)
+
+
+def _check_kwargs(kwargs, n):
+    if kwargs is None:
+        return [{} for _ in range(n)]
+    if isinstance(kwargs, Mapping):
+        return [dict(kwargs) for _ in range(n)]
+    kwargs = list(kwargs)
+    if len(kwargs) != n or not all(isinstance(k, Mapping) for k in kwargs):
+        raise ValueError(f"create_env_kwargs must be a dict or a list of {n} dicts, got {kwargs!r}.")
+    return [dict(k) for k in kwargs]
+
+
+def _picklable(fn):
+    return fn if isinstance(fn, CloudpickleWrapper) or type(fn).__name__ == "EnvCreator" else CloudpickleWrapper(fn)
+
+
+def _resolve_envs_per_worker(value, adapter, n):
+    if value == "auto":
+        return _auto_envs_per_worker(adapter, n)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"envs_per_worker must be a positive int or 'auto', got {value!r}.")
+    return min(value, n)
+
+
+def _auto_envs_per_worker(adapter, n, probe_s: float = 0.2, probe_steps: int = 32):
+    """Groups cheap CPU-bound envs about one worker per core; blocking envs one per process."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    spec = adapter.env.full_action_spec
+    adapter.reset()
+    wall = cpu = 0.0
+    steps = 0
+    t_end = time.perf_counter() + probe_s
+    while steps < probe_steps and time.perf_counter() < t_end:
+        action = {k: spec[k].rand() for k in adapter.action_keys}
+        w0, c0 = time.perf_counter(), time.thread_time()
+        _, _, term, trunc = adapter.step(action)
+        wall += time.perf_counter() - w0
+        cpu += time.thread_time() - c0
+        steps += 1
+        if term or trunc:
+            adapter.reset()
+    blocking = wall > 2.0 * cpu and wall / max(steps, 1) > 2e-4
+    if blocking:
+        return 1
+    return max(1, math.ceil(n / cores))
+
+
+def _as_index(env_indices, n) -> torch.Tensor:
+    if isinstance(env_indices, torch.Tensor):
+        idx = env_indices
+        if idx.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise ValueError(f"env_indices must be an integer tensor, got dtype {idx.dtype}.")
+        idx = idx.reshape(-1).to("cpu", torch.int64)
+    else:
+        idx = torch.as_tensor(list(env_indices), dtype=torch.int64)
+    if idx.numel() == 0:
+        raise ValueError("send got no env indices.")
+    if idx.min() < 0 or idx.max() >= n:
+        raise ValueError(f"env_indices must lie in [0, {n}), got {idx.tolist()}.")
+    if torch.unique(idx).numel() != idx.numel():
+        raise ValueError(f"env_indices must not repeat, got {idx.tolist()}.")
+    return idx.contiguous()
+
+
+def _mapping_get(mapping, key):
+    if isinstance(key, tuple) and len(key) == 1:
+        key = key[0]
+    if isinstance(key, tuple):
+        value = mapping
+        for k in key:
+            if not isinstance(value, Mapping) or k not in value:
+                return None
+            value = value[k]
+        return value
+    return mapping.get(key)

@@ -1,0 +1,249 @@
+"""The correctness oracle: an env whose every record says who, which episode and which step it is."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torchrl_asyncpool.testing._specs import _done_spec
+from torchrl.data import Bounded, Categorical, Composite, Unbounded
+from torchrl.envs import EnvBase
+
+from torchrl_asyncpool.step_type import StepType
+
+__all__ = ["OracleEnv", "OracleChecker", "oracle_episode", "oracle_action"]
+
+_NO_ACTION = -1
+
+
+def oracle_episode(env_id: int, episode_id: int, max_episode_len: int = 7) -> tuple[int, StepType]:
+    """Length (number of steps) and ending of episode ``episode_id`` of env ``env_id``.
+
+    Lengths vary between 1 and ``max_episode_len`` and one episode in three is truncated, so
+    that envs end episodes at different times and both ending kinds occur.
+
+    Examples:
+        >>> from torchrl_asyncpool.testing import oracle_episode
+        >>> oracle_episode(0, 0)
+        (1, <StepType.TRUNCATION: 3>)
+    """
+    length = 1 + (env_id * 31 + episode_id * 17) % max_episode_len
+    ending = StepType.TRUNCATION if (env_id + episode_id) % 3 == 0 else StepType.TERMINATION
+    return length, ending
+
+
+def oracle_action(tag: torch.Tensor) -> torch.Tensor:
+    """A deterministic policy of the tag: what the oracle's consumer sends back.
+
+    Works on a single tag ``[3]`` or a batch ``[B, 3]``; returns int64 of shape ``[]`` /
+    ``[B]``.
+
+    Examples:
+        >>> import torch
+        >>> from torchrl_asyncpool.testing import oracle_action
+        >>> oracle_action(torch.tensor([2, 1, 3]))
+        tensor(58)
+    """
+    tag = tag.to(torch.int64)
+    return (tag[..., 0] * 7 + tag[..., 1] * 13 + tag[..., 2] * 3 + 1) % 1000
+
+
+class OracleEnv(EnvBase):
+    """A TorchRL env whose observation ``"tag"`` encodes ``(env_id, episode_id, step_id)``.
+
+    Every delivered record can be checked for loss, duplication, reordering, wrong autoreset
+    pairing and wrong step type (see :class:`OracleChecker`). The observation ``"echo"`` holds
+    the action the env received for this step (``-1`` after a reset), which proves that
+    actions reach the right env and that the action answering a terminal record is
+    discarded. The reward of step ``s`` is ``s``.
+
+    Args:
+        env_id (int): identity written into the tag.
+
+    Keyword Args:
+        max_episode_len (int): episode lengths vary in ``[1, max_episode_len]``.
+        step_delay (float): seconds to sleep per step, scaled by a per-step factor in
+            ``{0, 0.5, 1, 1.5}`` so envs drift apart.
+        fail_at_step (int, optional): raise ``RuntimeError`` on this global step count.
+        fail_on_reset (int, optional): raise ``RuntimeError`` on this reset count (1-based).
+        obs_dim (int): size of an extra float observation ``"observation"``.
+
+    Examples:
+        >>> from torchrl_asyncpool.testing import OracleEnv
+        >>> env = OracleEnv(env_id=3)
+        >>> td = env.reset()
+        >>> td["tag"].tolist(), td["echo"].item()
+        ([3, 0, 0], -1)
+    """
+
+    def __init__(
+        self,
+        env_id: int = 0,
+        *,
+        max_episode_len: int = 7,
+        step_delay: float = 0.0,
+        fail_at_step: int | None = None,
+        fail_on_reset: int | None = None,
+        obs_dim: int = 2,
+    ):
+        super().__init__(batch_size=torch.Size([]))
+        self.env_id = int(env_id)
+        self.max_episode_len = int(max_episode_len)
+        self.step_delay = float(step_delay)
+        self.fail_at_step = fail_at_step
+        self.fail_on_reset = fail_on_reset
+        self.obs_dim = obs_dim
+        self.observation_spec = Composite(
+            tag=Unbounded(shape=(3,), dtype=torch.int64),
+            echo=Unbounded(shape=(), dtype=torch.int64),
+            observation=Unbounded(shape=(obs_dim,), dtype=torch.float32),
+        )
+        self.action_spec = Categorical(1000, shape=(), dtype=torch.int64)
+        self.reward_spec = Unbounded(shape=(1,), dtype=torch.float32)
+        self.done_spec = _done_spec()
+        self.episode = -1
+        self.t = 0
+        self.total_steps = 0
+        self.resets = 0
+
+    def _obs(self, echo: int) -> TensorDict:
+        tag = torch.tensor([self.env_id, self.episode, self.t], dtype=torch.int64)
+        return TensorDict(
+            {
+                "tag": tag,
+                "echo": torch.tensor(echo, dtype=torch.int64),
+                "observation": tag[:1].float().expand(self.obs_dim).clone(),
+            },
+            batch_size=[],
+        )
+
+    def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDict:
+        self.resets += 1
+        if self.fail_on_reset is not None and self.resets == self.fail_on_reset:
+            raise RuntimeError(f"OracleEnv {self.env_id}: scripted failure on reset {self.resets}")
+        self.episode += 1
+        self.t = 0
+        out = self._obs(_NO_ACTION)
+        out.update(_flags(False, False))
+        return out
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDict:
+        self.total_steps += 1
+        if self.fail_at_step is not None and self.total_steps == self.fail_at_step:
+            raise RuntimeError(f"OracleEnv {self.env_id}: scripted failure at step {self.total_steps}")
+        if self.episode < 0:
+            raise RuntimeError("OracleEnv stepped before reset")
+        if self.step_delay:
+            time.sleep(self.step_delay * (((self.env_id + 3 * self.t + 5 * self.episode) % 4) / 2.0))
+        length, ending = oracle_episode(self.env_id, self.episode, self.max_episode_len)
+        if self.t >= length:
+            raise RuntimeError(
+                f"OracleEnv {self.env_id}: stepped past the end of episode {self.episode} (step {self.t})"
+            )
+        action = int(tensordict.get("action"))
+        self.t += 1
+        out = self._obs(action)
+        end = self.t == length
+        out.update(_flags(end and ending == StepType.TERMINATION, end and ending == StepType.TRUNCATION))
+        out.set("reward", torch.tensor([float(self.t)]))
+        return out
+
+    def _set_seed(self, seed: int | None):
+        return seed
+
+
+def _flags(terminated: bool, truncated: bool) -> dict:
+    return {
+        "done": torch.tensor([terminated or truncated]),
+        "terminated": torch.tensor([terminated]),
+        "truncated": torch.tensor([truncated]),
+    }
+
+
+class OracleChecker:
+    """Checks a stream of :class:`OracleEnv` records, env by env, in delivery order.
+
+    Call :meth:`observe` for every record a consumer receives and :meth:`sent` with the
+    action it answered (defaults to :func:`oracle_action`). Any loss, duplicate, reordering,
+    wrong step type or flag, wrong autoreset pairing or misrouted action raises
+    :class:`AssertionError` naming the env and what was expected.
+
+    Args:
+        max_episode_len (int): as passed to the envs.
+        policy (callable, optional): the tag -> action map the consumer uses.
+
+    Examples:
+        >>> import torch
+        >>> from torchrl_asyncpool import StepType
+        >>> from torchrl_asyncpool.testing import OracleChecker
+        >>> checker = OracleChecker()
+        >>> checker.observe(0, torch.tensor([0, 0, 0]), StepType.FIRST, reward=0.0, echo=-1)
+        >>> checker.records
+        1
+    """
+
+    def __init__(self, max_episode_len: int = 7, policy: Callable = oracle_action):
+        self.max_episode_len = max_episode_len
+        self.policy = policy
+        self._last: dict[int, tuple[int, int, int]] = {}
+        self._expect_echo: dict[int, int] = {}
+        self.records = 0
+        self.episodes_done = 0
+
+    def observe(self, env_index: int, tag, step_type, reward=None, echo=None, done=None, terminated=None, truncated=None) -> None:
+        """Checks one record of env ``env_index`` against the previous one of the same env."""
+        tag = tuple(int(x) for x in (tag.tolist() if isinstance(tag, torch.Tensor) else tag))
+        st = StepType(int(step_type))
+        env_id, ep, t = tag
+        where = f"env {env_index}: record {tag} ({st.name})"
+        assert env_id == env_index, f"{where}: tag belongs to env {env_id}"
+        last = self._last.get(env_index)
+        if last is None:
+            exp = (env_id, 0, 0)
+        else:
+            length, _ = oracle_episode(env_id, last[1], self.max_episode_len)
+            exp = (env_id, last[1] + 1, 0) if last[2] == length else (env_id, last[1], last[2] + 1)
+        assert tag == exp, f"{where}: expected tag {exp} after {last} (lost, duplicated or reordered record)"
+        length, ending = oracle_episode(env_id, ep, self.max_episode_len)
+        exp_st = StepType.FIRST if t == 0 else (ending if t == length else StepType.MID)
+        assert st == exp_st, f"{where}: step type {st.name}, expected {exp_st.name}"
+        if reward is not None:
+            assert float(torch.as_tensor(reward).reshape(-1)[0]) == float(t), f"{where}: reward {reward}, expected {t}"
+        if echo is not None:
+            exp_echo = -1 if t == 0 else self._expect_echo.get(env_index)
+            assert int(echo) == exp_echo, (
+                f"{where}: env received action {int(echo)}, expected {exp_echo} "
+                "(misrouted action, or the action answering a terminal record was not discarded)"
+            )
+        for name, value, want in (
+            ("done", done, st.is_last()),
+            ("terminated", terminated, st == StepType.TERMINATION),
+            ("truncated", truncated, st == StepType.TRUNCATION),
+        ):
+            if value is not None:
+                got = bool(torch.as_tensor(value).any())
+                assert got == want, f"{where}: {name}={got}, expected {want}"
+        self._last[env_index] = tag
+        self._expect_echo[env_index] = int(self.policy(torch.tensor(tag)))
+        self.records += 1
+        self.episodes_done += st.is_last()
+
+    def observe_batch(self, td: TensorDictBase, env_indices=None) -> None:
+        """Checks every record of a received batch (``recv`` output)."""
+        idx = td.get("env_index") if env_indices is None else env_indices
+        for i, env_index in enumerate(idx.tolist()):
+            self.observe(
+                env_index,
+                td.get("tag")[i],
+                td.get("step_type")[i],
+                reward=td.get("reward")[i],
+                echo=td.get("echo")[i],
+                done=td.get("done")[i],
+                terminated=td.get("terminated")[i],
+                truncated=td.get("truncated")[i],
+            )
+
+    def last_step(self, env_index: int):
+        """The last tag seen for ``env_index`` (``None`` before any)."""
+        return self._last.get(env_index)

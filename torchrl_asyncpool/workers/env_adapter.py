@@ -1,0 +1,93 @@
+"""Adapters that give every kind of env the same small interface inside a worker.
+
+The worker loop only needs: the per-slot field specs (read once to size the arena), a
+``reset`` and a ``step`` that return the observation entries, the reward and the two end
+flags. Keeping this behind one interface is what lets a plain gymnasium env skip all
+TensorDict work per step.
+"""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+from torchrl.envs import EnvBase
+
+__all__ = ["RESERVED_KEYS", "TorchRLEnvAdapter", "make_adapter"]
+
+#: Request keys the exchange defines itself; an env observation may not use them.
+RESERVED_KEYS = ("reward", "step_type", "done", "terminated", "truncated", "env_index")
+
+
+class TorchRLEnvAdapter:
+    """Runs a TorchRL :class:`~torchrl.envs.EnvBase` with an empty batch size in one slot."""
+
+    def __init__(self, env: EnvBase, env_index: int | None = None):
+        where = f"env {env_index}" if env_index is not None else "the env"
+        if not isinstance(env, EnvBase):
+            raise TypeError(
+                f"create_env_fn for {where} returned {type(env).__name__}; expected a torchrl.envs.EnvBase."
+            )
+        if env.batch_size != torch.Size([]):
+            raise ValueError(
+                f"{where} has batch_size {tuple(env.batch_size)}; AsyncEnvPool hosts one env per slot "
+                "and expects batch_size=() (use envs_per_worker to group envs in a process)."
+            )
+        self.env = env
+        self.obs_keys = [k for k in env.observation_spec.keys(True, True)]
+        for k in self.obs_keys:
+            if (k if isinstance(k, str) else k[0]) in RESERVED_KEYS:
+                raise ValueError(f"{where}: observation key {k!r} collides with a reserved key {RESERVED_KEYS}.")
+        rk = env.reward_keys
+        if len(rk) != 1:
+            raise ValueError(f"{where} has {len(rk)} reward keys {rk}; exactly one is supported.")
+        self.reward_key = rk[0]
+        self.action_keys = list(env.action_keys)
+        done_spec = env.full_done_spec
+        self._done_shape = tuple(done_spec["done"].shape)
+        self._has_terminated = "terminated" in done_spec.keys()
+        self._has_truncated = "truncated" in done_spec.keys()
+        self._td = None
+
+    def fields(self) -> Tuple[Dict, Dict]:
+        """``(request, response)`` field specs ``{key: (shape, dtype)}`` for one slot."""
+        env = self.env
+        obs_spec = env.observation_spec
+        request = {k: (tuple(obs_spec[k].shape), obs_spec[k].dtype) for k in self.obs_keys}
+        reward_spec = env.full_reward_spec[self.reward_key]
+        request["reward"] = (tuple(reward_spec.shape), reward_spec.dtype)
+        request["step_type"] = ((), torch.int8)
+        for k in ("done", "terminated", "truncated"):
+            request[k] = (self._done_shape, torch.bool)
+        action_spec = env.full_action_spec
+        response = {k: (tuple(action_spec[k].shape), action_spec[k].dtype) for k in self.action_keys}
+        return request, response
+
+    def reset(self):
+        """Resets the env; returns a mapping ``key -> tensor`` holding the observation."""
+        self._td = self.env.reset()
+        return self._td
+
+    def step(self, actions: Dict) -> Tuple[object, torch.Tensor, bool, bool]:
+        """Steps with ``actions`` (key -> tensor); returns ``(obs, reward, terminated, truncated)``."""
+        td = self._td
+        for k, v in actions.items():
+            td.set(k, v.clone())
+        nxt = self.env.step(td).get("next")
+        self._td = nxt
+        if self._has_terminated:
+            terminated = bool(nxt.get("terminated").any())
+        else:
+            terminated = bool(nxt.get("done").any())
+        truncated = self._has_truncated and bool(nxt.get("truncated").any())
+        return nxt, nxt.get(self.reward_key), terminated, truncated
+
+    def close(self) -> None:
+        try:
+            self.env.close()
+        except Exception:  # noqa: BLE001 - closing a half-broken env must not mask the real error
+            pass
+
+
+def make_adapter(env, env_index: int | None = None):
+    """Wraps whatever ``create_env_fn`` returned in the matching adapter."""
+    return TorchRLEnvAdapter(env, env_index)
