@@ -84,7 +84,8 @@ class AsyncEnvPool:
 
     Examples:
         >>> import torch
-        >>> from torchrl_asyncpool import AsyncEnvPool, StepType
+        >>> from tensordict import TensorDict
+        >>> from torchrl_asyncpool import AsyncEnvPool
         >>> from torchrl_asyncpool.testing import OracleEnv
         >>> with AsyncEnvPool([lambda: OracleEnv(env_id=0), lambda: OracleEnv(env_id=1)],
         ...                   envs_per_worker=2) as pool:
@@ -92,9 +93,9 @@ class AsyncEnvPool:
         ...     print(sorted(ready.env_indices.tolist()), ready["step_type"].tolist())
         ...     pool.send(TensorDict({"action": torch.zeros(2, dtype=torch.int64)}, [2]), ready.env_indices)
         ...     nxt = pool.recv(min_get=2)
-        ...     print(nxt["step_type"].tolist())
+        ...     print(nxt["step_type"].tolist())  # env 0's first oracle episode is one step long
         [0, 1] [0, 0]
-        [1, 1]
+        [3, 1]
     """
 
     def __init__(

@@ -1,0 +1,20 @@
+"""Shared fixtures: oracle env factories and a guard that no test leaks processes or /dev/shm files."""
+import functools
+import os
+
+import pytest
+
+from torchrl_asyncpool.testing import OracleEnv
+
+
+def oracle_factories(n, **kwargs):
+    """One OracleEnv factory per slot; env ids equal slot indices, as OracleChecker expects."""
+    return [functools.partial(OracleEnv, env_id=i, **kwargs) for i in range(n)]
+
+
+@pytest.fixture
+def dev_shm_guard():
+    before = set(os.listdir("/dev/shm"))
+    yield
+    leaked = set(os.listdir("/dev/shm")) - before
+    assert not leaked, f"shared-memory segments leaked into /dev/shm: {sorted(leaked)}"

@@ -1,0 +1,53 @@
+"""Unit tests of the exchange building blocks and the step type."""
+import multiprocessing as mp
+
+import torch
+
+from torchrl_asyncpool import StepType, discount_from_step_type
+from torchrl_asyncpool.exchange import Arena, ArenaLayout, Doorbell, InheritedFd
+
+
+def _child_writes(layout, fd, bell):
+    arena = Arena.attach(layout, fd.fd)
+    arena.request["obs"][2] = 42.0
+    arena.state[2] = 1
+    Doorbell(bell.fd).ring()
+
+
+def test_arena_is_shared_with_a_forkserver_child_and_has_no_dev_shm_file(dev_shm_guard):
+    layout = ArenaLayout(4, {"obs": ((3,), torch.float32)}, {("a", "b"): ((2,), torch.int64)})
+    arena = Arena.create(layout)
+    bell = Doorbell()
+    ctx = mp.get_context("forkserver")
+    p = ctx.Process(target=_child_writes, args=(layout, InheritedFd(arena.fd), bell.inheritable()))
+    p.start()
+    assert bell.wait(timeout=30)
+    p.join(10)
+    assert p.exitcode == 0
+    assert arena.request["obs"][2].tolist() == [42.0] * 3
+    assert arena.state.tolist() == [0, 0, 1, 0]
+    assert arena.response["a", "b"].shape == (4, 2)
+    arena.close()
+    bell.close()
+
+
+def test_doorbell_counts_and_times_out():
+    bell = Doorbell()
+    assert bell.drain() == 0
+    assert not bell.wait(timeout=0.01)
+    bell.ring(3)
+    assert bell.wait(timeout=0)
+    assert bell.drain() == 3
+    bell.close()
+
+
+def test_layout_alignment():
+    layout = ArenaLayout(3, {"x": ((5,), torch.uint8)}, {"y": ((), torch.float64)})
+    assert all(off % 64 == 0 for off in layout.offsets.values())
+
+
+def test_step_type_and_discount():
+    assert [int(s) for s in StepType] == [0, 1, 2, 3]
+    st = torch.tensor([0, 1, 2, 3], dtype=torch.int8)
+    assert discount_from_step_type(st).tolist() == [1.0, 1.0, 0.0, 1.0]
+    assert StepType.TRUNCATION.is_last() and not StepType.MID.is_last()

@@ -1,0 +1,147 @@
+"""Exactly-once, in-order delivery through AsyncEnvPool, proven with the oracle env."""
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from conftest import oracle_factories
+from torchrl_asyncpool import AsyncEnvPool, StepType
+from torchrl_asyncpool.testing import OracleChecker, oracle_action
+
+
+def _drive(pool, checker, steps, min_get=1, max_get=None, timeout=None):
+    for _ in range(steps):
+        td = pool.recv(min_get=min_get, max_get=max_get, timeout=timeout)
+        checker.observe_batch(td)
+        b = td.batch_size[0]
+        assert td.env_indices.shape == (b,)
+        assert torch.equal(td.env_indices, td["env_index"])
+        pool.send(TensorDict({"action": oracle_action(td["tag"])}, [b]), td.env_indices)
+
+
+@pytest.mark.parametrize(
+    "num_envs,envs_per_worker",
+    [(1, 1), (8, 1), (8, 4), (32, 4), pytest.param(32, 1, marks=pytest.mark.slow)],
+)
+def test_oracle_exactly_once_in_order(num_envs, envs_per_worker, dev_shm_guard):
+    checker = OracleChecker()
+    with AsyncEnvPool(oracle_factories(num_envs), envs_per_worker=envs_per_worker) as pool:
+        assert pool.num_workers == -(-num_envs // envs_per_worker)
+        _drive(pool, checker, steps=300)
+    assert checker.records >= 300
+    # every env made progress through several episodes, both ending kinds were exercised
+    assert len({checker.last_step(i) for i in range(num_envs)}) == num_envs
+    assert checker.episodes_done > num_envs
+
+
+@pytest.mark.parametrize("envs_per_worker", [1, 4])
+def test_oracle_with_jittered_slow_envs_and_batching(envs_per_worker):
+    """Envs drift apart (per-step delays), batches are capped and deadline-bound."""
+    checker = OracleChecker()
+    with AsyncEnvPool(oracle_factories(8, step_delay=0.002), envs_per_worker=envs_per_worker) as pool:
+        _drive(pool, checker, steps=120, min_get=2, max_get=4, timeout=0.05)
+    assert checker.records >= 240
+
+
+def test_terminal_action_is_discarded_and_next_is_first():
+    """The action answering a terminal record never reaches the env; FIRST has reward 0."""
+    with AsyncEnvPool(oracle_factories(1)) as pool:
+        td = pool.recv()
+        assert td["step_type"].tolist() == [StepType.FIRST]
+        assert td["reward"].tolist() == [[0.0]]
+        # env 0's first episode has length 1 and is truncated (see oracle_episode)
+        pool.send(TensorDict({"action": torch.tensor([5])}, [1]), td.env_indices)
+        td = pool.recv()
+        assert td["step_type"].tolist() == [StepType.TRUNCATION]
+        assert td["echo"].tolist() == [5]
+        assert td["truncated"].all() and td["done"].all() and not td["terminated"].any()
+        assert td["tag"].tolist() == [[0, 0, 1]]
+        pool.send(TensorDict({"action": torch.tensor([777])}, [1]), td.env_indices)
+        td = pool.recv()
+        assert td["step_type"].tolist() == [StepType.FIRST]
+        assert td["echo"].tolist() == [-1], "the action sent for the terminal record reached the env"
+        assert td["tag"].tolist() == [[0, 1, 0]]
+        assert not td["done"].any()
+
+
+def test_recv_semantics_min_max_timeout():
+    with AsyncEnvPool(oracle_factories(4), envs_per_worker=2) as pool:
+        # wait for all four FIRST records
+        td = pool.recv(min_get=4)
+        assert sorted(td.env_indices.tolist()) == [0, 1, 2, 3]
+        # nothing is ready: a poll raises TimeoutError at once, a deadline raises after it
+        with pytest.raises(TimeoutError):
+            pool.recv(timeout=0)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            pool.recv(min_get=1, timeout=0.2)
+        assert time.monotonic() - t0 >= 0.19
+        # answer all; max_get caps the batch and the rest stays ready
+        pool.send(TensorDict({"action": torch.zeros(4, dtype=torch.int64)}, [4]), td.env_indices)
+        got = pool.recv(min_get=2, max_get=2, timeout=5.0)
+        assert got.batch_size[0] == 2
+        first = got.env_indices.clone()
+        rest = pool.recv(min_get=2, max_get=2, timeout=5.0)
+        assert set(first.tolist()) | set(rest.env_indices.tolist()) == {0, 1, 2, 3}
+
+
+def test_recv_returns_at_deadline_with_partial_batch():
+    """Once min_get is met, the deadline ends the call with what is ready."""
+    with AsyncEnvPool(oracle_factories(2, step_delay=0.5), envs_per_worker=1) as pool:
+        td = pool.recv(min_get=2)
+        # env 0 steps instantly (delay factor 0 at t=0, episode 0), env 1 is slow
+        pool.send(TensorDict({"action": torch.zeros(2, dtype=torch.int64)}, [2]), td.env_indices)
+        t0 = time.monotonic()
+        td = pool.recv(min_get=1, max_get=2, timeout=0.2)
+        elapsed = time.monotonic() - t0
+        assert td.batch_size[0] == 1 and td.env_indices.tolist() == [0]
+        assert 0.15 <= elapsed < 2.0
+
+
+def test_received_batch_is_not_overwritten_by_workers():
+    """Data handed out stays put while workers step again (staging, not slot views)."""
+    with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:
+        td = pool.recv(min_get=2)
+        keep = td["tag"].clone()
+        pool.send(TensorDict({"action": torch.zeros(2, dtype=torch.int64)}, [2]), td.env_indices)
+        time.sleep(0.2)  # workers have published their next records by now
+        assert torch.equal(td["tag"], keep)
+
+
+def test_metrics_keys_and_values():
+    from torchrl_asyncpool.exchange.metrics import METRIC_KEYS
+
+    checker = OracleChecker()
+    with AsyncEnvPool(oracle_factories(4), envs_per_worker=2) as pool:
+        _drive(pool, checker, steps=50)
+        m = pool.metrics(reset=True)
+        assert set(m) == set(METRIC_KEYS)
+        assert m["frames"] == checker.records
+        assert m["batches"] == 50
+        assert 0 < m["batch_fill_ratio"] <= 1
+        assert 0 <= m["partial_batch_fraction"] <= 1
+        assert m["fps"] > 0 and m["env_steps"] > 0 and m["env_step_time_s"] > 0
+        assert 0 <= m["consumer_busy_fraction"] <= 1
+        assert m["obs_to_batch_dwell_s"] >= 0 and m["batch_to_action_dwell_s"] >= 0
+        assert pool.metrics()["frames"] == 0  # reset started a new window
+
+
+def test_auto_envs_per_worker_groups_cheap_envs():
+    from torchrl_asyncpool.testing import SleepPixelEnv, ZeroLatencyEnv
+
+    with AsyncEnvPool([ZeroLatencyEnv] * 8, envs_per_worker="auto") as pool:
+        assert pool.envs_per_worker > 1
+    with AsyncEnvPool([lambda: SleepPixelEnv(step_s=0.005)] * 4, envs_per_worker="auto") as pool:
+        assert pool.envs_per_worker == 1
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(TypeError, match="list of callables"):
+        AsyncEnvPool(lambda: None)
+    with pytest.raises(ValueError, match="envs_per_worker"):
+        AsyncEnvPool(oracle_factories(2), envs_per_worker=0)
+    with pytest.raises(ValueError, match="create_env_kwargs"):
+        AsyncEnvPool(oracle_factories(2), create_env_kwargs=[{}])
+    with pytest.raises(ValueError, match="mp_start_method"):
+        AsyncEnvPool(oracle_factories(2), mp_start_method="fork")
