@@ -145,3 +145,39 @@ def test_bad_constructor_arguments():
         AsyncEnvPool(oracle_factories(2), create_env_kwargs=[{}])
     with pytest.raises(ValueError, match="mp_start_method"):
         AsyncEnvPool(oracle_factories(2), mp_start_method="fork")
+
+
+@pytest.mark.parametrize("envs_per_worker", [1, 2])
+def test_recurrent_state_is_carried_and_reset_on_first(envs_per_worker):
+    """hidden_out = hidden_in + 1, so hidden_in must equal the step id inside the episode."""
+    checker = OracleChecker()
+    with AsyncEnvPool(
+        oracle_factories(4),
+        envs_per_worker=envs_per_worker,
+        policy_output_spec={"hidden_out": ((3,), torch.float32), "logp": ((), torch.float32)},
+        recurrent_state={"hidden_in": "hidden_out"},
+    ) as pool:
+        assert pool.policy_output_keys == ["hidden_out", "logp"]
+        for _ in range(200):
+            td = pool.recv()
+            checker.observe_batch(td)
+            steps = td["tag"][:, 2].float()
+            assert torch.equal(td["hidden_in"], steps[:, None].expand(-1, 3)), (td["tag"], td["hidden_in"])
+            b = td.batch_size[0]
+            pool.send(
+                TensorDict(
+                    {"action": oracle_action(td["tag"]), "hidden_out": td["hidden_in"] + 1, "logp": torch.zeros(b)}, [b]
+                ),
+                td.env_indices,
+            )
+
+
+def test_policy_outputs_are_required_in_send_and_recurrent_keys_validated():
+    with pytest.raises(ValueError, match="not declared in policy_output_spec"):
+        AsyncEnvPool(oracle_factories(1), recurrent_state={"h_in": "h_out"})
+    with AsyncEnvPool(oracle_factories(1), policy_output_spec={"logp": ((), torch.float32)}) as pool:
+        td = pool.recv()
+        with pytest.raises(ValueError, match="logp"):
+            pool.send(TensorDict({"action": torch.zeros(1, dtype=torch.int64)}, [1]), td.env_indices)
+        pool.send(TensorDict({"action": torch.zeros(1, dtype=torch.int64), "logp": torch.zeros(1)}, [1]), td.env_indices)
+        assert pool.recv()["tag"].tolist() == [[0, 0, 1]]

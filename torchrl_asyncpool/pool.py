@@ -4,19 +4,19 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
-import select
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torchrl.data.utils import CloudpickleWrapper
 
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
+from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
 from torchrl_asyncpool.exchange.metrics import PoolMetrics
 from torchrl_asyncpool.workers.env_adapter import make_adapter
@@ -63,6 +63,15 @@ class AsyncEnvPool:
         worker_num_threads (int, optional): ``torch.set_num_threads`` in every worker.
             Defaults to ``1``: env stepping gains nothing from intra-op threads and several
             workers share few cores. ``None`` leaves torch's default.
+        policy_output_spec (mapping, optional): extra per-env entries the consumer writes
+            with every action (policy outputs such as log-probabilities, a policy version,
+            a recurrent state): ``{key: (shape, dtype)}`` or a TorchRL ``Composite`` of
+            unbatched specs. :meth:`send` then requires them next to the actions.
+        recurrent_state (mapping, optional): ``{hidden_in_key: hidden_out_key}``. Each
+            ``hidden_out_key`` must be declared in ``policy_output_spec``; records gain a
+            ``hidden_in_key`` entry of the same shape, which the worker fills with the
+            ``hidden_out`` sent for the previous record of the same env, and with zeros on
+            :attr:`~torchrl_asyncpool.StepType.FIRST`. The consumer stays pure-functional.
         pin_memory (bool, optional): allocate the receive staging buffer in pinned memory
             (for a consumer that copies batches to CUDA). Defaults to ``False``.
         start_timeout (float, optional): seconds to wait for every worker to build its envs
@@ -108,6 +117,8 @@ class AsyncEnvPool:
         worker_num_threads: int | None = 1,
         pin_memory: bool = False,
         start_timeout: float | None = None,
+        policy_output_spec: Mapping | None = None,
+        recurrent_state: Mapping | None = None,
     ):
         self._closed = True  # until start-up completes, close() has little to undo
         self._procs = []
@@ -127,7 +138,15 @@ class AsyncEnvPool:
             spec_adapter.close()
         self.observation_keys = list(spec_adapter.obs_keys)
         self.action_keys = list(response)
-        self.layout = ArenaLayout(n, request, response)
+        outputs = _check_policy_outputs(policy_output_spec, request, response)
+        recurrent = _check_recurrent(recurrent_state, outputs, request)
+        for hidden_in, hidden_out in recurrent.items():
+            request[hidden_in] = outputs[hidden_out]
+        self.policy_output_keys = list(outputs)
+        self.recurrent_state = dict(recurrent)
+        self.layout = ArenaLayout(n, request, {**response, **outputs})
+        self.layout.action_keys = [_as_key(k) for k in self.action_keys]
+        self.layout.recurrent = {_as_key(k): _as_key(v) for k, v in recurrent.items()}
 
         self._arena = Arena.create(self.layout)
         self._consumer = Doorbell()
@@ -150,24 +169,19 @@ class AsyncEnvPool:
             raise
         self._life_r_close()
 
-        self._poller = select.poll()
-        self._poller.register(self._consumer.fd, select.POLLIN)
-        self._sentinels = {}
-        for w, p in enumerate(self._procs):
-            self._poller.register(p.sentinel, select.POLLIN)
-            self._sentinels[p.sentinel] = w
-        self._staging = TensorDict(
-            {**self._arena.request.clone().to_dict(), "env_index": torch.zeros(n, dtype=torch.int64)},
-            batch_size=[n],
+        self._handle = ConsumerHandle(
+            layout=self.layout,
+            arena_fd=InheritedFd(self._arena.fd),
+            consumer_bell=self._consumer.inheritable(),
+            worker_bells=[bell.inheritable() for bell in self._bells],
+            worker_sentinels=[InheritedFd(p.sentinel) for p in self._procs],
+            slot_worker=self._slot_worker.tolist(),
+            worker_pids=[p.pid for p in self._procs],
+            action_keys=self.action_keys,
         )
-        if pin_memory:
-            self._staging = self._staging.pin_memory()
-        self._gather = [(self._arena.request.get(k), self._staging.get(k)) for k in self._arena.request.keys(True, True)]
-        self._staging_env_index = self._staging.get("env_index")
-        self._batch_views = {}
-        self._response = [(k, self._arena.response.get(k)) for k in self.action_keys]
-        self._metrics = PoolMetrics(self._arena, n)
-        self._last_exit = None
+        self._pin_memory = pin_memory
+        self._consumer_obj = None
+        self._metrics = PoolMetrics(self._arena)
 
     # -- start-up ---------------------------------------------------------------------------
     def _life_r_close(self):
@@ -212,12 +226,12 @@ class AsyncEnvPool:
                 if obj in sentinels:
                     w = sentinels[obj]
                     if w in pending and not pending[w].poll():
-                        raise self._set_error(self._death_error(w, "during start-up"))
+                        raise self._start_death(w)
                     continue
                 w = self._conns.index(obj)
                 msg = obj.recv()
                 if msg[0] == "error":
-                    raise self._set_error(self._env_error(msg))
+                    raise self._start_error(msg)
                 pending.pop(w, None)
 
     # -- public API -------------------------------------------------------------------------
@@ -240,65 +254,12 @@ class AsyncEnvPool:
 
         Returns:
             TensorDict of batch size ``[B]`` with the observation keys, ``"reward"``,
-            ``"step_type"``, ``"done"``, ``"terminated"``, ``"truncated"`` and
-            ``"env_index"``; its ``env_indices`` attribute (``LongTensor [B]``) is what
-            :meth:`send` expects. Valid until the next :meth:`recv`.
+            ``"step_type"``, ``"done"``, ``"terminated"``, ``"truncated"``, any declared
+            recurrent-state input and ``"env_index"``; its ``env_indices`` attribute
+            (``LongTensor [B]``) is what :meth:`send` expects. Valid until the next
+            :meth:`recv`.
         """
-        t_enter = time.monotonic()
-        self._check_usable()
-        n = self.num_envs
-        if not isinstance(min_get, int) or not 1 <= min_get <= n:
-            raise ValueError(f"min_get must be an int in [1, num_envs={n}], got {min_get!r}.")
-        if max_get is not None and (not isinstance(max_get, int) or max_get < min_get):
-            raise ValueError(f"max_get must be None or an int >= min_get={min_get}, got {max_get!r}.")
-        if timeout is not None and not timeout >= 0:
-            raise ValueError(f"timeout must be None or >= 0, got {timeout!r}.")
-        if self._last_exit is None:
-            self._metrics.reset()
-        deadline = None if timeout is None else t_enter + timeout
-        state = self._arena.state
-        waited = 0.0
-        while True:
-            self._consumer.drain()  # before the scan: a ring after this wakes the poll below
-            ready = np.flatnonzero(state == S.OBS_READY)
-            if ready.size < min_get and (state == S.ERROR).any():
-                self._raise_worker_errors()
-            now = time.monotonic()
-            if ready.size >= min_get:
-                if deadline is None or (max_get is not None and ready.size >= max_get) or now >= deadline:
-                    break
-            elif deadline is not None and now >= deadline:
-                raise TimeoutError(
-                    f"recv timed out after {timeout}s with {ready.size}/{min_get} envs ready; "
-                    "nothing was consumed, ready records stay available to the next call."
-                )
-            wait_ms = None if deadline is None else max(0, math.ceil((deadline - now) * 1000.0))
-            events = self._poller.poll(wait_ms)
-            waited += time.monotonic() - now
-            for fd, _ in events:
-                if fd != self._consumer.fd:
-                    self._raise_worker_errors()
-        if max_get is not None and ready.size > max_get:
-            oldest = np.argsort(self._arena.ready_time[ready], kind="stable")[:max_get]
-            ready = np.sort(ready[oldest])
-        b = int(ready.size)
-        now = time.monotonic()
-        state[ready] = S.LEASED
-        self._arena.lease_time[ready] = now
-        dwell = float(now * b - self._arena.ready_time[ready].sum())
-        idx = torch.from_numpy(ready)
-        for src, dst in self._gather:
-            torch.index_select(src, 0, idx, out=dst[:b])
-        self._staging_env_index[:b].copy_(idx)
-        view = self._batch_views.get(b)
-        if view is None:
-            view = self._batch_views[b] = self._staging[:b]
-        out = view.copy()
-        out.env_indices = view.get("env_index")
-        cap = max_get if max_get is not None else n
-        self._metrics.on_recv(b, min(cap, n), dwell, waited)
-        self._last_exit = time.monotonic()
-        return out
+        return self._local_consumer().recv(min_get, max_get, timeout)
 
     def send(self, actions: TensorDictBase | Mapping, env_indices) -> None:
         """Writes actions into the leased slots ``env_indices`` and wakes their workers.
@@ -308,41 +269,22 @@ class AsyncEnvPool:
 
         Args:
             actions (TensorDict or mapping): batch ``[B]`` holding every action key of the
-                env spec with its exact per-env shape and dtype; other entries (observations,
-                policy outputs) are ignored.
+                env spec (and every declared policy output) with its exact per-env shape and
+                dtype; other entries (observations, ...) are ignored.
             env_indices (LongTensor or sequence of ints): ``[B]`` env indices, as returned in
                 ``recv(...).env_indices``; each must be leased (received and not yet answered).
         """
+        self._local_consumer().send(actions, env_indices)
+
+    def consumer_handle(self):
+        """A picklable :class:`~torchrl_asyncpool.exchange.consumer.ConsumerHandle` for driving
+        this pool from another process (an inference server); pass it as a process argument.
+
+        Only one consumer may drive the pool at a time: once handed out, do not call
+        :meth:`recv`/:meth:`send` here as well.
+        """
         self._check_usable()
-        idx = _as_index(env_indices, self.num_envs)
-        b = idx.numel()
-        state = self._arena.state
-        idx_np = idx.numpy()
-        not_leased = idx_np[state[idx_np] != S.LEASED]
-        if not_leased.size:
-            raise ValueError(
-                f"send got env indices {not_leased.tolist()} that are not awaiting an action "
-                "(each index must come from recv(...).env_indices and be answered once)."
-            )
-        values = []
-        for key, dst in self._response:
-            value = actions.get(key, None) if isinstance(actions, TensorDictBase) else _mapping_get(actions, key)
-            if value is None:
-                raise ValueError(f"send: actions miss the action key {key!r}; expected keys {self.action_keys}.")
-            expected = (b, *dst.shape[1:])
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected or value.dtype != dst.dtype:
-                given = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise ValueError(
-                    f"send: action {key!r} must be a tensor of shape {expected} and dtype {dst.dtype}; given {given}."
-                )
-            values.append((dst, value))
-        for dst, value in values:
-            dst.index_copy_(0, idx, value.to("cpu", non_blocking=False))
-        now = time.monotonic()
-        self._metrics.on_send(b, float(now * b - self._arena.lease_time[idx_np].sum()))
-        state[idx_np] = S.ACTION_READY  # after the data
-        for w in np.unique(self._slot_worker[idx_np]):
-            self._bells[w].ring()
+        return self._handle
 
     def metrics(self, reset: bool = False) -> dict:
         """Returns the pool's health metrics (keys in ``exchange.metrics.METRIC_KEYS``).
@@ -350,6 +292,7 @@ class AsyncEnvPool:
         Args:
             reset (bool, optional): start a new measurement window after reading.
         """
+        self._check_usable_for_metrics()
         out = self._metrics.as_dict()
         if reset:
             self._metrics.reset()
@@ -397,38 +340,44 @@ class AsyncEnvPool:
         )
 
     # -- errors -----------------------------------------------------------------------------
+    def _local_consumer(self) -> SlotConsumer:
+        self._check_usable()
+        c = self._consumer_obj
+        if c is None:
+            c = self._consumer_obj = SlotConsumer(
+                self._handle, pin_memory=self._pin_memory, arena=self._arena, death_info=self._death_info
+            )
+        return c
+
+    def _check_usable_for_metrics(self):
+        if self._closed:
+            raise PoolClosedError(f"{type(self).__name__} is closed.")
+
     def _check_usable(self):
         if self._closed:
             raise PoolClosedError(f"{type(self).__name__} is closed.")
         if self._error is not None:
             raise self._error
+        if self._consumer_obj is not None and self._consumer_obj.error is not None:
+            raise self._consumer_obj.error
 
-    def _set_error(self, err):
-        self._error = err
-        return err
-
-    def _env_error(self, msg):
-        _, _, index, (phase, tb) = msg
-        return EnvError(index, phase, tb)
-
-    def _death_error(self, w, when=""):
+    def _death_info(self, w) -> str:
         p = self._procs[w]
         p.join(0.05)
         code = p.exitcode
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        slots = np.flatnonzero(self._slot_worker == w).tolist()
-        when = f" {when}" if when else ""
-        return WorkerDiedError(f"worker {w} (pid {p.pid}, hosting envs {slots}) died{when} ({how}).")
+        return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
-    def _raise_worker_errors(self):
-        for w, conn in enumerate(self._conns):
-            if conn.poll():
-                msg = conn.recv()
-                if msg[0] == "error":
-                    raise self._set_error(self._env_error(msg))
-        for w, p in enumerate(self._procs):
-            if not p.is_alive():
-                raise self._set_error(self._death_error(w))
+    def _start_error(self, msg):
+        _, _, index, (phase, tb) = msg
+        self._error = EnvError(index, phase, tb)
+        return self._error
+
+    def _start_death(self, w):
+        slots = np.flatnonzero(self._slot_worker == w).tolist()
+        self._error = WorkerDiedError(
+            f"worker {w} (pid {self._procs[w].pid}, hosting envs {slots}) died during start-up ({self._death_info(w)})."
+        )
+        return self._error
 
 
 def _shutdown(procs, life_w_box, timeout):
@@ -504,31 +453,40 @@ def _auto_envs_per_worker(adapter, n, probe_s: float = 0.2, probe_steps: int = 3
     return max(1, math.ceil(n / cores))
 
 
-def _as_index(env_indices, n) -> torch.Tensor:
-    if isinstance(env_indices, torch.Tensor):
-        idx = env_indices
-        if idx.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-            raise ValueError(f"env_indices must be an integer tensor, got dtype {idx.dtype}.")
-        idx = idx.reshape(-1).to("cpu", torch.int64)
-    else:
-        idx = torch.as_tensor(list(env_indices), dtype=torch.int64)
-    if idx.numel() == 0:
-        raise ValueError("send got no env indices.")
-    if idx.min() < 0 or idx.max() >= n:
-        raise ValueError(f"env_indices must lie in [0, {n}), got {idx.tolist()}.")
-    if torch.unique(idx).numel() != idx.numel():
-        raise ValueError(f"env_indices must not repeat, got {idx.tolist()}.")
-    return idx.contiguous()
+def _as_key(key):
+    return (key,) if isinstance(key, str) else tuple(key)
 
 
-def _mapping_get(mapping, key):
-    if isinstance(key, tuple) and len(key) == 1:
-        key = key[0]
-    if isinstance(key, tuple):
-        value = mapping
-        for k in key:
-            if not isinstance(value, Mapping) or k not in value:
-                return None
-            value = value[k]
-        return value
-    return mapping.get(key)
+def _check_policy_outputs(spec, request, response) -> dict:
+    if spec is None:
+        return {}
+    if hasattr(spec, "keys") and hasattr(spec, "shape") and not isinstance(spec, Mapping):
+        spec = {k: (tuple(spec[k].shape), spec[k].dtype) for k in spec.keys(True, True)}
+    if not isinstance(spec, Mapping):
+        raise TypeError(f"policy_output_spec must be a mapping or a Composite spec, got {type(spec).__name__}.")
+    out = {}
+    for key, value in spec.items():
+        if hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, tuple):
+            value = (tuple(value.shape), value.dtype)
+        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.dtype)):
+            raise ValueError(f"policy_output_spec[{key!r}] must be (shape, dtype) or a spec, got {value!r}.")
+        if key in request or key in response:
+            raise ValueError(f"policy_output_spec key {key!r} collides with an env observation/action key.")
+        out[key] = (tuple(int(s) for s in value[0]), value[1])
+    return out
+
+
+def _check_recurrent(recurrent, outputs, request) -> dict:
+    if not recurrent:
+        return {}
+    if not isinstance(recurrent, Mapping):
+        raise TypeError(f"recurrent_state must map hidden_in keys to hidden_out keys, got {type(recurrent).__name__}.")
+    for hidden_in, hidden_out in recurrent.items():
+        if hidden_out not in outputs:
+            raise ValueError(
+                f"recurrent_state maps {hidden_in!r} -> {hidden_out!r}, but {hidden_out!r} is not declared in "
+                f"policy_output_spec (declared: {list(outputs)})."
+            )
+        if hidden_in in request or hidden_in in outputs:
+            raise ValueError(f"recurrent_state input key {hidden_in!r} collides with an existing key.")
+    return dict(recurrent)

@@ -13,6 +13,9 @@ field              dtype / shape (per slot)     written by
 ``lease_time``     float64 ``[]``               consumer: when ``recv`` leased the slot
 ``step_time``      float64 ``[]``               worker: cumulative env step+reset seconds
 ``step_count``     int64 ``[]``                 worker: env steps+resets done
+``error_len``      int32 ``[]``                 worker: bytes of ``error_text`` (before ``ERROR``)
+``error_text``     uint8 ``[ERROR_TEXT_BYTES]``  worker: UTF-8 traceback of a failed env
+``consumer_stats`` float64 ``[NUM_STATS]``      the consumer only (not per slot): metric sums
 request fields     from the observation,        worker (observation keys, ``"reward"``,
                    reward and done specs        ``"step_type"``, ``"done"``, ``"terminated"``,
                                                 ``"truncated"``)
@@ -33,7 +36,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-__all__ = ["FieldSpec", "ArenaLayout", "Arena", "CONTROL_FIELDS"]
+__all__ = ["FieldSpec", "ArenaLayout", "Arena", "CONTROL_FIELDS", "ERROR_TEXT_BYTES", "NUM_STATS"]
 
 _ALIGN = 64
 
@@ -44,7 +47,12 @@ CONTROL_FIELDS = (
     ("lease_time", torch.float64),
     ("step_time", torch.float64),
     ("step_count", torch.int64),
+    ("error_len", torch.int32),
 )
+#: Bytes of traceback text a worker can leave per slot; longer tracebacks keep their tail.
+ERROR_TEXT_BYTES = 8192
+#: Length of the consumer's metric-sum vector (see ``exchange.metrics``).
+NUM_STATS = 16
 
 
 @dataclass(frozen=True)
@@ -77,10 +85,12 @@ class ArenaLayout:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}.")
         self.num_slots = int(num_slots)
         self.control = [FieldSpec((name,), (), dtype) for name, dtype in CONTROL_FIELDS]
+        self.control.append(FieldSpec(("error_text",), (ERROR_TEXT_BYTES,), torch.uint8))
         self.request = [FieldSpec(_as_key(k), tuple(int(s) for s in shape), dtype) for k, (shape, dtype) in request.items()]
         self.response = [FieldSpec(_as_key(k), tuple(int(s) for s in shape), dtype) for k, (shape, dtype) in response.items()]
         self.offsets: Dict[Tuple[str, Tuple[str, ...]], int] = {}
-        offset = 0
+        self.offsets[("stats", ("consumer_stats",))] = 0
+        offset = NUM_STATS * 8
         for section, fields in (("control", self.control), ("request", self.request), ("response", self.response)):
             for f in fields:
                 self.offsets[(section, f.key)] = offset
@@ -136,6 +146,7 @@ class Arena:
 
         for f in layout.control:
             setattr(self, f.key[0], view("control", f).numpy())
+        self.consumer_stats = raw[: NUM_STATS * 8].view(torch.float64).numpy()
         self.request = TensorDict({f.key: view("request", f) for f in layout.request}, batch_size=[n])
         self.response = TensorDict({f.key: view("response", f) for f in layout.response}, batch_size=[n])
         if owner:
@@ -156,6 +167,16 @@ class Arena:
     def attach(cls, layout: ArenaLayout, fd: int) -> "Arena":
         """Maps an arena created elsewhere (the file descriptor is owned by the caller)."""
         return cls(layout, fd, owner=False)
+
+    def write_error(self, index: int, text: str) -> None:
+        """Leaves ``text`` (its tail, if too long) in slot ``index``'s error block."""
+        data = text.encode("utf-8", "replace")[-ERROR_TEXT_BYTES:]
+        self.error_text[index, : len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.error_len[index] = len(data)
+
+    def read_error(self, index: int) -> str:
+        """The error text a worker left in slot ``index`` (empty if none)."""
+        return bytes(self.error_text[index, : int(self.error_len[index])]).decode("utf-8", "replace")
 
     def close(self) -> None:
         """Releases this process's descriptor; the mapping goes away with its last view."""

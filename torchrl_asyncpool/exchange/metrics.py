@@ -1,11 +1,17 @@
-"""Always-on pool health metrics, cheap enough for the hot path (a few float adds per call)."""
+"""Always-on pool health metrics, cheap enough for the hot path (a few float adds per call).
+
+The consumer (wherever it runs: the pool's process or an inference-server process) adds its
+sums into the arena's ``consumer_stats`` vector; workers add their step timers into their
+slots. Readers never write shared memory: :class:`PoolMetrics` keeps its own baseline, so
+``metrics(reset=True)`` in one process cannot race the consumer in another.
+"""
 from __future__ import annotations
 
 import time
 
 import numpy as np
 
-__all__ = ["PoolMetrics", "METRIC_KEYS"]
+__all__ = ["PoolMetrics", "METRIC_KEYS", "record_recv", "record_send"]
 
 #: Keys of :meth:`AsyncEnvPool.metrics` and what they mean.
 METRIC_KEYS = {
@@ -23,56 +29,58 @@ METRIC_KEYS = {
     "env_steps": "env steps and resets done by the workers since the last reset",
 }
 
+# Positions in the arena's consumer_stats vector.
+_FRAMES, _BATCHES, _PARTIAL, _FILL, _OBS_DWELL, _ACT_DWELL, _ACTIONS, _WAIT = range(8)
+
+
+def record_recv(stats: np.ndarray, batch: int, cap: int, obs_dwell_sum: float, waited_s: float) -> None:
+    """Adds one ``recv`` to the consumer's sums (consumer only)."""
+    stats[_FRAMES] += batch
+    stats[_BATCHES] += 1
+    stats[_PARTIAL] += batch < cap
+    stats[_FILL] += batch / cap
+    stats[_OBS_DWELL] += obs_dwell_sum
+    stats[_WAIT] += waited_s
+
+
+def record_send(stats: np.ndarray, count: int, action_dwell_sum: float) -> None:
+    """Adds one ``send`` to the consumer's sums (consumer only)."""
+    stats[_ACTIONS] += count
+    stats[_ACT_DWELL] += action_dwell_sum
+
 
 class PoolMetrics:
-    """Consumer-side accumulators plus the worker-written step timers of the arena."""
+    """Reads the arena's sums as deltas over a window that :meth:`reset` restarts."""
 
-    def __init__(self, arena, num_slots: int):
+    def __init__(self, arena):
         self._arena = arena
-        self._num_slots = num_slots
         self.reset()
 
     def reset(self) -> None:
+        a = self._arena
         self.t0 = time.monotonic()
-        self.frames = 0
-        self.batches = 0
-        self.partial = 0
-        self.fill_sum = 0.0
-        self.obs_dwell_sum = 0.0
-        self.action_dwell_sum = 0.0
-        self.actions = 0
-        self.wait_s = 0.0
-        self._step_time0 = float(self._arena.step_time.sum())
-        self._step_count0 = int(self._arena.step_count.sum())
-
-    def on_recv(self, batch: int, cap: int, obs_dwell_sum: float, waited_s: float) -> None:
-        self.frames += batch
-        self.batches += 1
-        self.fill_sum += batch / cap
-        self.partial += batch < cap
-        self.obs_dwell_sum += obs_dwell_sum
-        self.wait_s += waited_s
-
-    def on_send(self, count: int, action_dwell_sum: float) -> None:
-        self.actions += count
-        self.action_dwell_sum += action_dwell_sum
+        self._base = a.consumer_stats.copy()
+        self._step_time0 = float(a.step_time.sum())
+        self._step_count0 = int(a.step_count.sum())
 
     def as_dict(self) -> dict:
+        a = self._arena
         elapsed = max(time.monotonic() - self.t0, 1e-9)
-        steps = int(self._arena.step_count.sum()) - self._step_count0
-        step_time = float(self._arena.step_time.sum()) - self._step_time0
-        b = max(self.batches, 1)
+        d = a.consumer_stats - self._base
+        frames, batches, actions = int(d[_FRAMES]), int(d[_BATCHES]), int(d[_ACTIONS])
+        steps = int(a.step_count.sum()) - self._step_count0
+        b = max(batches, 1)
         return {
-            "frames": self.frames,
-            "batches": self.batches,
-            "fps": self.frames / elapsed,
+            "frames": frames,
+            "batches": batches,
+            "fps": frames / elapsed,
             "elapsed_s": elapsed,
-            "batch_fill_ratio": self.fill_sum / b,
-            "partial_batch_fraction": self.partial / b,
-            "mean_batch_size": self.frames / b,
-            "obs_to_batch_dwell_s": self.obs_dwell_sum / max(self.frames, 1),
-            "batch_to_action_dwell_s": self.action_dwell_sum / max(self.actions, 1),
-            "consumer_busy_fraction": float(np.clip(1.0 - self.wait_s / elapsed, 0.0, 1.0)),
-            "env_step_time_s": step_time / max(steps, 1),
+            "batch_fill_ratio": float(d[_FILL]) / b,
+            "partial_batch_fraction": float(d[_PARTIAL]) / b,
+            "mean_batch_size": frames / b,
+            "obs_to_batch_dwell_s": float(d[_OBS_DWELL]) / max(frames, 1),
+            "batch_to_action_dwell_s": float(d[_ACT_DWELL]) / max(actions, 1),
+            "consumer_busy_fraction": float(np.clip(1.0 - d[_WAIT] / elapsed, 0.0, 1.0)),
+            "env_step_time_s": (float(a.step_time.sum()) - self._step_time0) / max(steps, 1),
             "env_steps": steps,
         }

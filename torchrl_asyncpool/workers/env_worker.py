@@ -35,15 +35,17 @@ _FIRST, _MID, _TERM, _TRUNC = int(StepType.FIRST), int(StepType.MID), int(StepTy
 class _Slot:
     """Everything one hosted env needs on the hot path, resolved once."""
 
-    __slots__ = ("index", "adapter", "obs_views", "reward_view", "action_views", "ended", "pending_first")
+    __slots__ = ("index", "adapter", "obs_views", "reward_view", "action_views", "recurrent", "ended", "pending_first")
 
-    def __init__(self, index, adapter, arena):
+    def __init__(self, index, adapter, arena, recurrent):
         self.index = index
         self.adapter = adapter
         req = arena.request
         self.obs_views = [(k, req.get(k)[index]) for k in adapter.obs_keys]
         self.reward_view = req.get("reward")[index]
         self.action_views = {k: arena.response.get(k)[index] for k in adapter.action_keys}
+        # (hidden_in view, hidden_out view): the last answered state is fed back as input
+        self.recurrent = [(req.get(i)[index], arena.response.get(o)[index]) for i, o in recurrent.items()]
         self.ended = False
         self.pending_first = None
 
@@ -53,6 +55,7 @@ class _Worker:
         self.worker_id = worker_id
         self.layout = layout
         self._phase, self._current = "construction", None
+        self.started = False
         self.conn = conn
         self.arena = Arena.attach(layout, arena_fd)
         self.bell = Doorbell(bell_fd)
@@ -69,15 +72,17 @@ class _Worker:
 
     def build(self, slot_ids, env_fns, env_kwargs):
         layout, a = self.layout, self.arena
-        expected_request = {f.key: (f.shape, f.dtype) for f in layout.request}
-        expected_response = {f.key: (f.shape, f.dtype) for f in layout.response}
+        recurrent = getattr(layout, "recurrent", {})
+        expected_request = {f.key: (f.shape, f.dtype) for f in layout.request if f.key not in recurrent}
+        actions = getattr(layout, "action_keys", None)
+        expected_response = {f.key: (f.shape, f.dtype) for f in layout.response if actions is None or f.key in actions}
         for index, fn, kw in zip(slot_ids, env_fns, env_kwargs):
             self._phase, self._current = "construction", index
             adapter = make_adapter(fn(**kw), index)
             request, response = (_keyed(d) for d in adapter.fields())
             _check_fields(index, "observation/reward/done", expected_request, request)
             _check_fields(index, "action", expected_response, response)
-            self.slots.append(_Slot(index, adapter, a))
+            self.slots.append(_Slot(index, adapter, a, recurrent))
 
     # -- publishing ---------------------------------------------------------------------------
     def _publish(self, slot, td, reward, step_type):
@@ -88,6 +93,11 @@ class _Worker:
             slot.reward_view.zero_()
         else:
             slot.reward_view.copy_(reward)
+        for hidden_in, hidden_out in slot.recurrent:
+            if step_type == _FIRST:
+                hidden_in.zero_()
+            else:
+                hidden_in.copy_(hidden_out)
         self.step_type[i] = step_type
         self.terminated[i] = step_type == _TERM
         self.truncated[i] = step_type == _TRUNC
@@ -127,6 +137,7 @@ class _Worker:
         for slot in self.slots:
             self._publish(slot, self._timed_reset(slot), None, _FIRST)
         self.conn.send(("ready", self.worker_id, None, None))
+        self.started = True
         poller = select.poll()
         poller.register(self.bell.fd, select.POLLIN)
         poller.register(self.life_fd, select.POLLIN)
@@ -180,9 +191,11 @@ def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell
         phase = worker._phase if worker is not None else "start-up"
         index = worker._current if worker is not None and worker._current is not None else slot_ids[0]
         try:
-            conn.send(("error", worker_id, index, (phase, tb)))
-            if worker is not None:
-                worker.state[index] = S.ERROR
+            if worker is not None and worker.started:
+                worker.arena.write_error(index, f"{phase}\n{tb}")
+                worker.state[index] = S.ERROR  # after the text
+            else:
+                conn.send(("error", worker_id, index, (phase, tb)))
             Doorbell(consumer_fd.fd).ring()
         except BaseException:  # noqa: BLE001 - the parent may be gone already
             pass

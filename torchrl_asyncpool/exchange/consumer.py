@@ -1,0 +1,244 @@
+"""The consumer side of the exchange: the deadline batch former (``recv``) and ``send``.
+
+A :class:`SlotConsumer` can live in the pool's own process (``AsyncEnvPool.recv``) or in
+another one (an inference server): everything it needs travels in a picklable
+:class:`ConsumerHandle` of file descriptors, so attaching costs one ``mmap`` and nothing
+is pickled per step. Exactly one consumer may drive a pool at a time.
+"""
+from __future__ import annotations
+
+import math
+import select
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from torchrl_asyncpool.errors import EnvError, WorkerDiedError
+from torchrl_asyncpool.exchange import slot_states as S
+from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
+from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
+from torchrl_asyncpool.exchange.metrics import record_recv, record_send
+
+__all__ = ["ConsumerHandle", "SlotConsumer"]
+
+
+@dataclass
+class ConsumerHandle:
+    """What a process needs to consume a pool's slots: layout and descriptors, no tensors."""
+
+    layout: ArenaLayout
+    arena_fd: InheritedFd
+    consumer_bell: InheritedFd
+    worker_bells: List[InheritedFd]
+    worker_sentinels: List[InheritedFd]
+    slot_worker: List[int]
+    worker_pids: List[int]
+    action_keys: list = field(default_factory=list)
+
+
+class SlotConsumer:
+    """Forms batches from ready slots and answers them.
+
+    Args:
+        handle (ConsumerHandle): from :meth:`AsyncEnvPool.consumer_handle`.
+
+    Keyword Args:
+        pin_memory (bool): allocate the staging buffer in pinned memory.
+        arena (Arena, optional): an existing mapping to reuse (same process as the pool).
+        death_info (callable, optional): ``worker -> str`` describing how a worker died.
+    """
+
+    def __init__(self, handle: ConsumerHandle, *, pin_memory: bool = False, arena: Optional[Arena] = None,
+                 death_info: Optional[Callable[[int], str]] = None):
+        self.handle = handle
+        self.arena = arena if arena is not None else Arena.attach(handle.layout, handle.arena_fd.fd)
+        n = self.num_envs = handle.layout.num_slots
+        self.action_keys = list(handle.action_keys)
+        self.response_keys = [f.key if len(f.key) > 1 else f.key[0] for f in handle.layout.response]
+        self._bell = Doorbell(handle.consumer_bell.fd)
+        self._worker_bells = [Doorbell(b.fd) for b in handle.worker_bells]
+        self._slot_worker = np.asarray(handle.slot_worker)
+        self._death_info = death_info
+        self._poller = select.poll()
+        self._poller.register(self._bell.fd, select.POLLIN)
+        self._sentinels = {}
+        for w, s in enumerate(handle.worker_sentinels):
+            self._poller.register(s.fd, select.POLLIN)
+            self._sentinels[s.fd] = w
+        staging = TensorDict(
+            {**self.arena.request.clone().to_dict(), "env_index": torch.zeros(n, dtype=torch.int64)}, batch_size=[n]
+        )
+        self._staging = staging.pin_memory() if pin_memory else staging
+        self._gather = [(self.arena.request.get(k), self._staging.get(k)) for k in self.arena.request.keys(True, True)]
+        self._staging_env_index = self._staging.get("env_index")
+        self._batch_views = {}
+        self._response = [(k, self.arena.response.get(k)) for k in self.response_keys]
+        self._stats = self.arena.consumer_stats
+        self._last_exit = None
+        self.error = None
+
+    # -- batch former -----------------------------------------------------------------------
+    def recv(self, min_get: int = 1, max_get: int | None = None, timeout: float | None = None) -> TensorDictBase:
+        """See :meth:`torchrl_asyncpool.AsyncEnvPool.recv`."""
+        t_enter = time.monotonic()
+        if self.error is not None:
+            raise self.error
+        n = self.num_envs
+        if isinstance(min_get, bool) or not isinstance(min_get, int) or not 1 <= min_get <= n:
+            raise ValueError(f"min_get must be an int in [1, num_envs={n}], got {min_get!r}.")
+        if max_get is not None and (isinstance(max_get, bool) or not isinstance(max_get, int) or max_get < min_get):
+            raise ValueError(f"max_get must be None or an int >= min_get={min_get}, got {max_get!r}.")
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be None or >= 0, got {timeout!r}.")
+        deadline = None if timeout is None else t_enter + timeout
+        state = self.arena.state
+        waited = 0.0
+        while True:
+            self._bell.drain()  # before the scan: a ring after this wakes the poll below
+            ready = np.flatnonzero(state == S.OBS_READY)
+            if ready.size < min_get and (state == S.ERROR).any():
+                self.raise_worker_errors()
+            now = time.monotonic()
+            if ready.size >= min_get:
+                if deadline is None or (max_get is not None and ready.size >= max_get) or now >= deadline:
+                    break
+            elif deadline is not None and now >= deadline:
+                raise TimeoutError(
+                    f"recv timed out after {timeout}s with {ready.size}/{min_get} envs ready; "
+                    "nothing was consumed, ready records stay available to the next call."
+                )
+            wait_ms = None if deadline is None else max(0, math.ceil((deadline - now) * 1000.0))
+            events = self._poller.poll(wait_ms)
+            waited += time.monotonic() - now
+            for fd, _ in events:
+                if fd != self._bell.fd:
+                    self.raise_worker_errors()
+        if max_get is not None and ready.size > max_get:
+            oldest = np.argsort(self.arena.ready_time[ready], kind="stable")[:max_get]
+            ready = np.sort(ready[oldest])
+        return self._lease(ready, max_get, waited)
+
+    def _lease(self, ready: np.ndarray, max_get, waited: float) -> TensorDictBase:
+        b = int(ready.size)
+        now = time.monotonic()
+        self.arena.state[ready] = S.LEASED
+        self.arena.lease_time[ready] = now
+        dwell = float(now * b - self.arena.ready_time[ready].sum())
+        idx = torch.from_numpy(ready)
+        for src, dst in self._gather:
+            torch.index_select(src, 0, idx, out=dst[:b])
+        self._staging_env_index[:b].copy_(idx)
+        view = self._batch_views.get(b)
+        if view is None:
+            view = self._batch_views[b] = self._staging[:b]
+        out = view.copy()
+        out.env_indices = view.get("env_index")
+        cap = min(max_get, self.num_envs) if max_get is not None else self.num_envs
+        record_recv(self._stats, b, cap, dwell, waited)
+        return out
+
+    # -- answers ----------------------------------------------------------------------------
+    def send(self, actions: TensorDictBase | Mapping, env_indices) -> None:
+        """See :meth:`torchrl_asyncpool.AsyncEnvPool.send`."""
+        if self.error is not None:
+            raise self.error
+        idx = as_index(env_indices, self.num_envs)
+        b = idx.numel()
+        state = self.arena.state
+        idx_np = idx.numpy()
+        not_leased = idx_np[state[idx_np] != S.LEASED]
+        if not_leased.size:
+            raise ValueError(
+                f"send got env indices {not_leased.tolist()} that are not awaiting an action "
+                "(each index must come from recv(...).env_indices and be answered once)."
+            )
+        values = []
+        for key, dst in self._response:
+            value = actions.get(key, None) if isinstance(actions, TensorDictBase) else _mapping_get(actions, key)
+            if value is None:
+                raise ValueError(
+                    f"send: actions miss the key {key!r}; expected keys {self.response_keys} "
+                    f"(given {_keys_of(actions)})."
+                )
+            expected = (b, *dst.shape[1:])
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected or value.dtype != dst.dtype:
+                given = f"shape {tuple(value.shape)} and dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(
+                    f"send: {key!r} must be a tensor of shape {expected} and dtype {dst.dtype}; given {given}."
+                )
+            values.append((dst, value))
+        for dst, value in values:
+            dst.index_copy_(0, idx, value if value.device.type == "cpu" else value.cpu())
+        now = time.monotonic()
+        record_send(self._stats, b, float(now * b - self.arena.lease_time[idx_np].sum()))
+        state[idx_np] = S.ACTION_READY  # after the data
+        workers = self._slot_worker[idx_np]
+        for w in (np.unique(workers) if b > 1 else workers):
+            self._worker_bells[w].ring()
+
+    # -- faults -----------------------------------------------------------------------------
+    def raise_worker_errors(self) -> None:
+        """Raises (and remembers) the first env error or worker death, if any."""
+        if self.error is not None:
+            raise self.error
+        errored = np.flatnonzero(self.arena.state == S.ERROR)
+        if errored.size:
+            i = int(errored[0])
+            text = self.arena.read_error(i)
+            phase, _, tb = text.partition("\n")
+            self.error = EnvError(i, phase, tb)
+            raise self.error
+        for fd, w in self._sentinels.items():
+            p = select.poll()
+            p.register(fd, select.POLLIN)
+            if p.poll(0):
+                slots = np.flatnonzero(self._slot_worker == w).tolist()
+                how = self._death_info(w) if self._death_info is not None else "exit status unknown here"
+                self.error = WorkerDiedError(
+                    f"worker {w} (pid {self.handle.worker_pids[w]}, hosting envs {slots}) died ({how})."
+                )
+                raise self.error
+
+    def close(self) -> None:
+        """Drops this process's mapping (descriptors belong to the handle's owner)."""
+        self._batch_views.clear()
+
+
+def as_index(env_indices, n) -> torch.Tensor:
+    """Validates ``env_indices`` (tensor or sequence) into a contiguous CPU ``LongTensor``."""
+    if isinstance(env_indices, torch.Tensor):
+        if env_indices.dtype.is_floating_point or env_indices.dtype == torch.bool or env_indices.is_complex():
+            raise ValueError(f"env_indices must be an integer tensor, got dtype {env_indices.dtype}.")
+        idx = env_indices.reshape(-1).to("cpu", torch.int64)
+    else:
+        idx = torch.as_tensor(list(env_indices), dtype=torch.int64)
+    if idx.numel() == 0:
+        raise ValueError("send got no env indices.")
+    if int(idx.min()) < 0 or int(idx.max()) >= n:
+        raise ValueError(f"env_indices must lie in [0, {n}), got {idx.tolist()}.")
+    if idx.numel() > 1 and torch.unique(idx).numel() != idx.numel():
+        raise ValueError(f"env_indices must not repeat, got {idx.tolist()}.")
+    return idx.contiguous()
+
+
+def _keys_of(actions):
+    if isinstance(actions, TensorDictBase):
+        return list(actions.keys(True, True))
+    return list(actions) if isinstance(actions, Mapping) else type(actions).__name__
+
+
+def _mapping_get(mapping, key):
+    if not isinstance(mapping, Mapping):
+        raise ValueError(f"send: actions must be a TensorDict or a mapping of tensors, got {type(mapping).__name__}.")
+    key = key if isinstance(key, tuple) else (key,)
+    value = mapping
+    for k in key:
+        if not isinstance(value, Mapping) or k not in value:
+            return None
+        value = value[k]
+    return value
