@@ -204,7 +204,7 @@ def test_send_bad_indices_raise_value_error_and_pool_stays_usable(envs_per_worke
         tags = {int(i): td["tag"][k] for k, i in enumerate(td.env_indices.tolist())}
 
         def act(indices, shift=1):
-            tag = torch.stack([tags[i] for i in indices])
+            tag = torch.stack([tags[i % n] for i in indices])  # out-of-range indices get some tag
             return {"action": (oracle_action(tag) + shift) % 1000}
 
         bad_cases = [
@@ -218,6 +218,9 @@ def test_send_bad_indices_raise_value_error_and_pool_stays_usable(envs_per_worke
         for indices, match in bad_cases:
             with pytest.raises(ValueError, match=match):
                 pool.send(act(indices) if indices else {"action": torch.zeros(0, dtype=torch.int64)}, indices)
+            with pytest.raises(ValueError, match=match):  # the same as a tensor
+                pool.send(act(indices) if indices else {"action": torch.zeros(0, dtype=torch.int64)},
+                          torch.tensor(indices, dtype=torch.int64))
         with pytest.raises(ValueError, match="integer"):
             pool.send(act([0]), torch.tensor([0.0]))
         # answer env 3 correctly; answering it again, alone or with a leased index, is refused

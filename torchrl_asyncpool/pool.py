@@ -13,6 +13,7 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.data.utils import CloudpickleWrapper
 
+from torchrl_asyncpool.delivery.chunks import ChunkBuffers, ChunkReader
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
@@ -72,6 +73,12 @@ class AsyncEnvPool:
             ``hidden_in_key`` entry of the same shape, which the worker fills with the
             ``hidden_out`` sent for the previous record of the same env, and with zeros on
             :attr:`~torchrl_asyncpool.StepType.FIRST`. The consumer stays pure-functional.
+        transition_chunk_size (int, optional): when set, every worker also assembles its
+            envs' transitions (record, answer, next record) into dense per-env chunks of
+            this many consecutive steps in shared memory; read them with
+            :meth:`take_transitions`. Defaults to ``None`` (no transition delivery).
+        chunks_per_env (int, optional): chunks per env (see
+            :mod:`torchrl_asyncpool.delivery.chunks`). Defaults to ``3``.
         pin_memory (bool, optional): allocate the receive staging buffer in pinned memory
             (for a consumer that copies batches to CUDA). Defaults to ``False``.
         start_timeout (float, optional): seconds to wait for every worker to build its envs
@@ -119,6 +126,8 @@ class AsyncEnvPool:
         start_timeout: float | None = None,
         policy_output_spec: Mapping | None = None,
         recurrent_state: Mapping | None = None,
+        transition_chunk_size: int | None = None,
+        chunks_per_env: int = 3,
     ):
         self._closed = True  # until start-up completes, close() has little to undo
         self._procs = []
@@ -149,6 +158,9 @@ class AsyncEnvPool:
         self.layout.recurrent = {_as_key(k): _as_key(v) for k, v in recurrent.items()}
 
         self._arena = Arena.create(self.layout)
+        self._chunks = None
+        if transition_chunk_size is not None:
+            self._chunks = ChunkBuffers(self.layout, transition_chunk_size, chunks_per_env)
         self._consumer = Doorbell()
         self._life_r, self._life_w = os.pipe()
         k = self.envs_per_worker
@@ -181,6 +193,7 @@ class AsyncEnvPool:
         )
         self._pin_memory = pin_memory
         self._consumer_obj = None
+        self._chunk_reader = None
         self._metrics = PoolMetrics(self._arena)
 
     # -- start-up ---------------------------------------------------------------------------
@@ -201,6 +214,7 @@ class AsyncEnvPool:
                 args=(
                     w, slots, [_picklable(fns[i]) for i in slots], [kwargs[i] for i in slots], self.layout,
                     arena_fd, self._bells[w].inheritable(), consumer_fd, life_fd, child_conn, num_threads,
+                    self._chunks.handle() if self._chunks is not None else None,
                 ),
                 name=f"torchrl_asyncpool-worker-{w}",
                 daemon=True,
@@ -276,6 +290,34 @@ class AsyncEnvPool:
         """
         self._local_consumer().send(actions, env_indices)
 
+    def take_transitions(self, frames: int, timeout: float | None = None, check=None):
+        """Returns exactly ``frames`` transitions as one dense TensorDict (TorchRL layout).
+
+        Requires ``transition_chunk_size``. Transitions of each env arrive in order and exactly
+        once across calls; the chunks they came from are released to the workers before this
+        returns. Returns ``None`` when ``timeout`` passes first (nothing consumed).
+
+        Args:
+            frames (int): number of transitions.
+            timeout (float, optional): seconds to wait at most.
+            check (callable, optional): called about every 100 ms while waiting.
+        """
+        self._check_usable()
+        if self._chunks is None:
+            raise RuntimeError("take_transitions needs AsyncEnvPool(..., transition_chunk_size=T).")
+        if self._chunk_reader is None:
+            self._chunk_reader = ChunkReader(self._chunks, self._release_chunk)
+
+        def _check():
+            self._local_consumer().raise_worker_errors()
+            if check is not None:
+                check()
+
+        return self._chunk_reader.take(frames, timeout, _check)
+
+    def _release_chunk(self, env_index: int) -> None:
+        self._bells[self._slot_worker[env_index]].ring()
+
     def consumer_handle(self):
         """A picklable :class:`~torchrl_asyncpool.exchange.consumer.ConsumerHandle` for driving
         this pool from another process (an inference server); pass it as a process argument.
@@ -321,6 +363,8 @@ class AsyncEnvPool:
             self._consumer.close()
         if hasattr(self, "_arena"):
             self._arena.close()
+        if getattr(self, "_chunks", None) is not None:
+            self._chunks.close()
 
     @property
     def worker_pids(self) -> list:
@@ -433,13 +477,12 @@ def _resolve_envs_per_worker(value, adapter, n):
 def _auto_envs_per_worker(adapter, n, probe_s: float = 0.2, probe_steps: int = 32):
     """Groups cheap CPU-bound envs about one worker per core; blocking envs one per process."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    spec = adapter.env.full_action_spec
     adapter.reset()
     wall = cpu = 0.0
     steps = 0
     t_end = time.perf_counter() + probe_s
     while steps < probe_steps and time.perf_counter() < t_end:
-        action = {k: spec[k].rand() for k in adapter.action_keys}
+        action = adapter.random_action()
         w0, c0 = time.perf_counter(), time.thread_time()
         _, _, term, trunc = adapter.step(action)
         wall += time.perf_counter() - w0

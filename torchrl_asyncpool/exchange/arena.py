@@ -14,6 +14,7 @@ field              dtype / shape (per slot)     written by
 ``step_time``      float64 ``[]``               worker: cumulative env step+reset seconds
 ``step_count``     int64 ``[]``                 worker: env steps+resets done
 ``error_len``      int32 ``[]``                 worker: bytes of ``error_text`` (before ``ERROR``)
+``seq``, ``length`` int64, int32 ``[]``         chunk buffers only: sequence number and fill
 ``error_text``     uint8 ``[ERROR_TEXT_BYTES]``  worker: UTF-8 traceback of a failed env
 ``consumer_stats`` float64 ``[NUM_STATS]``      the consumer only (not per slot): metric sums
 request fields     from the observation,        worker (observation keys, ``"reward"``,
@@ -48,6 +49,8 @@ CONTROL_FIELDS = (
     ("step_time", torch.float64),
     ("step_count", torch.int64),
     ("error_len", torch.int32),
+    ("seq", torch.int64),
+    ("length", torch.int32),
 )
 #: Bytes of traceback text a worker can leave per slot; longer tracebacks keep their tail.
 ERROR_TEXT_BYTES = 8192
@@ -80,12 +83,12 @@ class ArenaLayout:
         response (dict): ``{key: (shape, dtype)}`` of the records the consumer writes back.
     """
 
-    def __init__(self, num_slots: int, request: Dict, response: Dict):
+    def __init__(self, num_slots: int, request: Dict, response: Dict, error_text_bytes: int = ERROR_TEXT_BYTES):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}.")
         self.num_slots = int(num_slots)
         self.control = [FieldSpec((name,), (), dtype) for name, dtype in CONTROL_FIELDS]
-        self.control.append(FieldSpec(("error_text",), (ERROR_TEXT_BYTES,), torch.uint8))
+        self.control.append(FieldSpec(("error_text",), (int(error_text_bytes),), torch.uint8))
         self.request = [FieldSpec(_as_key(k), tuple(int(s) for s in shape), dtype) for k, (shape, dtype) in request.items()]
         self.response = [FieldSpec(_as_key(k), tuple(int(s) for s in shape), dtype) for k, (shape, dtype) in response.items()]
         self.offsets: Dict[Tuple[str, Tuple[str, ...]], int] = {}
@@ -153,9 +156,9 @@ class Arena:
             self.state[:] = 0
 
     @classmethod
-    def create(cls, layout: ArenaLayout) -> "Arena":
+    def create(cls, layout: ArenaLayout, name: str = "torchrl_asyncpool_arena") -> "Arena":
         """Allocates a zero-filled arena for ``layout`` in a new anonymous memfd."""
-        fd = os.memfd_create("torchrl_asyncpool_arena", os.MFD_CLOEXEC)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, layout.nbytes)
             return cls(layout, fd, owner=True)
@@ -170,7 +173,7 @@ class Arena:
 
     def write_error(self, index: int, text: str) -> None:
         """Leaves ``text`` (its tail, if too long) in slot ``index``'s error block."""
-        data = text.encode("utf-8", "replace")[-ERROR_TEXT_BYTES:]
+        data = text.encode("utf-8", "replace")[-self.error_text.shape[1]:]
         self.error_text[index, : len(data)] = np.frombuffer(data, dtype=np.uint8)
         self.error_len[index] = len(data)
 

@@ -188,6 +188,7 @@ class OracleChecker:
         self.policy = policy
         self._last: dict[int, tuple[int, int, int]] = {}
         self._expect_echo: dict[int, int] = {}
+        self._last_transition: dict[int, tuple[int, int, int]] = {}
         self.records = 0
         self.episodes_done = 0
 
@@ -243,6 +244,46 @@ class OracleChecker:
                 terminated=td.get("terminated")[i],
                 truncated=td.get("truncated")[i],
             )
+
+    def observe_transitions(self, td: TensorDictBase) -> None:
+        """Checks a batch of transitions (TorchRL layout, e.g. ``take_transitions`` or a
+        collector batch): per env, in order, each transition must continue the previous one,
+        ``("next", "tag")`` must follow ``"tag"``, the action must be the policy's answer to
+        ``"tag"`` and reach the env (``("next", "echo")``), flags must match the oracle."""
+        env_index = td.get("env_index").reshape(-1).tolist()
+        tags = td.get("tag").tolist()
+        next_tags = td.get(("next", "tag")).tolist()
+        actions = td.get("action").reshape(-1).tolist()
+        echoes = td.get(("next", "echo")).reshape(-1).tolist()
+        rewards = td.get(("next", "reward")).reshape(-1).tolist()
+        flags = {k: td.get(("next", k)).reshape(len(env_index), -1).any(-1).tolist() for k in ("done", "terminated", "truncated")}
+        last = self._last_transition
+        for i, e in enumerate(env_index):
+            tag, nxt = tuple(tags[i]), tuple(next_tags[i])
+            where = f"env {e}: transition {tag} -> {nxt}"
+            assert tag[0] == e and nxt[0] == e, f"{where}: tags belong to another env"
+            prev = last.get(e)
+            if prev is None:
+                assert tag[2] == 0, f"{where}: the first transition of an env must start an episode"
+                assert prev is not None or tag[1] <= 1, f"{where}: episodes were skipped"
+            else:
+                length, _ = oracle_episode(e, prev[1], self.max_episode_len)
+                exp = (e, prev[1] + 1, 0) if prev[2] == length else prev
+                assert tag == exp, f"{where}: expected to start at {exp} (lost, duplicated or reordered transition)"
+            assert nxt == (e, tag[1], tag[2] + 1), f"{where}: next tag does not follow the tag"
+            length, ending = oracle_episode(e, tag[1], self.max_episode_len)
+            end = nxt[2] == length
+            want = {"done": end, "terminated": end and ending == StepType.TERMINATION,
+                    "truncated": end and ending == StepType.TRUNCATION}
+            for k, v in want.items():
+                assert flags[k][i] == v, f"{where}: ('next', {k!r}) is {flags[k][i]}, expected {v}"
+            exp_action = int(self.policy(torch.tensor(tag)))
+            assert actions[i] == exp_action, f"{where}: action {actions[i]}, expected {exp_action}"
+            assert echoes[i] == actions[i], f"{where}: env received {echoes[i]}, transition says {actions[i]}"
+            assert rewards[i] == float(nxt[2]), f"{where}: reward {rewards[i]}, expected {nxt[2]}"
+            last[e] = nxt
+            self.records += 1
+            self.episodes_done += end
 
     def last_step(self, env_index: int):
         """The last tag seen for ``env_index`` (``None`` before any)."""

@@ -12,7 +12,7 @@ from typing import Dict, Tuple
 import torch
 from torchrl.envs import EnvBase
 
-__all__ = ["RESERVED_KEYS", "TorchRLEnvAdapter", "make_adapter"]
+__all__ = ["RESERVED_KEYS", "TorchRLEnvAdapter", "GymnasiumEnvAdapter", "make_adapter"]
 
 #: Request keys the exchange defines itself; an env observation may not use them.
 RESERVED_KEYS = ("reward", "step_type", "done", "terminated", "truncated", "env_index")
@@ -60,6 +60,15 @@ class TorchRLEnvAdapter:
         response = {k: (tuple(action_spec[k].shape), action_spec[k].dtype) for k in self.action_keys}
         return request, response
 
+    @staticmethod
+    def as_numpy(value):
+        """Observation entries as numpy arrays (the worker writes the arena through numpy)."""
+        return value.detach().numpy() if value.requires_grad else value.numpy()
+
+    def random_action(self) -> Dict:
+        spec = self.env.full_action_spec
+        return {k: spec[k].rand() for k in self.action_keys}
+
     def reset(self):
         """Resets the env; returns a mapping ``key -> tensor`` holding the observation."""
         self._td = self.env.reset()
@@ -93,6 +102,104 @@ def _flag(td, key):
     return None if value is None else bool(value.any())
 
 
+class GymnasiumEnvAdapter:
+    """Runs a plain :class:`gymnasium.Env` in one slot with no TensorDict work per step.
+
+    Spaces map to keys as TorchRL's ``GymEnv`` does: a ``Box``/``Discrete`` observation is
+    ``"observation"``, a ``Dict`` space gives one key per entry; the action is ``"action"``
+    (``int64`` scalar for ``Discrete``, the ``Box`` shape and dtype otherwise); the reward is
+    ``float32 [1]``.
+    """
+
+    def __init__(self, env, env_index: int | None = None):
+        import gymnasium as gym
+
+        where = f"env {env_index}" if env_index is not None else "the env"
+        self.env = env
+        space = env.observation_space
+        if isinstance(space, gym.spaces.Dict):
+            self._obs_spaces = dict(space.spaces)
+            self._dict_obs = True
+        elif isinstance(space, (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)):
+            self._obs_spaces = {"observation": space}
+            self._dict_obs = False
+        else:
+            raise TypeError(f"{where}: unsupported gymnasium observation space {space!r}.")
+        for k in self._obs_spaces:
+            if k in RESERVED_KEYS:
+                raise ValueError(f"{where}: observation key {k!r} collides with a reserved key {RESERVED_KEYS}.")
+        self.obs_keys = list(self._obs_spaces)
+        a = env.action_space
+        if isinstance(a, gym.spaces.Discrete):
+            self._action = ((), torch.int64)
+            self._discrete = True
+        elif isinstance(a, (gym.spaces.Box, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)):
+            self._action = (tuple(a.shape), _torch_dtype(a.dtype))
+            self._discrete = False
+        else:
+            raise TypeError(f"{where}: unsupported gymnasium action space {a!r}.")
+        self.action_keys = ["action"]
+
+    def fields(self) -> Tuple[Dict, Dict]:
+        import gymnasium as gym
+
+        request = {}
+        for k, sp in self._obs_spaces.items():
+            if isinstance(sp, gym.spaces.Discrete):
+                request[k] = ((), torch.int64)
+            else:
+                request[k] = (tuple(sp.shape), _torch_dtype(sp.dtype))
+        request["reward"] = ((1,), torch.float32)
+        request["step_type"] = ((), torch.int8)
+        for k in ("done", "terminated", "truncated"):
+            request[k] = ((1,), torch.bool)
+        return request, {"action": self._action}
+
+    @staticmethod
+    def as_numpy(value):
+        return value
+
+    def random_action(self) -> Dict:
+        return {"action": torch.as_tensor(self.env.action_space.sample())}
+
+    def _obs(self, obs):
+        return obs if self._dict_obs else {"observation": obs}
+
+    def reset(self):
+        obs, _ = self.env.reset()
+        return self._obs(obs)
+
+    def step(self, actions: Dict):
+        a = actions["action"]
+        a = int(a) if self._discrete else a.numpy().copy()
+        obs, reward, terminated, truncated, _ = self.env.step(a)
+        return self._obs(obs), reward, bool(terminated), bool(truncated)
+
+    def close(self) -> None:
+        try:
+            self.env.close()
+        except Exception:  # noqa: BLE001 - closing a half-broken env must not mask the real error
+            pass
+
+
+def _torch_dtype(np_dtype) -> torch.dtype:
+    import numpy as np
+
+    return torch.from_numpy(np.zeros((), dtype=np_dtype)).dtype
+
+
 def make_adapter(env, env_index: int | None = None):
     """Wraps whatever ``create_env_fn`` returned in the matching adapter."""
-    return TorchRLEnvAdapter(env, env_index)
+    if isinstance(env, EnvBase):
+        return TorchRLEnvAdapter(env, env_index)
+    try:
+        import gymnasium as gym
+    except ImportError:  # pragma: no cover - gymnasium is a dependency
+        gym = None
+    if gym is not None and isinstance(env, gym.Env):
+        return GymnasiumEnvAdapter(env, env_index)
+    where = f"env {env_index}" if env_index is not None else "the env"
+    raise TypeError(
+        f"create_env_fn for {where} returned {type(env).__name__}; expected a torchrl.envs.EnvBase "
+        "or a gymnasium.Env."
+    )

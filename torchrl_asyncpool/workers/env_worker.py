@@ -4,13 +4,14 @@ Loop (per wake-up of the worker's doorbell)::
 
     drain doorbell -> for each hosted slot in ACTION_READY:
         if the last record was terminal: discard the action, publish the (already reset) FIRST
-        else: step, publish MID / TERMINATION / TRUNCATION
+        else: step, [append the transition to the env's chunk], publish MID / TERMINATION / TRUNCATION
     -> reset the envs that just ended (eagerly, while the consumer computes the discarded action)
     -> block in poll(doorbell, parent life pipe)
 
 Slots hosted by the same worker are stepped as their actions arrive, not in lockstep. Nothing
-here allocates shared memory or pickles a tensor: records are copied into the arena, the state
-word is set after the data, and the consumer's doorbell is rung after the state word.
+here allocates shared memory or pickles a tensor: records are copied into the arena through
+numpy views, the state word is set after the data, and the consumer's doorbell is rung after
+the state word.
 """
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ import select
 import time
 import traceback
 
+import numpy as np
 import torch
 
+from torchrl_asyncpool.delivery import chunks as C
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena
 from torchrl_asyncpool.exchange.doorbell import Doorbell
@@ -32,42 +35,109 @@ __all__ = ["worker_main"]
 _FIRST, _MID, _TERM, _TRUNC = int(StepType.FIRST), int(StepType.MID), int(StepType.TERMINATION), int(StepType.TRUNCATION)
 
 
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.numpy()
+
+
 class _Slot:
     """Everything one hosted env needs on the hot path, resolved once."""
 
-    __slots__ = ("index", "adapter", "obs_views", "reward_view", "action_views", "recurrent", "ended", "pending_first")
+    __slots__ = ("index", "adapter", "obs", "reward", "actions", "recurrent", "ended", "pending_first",
+                 "chunks", "chunk", "pos", "seq")
 
     def __init__(self, index, adapter, arena, recurrent):
         self.index = index
         self.adapter = adapter
-        req = arena.request
-        self.obs_views = [(k, req.get(k)[index]) for k in adapter.obs_keys]
-        self.reward_view = req.get("reward")[index]
-        self.action_views = {k: arena.response.get(k)[index] for k in adapter.action_keys}
+        req, resp = arena.request, arena.response
+        self.obs = [(k, _np(req.get(k)[index])) for k in adapter.obs_keys]
+        self.reward = _np(req.get("reward")[index])
+        self.actions = {k: resp.get(k)[index] for k in adapter.action_keys}
         # (hidden_in view, hidden_out view): the last answered state is fed back as input
-        self.recurrent = [(req.get(i)[index], arena.response.get(o)[index]) for i, o in recurrent.items()]
+        self.recurrent = [(_np(req.get(i)[index]), _np(resp.get(o)[index])) for i, o in recurrent.items()]
         self.ended = False
         self.pending_first = None
+        self.chunks = []  # chunk ids owned by this env
+        self.chunk = -1  # chunk being filled, -1 when none
+        self.pos = 0
+        self.seq = 0
+
+
+class _Delivery:
+    """The worker's side of the chunk buffers: copies of (record, answer, next record) rows."""
+
+    def __init__(self, handle, arena):
+        self.T = handle.chunk_size
+        self.per_env = handle.chunks_per_env
+        self.chunks = Arena.attach(handle.layout, handle.fd.fd)
+        self.driver = Doorbell(handle.driver_bell.fd)
+        self.state = self.chunks.state
+        c = self.chunks.request
+        req, resp = arena.request, arena.response
+        # (slot source array, chunk destination array) pairs, all numpy, resolved once
+        self.root = []
+        self.next = []
+        for f in arena.layout.request:
+            k, name = f.key, f.key[0]
+            if name == "step_type":
+                continue
+            if name in ("reward", "done", "terminated", "truncated"):
+                self.next.append((_np(req.get(k)), _np(c.get(("next",) + k))))
+            else:
+                self.root.append((_np(req.get(k)), _np(c.get(k))))
+                self.next.append((_np(req.get(k)), _np(c.get(("next",) + k))))
+        self.root += [(_np(resp.get(f.key)), _np(c.get(f.key))) for f in arena.layout.response]
+
+    def claim(self, slot) -> bool:
+        """Makes sure ``slot`` has a chunk to write into; False means back-pressure."""
+        if slot.chunk >= 0:
+            return True
+        for c in slot.chunks:
+            if self.state[c] == C.FREE:
+                self.state[c] = C.FILLING
+                self.chunks.seq[c] = slot.seq
+                slot.seq += 1
+                slot.chunk, slot.pos = c, 0
+                return True
+        return False
+
+    def write_root(self, slot):
+        """Row ``pos``: the record the action answered, and the answer (before publishing)."""
+        i, c, p = slot.index, slot.chunk, slot.pos
+        for src, dst in self.root:
+            dst[c, p] = src[i]
+
+    def write_next(self, slot):
+        """Row ``pos``: the record the step produced (after publishing); closes full chunks."""
+        i, c, p = slot.index, slot.chunk, slot.pos
+        for src, dst in self.next:
+            dst[c, p] = src[i]
+        slot.pos = p + 1
+        if slot.pos == self.T:
+            self.chunks.length[c] = self.T
+            self.chunks.ready_time[c] = time.monotonic()
+            self.state[c] = C.FULL  # after the data
+            self.driver.ring()
+            slot.chunk = -1
 
 
 class _Worker:
-    def __init__(self, worker_id, layout, arena_fd, bell_fd, consumer_fd, life_fd, conn):
+    def __init__(self, worker_id, layout, arena_fd, bell_fd, consumer_fd, life_fd, conn, delivery):
         self.worker_id = worker_id
         self.layout = layout
         self._phase, self._current = "construction", None
         self.started = False
         self.conn = conn
-        self.arena = Arena.attach(layout, arena_fd)
+        self.arena = a = Arena.attach(layout, arena_fd)
         self.bell = Doorbell(bell_fd)
         self.consumer = Doorbell(consumer_fd)
         self.life_fd = life_fd
-        a = self.arena
         self.state, self.ready_time = a.state, a.ready_time
         self.step_time, self.step_count = a.step_time, a.step_count
-        self.step_type = a.request.get("step_type").numpy()
-        self.done = a.request.get("done").numpy()
-        self.terminated = a.request.get("terminated").numpy()
-        self.truncated = a.request.get("truncated").numpy()
+        self.step_type = _np(a.request.get("step_type"))
+        self.done = _np(a.request.get("done"))
+        self.terminated = _np(a.request.get("terminated"))
+        self.truncated = _np(a.request.get("truncated"))
+        self.delivery = _Delivery(delivery, a) if delivery is not None else None
         self.slots = []
 
     def build(self, slot_ids, env_fns, env_kwargs):
@@ -82,22 +152,27 @@ class _Worker:
             request, response = (_keyed(d) for d in adapter.fields())
             _check_fields(index, "observation/reward/done", expected_request, request)
             _check_fields(index, "action", expected_response, response)
-            self.slots.append(_Slot(index, adapter, a, recurrent))
+            slot = _Slot(index, adapter, a, recurrent)
+            if self.delivery is not None:
+                per = self.delivery.per_env
+                slot.chunks = list(range(index * per, (index + 1) * per))
+            self.slots.append(slot)
 
     # -- publishing ---------------------------------------------------------------------------
-    def _publish(self, slot, td, reward, step_type):
+    def _publish(self, slot, obs, reward, step_type):
         i = slot.index
-        for key, view in slot.obs_views:
-            view.copy_(td.get(key))
+        as_np = slot.adapter.as_numpy
+        for key, view in slot.obs:
+            view[...] = as_np(obs.get(key))
         if reward is None:
-            slot.reward_view.zero_()
+            slot.reward[...] = 0
         else:
-            slot.reward_view.copy_(reward)
+            slot.reward[...] = as_np(reward)
         for hidden_in, hidden_out in slot.recurrent:
             if step_type == _FIRST:
-                hidden_in.zero_()
+                hidden_in[...] = 0
             else:
-                hidden_in.copy_(hidden_out)
+                hidden_in[...] = hidden_out
         self.step_type[i] = step_type
         self.terminated[i] = step_type == _TERM
         self.truncated[i] = step_type == _TRUNC
@@ -109,26 +184,34 @@ class _Worker:
     def _timed_reset(self, slot):
         self._phase, self._current = "reset", slot.index
         t = time.perf_counter()
-        td = slot.adapter.reset()
+        obs = slot.adapter.reset()
         self.step_time[slot.index] += time.perf_counter() - t
         self.step_count[slot.index] += 1
-        return td
+        return obs
 
     def _serve(self, slot):
+        """Answers one ACTION_READY slot; returns None (blocked), False, or True (episode ended)."""
         if slot.ended:
             # NEXT_STEP autoreset: the action answering a terminal record is discarded.
-            td = slot.pending_first if slot.pending_first is not None else self._timed_reset(slot)
+            obs = slot.pending_first if slot.pending_first is not None else self._timed_reset(slot)
             slot.pending_first = None
             slot.ended = False
-            self._publish(slot, td, None, _FIRST)
+            self._publish(slot, obs, None, _FIRST)
             return False
+        delivery = self.delivery
+        if delivery is not None:
+            if not delivery.claim(slot):
+                return None  # back-pressure: the driver holds every chunk of this env
+            delivery.write_root(slot)
         self._phase, self._current = "step", slot.index
         t = time.perf_counter()
-        td, reward, terminated, truncated = slot.adapter.step(slot.action_views)
+        obs, reward, terminated, truncated = slot.adapter.step(slot.actions)
         self.step_time[slot.index] += time.perf_counter() - t
         self.step_count[slot.index] += 1
         st = _TERM if terminated else (_TRUNC if truncated else _MID)
-        self._publish(slot, td, reward, st)
+        self._publish(slot, obs, reward, st)
+        if delivery is not None:
+            delivery.write_next(slot)
         slot.ended = st != _MID
         return slot.ended
 
@@ -149,9 +232,8 @@ class _Worker:
             self.bell.drain()  # before the scan: a ring after this point wakes the next poll
             ended = []
             for slot in slots:
-                if state[slot.index] == S.ACTION_READY:
-                    if self._serve(slot):
-                        ended.append(slot)
+                if state[slot.index] == S.ACTION_READY and self._serve(slot):
+                    ended.append(slot)
             for slot in ended:
                 # Eager reset hides reset latency behind the consumer's (discarded) answer.
                 if slot.pending_first is None and state[slot.index] != S.ACTION_READY:
@@ -176,14 +258,15 @@ def _check_fields(index, what, expected, got):
             )
 
 
-def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_fd, consumer_fd, life_fd, conn, num_threads):
+def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_fd, consumer_fd, life_fd, conn,
+                num_threads, delivery=None):
     """Entry point of a worker process (see the module docstring)."""
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     worker = None
     try:
         env_fns = [getattr(fn, "fn", fn) for fn in env_fns]
-        worker = _Worker(worker_id, layout, arena_fd.fd, bell_fd.fd, consumer_fd.fd, life_fd.fd, conn)
+        worker = _Worker(worker_id, layout, arena_fd.fd, bell_fd.fd, consumer_fd.fd, life_fd.fd, conn, delivery)
         worker.build(slot_ids, env_fns, env_kwargs)
         worker.run()
     except BaseException:  # noqa: BLE001 - everything is reported to the consumer, then we exit
@@ -204,4 +287,3 @@ def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell
             for slot in worker.slots:
                 slot.adapter.close()
         os._exit(0)
-

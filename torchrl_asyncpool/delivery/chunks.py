@@ -1,0 +1,167 @@
+"""Dense per-env transition chunks in shared memory.
+
+Each env owns ``chunks_per_env`` chunks of ``T`` consecutive transitions (TorchRL layout:
+root observation and policy entries, ``("next", obs..., "reward", "done", "terminated",
+"truncated")``, ``"env_index"``). The chunk buffers are an :class:`~torchrl_asyncpool.exchange.Arena`
+whose "slots" are chunks, so the same memfd/mmap code and the same one-writer-per-word rule
+apply. Chunk state words:
+
+``FREE -> FILLING`` (worker takes it) ``-> FULL`` (worker, after the data; rings the driver)
+``-> HELD`` (driver, while copying it into a batch) ``-> FREE`` (driver; rings the worker).
+
+A chunk is never refilled before the driver released it: a worker whose env has no free
+chunk leaves that env's action pending (back-pressure) instead of dropping data.
+"""
+from __future__ import annotations
+
+import select
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
+from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
+
+__all__ = ["ChunkBuffers", "ChunkHandle", "ChunkReader", "transition_fields", "FREE", "FILLING", "FULL", "HELD"]
+
+FREE, FILLING, FULL, HELD = 0, 1, 2, 3
+_STEP_KEYS = ("reward", "done", "terminated", "truncated")
+
+
+def transition_fields(layout: ArenaLayout) -> dict:
+    """Per-transition fields ``{key: (shape, dtype)}`` derived from a pool's slot layout."""
+    fields = {}
+    for f in layout.request:
+        name = f.key[0]
+        if name in _STEP_KEYS:
+            fields[("next",) + f.key] = (f.shape, f.dtype)
+        elif name != "step_type":
+            fields[f.key] = (f.shape, f.dtype)
+            fields[("next",) + f.key] = (f.shape, f.dtype)
+    for f in layout.response:
+        fields[f.key] = (f.shape, f.dtype)
+    fields[("env_index",)] = ((), torch.int64)
+    return fields
+
+
+@dataclass
+class ChunkHandle:
+    """What a worker needs to write chunks: layout, memory and the driver's doorbell."""
+
+    layout: ArenaLayout
+    fd: InheritedFd
+    driver_bell: InheritedFd
+    chunk_size: int
+    chunks_per_env: int
+
+
+class ChunkBuffers:
+    """Allocates the chunk arena for a pool (driver side) and describes it for the workers.
+
+    Args:
+        pool_layout (ArenaLayout): the pool's slot layout.
+        chunk_size (int): transitions per chunk (``T``).
+        chunks_per_env (int): chunks per env; 2 or more lets a worker fill one while the
+            driver copies another.
+    """
+
+    def __init__(self, pool_layout: ArenaLayout, chunk_size: int, chunks_per_env: int = 3):
+        if chunk_size < 1 or chunks_per_env < 1:
+            raise ValueError(f"chunk_size and chunks_per_env must be >= 1, got {chunk_size}, {chunks_per_env}.")
+        self.num_envs = pool_layout.num_slots
+        self.chunk_size = int(chunk_size)
+        self.chunks_per_env = int(chunks_per_env)
+        fields = {k: ((self.chunk_size, *shape), dtype) for k, (shape, dtype) in transition_fields(pool_layout).items()}
+        self.layout = ArenaLayout(self.num_envs * self.chunks_per_env, fields, {}, error_text_bytes=0)
+        self.arena = Arena.create(self.layout, name="torchrl_asyncpool_chunks")
+        env_index = self.arena.request.get("env_index")
+        env_index.copy_(torch.arange(self.num_envs).repeat_interleave(self.chunks_per_env)[:, None].expand_as(env_index))
+        self.driver_bell = Doorbell()
+
+    def handle(self) -> ChunkHandle:
+        return ChunkHandle(self.layout, InheritedFd(self.arena.fd), self.driver_bell.inheritable(),
+                           self.chunk_size, self.chunks_per_env)
+
+    def close(self) -> None:
+        self.driver_bell.close()
+        self.arena.close()
+
+
+class ChunkReader:
+    """Driver side: concatenates full chunks into dense batches of exactly ``frames`` transitions.
+
+    Chunks are taken oldest first; per env they complete in order, and only the last chunk of
+    a batch may be split (its remainder opens the next batch), so every env's transitions
+    stay in order across batches.
+
+    Args:
+        buffers (ChunkBuffers): the chunk arena.
+        release (callable): ``env_index -> None``, wakes the worker hosting that env after one
+            of its chunks was freed.
+    """
+
+    def __init__(self, buffers: ChunkBuffers, release):
+        self.buffers = buffers
+        self._release = release
+        arena = buffers.arena
+        self._state = arena.state
+        self._ready_time = arena.ready_time
+        self._flat = [
+            (k, v.reshape(-1, *v.shape[2:])) for k, v in arena.request.items(include_nested=True, leaves_only=True)
+        ]
+        self._carry = None  # (chunk id, offset) of a partly consumed chunk
+        self._poller = select.poll()
+        self._poller.register(buffers.driver_bell.fd, select.POLLIN)
+
+    def full_chunks(self) -> int:
+        return int((self._state == FULL).sum())
+
+    def take(self, frames: int, timeout: float | None = None, check=None) -> TensorDict | None:
+        """Waits until ``frames`` transitions are available and returns them as one TensorDict.
+
+        Args:
+            frames (int): exact number of transitions.
+            timeout (float, optional): give up (returning ``None``, nothing consumed) after
+                this many seconds.
+            check (callable, optional): called about every 100 ms while waiting; raise from it
+                to abort (a dead worker or server).
+        """
+        T = self.buffers.chunk_size
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.buffers.driver_bell.drain()
+            full = np.flatnonzero(self._state == FULL)
+            have = (T - self._carry[1] if self._carry else 0) + full.size * T
+            if have >= frames:
+                break
+            if check is not None:
+                check()
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return None
+            wait = 100 if deadline is None else max(0, min(100, int((deadline - now) * 1000) + 1))
+            self._poller.poll(wait)
+        full = full[np.argsort(self._ready_time[full], kind="stable")]
+        rows, used, need = [], [], frames
+        pieces = ([self._carry] if self._carry else []) + [(int(c), 0) for c in full]
+        self._carry = None
+        for c, off in pieces:
+            self._state[c] = HELD
+            n = min(T - off, need)
+            rows.append(np.arange(c * T + off, c * T + off + n))
+            need -= n
+            if off + n < T:
+                self._carry = (c, off + n)
+            else:
+                used.append(c)
+            if need == 0:
+                break
+        idx = torch.from_numpy(np.concatenate(rows))
+        out = TensorDict({k: torch.index_select(v, 0, idx) for k, v in self._flat}, batch_size=[frames])
+        for c in used:
+            self._state[c] = FREE
+            self._release(c // self.buffers.chunks_per_env)
+        return out
