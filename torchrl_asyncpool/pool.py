@@ -78,7 +78,7 @@ class AsyncEnvPool:
             this many consecutive steps in shared memory; read them with
             :meth:`take_transitions`. Defaults to ``None`` (no transition delivery).
         chunks_per_env (int, optional): chunks per env (see
-            :mod:`torchrl_asyncpool.delivery.chunks`). Defaults to ``3``.
+            :mod:`torchrl_asyncpool.delivery.chunks`). Defaults to ``2``.
         pin_memory (bool, optional): allocate the receive staging buffer in pinned memory
             (for a consumer that copies batches to CUDA). Defaults to ``False``.
         start_timeout (float, optional): seconds to wait for every worker to build its envs
@@ -127,7 +127,7 @@ class AsyncEnvPool:
         policy_output_spec: Mapping | None = None,
         recurrent_state: Mapping | None = None,
         transition_chunk_size: int | None = None,
-        chunks_per_env: int = 3,
+        chunks_per_env: int = 2,
     ):
         self._closed = True  # until start-up completes, close() has little to undo
         self._procs = []

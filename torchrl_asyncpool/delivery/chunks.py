@@ -68,7 +68,7 @@ class ChunkBuffers:
             driver copies another.
     """
 
-    def __init__(self, pool_layout: ArenaLayout, chunk_size: int, chunks_per_env: int = 3):
+    def __init__(self, pool_layout: ArenaLayout, chunk_size: int, chunks_per_env: int = 2):
         if chunk_size < 1 or chunks_per_env < 1:
             raise ValueError(f"chunk_size and chunks_per_env must be >= 1, got {chunk_size}, {chunks_per_env}.")
         self.num_envs = pool_layout.num_slots
@@ -113,6 +113,7 @@ class ChunkReader:
             (k, v.reshape(-1, *v.shape[2:])) for k, v in arena.request.items(include_nested=True, leaves_only=True)
         ]
         self._carry = None  # (chunk id, offset) of a partly consumed chunk
+        self._pending = None  # (batch, filled) of a call that timed out
         self._poller = select.poll()
         self._poller.register(buffers.driver_bell.fd, select.POLLIN)
 
@@ -120,48 +121,63 @@ class ChunkReader:
         return int((self._state == FULL).sum())
 
     def take(self, frames: int, timeout: float | None = None, check=None) -> TensorDict | None:
-        """Waits until ``frames`` transitions are available and returns them as one TensorDict.
+        """Returns the next ``frames`` transitions as one new dense TensorDict.
+
+        Full chunks are copied out and released as they arrive, so ``frames`` may exceed what
+        the chunk buffers hold at once. If ``timeout`` passes first, ``None`` is returned and
+        the transitions copied so far are kept for the next call (nothing is lost).
 
         Args:
             frames (int): exact number of transitions.
-            timeout (float, optional): give up (returning ``None``, nothing consumed) after
-                this many seconds.
+            timeout (float, optional): seconds to wait at most.
             check (callable, optional): called about every 100 ms while waiting; raise from it
                 to abort (a dead worker or server).
         """
         T = self.buffers.chunk_size
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            self.buffers.driver_bell.drain()
+        if self._pending is None or self._pending[0].batch_size[0] != frames:
+            if self._pending is not None:
+                raise ValueError("take() resumed with a different frame count than the timed-out call.")
+            out = TensorDict({k: torch.empty((frames, *v.shape[1:]), dtype=v.dtype) for k, v in self._flat},
+                             batch_size=[frames])
+            self._pending = (out, 0)
+        out, pos = self._pending
+        dst = [out.get(k) for k, _ in self._flat]
+        while pos < frames:
+            self.buffers.driver_bell.drain()  # before the scan: a ring after this wakes the poll
             full = np.flatnonzero(self._state == FULL)
-            have = (T - self._carry[1] if self._carry else 0) + full.size * T
-            if have >= frames:
-                break
-            if check is not None:
-                check()
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                return None
-            wait = 100 if deadline is None else max(0, min(100, int((deadline - now) * 1000) + 1))
-            self._poller.poll(wait)
-        full = full[np.argsort(self._ready_time[full], kind="stable")]
-        rows, used, need = [], [], frames
-        pieces = ([self._carry] if self._carry else []) + [(int(c), 0) for c in full]
-        self._carry = None
-        for c, off in pieces:
-            self._state[c] = HELD
-            n = min(T - off, need)
-            rows.append(np.arange(c * T + off, c * T + off + n))
-            need -= n
-            if off + n < T:
-                self._carry = (c, off + n)
-            else:
-                used.append(c)
-            if need == 0:
-                break
-        idx = torch.from_numpy(np.concatenate(rows))
-        out = TensorDict({k: torch.index_select(v, 0, idx) for k, v in self._flat}, batch_size=[frames])
-        for c in used:
-            self._state[c] = FREE
-            self._release(c // self.buffers.chunks_per_env)
+            pieces = [self._carry] if self._carry else []
+            if full.size:
+                pieces += [(int(c), 0) for c in full[np.argsort(self._ready_time[full], kind="stable")]]
+            if not pieces:
+                if check is not None:
+                    check()
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    self._pending = (out, pos)
+                    return None
+                wait = 100 if deadline is None else max(0, min(100, int((deadline - now) * 1000) + 1))
+                self._poller.poll(wait)
+                continue
+            self._carry = None
+            rows, used = [], []
+            for c, off in pieces:
+                n = min(T - off, frames - pos - sum(len(r) for r in rows))
+                if n <= 0:
+                    break
+                self._state[c] = HELD
+                rows.append(np.arange(c * T + off, c * T + off + n))
+                if off + n < T:
+                    self._carry = (c, off + n)
+                else:
+                    used.append(c)
+            idx = torch.from_numpy(np.concatenate(rows))
+            end = pos + idx.numel()
+            for (_, src), d in zip(self._flat, dst):
+                torch.index_select(src, 0, idx, out=d[pos:end])
+            pos = end
+            for c in used:
+                self._state[c] = FREE
+                self._release(c // self.buffers.chunks_per_env)
+        self._pending = None
         return out

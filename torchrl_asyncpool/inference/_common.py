@@ -1,0 +1,231 @@
+"""Configuration, batch keys, bucket ladders and errors shared by the thread and process servers."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+__all__ = [
+    "InferenceServerError",
+    "BatchKey",
+    "bucket_ladder",
+    "config_hash",
+    "ServerSpec",
+]
+
+DEFAULT_POLICY_NAME = "policy"
+
+
+class InferenceServerError(RuntimeError):
+    """The inference server stopped serving: a policy raised, its process died, or the pool failed.
+
+    Attributes:
+        key (tuple or None): the batch key ``(policy name, config hash)`` being served when the
+            error happened, when there is one.
+        server_traceback (str): the traceback text formatted where the error happened (in the
+            server thread or the server process); empty when the server process was killed.
+    """
+
+    def __init__(self, message: str, key: Optional[Tuple[str, str]] = None, server_traceback: str = ""):
+        self.key = key
+        self.server_traceback = server_traceback
+        text = message if not server_traceback else f"{message}\nserver traceback:\n{server_traceback}"
+        super().__init__(text)
+        self.message = message
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.key, self.server_traceback))
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """The key that decides which slots may share a batch: ``(policy name, config hash)``.
+
+    Two slots are batched together only when their keys are equal; the hash covers the
+    serving configuration of the policy (its factory or class, the ``policy_configs`` entry
+    given to the server, the bucket ladder), so two entries that look alike but would run
+    differently never share a forward pass.
+
+    Examples:
+        >>> from torchrl_asyncpool.inference import BatchKey
+        >>> key = BatchKey("actor", "0123456789ab")
+        >>> tuple(key)
+        ('actor', '0123456789ab')
+    """
+
+    name: str
+    config_hash: str
+
+    def __iter__(self):
+        return iter((self.name, self.config_hash))
+
+    def __str__(self):
+        return f"({self.name!r}, {self.config_hash!r})"
+
+
+def config_hash(name: str, policy_or_factory: Any, config: Optional[Mapping], buckets) -> str:
+    """A short, stable hash of what decides how a policy is served.
+
+    Examples:
+        >>> from torchrl_asyncpool.inference._common import config_hash
+        >>> config_hash("a", None, {"ckpt": "x"}, (1, 2)) == config_hash("a", None, {"ckpt": "x"}, (1, 2))
+        True
+        >>> config_hash("a", None, {"ckpt": "x"}, (1, 2)) == config_hash("a", None, {"ckpt": "y"}, (1, 2))
+        False
+    """
+    target = getattr(policy_or_factory, "fn", policy_or_factory)  # CloudpickleWrapper
+    kind = type(target)
+    ident = getattr(target, "__qualname__", None) if callable(target) and not isinstance(target, torch.nn.Module) else None
+    ident = ident or f"{kind.__module__}.{kind.__qualname__}"
+    payload = {
+        "name": name,
+        "target": ident,
+        "config": config if config is not None else {},
+        "buckets": list(buckets) if buckets is not None else None,
+    }
+    text = json.dumps(payload, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def bucket_ladder(max_rows: int, spec="auto") -> Optional[Tuple[int, ...]]:
+    """The padded batch sizes for a key whose batches hold at most ``max_rows`` records.
+
+    ``"auto"``: powers of two below ``max_rows``, plus ``max_rows`` itself. ``None``: no
+    padding. A sequence: those sizes, sorted; batches larger than the largest are split.
+
+    Examples:
+        >>> from torchrl_asyncpool.inference import bucket_ladder
+        >>> bucket_ladder(12)
+        (1, 2, 4, 8, 12)
+        >>> bucket_ladder(8)
+        (1, 2, 4, 8)
+        >>> bucket_ladder(8, (8, 2))
+        (2, 8)
+        >>> bucket_ladder(8, None) is None
+        True
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        if spec != "auto":
+            raise ValueError(f"bucket_sizes must be 'auto', None or a sequence of ints, got {spec!r}.")
+        ladder = []
+        b = 1
+        while b < max_rows:
+            ladder.append(b)
+            b *= 2
+        ladder.append(max_rows)
+        return tuple(ladder)
+    if not isinstance(spec, Sequence) or not len(spec):
+        raise ValueError(f"bucket_sizes must be 'auto', None or a non-empty sequence of ints, got {spec!r}.")
+    for b in spec:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"bucket sizes must be positive ints, got {spec!r}.")
+    return tuple(sorted(set(spec)))
+
+
+def pick_bucket(ladder: Optional[Tuple[int, ...]], b: int) -> int:
+    """The smallest bucket holding ``b`` rows (``b`` itself without a ladder)."""
+    if ladder is None:
+        return b
+    for size in ladder:
+        if size >= b:
+            return size
+    return ladder[-1]
+
+
+@dataclass
+class KeyPlan:
+    """Everything the serving loop needs about one batch key (picklable, no policy object)."""
+
+    index: int
+    name: str
+    config_hash: str
+    slots: List[int]
+    buckets: Optional[Tuple[int, ...]]
+    max_rows: int  # largest batch the runner stages at once (largest bucket, or #slots unpadded)
+
+    @property
+    def key(self) -> Tuple[str, str]:
+        return (self.name, self.config_hash)
+
+
+@dataclass
+class ServerSpec:
+    """The server configuration after validation, as it travels to a server process."""
+
+    names: List[str]
+    plans: List[KeyPlan]
+    slot_key: List[int]  # key index per slot
+    min_get: int
+    max_get: Optional[int]
+    timeout: float
+    device: str
+    cuda_graphs: bool
+    policy_version_key: Any
+    stamp_version: bool
+    overlap: bool
+    num_threads: Optional[int] = 1
+    factories: Dict[str, Callable] = field(default_factory=dict)
+    on_batch: Optional[Callable] = None
+    flush_fraction: float = 0.5
+
+
+def as_key(key) -> Tuple[str, ...]:
+    return (key,) if isinstance(key, str) else tuple(key)
+
+
+def key_repr(key: Tuple[str, ...]):
+    return key[0] if len(key) == 1 else key
+
+
+def check_positive_int(name, value, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}.")
+    return value
+
+
+def resolve_slot_keys(slot_keys, names: List[str], hashes: Dict[str, str], num_envs: int) -> List[int]:
+    """Maps each slot to the index of its batch key, or raises a clear ``ValueError``."""
+    if slot_keys is None:
+        if len(names) != 1:
+            raise ValueError(
+                f"several policies are served ({names}): pass slot_keys, one policy name per env slot."
+            )
+        return [0] * num_envs
+    if isinstance(slot_keys, (str, bytes)) or not isinstance(slot_keys, Sequence):
+        raise ValueError(f"slot_keys must be a sequence with one entry per env slot, got {type(slot_keys).__name__}.")
+    if len(slot_keys) != num_envs:
+        raise ValueError(f"slot_keys has {len(slot_keys)} entries but the pool has {num_envs} env slots.")
+    out = []
+    known = {n: i for i, n in enumerate(names)}
+    for slot, entry in enumerate(slot_keys):
+        if isinstance(entry, BatchKey):
+            entry = tuple(entry)
+        if isinstance(entry, tuple):
+            if len(entry) != 2:
+                raise ValueError(f"slot {slot} is bound to {entry!r}; a key is (policy name, config hash).")
+            name, digest = entry
+            if name not in known or hashes[name] != digest:
+                raise ValueError(
+                    f"slot {slot} is bound to unknown batch key {entry!r}; known keys: "
+                    f"{[(n, hashes[n]) for n in names]}."
+                )
+        else:
+            name = entry
+            if name not in known:
+                raise ValueError(f"slot {slot} is bound to unknown policy {name!r}; known policies: {names}.")
+        out.append(known[name])
+    return out
+
+
+def auto_threshold(live: int, min_get: int, fraction: float) -> int:
+    """Self-sizing flush size: a fraction of the slots in flight (SEED: half), at least ``min_get``."""
+    return max(min_get, int(math.ceil(live * fraction)), 1)
