@@ -67,7 +67,8 @@ class AsyncEnvPool:
         policy_output_spec (mapping, optional): extra per-env entries the consumer writes
             with every action (policy outputs such as log-probabilities, a policy version,
             a recurrent state): ``{key: (shape, dtype)}`` or a TorchRL ``Composite`` of
-            unbatched specs. :meth:`send` then requires them next to the actions.
+            unbatched specs, or a callable ``(request_fields, action_fields) -> mapping`` run
+            once the env specs are known. :meth:`send` then requires them next to the actions.
         recurrent_state (mapping, optional): ``{hidden_in_key: hidden_out_key}``. Each
             ``hidden_out_key`` must be declared in ``policy_output_spec``; records gain a
             ``hidden_in_key`` entry of the same shape, which the worker fills with the
@@ -76,7 +77,8 @@ class AsyncEnvPool:
         transition_chunk_size (int, optional): when set, every worker also assembles its
             envs' transitions (record, answer, next record) into dense per-env chunks of
             this many consecutive steps in shared memory; read them with
-            :meth:`take_transitions`. Defaults to ``None`` (no transition delivery).
+            :meth:`take_transitions`; a callable ``layout -> int`` may choose it from the
+            slot layout. Defaults to ``None`` (no transition delivery).
         chunks_per_env (int, optional): chunks per env (see
             :mod:`torchrl_asyncpool.delivery.chunks`). Defaults to ``2``.
         pin_memory (bool, optional): allocate the receive staging buffer in pinned memory
@@ -147,6 +149,8 @@ class AsyncEnvPool:
             spec_adapter.close()
         self.observation_keys = list(spec_adapter.obs_keys)
         self.action_keys = list(response)
+        if callable(policy_output_spec):
+            policy_output_spec = policy_output_spec(dict(request), dict(response))
         outputs = _check_policy_outputs(policy_output_spec, request, response)
         recurrent = _check_recurrent(recurrent_state, outputs, request)
         for hidden_in, hidden_out in recurrent.items():
@@ -159,6 +163,8 @@ class AsyncEnvPool:
 
         self._arena = Arena.create(self.layout)
         self._chunks = None
+        if callable(transition_chunk_size):
+            transition_chunk_size = transition_chunk_size(self.layout)
         if transition_chunk_size is not None:
             self._chunks = ChunkBuffers(self.layout, transition_chunk_size, chunks_per_env)
         self._consumer = Doorbell()

@@ -123,6 +123,31 @@ class SlotConsumer:
             ready = np.sort(ready[oldest])
         return self._lease(ready, max_get, waited)
 
+    def wait_ready(self, count: int = 1, timeout: float | None = None) -> int:
+        """Blocks until ``count`` records are ready or ``timeout`` passes; leases nothing.
+
+        Returns how many records are ready. Lets a serving loop wait for work in long,
+        interruptible steps and then start its (short) flush deadline from the first record.
+        """
+        if self.error is not None:
+            raise self.error
+        deadline = None if timeout is None else time.monotonic() + timeout
+        state = self.arena.state
+        while True:
+            self._bell.drain()
+            ready = int((state == S.OBS_READY).sum())
+            if ready >= count:
+                return ready
+            if (state == S.ERROR).any():
+                self.raise_worker_errors()
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return ready
+            wait_ms = None if deadline is None else max(0, math.ceil((deadline - now) * 1000.0))
+            for fd, _ in self._poller.poll(wait_ms):
+                if fd != self._bell.fd:
+                    self.raise_worker_errors()
+
     def _lease(self, ready: np.ndarray, max_get, waited: float) -> TensorDictBase:
         b = int(ready.size)
         now = time.monotonic()

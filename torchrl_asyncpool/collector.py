@@ -1,0 +1,444 @@
+"""AsyncPoolCollector: TorchRL's AsyncBatchedCollector over the v2 exchange."""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torchrl.collectors import AsyncBatchedCollector
+from torchrl.collectors._base import BaseCollector
+from torchrl.envs.utils import ExplorationType, set_exploration_type
+
+from torchrl_asyncpool.collector_server import PolicyLoop, derive_policy_outputs
+from torchrl_asyncpool.pool import AsyncEnvPool
+
+__all__ = ["AsyncPoolCollector"]
+
+_ENV_IDX_KEY = "env_index"
+# Chunk memory ceiling for transition_chunk_size="auto": pixel envs would otherwise pin GBs.
+_AUTO_CHUNK_BYTES = 256 * 2**20
+_AUTO_MIN_CHUNK = 64
+
+# TorchRL keywords whose only meaningful values are what this collector always does.
+_ACCEPTED_AS_IS = {
+    "backend": (None, "multiprocessing"),
+    "env_backend": (None, "multiprocessing"),
+    "env_exchange": ("auto", "shm"),
+    "transport": (None, "auto"),
+    "policy_backend": (None, "threading", "multiprocessing"),
+    "reset_at_each_iter": (False,),
+    "weight_sync": (None,),
+    "weight_sync_model_id": ("policy",),
+    "worker_affinity": (None,),
+    "driver_affinity": (None,),
+}
+
+
+class AsyncPoolCollector(AsyncBatchedCollector):
+    """A drop-in :class:`~torchrl.collectors.AsyncBatchedCollector` on the v2 shared-memory exchange.
+
+    Env workers (:class:`~torchrl_asyncpool.AsyncEnvPool`, worker-owned autoreset) publish
+    records into slots; a central policy loop batches whatever is ready (deadline batch
+    former) and answers; each worker assembles its envs' transitions into dense per-env
+    chunks in shared memory, and the driver concatenates them into exactly
+    ``frames_per_batch`` transitions in TorchRL's layout (root observation, action, policy
+    outputs, ``("next", obs..., "reward", "done", "terminated", "truncated")``,
+    ``"env_index"``, ``"policy_version"``). Nothing crosses a pipe on the data path.
+
+    Args:
+        create_env_fn (list of callables): one factory per env, returning a TorchRL
+            :class:`~torchrl.envs.EnvBase` (batch size ``()``) or a plain
+            :class:`gymnasium.Env` (fast path, no TensorDict work per step in the worker).
+
+    Keyword Args:
+        policy (callable, optional): a ``TensorDict -> TensorDict`` policy (e.g. a
+            :class:`~tensordict.nn.TensorDictModule`) writing the action keys. Mutually
+            exclusive with ``policy_factory``.
+        policy_factory (callable, optional): zero-argument callable returning the policy.
+        frames_per_batch (int): transitions per yielded batch (exact).
+        total_frames (int, optional): total transitions over the collector's life; ``-1``
+            (default) is endless.
+        replay_buffer (ReplayBuffer, optional): each batch is written with one ``extend``
+            and iteration yields ``None``; :meth:`start` collects in the background.
+        postproc (callable, optional): applied to each batch before it is yielded/written.
+        yield_completed_trajectories (bool, optional): yield one completed trajectory per
+            iteration instead of fixed-size batches.
+        max_batch_size (int, optional): largest inference batch (``max_get``). Defaults to
+            the number of envs.
+        min_batch_size (int, optional): smallest inference batch (``min_get``). Defaults to 1.
+        server_timeout (float, optional): inference flush deadline in seconds: a batch is
+            run when ``max_batch_size`` records are ready OR the deadline passes. Defaults
+            to ``0.001``.
+        server_config (InferenceServerConfig, optional): TorchRL's structured server
+            configuration; its ``max_batch_size``, ``min_batch_size`` and ``timeout`` are
+            used. Mutually exclusive with the three keywords above.
+        device (torch.device or str, optional), device_config (InferenceDeviceConfig, optional):
+            where the policy runs; batches are stored on CPU unless
+            ``device_config.storing_device`` says otherwise.
+        policy_version_key (NestedKey, optional): key stamping every transition with the
+            version of the policy that acted; ``None`` disables it. Defaults to
+            ``"policy_version"``.
+        policy_version (int, optional): initial version. Defaults to 0.
+        exploration_type (ExplorationType, optional): under which the policy acts.
+        create_env_kwargs (dict or list of dicts, optional): factory keyword arguments.
+        envs_per_worker (int or "auto", optional): envs hosted by one worker process.
+            ``"auto"`` (default) times the env: cheap CPU-bound envs are grouped about one
+            worker per core, blocking envs get a process each.
+        transition_chunk_size (int or "auto", optional): consecutive transitions per
+            chunk. ``"auto"`` (default): ``max(64, frames_per_batch // num_envs)``, at most
+            ``frames_per_batch``, and small enough that the chunk buffers stay under 256 MiB.
+        post_collect_hook (callable, optional): called with each batch before it is yielded.
+        verbose (bool, optional): print start-up and shutdown timings.
+
+    TorchRL keywords that select what this collector always does (``env_backend=
+    "multiprocessing"``, ``transport="auto"``, ...) are accepted; any other value of them, or
+    a keyword that has no meaning here, raises :class:`ValueError` instead of being ignored.
+
+    Examples:
+        >>> import torch.nn as nn
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl_asyncpool import AsyncPoolCollector
+        >>> from torchrl_asyncpool.testing import ZeroLatencyEnv
+        >>> policy = TensorDictModule(nn.Linear(4, 1), in_keys=["observation"], out_keys=["score"])
+        >>> def act(td):
+        ...     policy(td)
+        ...     return td.set("action", (td["score"].squeeze(-1) > 0).long())
+        >>> collector = AsyncPoolCollector([ZeroLatencyEnv] * 4, policy=act, frames_per_batch=64, total_frames=128)
+        >>> for batch in collector:
+        ...     print(batch.shape, batch["next", "reward"].shape)
+        torch.Size([64]) torch.Size([64, 1])
+        torch.Size([64]) torch.Size([64, 1])
+        >>> collector.shutdown()
+    """
+
+    def __init__(
+        self,
+        create_env_fn: Sequence[Callable],
+        *,
+        policy: Callable | None = None,
+        policy_factory: Callable[[], Callable] | None = None,
+        frames_per_batch: int,
+        total_frames: int = -1,
+        max_batch_size: int | None = None,
+        min_batch_size: int | None = None,
+        server_timeout: float | None = None,
+        device: torch.device | str | None = None,
+        postproc: Callable | None = None,
+        exploration_type: ExplorationType = ExplorationType.RANDOM,
+        replay_buffer=None,
+        post_collect_hook: Callable | None = None,
+        yield_completed_trajectories: bool = False,
+        verbose: bool = False,
+        create_env_kwargs=None,
+        server_config=None,
+        device_config=None,
+        policy_version: int = 0,
+        policy_version_key="policy_version",
+        envs_per_worker: int | str = "auto",
+        transition_chunk_size: int | str = "auto",
+        **torchrl_kwargs,
+    ):
+        BaseCollector.__init__(self, post_collect_hook=post_collect_hook)
+        self._pool = None
+        self._loop = None
+        self._closed = False
+        for name, value in torchrl_kwargs.items():
+            if name not in _ACCEPTED_AS_IS:
+                raise ValueError(f"AsyncPoolCollector got an unknown keyword argument {name!r}.")
+            if value not in _ACCEPTED_AS_IS[name]:
+                raise ValueError(
+                    f"AsyncPoolCollector does not support {name}={value!r}: env workers are always processes on "
+                    f"the shared-memory exchange with a central policy loop (accepted: {_ACCEPTED_AS_IS[name]})."
+                )
+        if (policy is None) == (policy_factory is None):
+            raise ValueError("Pass exactly one of policy= or policy_factory=.")
+        if not isinstance(frames_per_batch, int) or isinstance(frames_per_batch, bool) or frames_per_batch < 1:
+            raise ValueError(f"frames_per_batch must be a positive int, got {frames_per_batch!r}.")
+        if not isinstance(total_frames, int) or (total_frames < 1 and total_frames != -1):
+            raise ValueError(f"total_frames must be -1 (endless) or a positive int, got {total_frames!r}.")
+        if server_config is not None and any(v is not None for v in (max_batch_size, min_batch_size, server_timeout)):
+            raise ValueError("server_config is mutually exclusive with max_batch_size, min_batch_size and server_timeout.")
+        if server_config is not None:
+            max_batch_size = getattr(server_config, "max_batch_size", None)
+            min_batch_size = getattr(server_config, "min_batch_size", None)
+            server_timeout = getattr(server_config, "timeout", None)
+        if device_config is not None and device is not None:
+            raise ValueError("device is mutually exclusive with device_config.")
+        policy_device = getattr(device_config, "policy_device", None) if device_config is not None else device
+        self._storing_device = getattr(device_config, "storing_device", None) if device_config is not None else None
+        self._policy = policy
+        self._policy_factory = policy_factory
+        self.frames_per_batch = frames_per_batch
+        self.total_frames = total_frames
+        self.replay_buffer = replay_buffer
+        self._postproc = postproc
+        self.yield_completed_trajectories = yield_completed_trajectories
+        self.verbose = verbose
+        self.policy_version_key = policy_version_key
+        self.exploration_type = exploration_type
+        self._num_envs = len(create_env_fn)
+        self._frames = 0
+        self._iter = -1
+        self._iteration_started = False
+        self._iteration_lock = threading.Lock()
+        self._replay_lock = threading.Lock()
+        self._pause_lock = threading.Lock()
+        self._shutdown_event = threading.Event()
+        self._replay_thread = None
+        self._replay_error = None
+        self._traj_parts: dict[int, list] = {}
+        self._trajectories: deque = deque()
+        self._server_backend = "thread"
+
+        t0 = time.monotonic()
+        acting_policy = policy if policy is not None else policy_factory()
+        if policy_device is not None and isinstance(acting_policy, torch.nn.Module):
+            acting_policy = acting_policy.to(policy_device)
+        self._acting_policy = acting_policy
+        self._policy_device = torch.device(policy_device) if policy_device is not None else None
+        self._pool = AsyncEnvPool(
+            create_env_fn,
+            create_env_kwargs=create_env_kwargs,
+            envs_per_worker=envs_per_worker,
+            policy_output_spec=lambda request, actions: derive_policy_outputs(
+                acting_policy, request, actions, policy_version_key, exploration_type, self._policy_device
+            ),
+            transition_chunk_size=lambda layout: _auto_chunk(transition_chunk_size, layout, frames_per_batch),
+        )
+        self._loop = PolicyLoop(
+            self._pool,
+            acting_policy,
+            max_get=max_batch_size,
+            min_get=min_batch_size or 1,
+            timeout=0.001 if server_timeout is None else server_timeout,
+            exploration_type=exploration_type,
+            policy_version_key=policy_version_key,
+            policy_version=policy_version,
+            device=self._policy_device,
+        )
+        self._loop.start()
+        self.startup_time_s = time.monotonic() - t0
+        if verbose:
+            print(f"AsyncPoolCollector: {self._num_envs} envs in {self._pool.num_workers} workers "
+                  f"started in {self.startup_time_s:.2f}s")
+
+    # -- TorchRL collector surface ----------------------------------------------------------
+    @property
+    def env(self) -> AsyncEnvPool:
+        """The underlying :class:`~torchrl_asyncpool.AsyncEnvPool`."""
+        return self._pool
+
+    @property
+    def server_backend(self) -> str:
+        """Where the policy runs: ``"thread"``."""
+        return self._server_backend
+
+    @property
+    def policy(self) -> Callable:
+        """The policy (or ``policy_factory`` when one was given)."""
+        return self._policy if self._policy is not None else self._policy_factory
+
+    @property
+    def policy_version(self) -> int:
+        """The version stamped on new transitions (bumped by :meth:`update_policy_weights_`)."""
+        return self._loop.policy_version
+
+    def server_stats(self, *, reset: bool = False) -> dict:
+        """Inference statistics: batches/s, mean batch size, inference and queueing time."""
+        return self._loop.stats(reset=reset)
+
+    def pool_metrics(self, reset: bool = False) -> dict:
+        """The exchange's health metrics (see :meth:`AsyncEnvPool.metrics`)."""
+        return self._pool.metrics(reset=reset)
+
+    def update_policy_weights_(self, policy_or_weights=None, *, weights=None, policy=None, **kwargs) -> None:
+        """Makes the acting policy use new weights and bumps the policy version.
+
+        Accepts a module, a TensorDict of parameters (``TensorDict.from_module``) or a state
+        dict; with no argument, the acting policy is assumed to be the trained module itself
+        and only the version is bumped.
+        """
+        source = policy_or_weights if policy_or_weights is not None else (weights if weights is not None else policy)
+        self._loop.update_weights(source)
+
+    def _ensure_started(self) -> None:
+        if self._closed:
+            raise RuntimeError("AsyncPoolCollector was shut down.")
+
+    @contextlib.contextmanager
+    def pause(self, timeout: float | None = 30.0) -> Iterator[None]:
+        """Parks the policy loop (no new actions; workers idle) while the context is open."""
+        if not self._pause_lock.acquire(blocking=False):
+            raise RuntimeError("AsyncPoolCollector is already paused.")
+        try:
+            with self._replay_lock:
+                self._loop.pause(timeout)
+                try:
+                    yield None
+                finally:
+                    self._loop.resume()
+        finally:
+            self._pause_lock.release()
+
+    # -- data path --------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._shutdown_event.is_set():
+            raise _Stopped()
+        self._loop.check()
+
+    def _take(self, frames: int) -> TensorDictBase:
+        while True:
+            td = self._pool.take_transitions(frames, timeout=0.1, check=self._check)
+            if td is not None:
+                return td
+            self._check()
+
+    def _rollout_frames(self) -> TensorDictBase:
+        frames = self.frames_per_batch
+        if self.total_frames >= 0:
+            frames = min(frames, self.total_frames - self._frames)
+        return self._take(frames)
+
+    def _rollout_yield_trajs(self) -> TensorDictBase:
+        piece = max(1, min(self.frames_per_batch, self._pool._chunks.chunk_size))
+        while not self._trajectories:
+            td = self._take(piece)
+            env_index = td.get(_ENV_IDX_KEY)
+            done = td.get(("next", "done")).reshape(piece, -1).any(-1)
+            for e in torch.unique(env_index).tolist():
+                rows = (env_index == e).nonzero().squeeze(-1)
+                part, ends = td[rows], done[rows].nonzero().squeeze(-1).tolist()
+                start = 0
+                for end in ends:
+                    self._traj_parts.setdefault(e, []).append(part[start : end + 1])
+                    self._trajectories.append(torch.cat(self._traj_parts.pop(e), 0))
+                    start = end + 1
+                if start < part.shape[0]:
+                    self._traj_parts.setdefault(e, []).append(part[start:])
+        return self._trajectories.popleft()
+
+    @property
+    def rollout(self) -> Callable[[], TensorDictBase]:
+        return self._rollout_yield_trajs if self.yield_completed_trajectories else self._rollout_frames
+
+    def start(self) -> None:
+        """Collects into ``replay_buffer`` in a background thread until ``total_frames``."""
+        if self.replay_buffer is None:
+            raise RuntimeError("Background collection requires a replay_buffer.")
+        if self._replay_thread is not None or self._iteration_lock.locked():
+            raise RuntimeError("The collector is already collecting.")
+        self._ensure_started()
+        self._replay_error = None
+        self._replay_thread = threading.Thread(target=self._run_replay, name="AsyncPoolCollector-replay", daemon=True)
+        self._replay_thread.start()
+
+    def _run_replay(self) -> None:
+        try:
+            for _ in self.iterator():
+                pass
+        except Exception as exc:  # noqa: BLE001 - surfaced by shutdown()/check_errors()
+            self._replay_error = exc
+
+    def check_errors(self) -> None:
+        """Raises the background writer's error, if :meth:`start` collection failed."""
+        if self._replay_error is not None:
+            raise RuntimeError("Background replay collection failed.") from self._replay_error
+
+    def iterator(self) -> Iterator[TensorDictBase | None]:
+        """Iterates over collected batches (``None`` per batch with a replay buffer)."""
+        if self._replay_thread is not None and threading.current_thread() is not self._replay_thread:
+            raise RuntimeError("Background collection owns the collector iterator.")
+        self._ensure_started()
+        if not self._iteration_lock.acquire(blocking=False):
+            raise RuntimeError("The collector is already collecting.")
+        try:
+            total = self.total_frames
+            while (total < 0 or self._frames < total) and not self._shutdown_event.is_set():
+                self._iter += 1
+                try:
+                    td = self.rollout()
+                except _Stopped:
+                    return
+                with self._replay_lock:
+                    if self._storing_device is not None:
+                        td = td.to(self._storing_device)
+                    self._frames += td.numel()
+                    if self._postproc is not None:
+                        td = self._postproc(td)
+                    if self.post_collect_hook is not None:
+                        self.post_collect_hook(td)
+                    if self.replay_buffer is not None:
+                        self.replay_buffer.extend(td)
+                        td = None
+                yield td
+        finally:
+            self._iteration_lock.release()
+
+    def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None:
+        """Stops the background writer, the policy loop and the env workers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._shutdown_event.set()
+        t0 = time.monotonic()
+        timeout = 5.0 if timeout is None else timeout
+        thread = self._replay_thread
+        if thread is not None:
+            thread.join(timeout)
+        if self._loop is not None:
+            self._loop.stop(timeout=max(0.1, timeout - (time.monotonic() - t0)))
+        if close_env and self._pool is not None:
+            self._pool.close(timeout=max(0.1, min(1.0, timeout - (time.monotonic() - t0))))
+        self.shutdown_time_s = time.monotonic() - t0
+        if self.verbose:
+            print(f"AsyncPoolCollector: shut down in {self.shutdown_time_s:.2f}s")
+        if raise_on_error:
+            if thread is not None and thread.is_alive():
+                raise TimeoutError("The replay writer did not stop before shutdown timed out.")
+            self.check_errors()
+
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        """No-op (envs are built inside worker processes); returns ``seed``."""
+        return seed
+
+    def state_dict(self) -> OrderedDict:
+        return OrderedDict(frames=self._frames, policy_version=self.policy_version)
+
+    def load_state_dict(self, state_dict: OrderedDict) -> None:
+        self._frames = int(state_dict.get("frames", self._frames))
+
+    def __del__(self) -> None:
+        if getattr(self, "_pool", None) is not None and not getattr(self, "_closed", True):
+            try:
+                self.shutdown(timeout=2.0, raise_on_error=False)
+            except Exception:  # noqa: BLE001 - interpreter teardown
+                pass
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(num_envs={self._num_envs}, frames_per_batch={self.frames_per_batch}, "
+                f"total_frames={self.total_frames}, frames={self._frames})")
+
+
+class _Stopped(Exception):
+    """Internal: shutdown interrupted a blocked rollout."""
+
+
+def _auto_chunk(value, layout, frames_per_batch) -> int:
+    n = layout.num_slots
+    if value != "auto":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"transition_chunk_size must be a positive int or 'auto', got {value!r}.")
+        return value
+    from torchrl_asyncpool.delivery.chunks import transition_fields
+
+    per_transition = sum(
+        math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        for shape, dtype in transition_fields(layout).values()
+    )
+    cap = max(1, _AUTO_CHUNK_BYTES // (2 * n * max(per_transition, 1)))
+    return max(1, min(max(_AUTO_MIN_CHUNK, frames_per_batch // n), frames_per_batch, cap))

@@ -1,0 +1,255 @@
+"""The serving loop: wait for a flush -> recv -> split by batch key -> stage -> policy -> send.
+
+The same loop runs in a thread of the caller (``mode="thread"``) and in a server process
+(``mode="process"``). It owns one :class:`~torchrl_asyncpool.exchange.consumer.SlotConsumer`
+and nothing per env: recurrent state travels in the slots.
+
+Flush rule. A batch is taken when at least ``min_get`` records are ready and either the
+flush size is reached (``max_get``, or in self-sizing mode a fraction of the slots in
+flight) or the oldest ready record has waited ``timeout`` seconds. The deadline runs from
+when a record became ready (its slot's ``ready_time``), not from when the server started
+waiting, so a record that arrived while the policy was busy is not made to wait twice.
+Everything ready (up to the cap) is then leased in one ``recv`` and split by key.
+"""
+from __future__ import annotations
+
+import math
+import select
+import time
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from torchrl_asyncpool.exchange import slot_states as S
+from torchrl_asyncpool.exchange.doorbell import Doorbell
+from torchrl_asyncpool.inference._common import ServerSpec, auto_threshold
+from torchrl_asyncpool.inference._runner import KeyRunner, PolicyFailure, format_exc
+
+__all__ = ["ServingLoop"]
+
+
+class _Flight:
+    __slots__ = ("runner", "pending", "env_idx", "rows", "batch")
+
+    def __init__(self, runner, pending, env_idx, rows, batch):
+        self.runner, self.pending, self.env_idx, self.rows, self.batch = runner, pending, env_idx, rows, batch
+
+
+class ServingLoop:
+    """See the module docstring.
+
+    Args:
+        consumer (SlotConsumer): the pool's consumer (this loop is its only user).
+        runners (list of KeyRunner): one per batch key, indexed like ``spec.plans``.
+        spec (ServerSpec): validated configuration.
+        stats (StatsBlock): where the loop adds its sums.
+        weights: ``LocalWeights`` or ``SharedWeights`` (polled before each batch).
+        stop_fds (list of int): descriptors whose readability (or hang-up) means stop.
+        on_batch (callable, optional): ``on_batch(name, request, response)`` after each send.
+    """
+
+    def __init__(self, consumer, runners: List[KeyRunner], spec: ServerSpec, stats, weights, stop_fds, on_batch=None):
+        self.consumer = consumer
+        self.runners = runners
+        self.by_name = {r.plan.name: (k, r) for k, r in enumerate(runners)}
+        self.spec = spec
+        self.stats = stats
+        self.weights = weights
+        self.on_batch = on_batch
+        arena = consumer.arena
+        self.state, self.ready_time, self.lease_time = arena.state, arena.ready_time, arena.lease_time
+        self.num_envs = n = consumer.num_envs
+        self.slot_key = np.asarray(spec.slot_key, dtype=np.int64)
+        self.single_key = len(runners) == 1
+        self.min_get = spec.min_get
+        self.max_get = None if spec.max_get is None else min(spec.max_get, n)
+        self.cap = self.max_get if self.max_get is not None else n
+        self.timeout = float(spec.timeout)
+        self.overlap = bool(spec.overlap)
+        self.version_key = spec.policy_version_key if spec.stamp_version else None
+        self._version_bufs = [torch.zeros(max(len(r.plan.slots), 1), dtype=torch.int64) for r in runners]
+        self._bell = Doorbell(consumer.handle.consumer_bell.fd)  # not closed here: the handle owns it
+        self._stop_fds = set(stop_fds)
+        self._sentinels = {s.fd for s in consumer.handle.worker_sentinels}
+        self._poller = select.poll()
+        for fd in [self._bell.fd, *self._stop_fds, *self._sentinels]:
+            self._poller.register(fd, select.POLLIN)
+        self._stop_poller = select.poll()
+        for fd in self._stop_fds:
+            self._stop_poller.register(fd, select.POLLIN)
+        self._waited = 0.0
+        self.current_key = None
+
+    # -- flush rule -------------------------------------------------------------------------
+    def _scan(self):
+        st = self.state
+        ready = st == S.OBS_READY
+        n = int(np.count_nonzero(ready))
+        if (st == S.ERROR).any():
+            self.consumer.raise_worker_errors()
+        if self.max_get is not None:
+            threshold = self.max_get
+        else:
+            live = n + int(np.count_nonzero(st == S.ACTION_READY))
+            threshold = auto_threshold(live, self.min_get, self.spec.flush_fraction)
+        return ready, n, threshold
+
+    def _due(self, now):
+        """``(flush now?, seconds until the deadline or None)``."""
+        ready, n, threshold = self._scan()
+        if n < self.min_get:
+            return False, None
+        if n >= threshold:
+            return True, 0.0
+        due = float(self.ready_time[ready].min()) + self.timeout
+        return (now >= due), max(0.0, due - now)
+
+    def wait_flush(self) -> bool:
+        """Blocks until a batch is due (``True``) or a stop was requested (``False``)."""
+        t0 = time.monotonic()
+        while True:
+            self._bell.drain()  # before the scan: a ring after it wakes the poll below
+            now = time.monotonic()
+            flush, remaining = self._due(now)
+            if flush:
+                self._waited = now - t0
+                return True
+            wait_ms = None if remaining is None else max(1, int(math.ceil(remaining * 1000.0)))
+            for fd, _ in self._poller.poll(wait_ms):
+                if fd in self._stop_fds:
+                    return False
+                if fd in self._sentinels:
+                    self.consumer.raise_worker_errors()
+
+    def _stop_requested(self) -> bool:
+        return bool(self._stop_poller.poll(0))
+
+    # -- the loop ---------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Serves until a stop is requested; raises on a policy or pool failure."""
+        inflight: List[_Flight] = []
+        try:
+            while True:
+                if not inflight:
+                    if not self.wait_flush():
+                        return
+                    self._recv_and_launch(inflight)
+                    continue
+                # A batch is on the device: form the next one now if it is due, then answer.
+                previous = list(inflight)
+                if not self._stop_requested():
+                    self._bell.drain()
+                    if self._due(time.monotonic())[0]:
+                        self._waited = 0.0
+                        self._recv_and_launch(inflight)
+                for flight in previous:
+                    if flight in inflight:
+                        inflight.remove(flight)
+                        self._finish(flight)
+                if self._stop_requested() and inflight:
+                    for flight in list(inflight):
+                        inflight.remove(flight)
+                        self._finish(flight)
+        finally:
+            self.current_key = None
+
+    def _apply_weights(self):
+        for name, flat, version in self.weights.poll():
+            k, runner = self.by_name[name]
+            self.current_key = runner.key
+            runner.apply_weights(flat, version)
+            self.stats.set_version(k, version)
+            self.stats.record_update()
+            mark = getattr(self.weights, "mark_applied", None)
+            if mark is not None:
+                mark(name, version)
+
+    def _recv_and_launch(self, inflight: List[_Flight]) -> None:
+        self._apply_weights()
+        td = self.consumer.recv(min_get=1, max_get=self.cap, timeout=0)
+        idx = td.env_indices.numpy().copy()  # the staging buffer is reused by the next recv
+        queue = float((self.lease_time[idx] - self.ready_time[idx]).sum())
+        self.stats.record_recv(self._waited, queue)
+        if self.single_key:
+            groups = [(0, None, idx)]
+        else:
+            keys = self.slot_key[idx]
+            groups = []
+            for k in np.unique(keys):
+                sel = np.flatnonzero(keys == k)
+                groups.append((int(k), torch.from_numpy(sel), idx[sel]))
+        for k, rows, env_idx in groups:
+            runner = self.runners[k]
+            total, step = len(env_idx), runner.plan.max_rows
+            for start in range(0, total, step):
+                end = min(start + step, total)
+                if total > step:
+                    chunk_rows = rows[start:end] if rows is not None else torch.arange(start, end)
+                else:
+                    chunk_rows = rows
+                # at most two batches of one key in flight (double buffering)
+                mine = [f for f in inflight if f.runner is runner]
+                while len(mine) >= 2:
+                    oldest = mine.pop(0)
+                    inflight.remove(oldest)
+                    self._finish(oldest)
+                self.current_key = runner.key
+                try:
+                    pending = runner.launch(td, chunk_rows, end - start)
+                except Exception as exc:  # noqa: BLE001 - reported with the key
+                    raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
+                flight = _Flight(runner, pending, env_idx[start:end], chunk_rows, td)
+                if self.overlap:
+                    inflight.append(flight)
+                else:
+                    self._finish(flight)
+
+    def _finish(self, flight: _Flight) -> None:
+        runner, pending = flight.runner, flight.pending
+        self.current_key = runner.key
+        try:
+            outputs = runner.finish(pending)
+        except Exception as exc:  # noqa: BLE001
+            raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
+        b = pending.b
+        k = self.by_name[runner.plan.name][0]
+        if self.version_key is not None:
+            buf = self._version_bufs[k]
+            if buf.numel() < b:
+                buf = self._version_bufs[k] = torch.zeros(b, dtype=torch.int64)
+            outputs[self.version_key] = buf[:b].fill_(pending.version)
+        env_idx = torch.from_numpy(flight.env_idx)
+        now = time.monotonic()
+        service = float(now * b - self.ready_time[flight.env_idx].sum())  # read before send frees the slot
+        try:
+            self.consumer.send(_nest(outputs), env_idx)
+        except ValueError as exc:
+            raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
+        self.stats.record_batch(k, b, pending.bucket, time.perf_counter() - pending.t_launch, service)
+        if self.on_batch is not None:
+            from tensordict import TensorDict
+
+            request = runner.request_view(pending, flight.batch, flight.rows)
+            response = TensorDict(_nest(outputs), batch_size=[b])
+            self.on_batch(runner.plan.name, request, response)
+
+
+def _failure_text(runner, exc) -> str:
+    return (
+        f"policy {runner.plan.name!r} (batch key {runner.key}) failed while serving: "
+        f"{type(exc).__name__}: {exc}"
+    )
+
+
+def _nest(outputs: dict) -> dict:
+    out = {}
+    for key, value in outputs.items():
+        if isinstance(key, tuple) and len(key) > 1:
+            d = out
+            for part in key[:-1]:
+                d = d.setdefault(part, {})
+            d[key[-1]] = value
+        else:
+            out[key[0] if isinstance(key, tuple) else key] = value
+    return out

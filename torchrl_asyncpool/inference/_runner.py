@@ -1,0 +1,380 @@
+"""One batch key's execution path: staging, padding to a bucket, the policy call, outputs.
+
+CPU: rows are gathered into a host staging batch of the largest bucket, padded by repeating
+the first valid row, run through the policy, and the first ``b`` output rows are returned.
+
+CUDA (``torch.cuda.is_available()`` and a CUDA device): two pinned host staging batches
+(double buffering: batch N+1 is gathered while batch N runs), one asynchronous host-to-device
+copy per leaf on a dedicated copy stream, the policy (or the CUDA graph captured for that
+bucket) on a compute stream, and an asynchronous device-to-host copy of the valid output rows
+into pinned host buffers guarded by one event per batch.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from torchrl_asyncpool.inference._common import KeyPlan, key_repr, pick_bucket
+
+__all__ = ["KeyRunner", "PolicyFailure"]
+
+VALID_MASK = "valid_mask"
+ENV_INDEX = "env_index"
+
+
+class PolicyFailure(Exception):
+    """Raised by a runner when the policy (or its outputs) failed; carries the key and traceback."""
+
+    def __init__(self, key, message, tb=""):
+        super().__init__(message)
+        self.key = key
+        self.message = message
+        self.tb = tb
+
+
+@dataclass
+class Pending:
+    parity: int
+    b: int
+    bucket: int
+    version: int
+    outputs: Optional[Dict] = None  # CPU: ready outputs; CUDA: None until finish
+    t_launch: float = 0.0
+
+
+def _zeros_td(fields, rows, device, pin=False):
+    td = TensorDict({}, batch_size=[rows])
+    for key, shape, dtype in fields:
+        t = torch.zeros((rows, *shape), dtype=dtype)
+        td.set(key, t.pin_memory() if pin else t)
+    if device.type != "cpu":
+        td = td.to(device)
+    return td
+
+
+class KeyRunner:
+    """Serves one batch key (see the module docstring).
+
+    Args:
+        plan (KeyPlan): name, hash, slots and bucket ladder of the key.
+        policy (callable): ``TensorDict -> TensorDict`` (or ``None``, writing in place).
+        request_fields (list): ``(key, shape, dtype)`` of every request leaf the pool provides.
+        response_fields (list): ``(key, shape, dtype)`` the policy must write.
+        device (torch.device): where the policy runs.
+        cuda_graphs (bool): capture one CUDA graph per bucket (CUDA only).
+        cuda_ctx (CudaContext, optional): shared streams (CUDA only).
+        recurrent (dict): ``{hidden_in: hidden_out}`` keys, for clearer start-up errors.
+    """
+
+    def __init__(self, plan: KeyPlan, policy, request_fields, response_fields, *, device, cuda_graphs=False,
+                 cuda_ctx=None, recurrent=None):
+        self.plan = plan
+        self.key = plan.key
+        self.policy = policy
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.cuda_ctx = cuda_ctx
+        self.recurrent = dict(recurrent or {})
+        self.request_fields = list(request_fields) + [((ENV_INDEX,), (), torch.int64)]
+        self.input_fields = self.request_fields + [((VALID_MASK,), (), torch.bool)]
+        self.response_fields = list(response_fields)
+        self.response_keys = [k for k, _, _ in self.response_fields]
+        self.buckets = plan.buckets
+        rows = plan.max_rows
+        self.version = 0
+        self._parity = 0
+        nbuf = 2 if self.cuda else 1
+        self._host = [_zeros_td(self.input_fields, rows, torch.device("cpu"), pin=self.cuda) for _ in range(nbuf)]
+        self._host_leaves = [[(k, h.get(k)) for k, _, _ in self.request_fields] for h in self._host]
+        self._host_mask = [h.get(VALID_MASK) for h in self._host]
+        self._views: List[Dict[int, TensorDictBase]] = [{} for _ in range(nbuf)]
+        self._ones = torch.ones(rows, dtype=torch.bool)
+        self._graphs: Dict[int, Tuple[torch.cuda.CUDAGraph, List[torch.Tensor]]] = {}
+        self.cuda_graphs = bool(cuda_graphs) and self.cuda
+        if self.cuda:
+            self._dev = self._host[0].to(self.device)
+            self._dev_leaves = [self._dev.get(k) for k, _, _ in self.input_fields]
+            self._host_all = [[h.get(k) for k, _, _ in self.input_fields] for h in self._host]
+            self._dev_views: Dict[int, TensorDictBase] = {}
+            self._host_out = [
+                {k: torch.zeros((rows, *shape), dtype=dtype).pin_memory() for k, shape, dtype in self.response_fields}
+                for _ in range(nbuf)
+            ]
+            self._h2d_done = [torch.cuda.Event() for _ in range(nbuf)]
+            self._d2h_done = [torch.cuda.Event() for _ in range(nbuf)]
+            self._inputs_free = torch.cuda.Event()
+            self._h2d_used = [False] * nbuf
+            self._inputs_used = False
+
+    # -- views ------------------------------------------------------------------------------
+    def _view(self, parity, rows) -> TensorDictBase:
+        view = self._views[parity].get(rows)
+        if view is None:
+            view = self._views[parity][rows] = self._host[parity][:rows]
+        return view
+
+    def _dev_view(self, rows) -> TensorDictBase:
+        view = self._dev_views.get(rows)
+        if view is None:
+            view = self._dev_views[rows] = self._dev[:rows]
+        return view
+
+    # -- the policy call --------------------------------------------------------------------
+    def _call(self, td: TensorDictBase) -> TensorDictBase:
+        out = self.policy(td)
+        if out is None:
+            out = td
+        if not isinstance(out, TensorDictBase):
+            raise TypeError(
+                f"policy {self.plan.name!r} returned {type(out).__name__}; a policy maps a TensorDict to a "
+                "TensorDict (or writes its outputs into the input and returns None)."
+            )
+        return out
+
+    def _outputs(self, out: TensorDictBase) -> List[torch.Tensor]:
+        values = []
+        for key in self.response_keys:
+            value = out.get(key, None)
+            if value is None:
+                raise KeyError(
+                    f"policy {self.plan.name!r} did not write {key_repr(key)!r}; it must write every action key and "
+                    f"declared policy output {[key_repr(k) for k in self.response_keys]}."
+                )
+            values.append(value)
+        return values
+
+    # -- start-up ---------------------------------------------------------------------------
+    def dry_run(self) -> None:
+        """Runs the policy once on a zero batch of the pool's request layout; raises ``ValueError``."""
+        name = self.plan.name
+        provided = {k for k, _, _ in self.input_fields}
+        in_keys = getattr(self.policy, "in_keys", None)
+        if in_keys is not None:
+            try:
+                wanted = [k if isinstance(k, tuple) else (k,) for k in in_keys]
+            except TypeError:
+                wanted = []
+            missing = [key_repr(k) for k in wanted if k not in provided]
+            if missing:
+                raise ValueError(
+                    f"policy {name!r} (batch key {self.key}) reads {missing}, which the pool's records do not "
+                    f"provide; available keys: {sorted(map(str, (key_repr(k) for k in provided)))}."
+                )
+        sizes = sorted({pick_bucket(self.buckets, 1), self.plan.max_rows})
+        for rows in sizes:
+            td = _zeros_td(self.input_fields, rows, self.device)
+            td.set(VALID_MASK, torch.ones(rows, dtype=torch.bool, device=self.device))
+            layout = ", ".join(f"{key_repr(k)!r}: {tuple(s)} {str(d).replace('torch.', '')}" for k, s, d in self.input_fields)
+            try:
+                with torch.no_grad():
+                    out = self._call(td)
+            except Exception as exc:  # noqa: BLE001 - re-raised with context
+                hint = ""
+                if self.recurrent:
+                    hint = (
+                        f" The pool carries recurrent state {self.recurrent} with shapes "
+                        f"{ {key_repr(k): tuple(s) for k, s, _ in self.request_fields if k in self._rec_in_keys()} }: "
+                        "check that they match the policy's hidden size."
+                    )
+                raise ValueError(
+                    f"policy {name!r} (batch key {self.key}) failed on a zero batch of {rows} records built from the "
+                    f"pool's request layout {{{layout}}}: {type(exc).__name__}: {exc}.{hint}"
+                ) from exc
+            for (key, shape, dtype) in self.response_fields:
+                value = out.get(key, None)
+                what = "recurrent state output" if key in self._rec_out_keys() else "declared action/policy output"
+                if value is None:
+                    raise ValueError(
+                        f"policy {name!r} (batch key {self.key}) does not write {what} {key_repr(key)!r}; "
+                        f"it wrote {sorted(map(str, (key_repr(k) for k in out.keys(True, True))))}."
+                    )
+                want = (rows, *shape)
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != want or value.dtype != dtype:
+                    got = f"shape {tuple(value.shape)} and dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise ValueError(
+                        f"policy {name!r} (batch key {self.key}) writes {what} {key_repr(key)!r} with {got} for a "
+                        f"batch of {rows}; the pool declares per-env shape {tuple(shape)} and dtype {dtype}, so "
+                        f"shape {want} is expected."
+                    )
+
+    def _rec_in_keys(self):
+        return {k if isinstance(k, tuple) else (k,) for k in self.recurrent}
+
+    def _rec_out_keys(self):
+        return {v if isinstance(v, tuple) else (v,) for v in self.recurrent.values()}
+
+    def capture_graphs(self) -> None:
+        """Captures one CUDA graph per bucket (CUDA with ``cuda_graphs=True`` only)."""
+        if not self.cuda_graphs:
+            return
+        ctx = self.cuda_ctx
+        for rows in self.buckets or (self.plan.max_rows,):
+            static_in = self._dev_view(rows)
+            static_in.get(VALID_MASK).fill_(True)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(ctx.compute)
+            with torch.cuda.stream(side), torch.no_grad():
+                for _ in range(2):
+                    self._call(static_in.copy())
+            ctx.compute.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.no_grad(), torch.cuda.graph(graph):
+                outs = self._outputs(self._call(static_in.copy()))
+            self._graphs[rows] = (graph, outs)
+        torch.cuda.synchronize(self.device)
+
+    # -- weights ----------------------------------------------------------------------------
+    def apply_weights(self, flat: Dict[str, torch.Tensor], version: int) -> None:
+        """Copies ``{dotted name: tensor}`` into the policy's parameters and buffers, in place."""
+        targets = named_tensors(self.policy)
+        missing = sorted(set(targets) - set(flat))
+        unknown = sorted(set(flat) - set(targets))
+        if unknown or missing:
+            raise KeyError(
+                f"weights for policy {self.plan.name!r} do not match its parameters: unknown {unknown[:8]}, "
+                f"missing {missing[:8]}."
+            )
+        stream = torch.cuda.stream(self.cuda_ctx.compute) if self.cuda else _nullcontext()
+        with torch.no_grad(), stream:
+            for name, dst in targets.items():
+                src = flat[name]
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise ValueError(
+                        f"weights for policy {self.plan.name!r}: {name!r} has shape {tuple(src.shape)}, "
+                        f"the policy's has {tuple(dst.shape)}."
+                    )
+                dst.copy_(src)
+        self.version = int(version)
+
+    # -- serving ----------------------------------------------------------------------------
+    def launch(self, batch: TensorDictBase, rows: Optional[torch.Tensor], b: int) -> Pending:
+        """Stages ``b`` records (``rows`` of ``batch``, or all) and starts the policy on them."""
+        t0 = time.perf_counter()
+        bucket = pick_bucket(self.buckets, b)
+        if not self.cuda and self.buckets is None and rows is None:
+            # Unpadded CPU fast path: the received batch is the policy input, no extra copy.
+            td = batch
+            td.set(VALID_MASK, self._ones[:b])
+            return Pending(0, b, b, self.version, self._run_cpu(td, b), t0)
+        parity = self._parity
+        if self.cuda:
+            self._parity ^= 1
+            if self._h2d_used[parity]:
+                self._h2d_done[parity].synchronize()  # host buffer still being read by an earlier copy
+        for key, dst in self._host_leaves[parity]:
+            src = batch.get(key)
+            if rows is None:
+                dst[:b].copy_(src)
+            else:
+                torch.index_select(src, 0, rows, out=dst[:b])
+            if bucket > b:
+                dst[b:bucket].copy_(dst[:1].expand_as(dst[b:bucket]))
+        mask = self._host_mask[parity]
+        mask[:b] = True
+        if bucket > b:
+            mask[b:bucket] = False
+        if not self.cuda:
+            return Pending(parity, b, bucket, self.version, self._run_cpu(self._view(parity, bucket).copy(), b), t0)
+        return self._launch_cuda(parity, b, bucket, t0)
+
+    def _run_cpu(self, td, b):
+        with torch.no_grad():
+            values = self._outputs(self._call(td))
+        return {k: v[:b] for k, v in zip(self.response_keys, values)}
+
+    def _launch_cuda(self, parity, b, bucket, t0) -> Pending:
+        ctx = self.cuda_ctx
+        host = self._host_all[parity]
+        with torch.cuda.stream(ctx.copy):
+            if self._inputs_used:
+                ctx.copy.wait_event(self._inputs_free)  # the previous forward has read the device inputs
+            for dst, src in zip(self._dev_leaves, host):
+                dst[:bucket].copy_(src[:bucket], non_blocking=True)
+            self._h2d_done[parity].record(ctx.copy)
+            self._h2d_used[parity] = True
+        with torch.cuda.stream(ctx.compute), torch.no_grad():
+            ctx.compute.wait_event(self._h2d_done[parity])
+            graph = self._graphs.get(bucket)
+            if graph is not None:
+                graph[0].replay()
+                values = graph[1]
+            else:
+                values = self._outputs(self._call(self._dev_view(bucket).copy()))
+            self._inputs_free.record(ctx.compute)
+            self._inputs_used = True
+            outs = self._host_out[parity]
+            for key, value in zip(self.response_keys, values):
+                outs[key][:b].copy_(value[:b], non_blocking=True)
+            self._d2h_done[parity].record(ctx.compute)
+        return Pending(parity, b, bucket, self.version, None, t0)
+
+    def finish(self, pending: Pending) -> Dict:
+        """Waits for a launched batch; returns ``{response key: host tensor [b]}``."""
+        if pending.outputs is not None:
+            return pending.outputs
+        self._d2h_done[pending.parity].synchronize()
+        outs = self._host_out[pending.parity]
+        return {k: outs[k][: pending.b] for k in self.response_keys}
+
+    def request_view(self, pending: Pending, batch: TensorDictBase, rows) -> TensorDictBase:
+        """The valid request rows of a launched batch (for ``on_batch`` hooks)."""
+        if not self.cuda and self.buckets is None and rows is None:
+            return batch
+        return self._view(pending.parity, pending.bucket)[: pending.b]
+
+
+class CudaContext:
+    """The streams shared by every key of a CUDA server."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.copy = torch.cuda.Stream(self.device)
+        self.compute = torch.cuda.Stream(self.device)
+
+
+def named_tensors(policy) -> Dict[str, torch.Tensor]:
+    """``{dotted name: tensor}`` of a module's parameters and buffers (empty for plain callables)."""
+    if not isinstance(policy, torch.nn.Module):
+        return {}
+    out = {}
+    for name, p in policy.named_parameters():
+        out[name] = p
+    for name, b in policy.named_buffers():
+        out[name] = b
+    return out
+
+
+def flatten_weights(weights) -> Dict[str, torch.Tensor]:
+    """Normalizes a module, a TensorDict (``TensorDict.from_module`` layout) or a state dict."""
+    if isinstance(weights, torch.nn.Module):
+        return {k: v.detach() for k, v in named_tensors(weights).items()}
+    if isinstance(weights, TensorDictBase):
+        flat = weights.flatten_keys(".")
+        return {k: flat.get(k).detach() if hasattr(flat.get(k), "detach") else flat.get(k) for k in flat.keys()}
+    if isinstance(weights, dict) or hasattr(weights, "items"):
+        out = {}
+        for k, v in weights.items():
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"weights[{k!r}] is {type(v).__name__}, expected a tensor.")
+            out[str(k)] = v.detach()
+        return out
+    raise TypeError(
+        f"weights must be an nn.Module, a TensorDict of parameters or a state dict, got {type(weights).__name__}."
+    )
+
+
+def format_exc() -> str:
+    return traceback.format_exc()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
