@@ -85,7 +85,8 @@ class KeyRunner:
         self.response_fields = list(response_fields)
         self.response_keys = [k for k, _, _ in self.response_fields]
         self.buckets = plan.buckets
-        rows = plan.max_rows
+        # staging rows: the bucket that holds the largest chunk (plan.max_rows records)
+        rows = self.staging_rows = pick_bucket(plan.buckets, plan.max_rows)
         self.version = 0
         self._parity = 0
         nbuf = 2 if self.cuda else 1
@@ -165,7 +166,7 @@ class KeyRunner:
                     f"policy {name!r} (batch key {self.key}) reads {missing}, which the pool's records do not "
                     f"provide; available keys: {sorted(map(str, (key_repr(k) for k in provided)))}."
                 )
-        sizes = sorted({pick_bucket(self.buckets, 1), self.plan.max_rows})
+        sizes = sorted({pick_bucket(self.buckets, 1), self.staging_rows})
         for rows in sizes:
             td = _zeros_td(self.input_fields, rows, self.device)
             td.set(VALID_MASK, torch.ones(rows, dtype=torch.bool, device=self.device))
@@ -213,7 +214,7 @@ class KeyRunner:
         if not self.cuda_graphs:
             return
         ctx = self.cuda_ctx
-        for rows in self.buckets or (self.plan.max_rows,):
+        for rows in [b for b in (self.buckets or (self.staging_rows,)) if b <= self.staging_rows]:
             static_in = self._dev_view(rows)
             static_in.get(VALID_MASK).fill_(True)
             side = torch.cuda.Stream(self.device)
