@@ -170,8 +170,8 @@ def test_send_wrong_action_raises_value_error_and_pool_stays_usable(envs_per_wor
         wrong = _bad(td)
         cases = [
             # (actions, substrings the message must contain)
-            (TensorDict({"act": wrong}, [b]), ["'action'"]),
-            ({"not_action": wrong}, ["'action'"]),
+            (TensorDict({"act": wrong}, [b]), ["'action'", "'act'"]),
+            ({"not_action": wrong}, ["'action'", "'not_action'"]),
             (TensorDict({"action": wrong.unsqueeze(-1)}, [b]), ["'action'", f"({b},)", f"({b}, 1)"]),
             ({"action": wrong.to(torch.float32)}, ["'action'", "torch.int64", "torch.float32"]),
             ({"action": wrong.to(torch.int32)}, ["'action'", "torch.int64", "torch.int32"]),
@@ -353,10 +353,61 @@ def test_env_raising_in_constructor_makes_pool_constructor_raise(envs_per_worker
         if pool is not None:
             pool.close()
     _assert_env_error(info.value, 2, "construction", "scripted failure constructing env 2")
-    # the workers that did start were stopped
+    _assert_no_new_children(before)
+
+
+def _assert_no_new_children(before):
+    """The workers that did start were stopped (and reaped) by the failed constructor."""
     _wait_until(lambda: not ({p.pid for p in mp.active_children()} - before), 3.0)
     leftover = {p.pid for p in mp.active_children()} - before
     assert not leftover, f"worker processes left after a failed start: {leftover}"
+    assert all(_proc_state(p) is None for p in leftover)
+
+
+@pytest.mark.parametrize("envs_per_worker", [1, 2])
+def test_env_raising_in_initial_reset_makes_pool_constructor_raise(envs_per_worker):
+    """Reset count 1 is the initial reset, done by the worker during start-up."""
+    before = {p.pid for p in mp.active_children()}
+    pool = None
+    try:
+        with pytest.raises(EnvError) as info:
+            pool = AsyncEnvPool(_factories(4, per_env={3: {"fail_on_reset": 1}}), envs_per_worker=envs_per_worker)
+    finally:
+        if pool is not None:
+            pool.close()
+    _assert_env_error(info.value, 3, "reset", "scripted failure on reset 1")
+    _assert_no_new_children(before)
+
+
+def _dying_factory_for(bad_index):
+    def make(env_id):
+        if env_id == bad_index and os.environ.get("_FAULTS_PARENT_PID") != str(os.getpid()):
+            os.kill(os.getpid(), signal.SIGKILL)  # only in the worker, not in the spec env
+        return OracleEnv(env_id=env_id)
+
+    return make
+
+
+@pytest.mark.xfail(
+    raises=EOFError,
+    strict=False,
+    reason="library bug: _await_ready treats a dead worker's pipe as 'has a message' (poll() is true at "
+    "EOF) and calls recv(), so EOFError escapes instead of WorkerDiedError (pool.py _await_ready)",
+)
+def test_worker_dying_during_start_up_makes_pool_constructor_raise(monkeypatch):
+    monkeypatch.setenv("_FAULTS_PARENT_PID", str(os.getpid()))
+    make = _dying_factory_for(0)
+    before = {p.pid for p in mp.active_children()}
+    pool = None
+    try:
+        with pytest.raises(WorkerDiedError) as info:
+            pool = AsyncEnvPool([functools.partial(make, env_id=i) for i in range(2)])
+    finally:
+        if pool is not None:
+            pool.close()
+    msg = str(info.value)
+    assert "worker 0" in msg and "[0]" in msg and "signal 9" in msg, msg
+    _assert_no_new_children(before)
 
 
 # -- a worker killed with SIGKILL ----------------------------------------------------------------
@@ -444,7 +495,7 @@ def test_recv_timeout_loses_nothing(envs_per_worker):
             pool.recv(min_get=n, timeout=0.05)  # env 3 cannot be ready before 0.3 s
         elapsed = time.monotonic() - t0
         assert 0.045 <= elapsed < _PROMPT_S
-        td = pool.recv(min_get=n, timeout=30.0)
+        td = pool.recv(min_get=n, max_get=n, timeout=30.0)
         assert sorted(td.env_indices.tolist()) == list(range(n)), "records were lost by the timed-out call"
         _answer(pool, td, checker)
         # a poll (timeout=0) that cannot be met raises at once and consumes nothing either
@@ -452,6 +503,21 @@ def test_recv_timeout_loses_nothing(envs_per_worker):
             pool.recv(min_get=n, timeout=0)
         _drive(pool, checker, rounds=10, min_get=n)
     assert checker.records == n * 12
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="library bug: with a timeout and max_get=None, recv waits for the deadline even when all "
+    "num_envs records are ready and no more can come (consumer.py recv break condition)",
+)
+def test_recv_with_timeout_returns_once_every_env_is_ready():
+    n = 2
+    with AsyncEnvPool(_factories(n)) as pool:
+        t0 = time.monotonic()
+        td = pool.recv(min_get=n, timeout=3.0)
+        elapsed = time.monotonic() - t0
+        assert td.batch_size[0] == n
+        assert elapsed < 1.5, f"recv waited {elapsed:.2f}s for records that cannot exist"
 
 
 # -- close ---------------------------------------------------------------------------------------
@@ -614,4 +680,4 @@ def test_idle_pool_uses_almost_no_cpu(envs_per_worker):
         assert workers < 0.1, f"idle workers burned {workers:.3f}s CPU in {wall:.2f}s"
         assert consumer < 0.1, f"a consumer blocked in recv burned {consumer:.3f}s CPU in {wall:.2f}s"
         # and nothing was lost: all four records are there
-        assert pool.recv(min_get=3, timeout=5.0).batch_size[0] == 3
+        assert pool.recv(min_get=3, max_get=3, timeout=5.0).batch_size[0] == 3

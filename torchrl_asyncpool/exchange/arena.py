@@ -5,26 +5,26 @@ It is a single anonymous ``memfd`` (no file under ``/dev/shm``, so nothing can l
 even when the parent is SIGKILLed: the memory goes away with the last process mapping it).
 Every field has leading dimension ``num_slots``:
 
-=================  ===========================  =============================================
-field              dtype / shape (per slot)     written by
-=================  ===========================  =============================================
-``state``          int32 ``[]``                 see :mod:`~torchrl_asyncpool.exchange.slot_states`
-``ready_time``     float64 ``[]``               worker: ``time.monotonic()`` at ``OBS_READY``
-``lease_time``     float64 ``[]``               consumer: when ``recv`` leased the slot
-``step_time``      float64 ``[]``               worker: cumulative env step+reset seconds
-``step_count``     int64 ``[]``                 worker: env steps+resets done
-``error_len``      int32 ``[]``                 worker: bytes of ``error_text`` (before ``ERROR``)
-``seq``, ``length`` int64, int32 ``[]``         chunk buffers only: sequence number and fill
-``error_text``     uint8 ``[ERROR_TEXT_BYTES]``  worker: UTF-8 traceback of a failed env
-``consumer_stats`` float64 ``[NUM_STATS]``      the consumer only (not per slot): metric sums
-request fields     from the observation,        worker (observation keys, ``"reward"``,
-                   reward and done specs        ``"step_type"``, ``"done"``, ``"terminated"``,
-                                                ``"truncated"``)
-response fields    from the action spec         consumer (action keys)
-=================  ===========================  =============================================
+=====================  ==============================  ==============================================
+field                  dtype / shape (per slot)        written by
+=====================  ==============================  ==============================================
+``consumer_stats``     float64 ``[NUM_STATS]``         the consumer only (not per slot): metric sums
+``state``              int32 ``[]``                    see :mod:`~torchrl_asyncpool.exchange.slot_states`
+``ready_time``         float64 ``[]``                  worker: ``time.monotonic()`` at ``OBS_READY``
+``lease_time``         float64 ``[]``                  consumer: when ``recv`` leased the slot
+``step_time``          float64 ``[]``                  worker: cumulative env step+reset seconds
+``step_count``         int64 ``[]``                    worker: env steps+resets done
+``error_len``          int32 ``[]``                    worker: bytes of ``error_text`` (before ``ERROR``)
+``seq``, ``length``    int64, int32 ``[]``             chunk buffers only: sequence number and fill
+``error_text``         uint8 ``[ERROR_TEXT_BYTES]``    worker: UTF-8 traceback of a failed env
+request fields         from the observation,           worker (observation keys, ``"reward"``,
+                       reward and done specs           ``"step_type"``, ``"done"``, ``"terminated"``,
+                                                       ``"truncated"``, recurrent inputs)
+response fields        from the action spec and        consumer (action keys, policy outputs)
+                       the declared policy outputs
+=====================  ==============================  ==============================================
 
-Fields are 64-byte aligned so two writers never share a cache line inside one field's
-slot block boundary more than necessary.
+Fields are 64-byte aligned.
 """
 from __future__ import annotations
 

@@ -1,0 +1,311 @@
+"""ProcessSlotTransport: the env slots of an :class:`~torchrl_asyncpool.AsyncEnvPool`, served from another process."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import select
+import threading
+import time
+from typing import Optional
+
+from torchrl.data.utils import CloudpickleWrapper
+
+from torchrl_asyncpool.exchange.consumer import ConsumerHandle
+from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
+from torchrl_asyncpool.inference._common import InferenceServerError, ServerSpec
+from torchrl_asyncpool.inference._shared import SharedWeights, StatsBlock
+
+__all__ = ["ProcessSlotTransport"]
+
+_START_METHODS = ("forkserver", "spawn")
+# Exception types a start-up error may be re-raised as in the owner; anything else becomes
+# InferenceServerError. Only names travel (as text), never pickled objects.
+_STARTUP_TYPES = {"ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError}
+
+
+def _as_handle(pool) -> ConsumerHandle:
+    if isinstance(pool, ConsumerHandle):
+        return pool
+    get = getattr(pool, "consumer_handle", None)
+    if get is None:
+        raise TypeError(
+            f"expected an AsyncEnvPool (or its ConsumerHandle), got {type(pool).__name__}."
+        )
+    return get()
+
+
+class ProcessSlotTransport:
+    """Binds the env slots of an :class:`~torchrl_asyncpool.AsyncEnvPool` to an inference server process.
+
+    The transport carries ``pool.consumer_handle()`` (the arena and doorbell descriptors, no
+    tensors) into a server process started from the ``"forkserver"`` (default) or ``"spawn"``
+    context. The policies are built there from their factories; records and actions never
+    leave shared memory. Three more channels connect the owner and the server:
+
+    * a *life pipe*: the server exits at its next wake-up when the owner closes it, or when the
+      owner dies (no orphan server);
+    * a *status pipe* carrying UTF-8 JSON text only (start-up, errors with their tracebacks);
+      nothing the server sends is unpickled;
+    * two shared-memory blocks: the weights (a sequence-locked parameter set per policy that
+      the server checks before each batch) and the server's stats.
+
+    A monitor thread in the owner watches the status pipe and the server's process sentinel:
+    a server that raises or dies is reported by :meth:`check` within milliseconds.
+
+    Usually created by :meth:`InferenceServer.start` (``mode="process"``); create it yourself
+    to choose its options and pass it to ``start``.
+
+    Args:
+        pool (AsyncEnvPool or ConsumerHandle): the pool whose slots the server consumes. Once
+            bound, do not call ``pool.recv``/``pool.send`` yourself.
+
+    Keyword Args:
+        mp_start_method (str, optional): ``"forkserver"`` (default) or ``"spawn"``.
+        num_threads (int, optional): ``torch.set_num_threads`` in the server process.
+            Defaults to ``1``; ``None`` keeps torch's default.
+        start_timeout (float, optional): seconds to wait for the server to build its
+            policies and validate them. Defaults to ``120``.
+
+    Examples:
+        >>> import functools, os
+        >>> from torchrl_asyncpool import AsyncEnvPool, InferenceServer, ProcessSlotTransport
+        >>> from torchrl_asyncpool.inference.examples import OracleTagPolicy
+        >>> from torchrl_asyncpool.testing import OracleEnv
+        >>> with AsyncEnvPool([functools.partial(OracleEnv, env_id=i) for i in range(2)],
+        ...                   envs_per_worker=2) as pool:
+        ...     transport = ProcessSlotTransport(pool)
+        ...     with InferenceServer(policy_factory=OracleTagPolicy).start(transport) as server:
+        ...         while server.stats()["frames"] < 20:
+        ...             server.check()
+        ...         print(server.mode, server.pid != os.getpid())
+        process True
+    """
+
+    def __init__(self, pool, *, mp_start_method: str = "forkserver", num_threads: Optional[int] = 1,
+                 start_timeout: Optional[float] = 120.0):
+        if mp_start_method not in _START_METHODS:
+            raise ValueError(f"mp_start_method must be one of {_START_METHODS}, got {mp_start_method!r}.")
+        self.handle = _as_handle(pool)
+        self.mp_start_method = mp_start_method
+        self.num_threads = num_threads
+        self.start_timeout = start_timeout
+        self._proc = None
+        self._conn = None
+        self._life_w = -1
+        self._weights_fd = self._stats_fd = -1
+        self._weights: Optional[SharedWeights] = None
+        self._stats: Optional[StatsBlock] = None
+        self._monitor = None
+        self._wake = None
+        self._error: Optional[BaseException] = None
+        self._stopping = False
+        self._closed = False
+
+    # -- lifetime ---------------------------------------------------------------------------
+    @property
+    def pid(self) -> Optional[int]:
+        """The server process id (``None`` before start)."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.exitcode is None and self._error is None
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        return self._error
+
+    def start(self, spec: ServerSpec, names) -> None:
+        """Starts the server process for ``spec`` and waits until it serves (or raises its start-up error)."""
+        if self._proc is not None:
+            raise RuntimeError("this ProcessSlotTransport already started a server; create a new one.")
+        ctx = mp.get_context(self.mp_start_method)
+        if self.mp_start_method == "forkserver":
+            ctx.set_forkserver_preload(["torchrl_asyncpool.inference._process", "torchrl.envs"])
+        spec.factories = {n: _picklable(f) for n, f in spec.factories.items()}
+        if spec.on_batch is not None:
+            spec.on_batch = _picklable(spec.on_batch)
+        spec.num_threads = self.num_threads
+        self._names = list(names)
+        self._weights_fd = os.memfd_create("torchrl_asyncpool_weights", os.MFD_CLOEXEC)
+        self._stats_fd = os.memfd_create("torchrl_asyncpool_server_stats", os.MFD_CLOEXEC)
+        os.ftruncate(self._stats_fd, StatsBlock.nbytes_for(len(self._names)))
+        self._stats = StatsBlock.from_fd(self._stats_fd, self._names)
+        life_r, self._life_w = os.pipe()
+        reader, writer = ctx.Pipe(duplex=False)
+        from torchrl_asyncpool.inference._process import server_main
+
+        try:
+            self._proc = ctx.Process(
+                target=server_main,
+                args=(self.handle, spec, InheritedFd(self._weights_fd), InheritedFd(self._stats_fd),
+                      InheritedFd(life_r), writer),
+                name="torchrl_asyncpool-inference-server",
+                daemon=True,
+            )
+            self._proc.start()
+        finally:
+            writer.close()
+            os.close(life_r)
+        self._conn = reader
+        try:
+            msg = self._await_ready()
+            self._weights = SharedWeights.attach(self._weights_fd, msg["weights"])
+        except BaseException:
+            self.close()
+            raise
+        self._wake = Doorbell()
+        self._monitor = threading.Thread(target=self._watch, name="torchrl_asyncpool-inference-monitor", daemon=True)
+        self._monitor.start()
+
+    def _await_ready(self) -> dict:
+        deadline = None if self.start_timeout is None else time.monotonic() + self.start_timeout
+        sentinel = self._proc.sentinel
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(f"the inference server did not finish start-up within {self.start_timeout}s.")
+            ready = multiprocessing.connection.wait([self._conn, sentinel], remaining)
+            if self._conn in ready:
+                try:
+                    msg = _decode(self._conn.recv_bytes())
+                except EOFError:
+                    msg = None
+                if msg is not None:
+                    if msg.get("event") == "ready":
+                        return msg
+                    raise _startup_error(msg)
+            if sentinel in ready and not self._conn.poll(0):
+                raise InferenceServerError(
+                    f"the inference server process (pid {self._proc.pid}) died during start-up ({self._death()})."
+                )
+
+    def _death(self) -> str:
+        self._proc.join(0.2)
+        code = self._proc.exitcode
+        if code is None:
+            return "still running"
+        return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+    def _watch(self) -> None:
+        """Monitor thread: records the server's errors and its death as they happen."""
+        poller = select.poll()
+        conn_fd, sentinel = self._conn.fileno(), self._proc.sentinel
+        for fd in (conn_fd, sentinel, self._wake.fd):
+            poller.register(fd, select.POLLIN)
+        while True:
+            fds = {fd for fd, _ in poller.poll()}
+            if conn_fd in fds or sentinel in fds:
+                self._drain_messages()
+            if sentinel in fds:
+                if self._error is None and not self._stopping:
+                    self._error = InferenceServerError(
+                        f"the inference server process (pid {self._proc.pid}) died ({self._death()}); "
+                        "its leased slots were not answered."
+                    )
+                return
+            if self._wake.fd in fds:
+                return
+
+    def _drain_messages(self) -> None:
+        try:
+            while self._conn.poll(0):
+                msg = _decode(self._conn.recv_bytes())
+                if msg.get("event") == "error" and self._error is None:
+                    key = tuple(msg["key"]) if msg.get("key") else None
+                    self._error = InferenceServerError(msg.get("message", "server error"), key, msg.get("traceback", ""))
+        except (EOFError, OSError):
+            pass
+
+    # -- owner API --------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raises the server's error (a policy that raised, a dead server or env worker), if any."""
+        if self._error is not None:
+            raise self._error
+        if self._proc is not None and self._proc.exitcode is not None and not self._stopping:
+            self._drain_messages()
+            if self._error is None:
+                self._error = InferenceServerError(
+                    f"the inference server process (pid {self._proc.pid}) died ({self._death()})."
+                )
+            raise self._error
+
+    def publish_weights(self, name, flat, version) -> None:
+        self.check()
+        self._weights.publish(name, flat, version)
+
+    def weight_names(self, name):
+        return self._weights.names(name)
+
+    @property
+    def stats_block(self) -> Optional[StatsBlock]:
+        return self._stats
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until the server process exits or ``timeout`` passes; returns whether it exited."""
+        if self._proc is None:
+            return True
+        if self._monitor is not None:
+            self._monitor.join(timeout)
+            return not self._monitor.is_alive()
+        self._proc.join(timeout)
+        return self._proc.exitcode is not None
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stops the server (closing its life pipe), kills it after ``timeout`` seconds. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping = True
+        if self._life_w >= 0:
+            os.close(self._life_w)
+            self._life_w = -1
+        if self._proc is not None:
+            self._proc.join(timeout)
+            if self._proc.exitcode is None:
+                self._proc.kill()
+                self._proc.join(2.0)
+            if self._error is None and self._conn is not None:
+                self._drain_messages()
+        if self._wake is not None:
+            self._wake.ring()
+        if self._monitor is not None:
+            self._monitor.join(2.0)
+        if self._wake is not None:
+            self._wake.close()
+        if self._conn is not None:
+            self._conn.close()
+        if self._weights is not None:
+            self._weights.close()
+        for attr in ("_weights_fd", "_stats_fd"):
+            fd = getattr(self, attr)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, attr, -1)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(num_envs={self.handle.layout.num_slots}, pid={self.pid}, alive={self.is_alive})"
+
+
+def _picklable(fn):
+    return fn if isinstance(fn, CloudpickleWrapper) else CloudpickleWrapper(fn)
+
+
+def _decode(data: bytes) -> dict:
+    try:
+        msg = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return {"event": "error", "message": "undecodable status message from the inference server"}
+    return msg if isinstance(msg, dict) else {"event": "error", "message": "malformed status message"}
+
+
+def _startup_error(msg) -> BaseException:
+    etype = _STARTUP_TYPES.get(msg.get("etype"))
+    text = msg.get("message", "start-up failed")
+    if etype is not None and msg.get("validation"):
+        return etype(text)
+    key = tuple(msg["key"]) if msg.get("key") else None
+    return InferenceServerError(f"the inference server failed during start-up: {text}", key, msg.get("traceback", ""))
+
