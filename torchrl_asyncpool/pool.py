@@ -243,13 +243,15 @@ class AsyncEnvPool:
                 )
             sentinels = {self._procs[w].sentinel: w for w in pending}
             for obj in wait(list(pending.values()) + list(sentinels), remaining):
-                if obj in sentinels:
-                    w = sentinels[obj]
-                    if w in pending and not pending[w].poll():
-                        raise self._start_death(w)
+                w = sentinels[obj] if obj in sentinels else self._conns.index(obj)
+                if w not in pending:
                     continue
-                w = self._conns.index(obj)
-                msg = obj.recv()
+                try:
+                    if obj in sentinels and not pending[w].poll():
+                        raise EOFError
+                    msg = pending[w].recv()
+                except (EOFError, OSError):
+                    raise self._start_death(w) from None
                 if msg[0] == "error":
                     raise self._start_error(msg)
                 pending.pop(w, None)

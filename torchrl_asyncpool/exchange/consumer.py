@@ -67,8 +67,10 @@ class SlotConsumer:
         self._poller = select.poll()
         self._poller.register(self._bell.fd, select.POLLIN)
         self._sentinels = {}
+        self._sentinel_poller = select.poll()
         for w, s in enumerate(handle.worker_sentinels):
             self._poller.register(s.fd, select.POLLIN)
+            self._sentinel_poller.register(s.fd, select.POLLIN)
             self._sentinels[s.fd] = w
         staging = TensorDict(
             {**self.arena.request.clone().to_dict(), "env_index": torch.zeros(n, dtype=torch.int64)}, batch_size=[n]
@@ -96,16 +98,19 @@ class SlotConsumer:
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"timeout must be None or >= 0, got {timeout!r}.")
         deadline = None if timeout is None else t_enter + timeout
+        cap = n if max_get is None else min(max_get, n)
         state = self.arena.state
         waited = 0.0
         while True:
             self._bell.drain()  # before the scan: a ring after this wakes the poll below
             ready = np.flatnonzero(state == S.OBS_READY)
-            if ready.size < min_get and (state == S.ERROR).any():
+            if (state == S.ERROR).any():
                 self.raise_worker_errors()
             now = time.monotonic()
             if ready.size >= min_get:
-                if deadline is None or (max_get is not None and ready.size >= max_get) or now >= deadline:
+                if deadline is None or ready.size >= cap or now >= deadline:
+                    if self._sentinel_poller.poll(0):  # a dead worker is reported, not skipped
+                        self.raise_worker_errors()
                     break
             elif deadline is not None and now >= deadline:
                 raise TimeoutError(
@@ -176,6 +181,8 @@ class SlotConsumer:
         b = idx.numel()
         state = self.arena.state
         idx_np = idx.numpy()
+        if (state[idx_np] == S.ERROR).any():
+            self.raise_worker_errors()
         not_leased = idx_np[state[idx_np] != S.LEASED]
         if not_leased.size:
             raise ValueError(

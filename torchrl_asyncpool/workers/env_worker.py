@@ -43,7 +43,7 @@ class _Slot:
     """Everything one hosted env needs on the hot path, resolved once."""
 
     __slots__ = ("index", "adapter", "obs", "reward", "actions", "recurrent", "ended", "pending_first",
-                 "chunks", "chunk", "pos", "seq")
+                 "pending_error", "chunks", "chunk", "pos", "seq")
 
     def __init__(self, index, adapter, arena, recurrent):
         self.index = index
@@ -56,6 +56,7 @@ class _Slot:
         self.recurrent = [(_np(req.get(i)[index]), _np(resp.get(o)[index])) for i, o in recurrent.items()]
         self.ended = False
         self.pending_first = None
+        self.pending_error = None  # traceback of a failed eager reset, raised when the slot is ours again
         self.chunks = []  # chunk ids owned by this env
         self.chunk = -1  # chunk being filled, -1 when none
         self.pos = 0
@@ -192,6 +193,9 @@ class _Worker:
     def _serve(self, slot):
         """Answers one ACTION_READY slot; returns None (blocked), False, or True (episode ended)."""
         if slot.ended:
+            if slot.pending_error is not None:
+                self._phase, self._current = "reset", slot.index
+                raise _DeferredEnvError(slot.pending_error)
             # NEXT_STEP autoreset: the action answering a terminal record is discarded.
             obs = slot.pending_first if slot.pending_first is not None else self._timed_reset(slot)
             slot.pending_first = None
@@ -235,9 +239,21 @@ class _Worker:
                 if state[slot.index] == S.ACTION_READY and self._serve(slot):
                     ended.append(slot)
             for slot in ended:
-                # Eager reset hides reset latency behind the consumer's (discarded) answer.
+                # Eager reset hides reset latency behind the consumer's (discarded) answer. The
+                # slot belongs to the consumer meanwhile, so a failure waits for its answer.
                 if slot.pending_first is None and state[slot.index] != S.ACTION_READY:
-                    slot.pending_first = self._timed_reset(slot)
+                    try:
+                        slot.pending_first = self._timed_reset(slot)
+                    except Exception:  # noqa: BLE001 - re-raised by _serve once the slot is ours
+                        slot.pending_error = traceback.format_exc()
+
+
+class _DeferredEnvError(Exception):
+    """A failure that happened while the slot belonged to the consumer; carries its traceback."""
+
+    def __init__(self, tb: str):
+        super().__init__(tb)
+        self.tb = tb
 
 
 def _keyed(fields):
@@ -269,8 +285,8 @@ def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell
         worker = _Worker(worker_id, layout, arena_fd.fd, bell_fd.fd, consumer_fd.fd, life_fd.fd, conn, delivery)
         worker.build(slot_ids, env_fns, env_kwargs)
         worker.run()
-    except BaseException:  # noqa: BLE001 - everything is reported to the consumer, then we exit
-        tb = traceback.format_exc()
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the consumer, then we exit
+        tb = exc.tb if isinstance(exc, _DeferredEnvError) else traceback.format_exc()
         phase = worker._phase if worker is not None else "start-up"
         index = worker._current if worker is not None and worker._current is not None else slot_ids[0]
         try:

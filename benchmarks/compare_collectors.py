@@ -1,0 +1,307 @@
+"""Side-by-side collector benchmark: frames/s delivered to the learner, same envs and policy, one run.
+
+Implementations (each fed the same env factory and the same small MLP policy):
+
+* ``asyncpool``     torchrl_asyncpool.AsyncPoolCollector, default settings (no hand tuning)
+* ``torchrl_async`` TorchRL 0.14.1 AsyncBatchedCollector in its documented fastest configuration
+                    (process env workers, transport="auto", policy_factory, chunked delivery)
+* ``torchrl_sync``  TorchRL's synchronous Collector over ParallelEnv
+* ``gym_async``     a hand-written gymnasium.vector.AsyncVectorEnv(shared_memory=True) loop
+* ``gym_sync``      a plain single-process gymnasium.vector.SyncVectorEnv loop
+
+Workloads: CartPole-v1 (8 and 32 envs) and an env whose step sleeps 2 ms and returns 84x84x3
+uint8 pixels plus a 4-vector (16 and 64 envs). Also reports time from constructor to first
+batch and shutdown time. Run with nothing else busy::
+
+    python benchmarks/compare_collectors.py                # full table
+    python benchmarks/compare_collectors.py --quick        # a short smoke run
+    python benchmarks/compare_collectors.py --plot out.png --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+from tensordict.nn import TensorDictModule
+
+IMPLS = ("asyncpool", "torchrl_async", "torchrl_sync", "gym_async", "gym_sync")
+
+
+# -- workloads ------------------------------------------------------------------------------
+class SleepPixelGym(gym.Env):
+    """A gymnasium env whose step sleeps ``step_s`` and returns 84x84x3 pixels and a 4-vector."""
+
+    def __init__(self, step_s=0.002, episode_len=100):
+        self.step_s, self.episode_len, self.t = step_s, episode_len, 0
+        self.observation_space = gym.spaces.Dict(
+            pixels=gym.spaces.Box(0, 255, (84, 84, 3), np.uint8),
+            vector=gym.spaces.Box(-np.inf, np.inf, (4,), np.float32),
+        )
+        self.action_space = gym.spaces.Discrete(4)
+        self._px = np.zeros((84, 84, 3), np.uint8)
+
+    def _obs(self):
+        self._px.fill(self.t % 256)
+        return {"pixels": self._px.copy(), "vector": np.full(4, self.t, np.float32)}
+
+    def reset(self, seed=None, options=None):
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        time.sleep(self.step_s)
+        self.t += 1
+        return self._obs(), 1.0, False, self.t >= self.episode_len, {}
+
+
+def make_cartpole():
+    return gym.make("CartPole-v1")
+
+
+def make_sleep():
+    return SleepPixelGym(0.002)
+
+
+def make_torchrl_cartpole():
+    from torchrl.envs import GymEnv
+
+    return GymEnv("CartPole-v1")
+
+
+def make_torchrl_sleep():
+    from torchrl.envs import GymWrapper
+
+    return GymWrapper(SleepPixelGym(0.002))
+
+
+WORKLOADS = {
+    # name: (gym factory, torchrl factory, obs key, obs dim, n actions, envs)
+    "cartpole": (make_cartpole, make_torchrl_cartpole, "observation", 4, 2, (8, 32)),
+    "sleep2ms": (make_sleep, make_torchrl_sleep, "vector", 4, 4, (16, 64)),
+}
+
+
+class _Act(nn.Module):
+    """obs -> MLP -> greedy discrete action, written as ``"action"``."""
+
+    def __init__(self, key, dim, n, one_hot=False):
+        super().__init__()
+        self.key, self.n, self.one_hot = key, n, one_hot
+        self.net = nn.Sequential(nn.Linear(dim, 64), nn.Tanh(), nn.Linear(64, n))
+
+    def forward(self, td):
+        a = self.net(td[self.key].float()).argmax(-1)
+        if self.one_hot:
+            a = torch.nn.functional.one_hot(a, self.n)
+        return td.set("action", a)
+
+
+def make_policy(key, dim, n, one_hot=False):
+    torch.manual_seed(0)
+    return _Act(key, dim, n, one_hot)
+
+
+# -- runners: each returns (frames/s, startup s to first batch, shutdown s) -----------------------
+def _drive(it, seconds, fpb):
+    t0 = time.perf_counter()
+    frames = 0
+    while time.perf_counter() - t0 < seconds:
+        batch = next(it)
+        frames += fpb if batch is None else batch.numel()
+    return frames / (time.perf_counter() - t0)
+
+
+def run_asyncpool(w, n, fpb, seconds):
+    from torchrl_asyncpool import AsyncPoolCollector
+
+    gym_fn, _, key, dim, na, _ = WORKLOADS[w]
+    t0 = time.perf_counter()
+    c = AsyncPoolCollector([gym_fn] * n, policy=make_policy(key, dim, na), frames_per_batch=fpb)
+    try:
+        it = iter(c)
+        next(it)
+        startup = time.perf_counter() - t0
+        fps = _drive(it, seconds, fpb)
+    finally:
+        t1 = time.perf_counter()
+        c.shutdown()
+        close = time.perf_counter() - t1
+    return fps, startup, close
+
+
+def run_torchrl_async(w, n, fpb, seconds):
+    from torchrl.collectors import AsyncBatchedCollector
+
+    _, trl_fn, key, dim, na, _ = WORKLOADS[w]
+    t0 = time.perf_counter()
+    c = AsyncBatchedCollector(
+        create_env_fn=[trl_fn] * n,
+        policy_factory=functools.partial(make_policy, key, dim, na, True),
+        frames_per_batch=fpb,
+        env_backend="multiprocessing",
+        transport="auto",
+        transition_chunk_size="auto",
+    )
+    try:
+        it = iter(c)
+        next(it)
+        startup = time.perf_counter() - t0
+        fps = _drive(it, seconds, fpb)
+    finally:
+        t1 = time.perf_counter()
+        c.shutdown()
+        close = time.perf_counter() - t1
+    return fps, startup, close
+
+
+def run_torchrl_sync(w, n, fpb, seconds):
+    from torchrl.collectors import Collector
+    from torchrl.envs import ParallelEnv
+
+    _, trl_fn, key, dim, na, _ = WORKLOADS[w]
+    t0 = time.perf_counter()
+    env = ParallelEnv(n, trl_fn)
+    c = Collector(env, make_policy(key, dim, na, True), frames_per_batch=fpb, total_frames=-1)
+    try:
+        it = iter(c)
+        next(it)
+        startup = time.perf_counter() - t0
+        fps = _drive(it, seconds, fpb)
+    finally:
+        t1 = time.perf_counter()
+        c.shutdown()
+        close = time.perf_counter() - t1
+    return fps, startup, close
+
+
+def _gym_loop(venv, policy, key, seconds, n):
+    obs, _ = venv.reset(seed=0)
+    t0 = time.perf_counter()
+    frames = 0
+    with torch.no_grad():
+        while time.perf_counter() - t0 < seconds:
+            o = obs[key] if isinstance(obs, dict) else obs
+            a = policy.net(torch.as_tensor(o, dtype=torch.float32)).argmax(-1).numpy()
+            obs, *_ = venv.step(a)
+            frames += n
+    return frames / (time.perf_counter() - t0)
+
+
+def run_gym_async(w, n, fpb, seconds):
+    gym_fn, _, key, dim, na, _ = WORKLOADS[w]
+    t0 = time.perf_counter()
+    venv = gym.vector.AsyncVectorEnv([gym_fn] * n, shared_memory=True)
+    try:
+        venv.reset(seed=0)
+        startup = time.perf_counter() - t0
+        fps = _gym_loop(venv, make_policy(key, dim, na), key, seconds, n)
+    finally:
+        t1 = time.perf_counter()
+        venv.close()
+        close = time.perf_counter() - t1
+    return fps, startup, close
+
+
+def run_gym_sync(w, n, fpb, seconds):
+    gym_fn, _, key, dim, na, _ = WORKLOADS[w]
+    t0 = time.perf_counter()
+    venv = gym.vector.SyncVectorEnv([gym_fn] * n)
+    try:
+        venv.reset(seed=0)
+        startup = time.perf_counter() - t0
+        fps = _gym_loop(venv, make_policy(key, dim, na), key, seconds, n)
+    finally:
+        t1 = time.perf_counter()
+        venv.close()
+        close = time.perf_counter() - t1
+    return fps, startup, close
+
+
+RUNNERS = {
+    "asyncpool": run_asyncpool,
+    "torchrl_async": run_torchrl_async,
+    "torchrl_sync": run_torchrl_sync,
+    "gym_async": run_gym_async,
+    "gym_sync": run_gym_sync,
+}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--envs", nargs="+", type=int, default=None, help="override the env counts of every workload")
+    p.add_argument("--seconds", type=float, default=8.0, help="measurement time per cell")
+    p.add_argument("--frames-per-batch", type=int, default=1024)
+    p.add_argument("--quick", action="store_true", help="2 s per cell, smallest env count only")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="write a frames/s vs number of envs PNG here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    seconds = 2.0 if args.quick else args.seconds
+    results = []
+    for w in args.workloads:
+        counts = args.envs or WORKLOADS[w][5]
+        if args.quick:
+            counts = counts[:1]
+        for n in counts:
+            for impl in args.impls:
+                try:
+                    fps, startup, close = RUNNERS[impl](w, n, args.frames_per_batch, seconds)
+                    row = dict(workload=w, envs=n, impl=impl, fps=fps, startup_s=startup, shutdown_s=close)
+                except Exception as e:  # noqa: BLE001 - one failing baseline must not hide the others
+                    row = dict(workload=w, envs=n, impl=impl, fps=float("nan"), startup_s=float("nan"),
+                               shutdown_s=float("nan"), error=f"{type(e).__name__}: {e}"[:200])
+                results.append(row)
+                print(json.dumps(row), flush=True)
+    _print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.plot:
+        plot(results, args.plot)
+    return results
+
+
+def _print_table(results):
+    print(f"\n{'workload':9} {'envs':>4} {'impl':14} {'frames/s':>10} {'x torchrl_async':>15} {'x gym_async':>11} "
+          f"{'% N/lat':>8} {'1st batch s':>11} {'shutdown s':>10}")
+    for r in results:
+        same = {x["impl"]: x["fps"] for x in results if x["workload"] == r["workload"] and x["envs"] == r["envs"]}
+        ratio = lambda k: r["fps"] / same[k] if same.get(k) and same[k] == same[k] else float("nan")  # noqa: E731
+        limit = r["envs"] / 0.002 if r["workload"] == "sleep2ms" else float("nan")
+        print(f"{r['workload']:9} {r['envs']:>4} {r['impl']:14} {r['fps']:>10.0f} {ratio('torchrl_async'):>15.1f} "
+              f"{ratio('gym_async'):>11.2f} {100 * r['fps'] / limit:>8.1f} {r['startup_s']:>11.2f} {r['shutdown_s']:>10.2f}"
+              + (f"  ERROR {r['error']}" if "error" in r else ""))
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({r["workload"] for r in results})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4), squeeze=False)
+    for ax, w in zip(axes[0], workloads):
+        for impl in IMPLS:
+            pts = sorted((r["envs"], r["fps"]) for r in results if r["workload"] == w and r["impl"] == impl)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl)
+        ax.set_title(w)
+        ax.set_xlabel("number of envs")
+        ax.set_ylabel("frames/s delivered to the learner")
+        ax.set_yscale("log")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
