@@ -210,7 +210,7 @@ class SlotConsumer:
         record_send(self._stats, b, float(now * b - self.arena.lease_time[idx_np].sum()))
         state[idx_np] = S.ACTION_READY  # after the data
         workers = self._slot_worker[idx_np]
-        for w in (np.unique(workers) if b > 1 else workers):
+        for w in (np.unique(workers) if b > 1 else workers).tolist():
             self._worker_bells[w].ring()
 
     # -- faults -----------------------------------------------------------------------------
@@ -246,16 +246,20 @@ def as_index(env_indices, n) -> torch.Tensor:
     if isinstance(env_indices, torch.Tensor):
         if env_indices.dtype.is_floating_point or env_indices.dtype == torch.bool or env_indices.is_complex():
             raise ValueError(f"env_indices must be an integer tensor, got dtype {env_indices.dtype}.")
-        idx = env_indices.reshape(-1).to("cpu", torch.int64)
+        idx = env_indices.reshape(-1)
+        if idx.dtype != torch.int64 or idx.device.type != "cpu":
+            idx = idx.to("cpu", torch.int64)
     else:
         idx = torch.as_tensor(list(env_indices), dtype=torch.int64)
-    if idx.numel() == 0:
+    idx = idx.contiguous()
+    a = idx.numpy()
+    if a.size == 0:
         raise ValueError("send got no env indices.")
-    if int(idx.min()) < 0 or int(idx.max()) >= n:
-        raise ValueError(f"env_indices must lie in [0, {n}), got {idx.tolist()}.")
-    if idx.numel() > 1 and torch.unique(idx).numel() != idx.numel():
-        raise ValueError(f"env_indices must not repeat, got {idx.tolist()}.")
-    return idx.contiguous()
+    if a.min() < 0 or a.max() >= n:
+        raise ValueError(f"env_indices must lie in [0, {n}), got {a.tolist()}.")
+    if a.size > 1 and np.unique(a).size != a.size:
+        raise ValueError(f"env_indices must not repeat, got {a.tolist()}.")
+    return idx
 
 
 def _keys_of(actions):
