@@ -3,6 +3,7 @@ from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.pool import AsyncEnvPool
 from torchrl_asyncpool.collector import AsyncPoolCollector
 from torchrl_asyncpool.step_type import StepType, discount_from_step_type
+from torchrl_asyncpool.inference import BatchKey, InferenceServer, InferenceServerError, ProcessSlotTransport
 
 __version__ = "0.1.0"
 
@@ -14,4 +15,8 @@ __all__ = [
     "EnvError",
     "WorkerDiedError",
     "PoolClosedError",
+    "InferenceServer",
+    "ProcessSlotTransport",
+    "InferenceServerError",
+    "BatchKey",
 ]

@@ -1,6 +1,7 @@
 """Configuration, batch keys, bucket ladders and errors shared by the thread and process servers."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -79,9 +80,7 @@ def config_hash(name: str, policy_or_factory: Any, config: Optional[Mapping], bu
         False
     """
     target = getattr(policy_or_factory, "fn", policy_or_factory)  # CloudpickleWrapper
-    kind = type(target)
-    ident = getattr(target, "__qualname__", None) if callable(target) and not isinstance(target, torch.nn.Module) else None
-    ident = ident or f"{kind.__module__}.{kind.__qualname__}"
+    ident = _ident(target)
     payload = {
         "name": name,
         "target": ident,
@@ -90,6 +89,15 @@ def config_hash(name: str, policy_or_factory: Any, config: Optional[Mapping], bu
     }
     text = json.dumps(payload, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _ident(target) -> str:
+    if isinstance(target, functools.partial):
+        return f"{_ident(target.func)}(*{target.args!r}, **{target.keywords!r})"
+    if isinstance(target, torch.nn.Module) or not hasattr(target, "__qualname__"):
+        kind = type(target)
+        return f"{kind.__module__}.{kind.__qualname__}"
+    return f"{getattr(target, '__module__', '')}.{target.__qualname__}"
 
 
 def bucket_ladder(max_rows: int, spec="auto") -> Optional[Tuple[int, ...]]:
@@ -174,6 +182,7 @@ class ServerSpec:
     factories: Dict[str, Callable] = field(default_factory=dict)
     on_batch: Optional[Callable] = None
     flush_fraction: float = 0.5
+    initial_versions: Dict[str, int] = field(default_factory=dict)
 
 
 def as_key(key) -> Tuple[str, ...]:

@@ -16,13 +16,14 @@ from __future__ import annotations
 import math
 import select
 import time
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 import torch
 
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.doorbell import Doorbell
+from torchrl_asyncpool.exchange.metrics import _WAIT as _POOL_WAIT  # no public hook for a pre-recv wait yet
 from torchrl_asyncpool.inference._common import ServerSpec, auto_threshold
 from torchrl_asyncpool.inference._runner import KeyRunner, PolicyFailure, format_exc
 
@@ -30,10 +31,10 @@ __all__ = ["ServingLoop"]
 
 
 class _Flight:
-    __slots__ = ("runner", "pending", "env_idx", "rows", "batch")
+    __slots__ = ("runner", "pending", "env_idx", "whole")
 
-    def __init__(self, runner, pending, env_idx, rows, batch):
-        self.runner, self.pending, self.env_idx, self.rows, self.batch = runner, pending, env_idx, rows, batch
+    def __init__(self, runner, pending, env_idx, whole):
+        self.runner, self.pending, self.env_idx, self.whole = runner, pending, env_idx, whole
 
 
 class ServingLoop:
@@ -79,7 +80,10 @@ class ServingLoop:
         for fd in self._stop_fds:
             self._stop_poller.register(fd, select.POLLIN)
         self._waited = 0.0
+        self._pool_stats = arena.consumer_stats
         self.current_key = None
+        for k, runner in enumerate(runners):
+            stats.set_version(k, runner.version)
 
     # -- flush rule -------------------------------------------------------------------------
     def _scan(self):
@@ -108,12 +112,17 @@ class ServingLoop:
     def wait_flush(self) -> bool:
         """Blocks until a batch is due (``True``) or a stop was requested (``False``)."""
         t0 = time.monotonic()
+        if self._stop_requested():  # checked even when a batch is due: a busy server still stops
+            return False
         while True:
             self._bell.drain()  # before the scan: a ring after it wakes the poll below
             now = time.monotonic()
             flush, remaining = self._due(now)
             if flush:
                 self._waited = now - t0
+                # the pool's consumer_busy_fraction counts waits inside recv only; this loop waits
+                # before calling recv(timeout=0), so it adds its wait to the same (consumer-only) sum
+                self._pool_stats[_POOL_WAIT] += self._waited
                 return True
             wait_ms = None if remaining is None else max(1, int(math.ceil(remaining * 1000.0)))
             for fd, _ in self._poller.poll(wait_ms):
@@ -171,23 +180,20 @@ class ServingLoop:
         idx = td.env_indices.numpy().copy()  # the staging buffer is reused by the next recv
         queue = float((self.lease_time[idx] - self.ready_time[idx]).sum())
         self.stats.record_recv(self._waited, queue)
+        idx_t = torch.from_numpy(idx)
         if self.single_key:
-            groups = [(0, None, idx)]
+            groups = [(0, idx_t)]
         else:
             keys = self.slot_key[idx]
-            groups = []
-            for k in np.unique(keys):
-                sel = np.flatnonzero(keys == k)
-                groups.append((int(k), torch.from_numpy(sel), idx[sel]))
-        for k, rows, env_idx in groups:
+            groups = [(int(k), idx_t[torch.from_numpy(np.flatnonzero(keys == k))]) for k in np.unique(keys)]
+        for k, env_idx in groups:
             runner = self.runners[k]
-            total, step = len(env_idx), runner.plan.max_rows
+            total, step = int(env_idx.numel()), runner.plan.max_rows
             for start in range(0, total, step):
-                end = min(start + step, total)
-                if total > step:
-                    chunk_rows = rows[start:end] if rows is not None else torch.arange(start, end)
-                else:
-                    chunk_rows = rows
+                chunk = env_idx[start:start + step] if total > step else env_idx
+                # the received batch itself may feed the policy (no copy) unless the next recv
+                # could overwrite it before this batch is answered (double buffering)
+                whole = td if (self.single_key and total <= step and not self.overlap) else None
                 # at most two batches of one key in flight (double buffering)
                 mine = [f for f in inflight if f.runner is runner]
                 while len(mine) >= 2:
@@ -196,10 +202,10 @@ class ServingLoop:
                     self._finish(oldest)
                 self.current_key = runner.key
                 try:
-                    pending = runner.launch(td, chunk_rows, end - start)
+                    pending = runner.launch(chunk, whole)
                 except Exception as exc:  # noqa: BLE001 - reported with the key
                     raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
-                flight = _Flight(runner, pending, env_idx[start:end], chunk_rows, td)
+                flight = _Flight(runner, pending, chunk, whole)
                 if self.overlap:
                     inflight.append(flight)
                 else:
@@ -212,6 +218,7 @@ class ServingLoop:
             outputs = runner.finish(pending)
         except Exception as exc:  # noqa: BLE001
             raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
+        policy_s = time.perf_counter() - pending.t_launch
         b = pending.b
         k = self.by_name[runner.plan.name][0]
         if self.version_key is not None:
@@ -219,18 +226,18 @@ class ServingLoop:
             if buf.numel() < b:
                 buf = self._version_bufs[k] = torch.zeros(b, dtype=torch.int64)
             outputs[self.version_key] = buf[:b].fill_(pending.version)
-        env_idx = torch.from_numpy(flight.env_idx)
+        env_idx = flight.env_idx
         now = time.monotonic()
-        service = float(now * b - self.ready_time[flight.env_idx].sum())  # read before send frees the slot
+        service = float(now * b - self.ready_time[env_idx.numpy()].sum())  # read before send frees the slot
         try:
             self.consumer.send(_nest(outputs), env_idx)
         except ValueError as exc:
             raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
-        self.stats.record_batch(k, b, pending.bucket, time.perf_counter() - pending.t_launch, service)
+        self.stats.record_batch(k, b, pending.bucket, policy_s, service)
         if self.on_batch is not None:
             from tensordict import TensorDict
 
-            request = runner.request_view(pending, flight.batch, flight.rows)
+            request = runner.request_view(pending, flight.whole)
             response = TensorDict(_nest(outputs), batch_size=[b])
             self.on_batch(runner.plan.name, request, response)
 

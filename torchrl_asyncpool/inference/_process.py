@@ -39,7 +39,7 @@ def server_main(handle, spec, weights_fd, stats_fd, life_fd, conn):
             for name, factory in spec.factories.items():
                 policies[name] = factory()
             consumer = SlotConsumer(handle)
-            runners = build_runners(spec, policies, handle.layout)
+            runners = build_runners(spec, policies, handle.layout, consumer.arena.request)
             weights = SharedWeights.create(
                 weights_fd.fd,
                 {r.plan.name: {k: v.detach().cpu() for k, v in named_tensors(r.policy).items()} for r in runners},

@@ -69,10 +69,13 @@ class KeyRunner:
         cuda_graphs (bool): capture one CUDA graph per bucket (CUDA only).
         cuda_ctx (CudaContext, optional): shared streams (CUDA only).
         recurrent (dict): ``{hidden_in: hidden_out}`` keys, for clearer start-up errors.
+        arena_request (TensorDict): the pool's request records (``[num_slots]``), gathered from.
+        double_buffer (bool): keep two staging buffers (always on CUDA).
     """
 
     def __init__(self, plan: KeyPlan, policy, request_fields, response_fields, *, device, cuda_graphs=False,
-                 cuda_ctx=None, recurrent=None):
+                 cuda_ctx=None, recurrent=None, arena_request: Optional[TensorDictBase] = None,
+                 double_buffer: bool = False):
         self.plan = plan
         self.key = plan.key
         self.policy = policy
@@ -89,10 +92,19 @@ class KeyRunner:
         rows = self.staging_rows = pick_bucket(plan.buckets, plan.max_rows)
         self.version = 0
         self._parity = 0
-        nbuf = 2 if self.cuda else 1
+        # two staging buffers when batch N+1 is staged before batch N is answered
+        nbuf = self._nbuf = 2 if (self.cuda or double_buffer) else 1
         self._host = [_zeros_td(self.input_fields, rows, torch.device("cpu"), pin=self.cuda) for _ in range(nbuf)]
-        self._host_leaves = [[(k, h.get(k)) for k, _, _ in self.request_fields] for h in self._host]
         self._host_mask = [h.get(VALID_MASK) for h in self._host]
+        self._host_env_index = [h.get(ENV_INDEX) for h in self._host]
+        # (arena leaf, staging leaf) pairs: records are gathered straight from their (leased) slots
+        self._gathers = []
+        if arena_request is not None:
+            self._gathers = [
+                [(arena_request.get(k), h.get(k)) for k, _, _ in self.request_fields if k != (ENV_INDEX,)]
+                for h in self._host
+            ]
+        self._arange = torch.arange(rows)
         self._views: List[Dict[int, TensorDictBase]] = [{} for _ in range(nbuf)]
         self._ones = torch.ones(rows, dtype=torch.bool)
         self._graphs: Dict[int, Tuple[torch.cuda.CUDAGraph, List[torch.Tensor]]] = {}
@@ -253,32 +265,29 @@ class KeyRunner:
         self.version = int(version)
 
     # -- serving ----------------------------------------------------------------------------
-    def launch(self, batch: TensorDictBase, rows: Optional[torch.Tensor], b: int) -> Pending:
-        """Stages ``b`` records (``rows`` of ``batch``, or all) and starts the policy on them."""
+    def launch(self, env_idx: torch.Tensor, whole: Optional[TensorDictBase] = None) -> Pending:
+        """Stages the records of slots ``env_idx`` (leased, so stable) and starts the policy on them.
+
+        ``whole`` is the received batch when it holds exactly these records (one key, one
+        chunk): the unpadded CPU path then feeds it to the policy without another copy.
+        """
         t0 = time.perf_counter()
+        b = int(env_idx.numel())
         bucket = pick_bucket(self.buckets, b)
-        if not self.cuda and self.buckets is None and rows is None:
-            # Unpadded CPU fast path: the received batch is the policy input, no extra copy.
-            td = batch
-            td.set(VALID_MASK, self._ones[:b])
-            return Pending(0, b, b, self.version, self._run_cpu(td, b), t0)
+        if whole is not None and not self.cuda and self.buckets is None:
+            whole.set(VALID_MASK, self._ones[:b])
+            return Pending(0, b, b, self.version, self._run_cpu(whole, b), t0)
         parity = self._parity
+        self._parity = (parity + 1) % self._nbuf
         if self.cuda:
-            self._parity ^= 1
             if self._h2d_used[parity]:
                 self._h2d_done[parity].synchronize()  # host buffer still being read by an earlier copy
-        for key, dst in self._host_leaves[parity]:
-            src = batch.get(key)
-            if rows is None:
-                dst[:b].copy_(src)
-            else:
-                torch.index_select(src, 0, rows, out=dst[:b])
-            if bucket > b:
-                dst[b:bucket].copy_(dst[:1].expand_as(dst[b:bucket]))
-        mask = self._host_mask[parity]
-        mask[:b] = True
-        if bucket > b:
-            mask[b:bucket] = False
+        # one gather per leaf fills the valid rows and the padding (copies of the first record)
+        gather = env_idx if bucket == b else torch.cat([env_idx, env_idx[:1].expand(bucket - b)])
+        for src, dst in self._gathers[parity]:
+            torch.index_select(src, 0, gather, out=dst[:bucket])
+        self._host_env_index[parity][:bucket].copy_(gather)
+        torch.lt(self._arange[:bucket], b, out=self._host_mask[parity][:bucket])
         if not self.cuda:
             return Pending(parity, b, bucket, self.version, self._run_cpu(self._view(parity, bucket).copy(), b), t0)
         return self._launch_cuda(parity, b, bucket, t0)
@@ -322,10 +331,10 @@ class KeyRunner:
         outs = self._host_out[pending.parity]
         return {k: outs[k][: pending.b] for k in self.response_keys}
 
-    def request_view(self, pending: Pending, batch: TensorDictBase, rows) -> TensorDictBase:
+    def request_view(self, pending: Pending, whole: Optional[TensorDictBase]) -> TensorDictBase:
         """The valid request rows of a launched batch (for ``on_batch`` hooks)."""
-        if not self.cuda and self.buckets is None and rows is None:
-            return batch
+        if whole is not None and not self.cuda and self.buckets is None:
+            return whole
         return self._view(pending.parity, pending.bucket)[: pending.b]
 
 
@@ -343,9 +352,10 @@ def named_tensors(policy) -> Dict[str, torch.Tensor]:
     if not isinstance(policy, torch.nn.Module):
         return {}
     out = {}
-    for name, p in policy.named_parameters():
+    # duplicates kept (tied weights appear under every name, as in a state dict)
+    for name, p in policy.named_parameters(remove_duplicate=False):
         out[name] = p
-    for name, b in policy.named_buffers():
+    for name, b in policy.named_buffers(remove_duplicate=False):
         out[name] = b
     return out
 

@@ -85,7 +85,7 @@ def make_plans(layout, *, names, targets: Mapping, configs: Optional[Mapping], s
     return plans, slot_key, hashes
 
 
-def build_runners(spec: ServerSpec, policies: Dict[str, object], layout) -> List[KeyRunner]:
+def build_runners(spec: ServerSpec, policies: Dict[str, object], layout, arena_request=None) -> List[KeyRunner]:
     """Moves policies to the device, builds one runner per key, dry-runs and captures graphs."""
     device = torch.device(spec.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -103,9 +103,10 @@ def build_runners(spec: ServerSpec, policies: Dict[str, object], layout) -> List
             policy = policy.to(device)
         runner = KeyRunner(
             plan, policy, request, response, device=device, cuda_graphs=spec.cuda_graphs, cuda_ctx=ctx,
-            recurrent=recurrent,
+            recurrent=recurrent, arena_request=arena_request, double_buffer=spec.overlap,
         )
         runner.dry_run()
+        runner.version = int(spec.initial_versions.get(plan.name, 0))
         runners.append(runner)
     for runner in runners:
         runner.capture_graphs()

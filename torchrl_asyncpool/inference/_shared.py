@@ -208,7 +208,7 @@ STAT_KEYS = {
     "frames_per_s": "records answered per second",
     "mean_batch_size": "valid records per policy call",
     "padding_fraction": "share of the rows run through the policy that were padding",
-    "inference_time_s": "mean seconds per policy call (staging, forward, outputs)",
+    "inference_time_s": "mean seconds per policy call, from staging to outputs on the host",
     "queueing_time_s": "mean seconds a record waited ready before the server took it",
     "service_time_s": "mean seconds from a record being ready to its answer being sent",
     "flush_wait_s": "mean seconds the server waited for a batch to fill per received batch",

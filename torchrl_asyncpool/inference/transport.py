@@ -69,7 +69,7 @@ class ProcessSlotTransport:
             policies and validate them. Defaults to ``120``.
 
     Examples:
-        >>> import functools, os
+        >>> import functools, os, time
         >>> from torchrl_asyncpool import AsyncEnvPool, InferenceServer, ProcessSlotTransport
         >>> from torchrl_asyncpool.inference.examples import OracleTagPolicy
         >>> from torchrl_asyncpool.testing import OracleEnv
@@ -78,7 +78,7 @@ class ProcessSlotTransport:
         ...     transport = ProcessSlotTransport(pool)
         ...     with InferenceServer(policy_factory=OracleTagPolicy).start(transport) as server:
         ...         while server.stats()["frames"] < 20:
-        ...             server.check()
+        ...             time.sleep(0.01)
         ...         print(server.mode, server.pid != os.getpid())
         process True
     """
@@ -119,8 +119,8 @@ class ProcessSlotTransport:
 
     def start(self, spec: ServerSpec, names) -> None:
         """Starts the server process for ``spec`` and waits until it serves (or raises its start-up error)."""
-        if self._proc is not None:
-            raise RuntimeError("this ProcessSlotTransport already started a server; create a new one.")
+        if self._proc is not None or self._closed:
+            raise RuntimeError("this ProcessSlotTransport was already used; create a new one.")
         ctx = mp.get_context(self.mp_start_method)
         if self.mp_start_method == "forkserver":
             ctx.set_forkserver_preload(["torchrl_asyncpool.inference._process", "torchrl.envs"])
@@ -129,28 +129,29 @@ class ProcessSlotTransport:
             spec.on_batch = _picklable(spec.on_batch)
         spec.num_threads = self.num_threads
         self._names = list(names)
-        self._weights_fd = os.memfd_create("torchrl_asyncpool_weights", os.MFD_CLOEXEC)
-        self._stats_fd = os.memfd_create("torchrl_asyncpool_server_stats", os.MFD_CLOEXEC)
-        os.ftruncate(self._stats_fd, StatsBlock.nbytes_for(len(self._names)))
-        self._stats = StatsBlock.from_fd(self._stats_fd, self._names)
-        life_r, self._life_w = os.pipe()
-        reader, writer = ctx.Pipe(duplex=False)
-        from torchrl_asyncpool.inference._process import server_main
+        try:
+            self._weights_fd = os.memfd_create("torchrl_asyncpool_weights", os.MFD_CLOEXEC)
+            self._stats_fd = os.memfd_create("torchrl_asyncpool_server_stats", os.MFD_CLOEXEC)
+            os.ftruncate(self._stats_fd, StatsBlock.nbytes_for(len(self._names)))
+            self._stats = StatsBlock.from_fd(self._stats_fd, self._names)
+            life_r, self._life_w = os.pipe()
+            reader, writer = ctx.Pipe(duplex=False)
+            self._conn = reader
+            from torchrl_asyncpool.inference._process import server_main
 
-        try:
-            self._proc = ctx.Process(
-                target=server_main,
-                args=(self.handle, spec, InheritedFd(self._weights_fd), InheritedFd(self._stats_fd),
-                      InheritedFd(life_r), writer),
-                name="torchrl_asyncpool-inference-server",
-                daemon=True,
-            )
-            self._proc.start()
-        finally:
-            writer.close()
-            os.close(life_r)
-        self._conn = reader
-        try:
+            try:
+                proc = ctx.Process(
+                    target=server_main,
+                    args=(self.handle, spec, InheritedFd(self._weights_fd), InheritedFd(self._stats_fd),
+                          InheritedFd(life_r), writer),
+                    name="torchrl_asyncpool-inference-server",
+                    daemon=True,
+                )
+                proc.start()
+                self._proc = proc
+            finally:
+                writer.close()
+                os.close(life_r)
             msg = self._await_ready()
             self._weights = SharedWeights.attach(self._weights_fd, msg["weights"])
         except BaseException:
@@ -191,23 +192,27 @@ class ProcessSlotTransport:
 
     def _watch(self) -> None:
         """Monitor thread: records the server's errors and its death as they happen."""
-        poller = select.poll()
-        conn_fd, sentinel = self._conn.fileno(), self._proc.sentinel
-        for fd in (conn_fd, sentinel, self._wake.fd):
-            poller.register(fd, select.POLLIN)
-        while True:
-            fds = {fd for fd, _ in poller.poll()}
-            if conn_fd in fds or sentinel in fds:
-                self._drain_messages()
-            if sentinel in fds:
-                if self._error is None and not self._stopping:
-                    self._error = InferenceServerError(
-                        f"the inference server process (pid {self._proc.pid}) died ({self._death()}); "
-                        "its leased slots were not answered."
-                    )
-                return
-            if self._wake.fd in fds:
-                return
+        try:
+            poller = select.poll()
+            conn_fd, sentinel, wake_fd = self._conn.fileno(), self._proc.sentinel, self._wake.fd
+            for fd in (conn_fd, sentinel, wake_fd):
+                poller.register(fd, select.POLLIN)
+            while not self._closed:
+                events = poller.poll()
+                fds = {fd for fd, _ in events}
+                if wake_fd in fds or any(ev & select.POLLNVAL for _, ev in events):
+                    return
+                if conn_fd in fds or sentinel in fds:
+                    self._drain_messages()
+                if sentinel in fds:
+                    if self._error is None and not self._stopping:
+                        self._error = InferenceServerError(
+                            f"the inference server process (pid {self._proc.pid}) died ({self._death()}); "
+                            "its leased slots were not answered."
+                        )
+                    return
+        except Exception:  # noqa: BLE001 - a monitor must never die noisily; check() still sees the sentinel
+            return
 
     def _drain_messages(self) -> None:
         try:
@@ -228,7 +233,8 @@ class ProcessSlotTransport:
             self._drain_messages()
             if self._error is None:
                 self._error = InferenceServerError(
-                    f"the inference server process (pid {self._proc.pid}) died ({self._death()})."
+                    f"the inference server process (pid {self._proc.pid}) died ({self._death()}); "
+                    "its leased slots were not answered."
                 )
             raise self._error
 

@@ -1,0 +1,18 @@
+"""The central inference server: bucketed fixed-shape batches, batch keys, weight sync, recurrent state in the slot.
+
+See :class:`InferenceServer` and :class:`ProcessSlotTransport`, and the "Inference" page of
+the documentation.
+"""
+from torchrl_asyncpool.inference._common import BatchKey, InferenceServerError, bucket_ladder
+from torchrl_asyncpool.inference._shared import STAT_KEYS
+from torchrl_asyncpool.inference.server import InferenceServer
+from torchrl_asyncpool.inference.transport import ProcessSlotTransport
+
+__all__ = [
+    "InferenceServer",
+    "ProcessSlotTransport",
+    "InferenceServerError",
+    "BatchKey",
+    "bucket_ladder",
+    "STAT_KEYS",
+]
