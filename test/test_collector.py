@@ -131,3 +131,45 @@ def test_torchrl_docstring_example_runs_unchanged():
         assert batch.shape == (200,)
         break
     collector.shutdown()
+
+
+def test_process_server_with_policy_factory_and_weight_update():
+    """policy_factory= serves from a dedicated process; weights travel without a restart."""
+    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+
+    c = AsyncPoolCollector(oracle_factories(4), policy_factory=OracleTagPolicy, frames_per_batch=16,
+                           total_frames=400, envs_per_worker=2, transition_chunk_size=4)
+    try:
+        assert c.server_backend == "process"
+        checker = OracleChecker()
+        it = iter(c)
+        checker.observe_transitions(next(it))
+        c.update_policy_weights_(OracleTagPolicy(offset=0))
+        seen = set()
+        for batch in it:
+            checker.observe_transitions(batch)
+            seen |= set(batch["policy_version"].tolist())
+        assert 1 in seen and checker.records == 400
+    finally:
+        c.shutdown()
+
+
+def test_pause_keeps_the_policy_idle():
+    calls = {"n": 0}
+
+    def counting(td):
+        calls["n"] += 1
+        return oracle_policy(td)
+
+    c = AsyncPoolCollector(oracle_factories(2), policy=counting, frames_per_batch=8, transition_chunk_size=2)
+    try:
+        it = iter(c)
+        next(it)
+        with c.pause():
+            n = calls["n"]
+            time.sleep(0.3)
+            assert calls["n"] == n
+        next(it)
+        assert calls["n"] > n
+    finally:
+        c.shutdown()

@@ -9,7 +9,8 @@ import pytest
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from conftest import oracle_factories
-from torchrl_asyncpool import AsyncPoolCollector, EnvError, WorkerDiedError
+from torchrl_asyncpool import AsyncPoolCollector, EnvError, InferenceServerError, WorkerDiedError
+from torchrl_asyncpool.inference.examples import OracleTagPolicy
 from torchrl_asyncpool.testing import OracleEnv, oracle_action
 
 
@@ -109,8 +110,28 @@ def test_policy_error_is_named():
 
     c = AsyncPoolCollector(oracle_factories(2), policy=flaky, frames_per_batch=8, transition_chunk_size=2)
     try:
-        with pytest.raises(RuntimeError, match="policy loop failed.*policy exploded"):
+        with pytest.raises(InferenceServerError, match="policy 'policy'.*failed.*policy exploded"):
             for _ in c:
                 pass
     finally:
         c.shutdown(raise_on_error=False)
+
+
+def test_process_server_sigkill_raises_within_two_seconds():
+    c = AsyncPoolCollector(oracle_factories(4), policy_factory=OracleTagPolicy, frames_per_batch=8,
+                           transition_chunk_size=2)
+    pids = c.env.worker_pids
+    try:
+        assert c.server_backend == "process"
+        it = iter(c)
+        next(it)
+        server_pid = c.server.pid
+        os.kill(server_pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(InferenceServerError):
+            for _ in range(100_000):
+                next(it)
+        assert time.monotonic() - t0 < 6.0
+    finally:
+        c.shutdown(raise_on_error=False)
+    assert _gone(pids + [server_pid])

@@ -14,7 +14,10 @@ from torchrl.collectors import AsyncBatchedCollector
 from torchrl.collectors._base import BaseCollector
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-from torchrl_asyncpool.collector_server import PolicyLoop, derive_policy_outputs
+from torchrl_asyncpool.acting_policy import WEIGHT_PREFIX, ActingPolicy, ActingPolicyFactory, derive_policy_outputs
+from torchrl_asyncpool.inference import InferenceServer
+from torchrl_asyncpool.inference._runner import flatten_weights
+from torchrl_asyncpool.errors import PoolClosedError
 from torchrl_asyncpool.pool import AsyncEnvPool
 
 __all__ = ["AsyncPoolCollector"]
@@ -84,6 +87,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             version of the policy that acted; ``None`` disables it. Defaults to
             ``"policy_version"``.
         policy_version (int, optional): initial version. Defaults to 0.
+        max_batch_size / min_batch_size / server_timeout: see above; with ``policy_factory``
+            the policy is served from a dedicated inference process (SEED style), with
+            ``policy`` from a thread of this process.
         exploration_type (ExplorationType, optional): under which the policy acts.
         create_env_kwargs (dict or list of dicts, optional): factory keyword arguments.
         envs_per_worker (int or "auto", optional): envs hosted by one worker process.
@@ -145,7 +151,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     ):
         BaseCollector.__init__(self, post_collect_hook=post_collect_hook)
         self._pool = None
-        self._loop = None
+        self._server = None
         self._closed = False
         for name, value in torchrl_kwargs.items():
             if name not in _ACCEPTED_AS_IS:
@@ -193,39 +199,47 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self._replay_error = None
         self._traj_parts: dict[int, list] = {}
         self._trajectories: deque = deque()
-        self._server_backend = "thread"
 
         t0 = time.monotonic()
-        acting_policy = policy if policy is not None else policy_factory()
-        if policy_device is not None and isinstance(acting_policy, torch.nn.Module):
-            acting_policy = acting_policy.to(policy_device)
-        self._acting_policy = acting_policy
-        self._policy_device = torch.device(policy_device) if policy_device is not None else None
+        self._server_backend = "thread" if policy is not None else "process"
+        self._policy_device = torch.device(policy_device) if policy_device is not None else torch.device("cpu")
+        # One acting policy in this process: the thread server's, or a probe for process mode
+        # (built once from the factory, as TorchRL does, to learn the policy's output entries).
+        probe = ActingPolicy(policy if policy is not None else policy_factory(), exploration_type)
+        self._acting = probe if policy is not None else None
         self._pool = AsyncEnvPool(
             create_env_fn,
             create_env_kwargs=create_env_kwargs,
             envs_per_worker=envs_per_worker,
-            policy_output_spec=lambda request, actions: derive_policy_outputs(
-                acting_policy, request, actions, policy_version_key, exploration_type, self._policy_device
-            ),
+            policy_output_spec=lambda request, actions: derive_policy_outputs(probe, request, actions, policy_version_key),
             transition_chunk_size=lambda layout: _auto_chunk(transition_chunk_size, layout, frames_per_batch),
         )
-        self._loop = PolicyLoop(
-            self._pool,
-            acting_policy,
-            max_get=max_batch_size,
-            min_get=min_batch_size or 1,
-            timeout=0.001 if server_timeout is None else server_timeout,
-            exploration_type=exploration_type,
-            policy_version_key=policy_version_key,
-            policy_version=policy_version,
-            device=self._policy_device,
-        )
-        self._loop.start()
+        try:
+            dtypes = {k: self._pool.layout_dtype(k) for k in self._pool.action_keys}
+            server_kwargs = dict(
+                max_get=max_batch_size,
+                min_get=min_batch_size or 1,
+                timeout=0.001 if server_timeout is None else server_timeout,
+                device=self._policy_device,
+                policy_version_key=policy_version_key,
+            )
+            if policy is not None:
+                probe.action_dtypes = dtypes
+                self._server = InferenceServer(probe, mode="thread", **server_kwargs)
+            else:
+                del probe
+                factory = ActingPolicyFactory(policy_factory, exploration_type, dtypes)
+                self._server = InferenceServer(policy_factory=factory, mode="process", **server_kwargs)
+            if policy_version:
+                self._server.update_policy_weights_(None, version=int(policy_version))
+            self._server.start(self._pool)
+        except BaseException:
+            self._pool.close()
+            raise
         self.startup_time_s = time.monotonic() - t0
         if verbose:
-            print(f"AsyncPoolCollector: {self._num_envs} envs in {self._pool.num_workers} workers "
-                  f"started in {self.startup_time_s:.2f}s")
+            print(f"AsyncPoolCollector: {self._num_envs} envs in {self._pool.num_workers} workers, "
+                  f"{self._server_backend} inference server, started in {self.startup_time_s:.2f}s")
 
     # -- TorchRL collector surface ----------------------------------------------------------
     @property
@@ -235,8 +249,13 @@ class AsyncPoolCollector(AsyncBatchedCollector):
 
     @property
     def server_backend(self) -> str:
-        """Where the policy runs: ``"thread"``."""
+        """Where the policy runs: ``"thread"`` (``policy=``) or ``"process"`` (``policy_factory=``)."""
         return self._server_backend
+
+    @property
+    def server(self) -> InferenceServer:
+        """The :class:`~torchrl_asyncpool.InferenceServer` serving the envs."""
+        return self._server
 
     @property
     def policy(self) -> Callable:
@@ -246,11 +265,11 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     @property
     def policy_version(self) -> int:
         """The version stamped on new transitions (bumped by :meth:`update_policy_weights_`)."""
-        return self._loop.policy_version
+        return self._server.policy_version()
 
     def server_stats(self, *, reset: bool = False) -> dict:
-        """Inference statistics: batches/s, mean batch size, inference and queueing time."""
-        return self._loop.stats(reset=reset)
+        """Inference statistics: batches/s, mean batch size, padding, inference and queueing time."""
+        return self._server.stats(reset=reset)
 
     def pool_metrics(self, reset: bool = False) -> dict:
         """The exchange's health metrics (see :meth:`AsyncEnvPool.metrics`)."""
@@ -260,11 +279,18 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         """Makes the acting policy use new weights and bumps the policy version.
 
         Accepts a module, a TensorDict of parameters (``TensorDict.from_module``) or a state
-        dict; with no argument, the acting policy is assumed to be the trained module itself
-        and only the version is bumped.
+        dict. With no argument and ``policy=``, the acting policy is assumed to be the trained
+        module itself (updated in place) and only the version is bumped; with
+        ``policy_factory=`` the weights must be given, since the policy lives in the server
+        process.
         """
         source = policy_or_weights if policy_or_weights is not None else (weights if weights is not None else policy)
-        self._loop.update_weights(source)
+        if source is not None:
+            if self._acting is not None and source is getattr(self._acting, "policy", None):
+                source = None  # the acting module itself: already up to date
+            else:
+                source = {WEIGHT_PREFIX + k: v for k, v in flatten_weights(source).items()}
+        self._server.update_policy_weights_(source)
 
     def _ensure_started(self) -> None:
         if self._closed:
@@ -272,16 +298,21 @@ class AsyncPoolCollector(AsyncBatchedCollector):
 
     @contextlib.contextmanager
     def pause(self, timeout: float | None = 30.0) -> Iterator[None]:
-        """Parks the policy loop (no new actions; workers idle) while the context is open."""
+        """A quiescent boundary: while the context is open, no batch is written and (with a
+        thread server) the policy does not run, so modules can be compiled or swapped. With a
+        process server the server keeps answering until the envs fill their chunks and stop
+        (back-pressure)."""
         if not self._pause_lock.acquire(blocking=False):
             raise RuntimeError("AsyncPoolCollector is already paused.")
         try:
             with self._replay_lock:
-                self._loop.pause(timeout)
+                if self._acting is not None:
+                    self._acting.pause(timeout)
                 try:
                     yield None
                 finally:
-                    self._loop.resume()
+                    if self._acting is not None:
+                        self._acting.resume()
         finally:
             self._pause_lock.release()
 
@@ -289,11 +320,16 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     def _check(self) -> None:
         if self._shutdown_event.is_set():
             raise _Stopped()
-        self._loop.check()
+        self._server.check()
 
     def _take(self, frames: int) -> TensorDictBase:
         while True:
-            td = self._pool.take_transitions(frames, timeout=0.1, check=self._check)
+            try:
+                td = self._pool.take_transitions(frames, timeout=0.1, check=self._check)
+            except PoolClosedError:
+                if self._shutdown_event.is_set():
+                    raise _Stopped() from None
+                raise
             if td is not None:
                 return td
             self._check()
@@ -390,8 +426,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         thread = self._replay_thread
         if thread is not None:
             thread.join(timeout)
-        if self._loop is not None:
-            self._loop.stop(timeout=max(0.1, timeout - (time.monotonic() - t0)))
+        if self._acting is not None:
+            self._acting.resume()  # a paused policy would hold the server thread
+        if self._server is not None:
+            self._server.stop(timeout=max(0.1, timeout - (time.monotonic() - t0)), raise_errors=False)
         if close_env and self._pool is not None:
             self._pool.close(timeout=max(0.1, min(1.0, timeout - (time.monotonic() - t0))))
         self.shutdown_time_s = time.monotonic() - t0

@@ -317,14 +317,22 @@ class AsyncEnvPool:
             self._chunk_reader = ChunkReader(self._chunks, self._release_chunk)
 
         def _check():
-            self._local_consumer().raise_worker_errors()
             if check is not None:
-                check()
+                check()  # first: the caller may know the pool is being shut down
+            self._local_consumer().raise_worker_errors()
 
         return self._chunk_reader.take(frames, timeout, _check)
 
     def _release_chunk(self, env_index: int) -> None:
         self._bells[self._slot_worker[env_index]].ring()
+
+    def layout_dtype(self, key):
+        """The dtype of slot field ``key`` (an action, observation or policy output)."""
+        key = (key,) if isinstance(key, str) else tuple(key)
+        for f in self.layout.request + self.layout.response:
+            if f.key == key:
+                return f.dtype
+        raise KeyError(f"{key!r} is not a field of this pool.")
 
     def consumer_handle(self):
         """A picklable :class:`~torchrl_asyncpool.exchange.consumer.ConsumerHandle` for driving

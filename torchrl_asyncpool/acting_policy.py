@@ -1,0 +1,125 @@
+"""The collector's acting policy: the user's policy as the inference server runs it.
+
+The wrapper adds what TorchRL's collectors do around a policy call and what a strict slot
+layout needs: the exploration type, a cast of the action entries to the env's action dtypes
+(TorchRL envs accept e.g. a float one-hot; the exchange stores exact dtypes), and a pause gate
+that keeps the policy idle while :meth:`AsyncPoolCollector.pause` is open.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+from tensordict import TensorDict
+from torchrl.envs.utils import set_exploration_type
+
+__all__ = ["ActingPolicy", "ActingPolicyFactory", "derive_policy_outputs", "WEIGHT_PREFIX"]
+
+#: Parameter names of the wrapped policy inside :class:`ActingPolicy`.
+WEIGHT_PREFIX = "policy."
+
+
+class ActingPolicy(torch.nn.Module):
+    """Runs ``policy`` under ``exploration_type`` and casts ``action_dtypes`` entries.
+
+    Args:
+        policy (callable): ``TensorDict -> TensorDict``.
+        exploration_type: the exploration type to act under (``None``: leave as is).
+        action_dtypes (dict, optional): ``{key: dtype}`` the action entries are cast to.
+    """
+
+    def __init__(self, policy, exploration_type=None, action_dtypes=None):
+        super().__init__()
+        if isinstance(policy, torch.nn.Module):
+            self.policy = policy
+        else:
+            self._callable = policy
+        self.exploration_type = exploration_type
+        self.action_dtypes = dict(action_dtypes or {})
+        self._gate = threading.Condition()
+        self._paused = False
+        self._in_call = 0
+
+    def _target(self):
+        return self.policy if "policy" in self._modules else self._callable
+
+    def forward(self, td):
+        with self._gate:
+            while self._paused:
+                self._gate.wait()
+            self._in_call += 1
+        try:
+            if self.exploration_type is not None:
+                with set_exploration_type(self.exploration_type):
+                    out = self._target()(td)
+            else:
+                out = self._target()(td)
+            out = td if out is None else out
+            for key, dtype in self.action_dtypes.items():
+                value = out.get(key, None)
+                if value is not None and value.dtype != dtype:
+                    out.set(key, value.to(dtype))
+            return out
+        finally:
+            with self._gate:
+                self._in_call -= 1
+                self._gate.notify_all()
+
+    def pause(self, timeout=None) -> None:
+        """Blocks new calls and waits until no call is running."""
+        with self._gate:
+            self._paused = True
+            if not self._gate.wait_for(lambda: self._in_call == 0, timeout):
+                self._paused = False
+                self._gate.notify_all()
+                raise TimeoutError("the acting policy did not finish its batch in time.")
+
+    def resume(self) -> None:
+        with self._gate:
+            self._paused = False
+            self._gate.notify_all()
+
+
+class ActingPolicyFactory:
+    """A picklable factory of :class:`ActingPolicy` around a user ``policy_factory``."""
+
+    def __init__(self, factory, exploration_type=None, action_dtypes=None):
+        self.factory = factory
+        self.exploration_type = exploration_type
+        self.action_dtypes = dict(action_dtypes or {})
+
+    def __call__(self):
+        return ActingPolicy(self.factory(), self.exploration_type, self.action_dtypes)
+
+
+def derive_policy_outputs(policy, request: dict, actions: dict, version_key) -> dict:
+    """Runs ``policy`` once on a zero record to learn which entries it adds besides the actions.
+
+    Returns ``{key: (shape, dtype)}`` of the policy outputs to carry in the slots (and so in
+    the transitions), plus ``version_key`` as an int64 scalar when it is not ``None``.
+    Raises ``ValueError`` naming the missing key when the policy does not write an action.
+    """
+    fake = TensorDict({k: torch.zeros((1, *shape), dtype=dtype) for k, (shape, dtype) in request.items()}, [1])
+    # what the inference server adds to every batch it hands a policy
+    fake.set("env_index", torch.zeros(1, dtype=torch.int64))
+    fake.set("valid_mask", torch.ones(1, dtype=torch.bool))
+    inputs = set(fake.keys(True, True))
+    with torch.no_grad():
+        out = policy(fake)
+    produced = {k: v for k, v in out.items(include_nested=True, leaves_only=True)}
+    norm_actions = {(k,) if isinstance(k, str) else tuple(k) for k in actions}
+    for key in norm_actions:
+        if (key[0] if len(key) == 1 else key) not in produced:
+            raise ValueError(
+                f"the policy did not write the action key {key!r} (it wrote {sorted(map(str, produced))})."
+            )
+    outputs = {}
+    for key, value in produced.items():
+        norm = (key,) if isinstance(key, str) else tuple(key)
+        if key in inputs or norm in norm_actions:
+            continue
+        if isinstance(value, torch.Tensor) and value.shape[:1] == (1,):
+            outputs[key] = (tuple(value.shape[1:]), value.dtype)
+    if version_key is not None:
+        outputs[version_key] = ((), torch.int64)
+    return outputs
