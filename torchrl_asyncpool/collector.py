@@ -320,6 +320,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     def _check(self) -> None:
         if self._shutdown_event.is_set():
             raise _Stopped()
+        # env and worker failures first, by their own names; the server reports them too
+        # (it stops serving), but wrapped as the reason it stopped.
+        self._pool.check_workers()
         self._server.check()
 
     def _take(self, frames: int) -> TensorDictBase:

@@ -319,9 +319,14 @@ class AsyncEnvPool:
         def _check():
             if check is not None:
                 check()  # first: the caller may know the pool is being shut down
-            self._local_consumer().raise_worker_errors()
+            self.check_workers()
 
         return self._chunk_reader.take(frames, timeout, _check)
+
+    def check_workers(self) -> None:
+        """Raises :class:`~torchrl_asyncpool.EnvError` or
+        :class:`~torchrl_asyncpool.WorkerDiedError` if an env failed or a worker died."""
+        self._local_consumer().raise_worker_errors()
 
     def _release_chunk(self, env_index: int) -> None:
         self._bells[self._slot_worker[env_index]].ring()
