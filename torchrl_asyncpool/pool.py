@@ -157,9 +157,7 @@ class AsyncEnvPool:
             request[hidden_in] = outputs[hidden_out]
         self.policy_output_keys = list(outputs)
         self.recurrent_state = dict(recurrent)
-        self.layout = ArenaLayout(n, request, {**response, **outputs})
-        self.layout.action_keys = [_as_key(k) for k in self.action_keys]
-        self.layout.recurrent = {_as_key(k): _as_key(v) for k, v in recurrent.items()}
+        self.layout = ArenaLayout(n, request, {**response, **outputs}, action_keys=self.action_keys, recurrent=recurrent)
 
         self._arena = Arena.create(self.layout)
         self._chunks = None
@@ -410,7 +408,7 @@ class AsyncEnvPool:
         c = self._consumer_obj
         if c is None:
             c = self._consumer_obj = SlotConsumer(
-                self._handle, pin_memory=self._pin_memory, arena=self._arena, death_info=self._death_info
+                self._handle, pin_memory=self._pin_memory, arena=self._arena, death_info=self.death_info
             )
         return c
 
@@ -426,7 +424,8 @@ class AsyncEnvPool:
         if self._consumer_obj is not None and self._consumer_obj.error is not None:
             raise self._consumer_obj.error
 
-    def _death_info(self, w) -> str:
+    def death_info(self, w) -> str:
+        """How worker ``w`` ended (signal or exit code), for error messages."""
         p = self._procs[w]
         p.join(0.05)
         code = p.exitcode
@@ -440,7 +439,7 @@ class AsyncEnvPool:
     def _start_death(self, w):
         slots = np.flatnonzero(self._slot_worker == w).tolist()
         self._error = WorkerDiedError(
-            f"worker {w} (pid {self._procs[w].pid}, hosting envs {slots}) died during start-up ({self._death_info(w)})."
+            f"worker {w} (pid {self._procs[w].pid}, hosting envs {slots}) died during start-up ({self.death_info(w)})."
         )
         return self._error
 

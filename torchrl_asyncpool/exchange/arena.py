@@ -81,12 +81,20 @@ class ArenaLayout:
         num_slots (int): number of env slots (leading dimension of every field).
         request (dict): ``{key: (shape, dtype)}`` of the records workers publish.
         response (dict): ``{key: (shape, dtype)}`` of the records the consumer writes back.
+        error_text_bytes (int, optional): traceback bytes kept per slot.
+        action_keys (list, optional): the response keys that are env actions.
+        recurrent (dict, optional): ``{hidden_in: hidden_out}`` pairs fed back by workers.
     """
 
-    def __init__(self, num_slots: int, request: Dict, response: Dict, error_text_bytes: int = ERROR_TEXT_BYTES):
+    def __init__(self, num_slots: int, request: Dict, response: Dict, error_text_bytes: int = ERROR_TEXT_BYTES,
+                 action_keys=None, recurrent=None):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}.")
         self.num_slots = int(num_slots)
+        #: response keys the env consumes (the rest are policy outputs); ``None``: all of them
+        self.action_keys = None if action_keys is None else [_as_key(k) for k in action_keys]
+        #: ``{hidden_in key: hidden_out key}`` the workers feed back (see ``AsyncEnvPool``)
+        self.recurrent = {_as_key(k): _as_key(v) for k, v in (recurrent or {}).items()}
         self.control = [FieldSpec((name,), (), dtype) for name, dtype in CONTROL_FIELDS]
         self.control.append(FieldSpec(("error_text",), (int(error_text_bytes),), torch.uint8))
         self.request = [FieldSpec(_as_key(k), tuple(int(s) for s in shape), dtype) for k, (shape, dtype) in request.items()]

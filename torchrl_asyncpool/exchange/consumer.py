@@ -22,7 +22,7 @@ from torchrl_asyncpool.errors import EnvError, WorkerDiedError
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
-from torchrl_asyncpool.exchange.metrics import record_recv, record_send
+from torchrl_asyncpool.exchange.metrics import record_recv, record_send, record_wait
 
 __all__ = ["ConsumerHandle", "SlotConsumer"]
 
@@ -149,7 +149,9 @@ class SlotConsumer:
             if deadline is not None and now >= deadline:
                 return ready
             wait_ms = None if deadline is None else max(0, math.ceil((deadline - now) * 1000.0))
-            for fd, _ in self._poller.poll(wait_ms):
+            events = self._poller.poll(wait_ms)
+            record_wait(self._stats, time.monotonic() - now)
+            for fd, _ in events:
                 if fd != self._bell.fd:
                     self.raise_worker_errors()
 

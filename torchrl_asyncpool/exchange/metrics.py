@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-__all__ = ["PoolMetrics", "METRIC_KEYS", "record_recv", "record_send"]
+__all__ = ["PoolMetrics", "METRIC_KEYS", "record_recv", "record_send", "record_wait"]
 
 #: Keys of :meth:`AsyncEnvPool.metrics` and what they mean.
 METRIC_KEYS = {
@@ -40,6 +40,11 @@ def record_recv(stats: np.ndarray, batch: int, cap: int, obs_dwell_sum: float, w
     stats[_PARTIAL] += batch < cap
     stats[_FILL] += batch / cap
     stats[_OBS_DWELL] += obs_dwell_sum
+    stats[_WAIT] += waited_s
+
+
+def record_wait(stats: np.ndarray, waited_s: float) -> None:
+    """Adds time the consumer spent waiting for records outside ``recv`` (consumer only)."""
     stats[_WAIT] += waited_s
 
 

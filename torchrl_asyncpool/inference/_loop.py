@@ -23,7 +23,7 @@ import torch
 
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.doorbell import Doorbell
-from torchrl_asyncpool.exchange.metrics import _WAIT as _POOL_WAIT  # no public hook for a pre-recv wait yet
+from torchrl_asyncpool.exchange.metrics import record_wait
 from torchrl_asyncpool.inference._common import ServerSpec, auto_threshold
 from torchrl_asyncpool.inference._runner import KeyRunner, PolicyFailure, format_exc
 
@@ -122,7 +122,7 @@ class ServingLoop:
                 self._waited = now - t0
                 # the pool's consumer_busy_fraction counts waits inside recv only; this loop waits
                 # before calling recv(timeout=0), so it adds its wait to the same (consumer-only) sum
-                self._pool_stats[_POOL_WAIT] += self._waited
+                record_wait(self._pool_stats, self._waited)
                 return True
             wait_ms = None if remaining is None else max(1, int(math.ceil(remaining * 1000.0)))
             for fd, _ in self._poller.poll(wait_ms):

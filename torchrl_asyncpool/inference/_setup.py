@@ -25,7 +25,7 @@ def layout_fields(layout, version_key, stamp_version):
     request = [(f.key, tuple(f.shape), f.dtype) for f in layout.request]
     vkey = as_key(version_key) if stamp_version else None
     response = [(f.key, tuple(f.shape), f.dtype) for f in layout.response if f.key != vkey]
-    recurrent = dict(getattr(layout, "recurrent", {}) or {})
+    recurrent = dict(layout.recurrent)
     return request, response, recurrent
 
 

@@ -275,7 +275,7 @@ class InferenceServer:
         self.bucket_sizes = {p.name: p.buckets for p in plans}
         self.stamps_version = stamp
         if self.mode == "thread":
-            backend = _ThreadBackend(spec, handle, self._objects, self._factories, getattr(pool, "_death_info", None))
+            backend = _ThreadBackend(spec, handle, self._objects, self._factories, getattr(pool, "death_info", None))
             backend.start()
         else:
             backend = transport or ProcessSlotTransport(

@@ -149,9 +149,9 @@ class _Worker:
 
     def build(self, slot_ids, env_fns, env_kwargs):
         layout, a = self.layout, self.arena
-        recurrent = getattr(layout, "recurrent", {})
+        recurrent = layout.recurrent
         expected_request = {f.key: (f.shape, f.dtype) for f in layout.request if f.key not in recurrent}
-        actions = getattr(layout, "action_keys", None)
+        actions = layout.action_keys
         expected_response = {f.key: (f.shape, f.dtype) for f in layout.response if actions is None or f.key in actions}
         for index, fn, kw in zip(slot_ids, env_fns, env_kwargs):
             self._phase, self._current = "construction", index
