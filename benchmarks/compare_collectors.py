@@ -117,12 +117,10 @@ def _drive(it, seconds, fpb):
     return frames / (time.perf_counter() - t0)
 
 
-def run_asyncpool(w, n, fpb, seconds):
-    from torchrl_asyncpool import AsyncPoolCollector
-
-    gym_fn, _, key, dim, na, _ = WORKLOADS[w]
+def _timed_collector(build, seconds, fpb):
+    """(frames/s, constructor-to-first-batch s, shutdown s) of a TorchRL-style collector."""
     t0 = time.perf_counter()
-    c = AsyncPoolCollector([gym_fn] * n, policy=make_policy(key, dim, na), frames_per_batch=fpb)
+    c = build()
     try:
         it = iter(c)
         next(it)
@@ -133,31 +131,33 @@ def run_asyncpool(w, n, fpb, seconds):
         c.shutdown()
         close = time.perf_counter() - t1
     return fps, startup, close
+
+
+def run_asyncpool(w, n, fpb, seconds):
+    from torchrl_asyncpool import AsyncPoolCollector
+
+    gym_fn, _, key, dim, na, _ = WORKLOADS[w]
+    return _timed_collector(
+        lambda: AsyncPoolCollector([gym_fn] * n, policy=make_policy(key, dim, na), frames_per_batch=fpb), seconds, fpb
+    )
 
 
 def run_torchrl_async(w, n, fpb, seconds):
     from torchrl.collectors import AsyncBatchedCollector
 
     _, trl_fn, key, dim, na, _ = WORKLOADS[w]
-    t0 = time.perf_counter()
-    c = AsyncBatchedCollector(
-        create_env_fn=[trl_fn] * n,
-        policy_factory=functools.partial(make_policy, key, dim, na, True),
-        frames_per_batch=fpb,
-        env_backend="multiprocessing",
-        transport="auto",
-        transition_chunk_size="auto",
+    return _timed_collector(
+        lambda: AsyncBatchedCollector(
+            create_env_fn=[trl_fn] * n,
+            policy_factory=functools.partial(make_policy, key, dim, na, True),
+            frames_per_batch=fpb,
+            env_backend="multiprocessing",
+            transport="auto",
+            transition_chunk_size="auto",
+        ),
+        seconds,
+        fpb,
     )
-    try:
-        it = iter(c)
-        next(it)
-        startup = time.perf_counter() - t0
-        fps = _drive(it, seconds, fpb)
-    finally:
-        t1 = time.perf_counter()
-        c.shutdown()
-        close = time.perf_counter() - t1
-    return fps, startup, close
 
 
 def run_torchrl_sync(w, n, fpb, seconds):
@@ -165,19 +165,11 @@ def run_torchrl_sync(w, n, fpb, seconds):
     from torchrl.envs import ParallelEnv
 
     _, trl_fn, key, dim, na, _ = WORKLOADS[w]
-    t0 = time.perf_counter()
-    env = ParallelEnv(n, trl_fn)
-    c = Collector(env, make_policy(key, dim, na, True), frames_per_batch=fpb, total_frames=-1)
-    try:
-        it = iter(c)
-        next(it)
-        startup = time.perf_counter() - t0
-        fps = _drive(it, seconds, fpb)
-    finally:
-        t1 = time.perf_counter()
-        c.shutdown()
-        close = time.perf_counter() - t1
-    return fps, startup, close
+    return _timed_collector(
+        lambda: Collector(ParallelEnv(n, trl_fn), make_policy(key, dim, na, True), frames_per_batch=fpb, total_frames=-1),
+        seconds,
+        fpb,
+    )
 
 
 def _gym_loop(venv, policy, key, seconds, n):
@@ -193,10 +185,10 @@ def _gym_loop(venv, policy, key, seconds, n):
     return frames / (time.perf_counter() - t0)
 
 
-def run_gym_async(w, n, fpb, seconds):
+def _timed_vector_env(venv_cls, w, n, seconds, **kwargs):
     gym_fn, _, key, dim, na, _ = WORKLOADS[w]
     t0 = time.perf_counter()
-    venv = gym.vector.AsyncVectorEnv([gym_fn] * n, shared_memory=True)
+    venv = venv_cls([gym_fn] * n, **kwargs)
     try:
         venv.reset(seed=0)
         startup = time.perf_counter() - t0
@@ -206,21 +198,14 @@ def run_gym_async(w, n, fpb, seconds):
         venv.close()
         close = time.perf_counter() - t1
     return fps, startup, close
+
+
+def run_gym_async(w, n, fpb, seconds):
+    return _timed_vector_env(gym.vector.AsyncVectorEnv, w, n, seconds, shared_memory=True)
 
 
 def run_gym_sync(w, n, fpb, seconds):
-    gym_fn, _, key, dim, na, _ = WORKLOADS[w]
-    t0 = time.perf_counter()
-    venv = gym.vector.SyncVectorEnv([gym_fn] * n)
-    try:
-        venv.reset(seed=0)
-        startup = time.perf_counter() - t0
-        fps = _gym_loop(venv, make_policy(key, dim, na), key, seconds, n)
-    finally:
-        t1 = time.perf_counter()
-        venv.close()
-        close = time.perf_counter() - t1
-    return fps, startup, close
+    return _timed_vector_env(gym.vector.SyncVectorEnv, w, n, seconds)
 
 
 RUNNERS = {
