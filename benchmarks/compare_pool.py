@@ -9,6 +9,10 @@ Implementations
     ours-auto     torchrl_asyncpool.AsyncEnvPool(fns, envs_per_worker="auto")
     torchrl-shm   torchrl.envs.AsyncEnvPool(fns, backend="multiprocessing", exchange="shm")
     torchrl-queue torchrl.envs.AsyncEnvPool(fns, backend="multiprocessing", exchange="queue")
+    env-only      no pool: N forked processes step their env in a loop with random actions and
+                  report how many steps they did. Not a competitor: it is the ceiling the
+                  machine allows for these envs (env cost + sleeps, no exchange, no consumer),
+                  reported as "% env-only" for every pool.
 
 Consumer loops (one "transition" = one env step handed to the consumer)
     ours:     td = pool.recv(min_get=1); a = randint(B); pool.send(TensorDict({"action": a}, [B]), td.env_indices)
@@ -48,7 +52,7 @@ import warnings
 import torch
 from tensordict import TensorDict
 
-IMPLS = ("ours", "ours-auto", "torchrl-shm", "torchrl-queue")
+IMPLS = ("ours", "ours-auto", "torchrl-shm", "torchrl-queue", "env-only")
 WORKLOADS = ("zero", "sleep2ms")
 SLEEP_STEP_S = 0.002
 
@@ -154,6 +158,49 @@ class TorchRLDriver:
             self.pool.close()
 
 
+def _env_only_worker(factory, sample, barrier, warmup, seconds, out):
+    """Child of :func:`measure_env_only`: steps one env as fast as it can, counts steps."""
+    torch.set_num_threads(1)
+    env = factory()
+    td = env.reset()
+    barrier.wait()
+    count, t0 = 0, time.monotonic()
+    start, end = t0 + warmup, t0 + warmup + seconds
+    now = t0
+    while now < end:
+        # The cheapest correct TorchRL loop (what a pool worker must at least do): step, take
+        # "next", reset at episode end.
+        td.set("action", sample(1)[0])
+        td = env.step(td).get("next")
+        if td.get("done").any():
+            td = env.reset()
+        now = time.monotonic()
+        count += start <= now < end
+    out.put(count)
+    env.close()
+
+
+def measure_env_only(factories, sample, seconds, warmup) -> dict:
+    """Steps of N envs per second, each alone in a process, measured over the same window."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")  # children only step a small env; start-up is not the point here
+    barrier, out = ctx.Barrier(len(factories) + 1), ctx.Queue()
+    procs = [ctx.Process(target=_env_only_worker, args=(f, sample, barrier, warmup, seconds, out), daemon=True) for f in factories]
+    try:
+        for p in procs:
+            p.start()
+        barrier.wait(timeout=120)
+        counts = [out.get(timeout=warmup + seconds + 60) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        leaked = reap([p.pid for p in procs if p.pid is not None], grace_s=0.0)
+        for p in procs:
+            p.join(timeout=1)
+    return {"tps": sum(counts) / seconds, "windows": [{"transitions": sum(counts), "elapsed_s": seconds}], "leaked_pids": leaked}
+
+
 def make_driver(impl: str, factories, sample, torchrl_stack: str = "dense"):
     if impl == "ours":
         return OursDriver(factories, sample, envs_per_worker=1)
@@ -190,6 +237,26 @@ def reap(pids, grace_s: float = 3.0) -> list:
     return leaked
 
 
+def stop_children(grace_s: float = 2.0) -> list:
+    """Stops this process's own multiprocessing children that are still alive (e.g. TorchRL
+    workers spawned by a constructor that an interrupt cut short: TorchRL only cleans those up
+    on ``Exception``); returns their pids. Our pool's workers are fork-server grandchildren and
+    are handled by :func:`reap` per cell."""
+    import multiprocessing
+
+    procs = multiprocessing.active_children()
+    for p in procs:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+    return [p.pid for p in procs]
+
+
 # -- one measurement cell ---------------------------------------------------------------------
 def drive_for(driver, seconds: float) -> tuple:
     """Runs round trips for ``seconds``; returns (transitions, round trips, elapsed)."""
@@ -208,6 +275,16 @@ def measure(impl, workload, n, seconds, warmup, repeats=1, torchrl_stack="dense"
     factories = env_factories(workload, n)
     sample = action_sampler(factories[0])
     rec = {"workload": workload, "num_envs": n, "impl": impl, "error": None}
+    if impl == "env-only":
+        try:
+            rec.update(measure_env_only(factories, sample, seconds, warmup))
+        except Exception as err:  # noqa: BLE001
+            rec["error"] = f"{type(err).__name__}: {err}"
+        limit = latency_limit(workload, n)
+        rec["limit_tps"] = limit
+        if limit and rec.get("tps"):
+            rec["pct_of_limit"] = 100.0 * rec["tps"] / limit
+        return rec
     driver = make_driver(impl, factories, sample, torchrl_stack)
     t0 = time.perf_counter()
     try:
@@ -257,22 +334,27 @@ def boot_forkserver() -> float:
 
 # -- reporting --------------------------------------------------------------------------------
 def add_ratios(records):
-    best = {}
+    best, ceiling = {}, {}
     for r in records:
+        key = (r["workload"], r["num_envs"])
         if r["impl"].startswith("torchrl") and r.get("tps"):
-            key = (r["workload"], r["num_envs"])
             best[key] = max(best.get(key, 0.0), r["tps"])
+        if r["impl"] == "env-only" and r.get("tps"):
+            ceiling[key] = r["tps"]
     for r in records:
-        b = best.get((r["workload"], r["num_envs"]))
-        r["vs_best_torchrl"] = r["tps"] / b if b and r.get("tps") else None
+        key = (r["workload"], r["num_envs"])
+        b, c = best.get(key), ceiling.get(key)
+        pool = r["impl"] != "env-only"
+        r["vs_best_torchrl"] = r["tps"] / b if pool and b and r.get("tps") else None
+        r["pct_of_env_only"] = 100.0 * r["tps"] / c if pool and c and r.get("tps") else None
 
 
 def format_table(records) -> str:
-    head = ("workload", "N", "impl", "transitions/s", "vs best TorchRL", "% N/latency", "mean batch", "startup s", "close s")
+    head = ("workload", "N", "impl", "transitions/s", "vs best TorchRL", "% N/latency", "% env-only", "mean batch", "startup s", "close s")
     rows = []
     for r in records:
         if r.get("error"):
-            rows.append((r["workload"], str(r["num_envs"]), r["impl"], "ERROR", r["error"][:60], "", "", "", ""))
+            rows.append((r["workload"], str(r["num_envs"]), r["impl"], "ERROR", r["error"][:60], "", "", "", "", ""))
             continue
         rows.append(
             (
@@ -282,9 +364,10 @@ def format_table(records) -> str:
                 f"{r['tps']:,.0f}",
                 f"{r['vs_best_torchrl']:.2f}x" if r.get("vs_best_torchrl") else "-",
                 f"{r['pct_of_limit']:.1f}%" if r.get("pct_of_limit") is not None else "-",
-                f"{r['mean_batch']:.1f}",
-                f"{r['startup_s']:.2f}",
-                f"{r['close_s']:.2f}",
+                f"{r['pct_of_env_only']:.0f}%" if r.get("pct_of_env_only") is not None else "-",
+                f"{r['mean_batch']:.1f}" if "mean_batch" in r else "-",
+                f"{r['startup_s']:.2f}" if "startup_s" in r else "-",
+                f"{r['close_s']:.2f}" if "close_s" in r else "-",
             )
         )
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
@@ -310,7 +393,25 @@ def machine_info() -> dict:
         "torchrl": torchrl.__version__,
         "torchrl_asyncpool": torchrl_asyncpool.__version__,
         "loadavg_start": os.getloadavg(),
+        "git": _git_revision(),
     }
+
+
+def _git_revision() -> str | None:
+    """``<commit>[+dirty]`` of the checkout the library was imported from (None outside git)."""
+    import subprocess
+
+    import torchrl_asyncpool
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(torchrl_asyncpool.__file__)))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if rev.returncode != 0:
+        return None
+    return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def parse_args(argv=None):
@@ -321,6 +422,12 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=1, help="measurement windows per cell; the median is reported")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument(
+        "--consumer-threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads in the consumer (default: leave torch's default, as a user would)",
+    )
     p.add_argument("--torchrl-stack", default="dense", choices=("dense", "lazy"), help="TorchRL pool stack= (default dense)")
     p.add_argument("--quick", action="store_true", help="validation run: 1 s per cell, 0.25 s warm-up")
     p.add_argument("--json", metavar="PATH", help="also write every record (and machine info) as JSON")
@@ -338,10 +445,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    torch.set_num_threads(1)  # the consumer gathers small batches; intra-op threads only add contention
+    if args.consumer_threads is not None:
+        torch.set_num_threads(args.consumer_threads)
     info = machine_info()
+    info["consumer_torch_threads"] = torch.get_num_threads()
     print(
-        f"# {info['cores']} cores, python {info['python']}, torch {info['torch']}, torchrl {info['torchrl']}, "
+        f"# {info['cores']} cores, consumer torch threads {info['consumer_torch_threads']}, "
+        f"python {info['python']}, torch {info['torch']}, torchrl {info['torchrl']}, git {info['git']}, "
         f"loadavg {tuple(round(x, 2) for x in info['loadavg_start'])}",
         flush=True,
     )
@@ -377,11 +487,9 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"machine": info, "args": vars(args), "records": records}, f, indent=2, default=str)
-        import multiprocessing
-
-        left = [p.pid for p in multiprocessing.active_children()]
+        left = stop_children()
         if left:
-            print(f"# WARNING: child processes still alive at exit: {left}", flush=True)
+            print(f"# WARNING: child processes still alive at exit were stopped: {left}", flush=True)
     return 1 if any(r.get("error") or r.get("leaked_pids") for r in records) else 0
 
 

@@ -5,6 +5,8 @@
 trains an IMPALA (V-trace) actor-critic from the batches it yields, and prints the frames/s
 reached and the final mean episode return. ``torchrl-asyncpool bench`` runs the repository's
 side-by-side benchmark against TorchRL's stock collector.
+
+The full training scripts (PPO, IMPALA, DQN) are in the repository's ``sota-implementations/``.
 """
 from __future__ import annotations
 
@@ -287,7 +289,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``torchrl-asyncpool`` console script."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if getattr(args, "command", None) != "bench":
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.bench_args = [*unknown, *args.bench_args]  # options meant for the benchmark script
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

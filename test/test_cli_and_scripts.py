@@ -1,0 +1,193 @@
+"""Smoke tests of the training scripts (sota-implementations/) and the ``torchrl-asyncpool`` command.
+
+The fast tests run every script for a few iterations in a subprocess (tiny ``--total-frames``)
+and check the exit status, the CSV metrics and the learning-curve PNG. The full training runs,
+which must reach the 475 target, are opt-in: ``python -m pytest -m slow test/test_cli_and_scripts.py``.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from torchrl_asyncpool import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "sota-implementations"
+
+
+def _cli_command() -> list[str]:
+    exe = shutil.which("torchrl-asyncpool", path=os.path.dirname(sys.executable))
+    return [exe] if exe else [sys.executable, "-m", "torchrl_asyncpool.cli"]
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (
+        f"{' '.join(map(str, cmd))} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+        f"\n--- stderr\n{proc.stderr[-4000:]}"
+    )
+    return proc
+
+
+def _run_script(name: str, tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(SCRIPTS / name), "--log-dir", str(tmp_path), "--exp-name", "run",
+           "--progress", "false", *args]
+    return _run(cmd, timeout)
+
+
+def _check_outputs(tmp_path: Path, png: str) -> None:
+    csv = tmp_path / "run" / "scalars" / "mean_return.csv"
+    assert csv.is_file(), sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    rows = [line.split(",") for line in csv.read_text().splitlines()]
+    assert rows and all(len(r) == 2 for r in rows)
+    assert (tmp_path / "run" / "scalars" / "batch_fill_ratio.csv").is_file()
+    image = tmp_path / "run" / png
+    assert image.is_file() and image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- smoke: a few iterations of each script ------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_ppo_script_smoke(tmp_path):
+    proc = _run_script("ppo_cartpole.py", tmp_path, "--total-frames", "2048", "--frames-per-batch", "512",
+                       "--num-envs", "4", "--epochs", "2")
+    assert "not reached" in proc.stdout
+    _check_outputs(tmp_path, "ppo_cartpole.png")
+    assert len((tmp_path / "run" / "scalars" / "policy_lag.csv").read_text().splitlines()) == 4
+
+
+@pytest.mark.timeout(300)
+def test_impala_script_smoke(tmp_path):
+    proc = _run_script("impala_cartpole.py", tmp_path, "--total-frames", "1024", "--frames-per-batch", "256",
+                       "--num-envs", "4")
+    assert "not reached" in proc.stdout
+    _check_outputs(tmp_path, "impala_cartpole.png")
+    assert (tmp_path / "run" / "scalars" / "policy_lag_mean.csv").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_dqn_script_smoke(tmp_path):
+    proc = _run_script("dqn_cartpole.py", tmp_path, "--total-frames", "2000", "--learning-starts", "500",
+                       "--num-envs", "4", "--log-interval", "50")
+    assert "not reached" in proc.stdout
+    _check_outputs(tmp_path, "dqn_cartpole.png")
+    assert (tmp_path / "run" / "scalars" / "updates.csv").is_file()
+
+
+def test_script_config_flags():
+    """Every config field is a flag, and --help documents the defaults."""
+    proc = _run([sys.executable, str(SCRIPTS / "ppo_cartpole.py"), "--help"], timeout=120)
+    for flag in ("--total-frames", "--num-envs", "--log-dir", "--target-return", "--gae-lambda"):
+        assert flag in proc.stdout
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except OSError:
+            kids = []
+        out += kids
+        todo += kids
+    return out
+
+
+def _worker_pids(pid: int) -> list[int]:
+    """Env worker processes: the children of the script's forkserver."""
+    pids = []
+    for child in _descendants(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"multiprocessing.forkserver" in cmdline:
+            pids += [int(c) for c in Path(f"/proc/{child}/task/{child}/children").read_text().split()]
+    return pids
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script", ["ppo_cartpole.py", "dqn_cartpole.py"])  # iterator path, start() path
+def test_script_stops_with_the_error_when_a_worker_dies(script, tmp_path):
+    """SIGKILL of an env worker mid-training ends the script with a non-zero status and the error."""
+    cmd = [sys.executable, str(SCRIPTS / script), "--log-dir", str(tmp_path), "--exp-name", "run",
+           "--progress", "false", "--target-return", "1e9", "--total-frames", "100000000", "--log-interval", "10"]
+    if script == "ppo_cartpole.py":
+        cmd = cmd[:-2]  # no --log-interval: PPO logs every iteration
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        csv = tmp_path / "run" / "scalars" / "frames.csv"
+        deadline = time.monotonic() + 200
+        while not (csv.is_file() and csv.read_text().strip()):  # training has started
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the script did not start training"
+            time.sleep(0.2)
+        workers = _worker_pids(proc.pid)
+        assert workers, "no env worker found"
+        os.kill(workers[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0
+    assert "WorkerDiedError" in err and "killed by signal 9" in err, err[-3000:]
+
+
+# -- the torchrl-asyncpool command ---------------------------------------------------------------
+def test_cli_help():
+    proc = _run([*_cli_command(), "--help"], timeout=120)
+    assert "demo" in proc.stdout and "bench" in proc.stdout
+    assert "IMPALA" in proc.stdout
+
+
+def test_cli_no_command_prints_help(capsys):
+    assert cli.main([]) == 2
+    assert "demo" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300)
+def test_cli_demo_smoke():
+    proc = _run([*_cli_command(), "demo", "--total-frames", "1024", "--num-envs", "4", "--no-progress"],
+                timeout=240)
+    assert "frames/s reached" in proc.stdout
+    assert "final return" in proc.stdout
+
+
+def test_cli_bench_missing_script(tmp_path, capsys):
+    assert cli.main(["bench", "--script", str(tmp_path / "missing.py")]) == 2
+    assert "was not found" in capsys.readouterr().err
+
+
+def test_cli_bench_runs_script_with_arguments(tmp_path, capsys):
+    script = tmp_path / "fake_bench.py"
+    script.write_text("import sys\nprint('ARGS', sys.argv[1:])\nif '--fail' in sys.argv:\n    sys.exit(3)\n")
+    assert cli.main(["bench", "--script", str(script), "--", "--quick", "--envs", "4"]) == 0
+    assert "ARGS ['--quick', '--envs', '4']" in capsys.readouterr().out
+    assert cli.main(["bench", "--script", str(script), "--fail"]) == 3
+
+
+# -- full runs (opt-in): each reaches the 475 target ----------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("script", ["ppo_cartpole.py", "impala_cartpole.py", "dqn_cartpole.py"])
+def test_script_reaches_target(script, tmp_path):
+    proc = _run_script(script, tmp_path, timeout=1700)
+    assert "Target 475 reached" in proc.stdout, proc.stdout[-2000:]
+    _check_outputs(tmp_path, script.replace(".py", ".png"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_cli_demo_reaches_target():
+    proc = _run([*_cli_command(), "demo", "--no-progress"], timeout=1100)
+    assert "[target 475 reached" in proc.stdout, proc.stdout[-2000:]
