@@ -29,7 +29,18 @@ Consumer loops (one "transition" = one env step handed to the consumer)
 Workloads
     zero      torchrl_asyncpool.testing.ZeroLatencyEnv   (pure exchange overhead)
     sleep2ms  torchrl_asyncpool.testing.SleepPixelEnv(step_s=0.002), 84x84x3 uint8 pixels;
-              its ideal throughput is N / 0.002 transitions/s, reported as "% limit".
+              its ideal throughput is N / 0.002 transitions/s, reported as "% N/latency".
+
+Start-up and close
+    start-up: constructor until the first batch can be received (TorchRL: constructor, reset()
+    and the first send of every env). TorchRL's import sets the global start method to
+    "spawn", so its start-up includes one interpreter + torch import per env; ours forks its
+    workers from a fork server that has torch/torchrl imported (booted once per process and
+    reported separately). close: ``close()`` until it returns; worker processes still alive
+    3 s after that are killed and reported as leaked.
+
+The consumer process keeps torch's default intra-op thread count (what a user gets);
+``--consumer-threads 1`` sets it, which matters on few cores (see benchmarks/README.md).
 
 Usage::
 
@@ -466,11 +477,12 @@ def main(argv=None) -> int:
                     rec = measure(impl, workload, n, args.seconds, args.warmup, args.repeats, args.torchrl_stack)
                     records.append(rec)
                     msg = f"{rec['tps']:,.0f} transitions/s" if rec.get("tps") else f"ERROR {rec['error']}"
-                    print(
-                        f"  {workload:8s} N={n:<3d} {impl:13s} {msg}  (start-up {rec.get('startup_s', float('nan')):.2f}s, "
-                        f"close {rec.get('close_s', float('nan')):.2f}s)",
-                        flush=True,
+                    times = (
+                        f"  (start-up {rec['startup_s']:.2f}s, close {rec['close_s']:.2f}s)"
+                        if "startup_s" in rec and "close_s" in rec
+                        else ""
                     )
+                    print(f"  {workload:8s} N={n:<3d} {impl:13s} {msg}{times}", flush=True)
                     if rec.get("leaked_pids"):
                         print(f"  WARNING: {impl} left worker processes {rec['leaked_pids']} (killed)", flush=True)
     finally:

@@ -24,6 +24,7 @@ from tensordict import TensorDict
 
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
+from torchrl_asyncpool.exchange.gather import RowGather
 
 __all__ = ["ChunkBuffers", "ChunkHandle", "ChunkReader", "transition_fields", "FREE", "FILLING", "FULL", "HELD"]
 
@@ -142,7 +143,7 @@ class ChunkReader:
                              batch_size=[frames])
             self._pending = (out, 0)
         out, pos = self._pending
-        dst = [out.get(k) for k, _ in self._flat]
+        gathers = [RowGather(src, out.get(k)) for k, src in self._flat]
         while pos < frames:
             self.buffers.driver_bell.drain()  # before the scan: a ring after this wakes the poll
             full = np.flatnonzero(self._state == FULL)
@@ -171,11 +172,10 @@ class ChunkReader:
                     self._carry = (c, off + n)
                 else:
                     used.append(c)
-            idx = torch.from_numpy(np.concatenate(rows))
-            end = pos + idx.numel()
-            for (_, src), d in zip(self._flat, dst):
-                torch.index_select(src, 0, idx, out=d[pos:end])
-            pos = end
+            idx = np.concatenate(rows)
+            for gather in gathers:
+                gather(idx, pos)
+            pos += idx.size
             for c in used:
                 self._state[c] = FREE
                 self._release(c // self.buffers.chunks_per_env)

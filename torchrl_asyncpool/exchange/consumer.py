@@ -22,6 +22,7 @@ from torchrl_asyncpool.errors import EnvError, WorkerDiedError
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
+from torchrl_asyncpool.exchange.gather import RowGather
 from torchrl_asyncpool.exchange.metrics import record_recv, record_send, record_wait
 
 __all__ = ["ConsumerHandle", "SlotConsumer"]
@@ -76,7 +77,7 @@ class SlotConsumer:
             {**self.arena.request.clone().to_dict(), "env_index": torch.zeros(n, dtype=torch.int64)}, batch_size=[n]
         )
         self._staging = staging.pin_memory() if pin_memory else staging
-        self._gather = [(self.arena.request.get(k), self._staging.get(k)) for k in self.arena.request.keys(True, True)]
+        self._gather = [RowGather(self.arena.request.get(k), self._staging.get(k)) for k in self.arena.request.keys(True, True)]
         self._staging_env_index = self._staging.get("env_index")
         self._batch_views = {}
         self._response = [(k, self.arena.response.get(k)) for k in self.response_keys]
@@ -161,10 +162,9 @@ class SlotConsumer:
         self.arena.state[ready] = S.LEASED
         self.arena.lease_time[ready] = now
         dwell = float(now * b - self.arena.ready_time[ready].sum())
-        idx = torch.from_numpy(ready)
-        for src, dst in self._gather:
-            torch.index_select(src, 0, idx, out=dst[:b])
-        self._staging_env_index[:b].copy_(idx)
+        for gather in self._gather:
+            gather(ready)
+        self._staging_env_index[:b].copy_(torch.from_numpy(ready))
         view = self._batch_views.get(b)
         if view is None:
             view = self._batch_views[b] = self._staging[:b]

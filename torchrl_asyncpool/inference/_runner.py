@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from torchrl_asyncpool.exchange.gather import RowGather
 from torchrl_asyncpool.inference._common import KeyPlan, key_repr, pick_bucket
 
 __all__ = ["KeyRunner", "PolicyFailure"]
@@ -101,7 +102,7 @@ class KeyRunner:
         self._gathers = []
         if arena_request is not None:
             self._gathers = [
-                [(arena_request.get(k), h.get(k)) for k, _, _ in self.request_fields if k != (ENV_INDEX,)]
+                [RowGather(arena_request.get(k), h.get(k)) for k, _, _ in self.request_fields if k != (ENV_INDEX,)]
                 for h in self._host
             ]
         self._arange = torch.arange(rows)
@@ -284,8 +285,9 @@ class KeyRunner:
                 self._h2d_done[parity].synchronize()  # host buffer still being read by an earlier copy
         # one gather per leaf fills the valid rows and the padding (copies of the first record)
         gather = env_idx if bucket == b else torch.cat([env_idx, env_idx[:1].expand(bucket - b)])
-        for src, dst in self._gathers[parity]:
-            torch.index_select(src, 0, gather, out=dst[:bucket])
+        rows = gather.numpy()
+        for row_gather in self._gathers[parity]:
+            row_gather(rows)
         self._host_env_index[parity][:bucket].copy_(gather)
         torch.lt(self._arange[:bucket], b, out=self._host_mask[parity][:bucket])
         if not self.cuda:
