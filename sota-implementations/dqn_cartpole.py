@@ -4,7 +4,8 @@ Off-policy loop: ``collector.start()`` collects in a background thread and write
 a :class:`torchrl.data.ReplayBuffer`, while the learner samples from the buffer. The acting
 policy is an epsilon-greedy copy of the Q-network served by the collector's policy thread; the
 learner pushes its weights with ``collector.update_policy_weights_(...)`` every few steps and
-anneals epsilon. A target network is synced every ``target_update_interval`` steps.
+anneals epsilon. Double DQN targets come from a target network that follows the online one by
+Polyak averaging (``tau`` every ``target_update_interval`` steps; ``--tau 1`` gives hard copies).
 
 The learner keeps the update-to-data ratio at ``utd`` gradient steps per collected frame
 (so the frames needed do not depend on the machine's speed): it waits for data when it is
@@ -12,16 +13,19 @@ ahead, and pauses the collector (``with collector.pause():``) when it falls more
 ``max_lead_frames`` behind.
 
 Errors in the background collection (a crashed env or worker, a policy error) are re-raised in
-the learner by ``collector.check_errors()``, which runs every step.
+the learner by ``collector.check_errors()``, which runs every loop iteration (and by
+``update_policy_weights_``, which checks the inference server).
 
 Run::
 
     python sota-implementations/dqn_cartpole.py
-    python sota-implementations/dqn_cartpole.py --utd 0.25 --lr 1e-3 --log-dir /tmp/runs
+    python sota-implementations/dqn_cartpole.py --utd 0.5 --hidden 256 --log-dir /tmp/runs
 
 Result on the 2-core development machine (heavily loaded by other jobs, see
 ``sota-implementations/README.md``): mean return of the last 20 episodes >= 475 after
-RESULT_PLACEHOLDER.
+76,288 frames (18,822 gradient steps) and
+57.6 s of training (65 s wall time including start-up) in the run that produced
+``docs/source/_static/dqn_cartpole.png``; 64k-206k frames and 58-223 s over four runs.
 """
 from __future__ import annotations
 

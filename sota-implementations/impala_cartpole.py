@@ -20,7 +20,9 @@ Run::
 
 Result on the 2-core development machine (heavily loaded by other jobs, see
 ``sota-implementations/README.md``): mean return of the last 20 episodes >= 475 after
-RESULT_PLACEHOLDER.
+180,480 frames and 48.5 s of training
+(57 s wall time including start-up) in the run that produced
+``docs/source/_static/impala_cartpole.png``; 160k-180k frames and 49-101 s over four runs.
 """
 from __future__ import annotations
 

@@ -15,7 +15,9 @@ Run::
 
 Result on the 2-core development machine (heavily loaded by other jobs, see
 ``sota-implementations/README.md``): mean return of the last 20 episodes >= 475 after
-RESULT_PLACEHOLDER.
+37,888 frames and 16.7 s of training
+(27 s wall time including start-up) in the run that produced
+``docs/source/_static/ppo_cartpole.png``; 38k-52k frames and 17-30 s over five runs.
 """
 from __future__ import annotations
 

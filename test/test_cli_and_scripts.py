@@ -176,6 +176,18 @@ def test_cli_bench_runs_script_with_arguments(tmp_path, capsys):
     assert cli.main(["bench", "--script", str(script), "--fail"]) == 3
 
 
+def test_cli_bench_default_script_gets_a_plot_path(tmp_path, capsys, monkeypatch):
+    script = tmp_path / "compare_collectors.py"
+    script.write_text("import sys\nprint('ARGS', sys.argv[1:])\n")
+    monkeypatch.setattr(cli, "_default_benchmark", lambda: script)
+    assert cli.main(["bench", "--quick"]) == 0
+    assert "ARGS ['--quick', '--plot', 'compare_collectors.png']" in capsys.readouterr().out
+    assert cli.main(["bench", "--plot", "", "--quick"]) == 0
+    assert "ARGS ['--quick']" in capsys.readouterr().out
+    assert cli.main(["bench", "--", "--plot", "mine.png"]) == 0
+    assert "ARGS ['--plot', 'mine.png']" in capsys.readouterr().out
+
+
 # -- full runs (opt-in): each reaches the 475 target ----------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(1800)

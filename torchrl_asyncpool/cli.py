@@ -30,15 +30,18 @@ commands:
           the learner. Shows a progress bar (mean return, frames/s, batch fill ratio), stops
           when the mean return of the last 20 episodes reaches --target-return (default 475)
           or after --total-frames, and prints the frames/s reached and the final return.
-          Takes 1-3 minutes on a 2-core CPU machine.
+          Takes about a minute on a 2-core CPU machine (longer when it is busy).
   bench   Run the side-by-side collector benchmark (benchmarks/compare_collectors.py in a
-          source checkout): AsyncPoolCollector against TorchRL's stock collector; prints the
-          table and writes a PNG plot. Arguments after "--" go to the benchmark script.
+          source checkout): AsyncPoolCollector against TorchRL's stock collectors and
+          gymnasium's vector envs; prints the table and writes a PNG plot (--plot, default
+          compare_collectors.png). Other arguments go to the benchmark script (--quick for a
+          short run; "torchrl-asyncpool bench -- --help" lists them). The full table takes
+          several minutes; run it with nothing else busy.
 
 examples:
   torchrl-asyncpool demo
   torchrl-asyncpool demo --total-frames 50000 --num-envs 4
-  torchrl-asyncpool bench -- --help
+  torchrl-asyncpool bench --quick
 """
 
 
@@ -232,9 +235,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     extra = list(args.bench_args)
     if extra and extra[0] == "--":
         extra = extra[1:]
+    if args.script is None and args.plot and not any(a == "--plot" or a.startswith("--plot=") for a in extra):
+        extra += ["--plot", args.plot]
     print(f"Running {script} {' '.join(extra)}".rstrip(), flush=True)
-    saved_argv = sys.argv
+    # run it as `python SCRIPT ARGS` would: its folder first on sys.path, its own argv
+    saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(script), *extra]
+    sys.path.insert(0, str(script.resolve().parent))
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exc:  # the script's own exit status
@@ -242,6 +249,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return code if isinstance(code, int) else (0 if code is None else 1)
     finally:
         sys.argv = saved_argv
+        sys.path[:] = saved_path
     return 0
 
 
@@ -277,10 +285,14 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="run the side-by-side benchmark against TorchRL's stock collector",
         description="Run benchmarks/compare_collectors.py from the source checkout (AsyncPoolCollector vs "
-                    "TorchRL's stock collector): prints the table and writes a PNG plot. Arguments after "
-                    "'--' are passed to the script, e.g. 'torchrl-asyncpool bench -- --help'.",
+                    "TorchRL's stock collectors): prints the table and writes a PNG plot. Other arguments "
+                    "are passed to the script, e.g. 'torchrl-asyncpool bench --quick'; "
+                    "'torchrl-asyncpool bench -- --help' lists them.",
     )
     bench.add_argument("--script", default=None, help=f"benchmark script (default: {_default_benchmark()})")
+    bench.add_argument("--plot", default="compare_collectors.png",
+                       help="PNG plot written by the default benchmark script (default: compare_collectors.png; "
+                            "'' for none)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark script")
     bench.set_defaults(func=_cmd_bench)
     return parser
