@@ -107,6 +107,25 @@ def make_policy(key, dim, n, one_hot=False):
     return _Act(key, dim, n, one_hot)
 
 
+class _ActNet(nn.Module):
+    """The same MLP as a plain obs -> one-hot action module, for a TensorDictModule."""
+
+    def __init__(self, dim, n):
+        super().__init__()
+        self.n = n
+        self.net = nn.Sequential(nn.Linear(dim, 64), nn.Tanh(), nn.Linear(64, n))
+
+    def forward(self, obs):
+        return torch.nn.functional.one_hot(self.net(obs.float()).argmax(-1), self.n)
+
+
+def make_torchrl_policy(key, dim, n):
+    """A TensorDictModule declaring in_keys/out_keys: what TorchRL's transport="auto" needs to pick
+    its fastest configuration (a process server reached directly by the env workers)."""
+    torch.manual_seed(0)
+    return TensorDictModule(_ActNet(dim, n), in_keys=[key], out_keys=["action"])
+
+
 # -- runners: each returns (frames/s, startup s to first batch, shutdown s) -----------------------
 def _drive(it, seconds, fpb):
     t0 = time.perf_counter()
@@ -149,7 +168,7 @@ def run_torchrl_async(w, n, fpb, seconds):
     return _timed_collector(
         lambda: AsyncBatchedCollector(
             create_env_fn=[trl_fn] * n,
-            policy_factory=functools.partial(make_policy, key, dim, na, True),
+            policy_factory=functools.partial(make_torchrl_policy, key, dim, na),
             frames_per_batch=fpb,
             env_backend="multiprocessing",
             transport="auto",
@@ -166,7 +185,7 @@ def run_torchrl_sync(w, n, fpb, seconds):
 
     _, trl_fn, key, dim, na, _ = WORKLOADS[w]
     return _timed_collector(
-        lambda: Collector(ParallelEnv(n, trl_fn), make_policy(key, dim, na, True), frames_per_batch=fpb, total_frames=-1),
+        lambda: Collector(ParallelEnv(n, trl_fn), make_torchrl_policy(key, dim, na), frames_per_batch=fpb, total_frames=-1),
         seconds,
         fpb,
     )

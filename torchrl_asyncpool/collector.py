@@ -98,6 +98,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         transition_chunk_size (int or "auto", optional): consecutive transitions per
             chunk. ``"auto"`` (default): ``max(64, frames_per_batch // num_envs)``, at most
             ``frames_per_batch``, and small enough that the chunk buffers stay under 256 MiB.
+        chunks_per_env (int, optional): chunks each env may fill ahead of the learner
+            (default 2). Envs stop (back-pressure) once all their chunks wait for the learner, so
+            this bounds how stale on-policy data can get: ``1`` keeps batches closest to the
+            current policy, more lets envs run ahead while the learner trains.
         post_collect_hook (callable, optional): called with each batch before it is yielded.
         verbose (bool, optional): print start-up and shutdown timings.
 
@@ -147,6 +151,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         policy_version_key="policy_version",
         envs_per_worker: int | str = "auto",
         transition_chunk_size: int | str = "auto",
+        chunks_per_env: int = 2,
         **torchrl_kwargs,
     ):
         BaseCollector.__init__(self, post_collect_hook=post_collect_hook)
@@ -213,6 +218,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             envs_per_worker=envs_per_worker,
             policy_output_spec=lambda request, actions: derive_policy_outputs(probe, request, actions, policy_version_key),
             transition_chunk_size=lambda layout: _auto_chunk(transition_chunk_size, layout, frames_per_batch),
+            chunks_per_env=chunks_per_env,
         )
         try:
             dtypes = {k: self._pool.layout_dtype(k) for k in self._pool.action_keys}

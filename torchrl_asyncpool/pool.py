@@ -439,7 +439,9 @@ class AsyncEnvPool:
     def _start_death(self, w):
         slots = np.flatnonzero(self._slot_worker == w).tolist()
         self._error = WorkerDiedError(
-            f"worker {w} (pid {self._procs[w].pid}, hosting envs {slots}) died during start-up ({self.death_info(w)})."
+            f"worker {w} (pid {self._procs[w].pid}, hosting envs {slots}) died during start-up ({self.death_info(w)}). "
+            "Workers start from a fork server that re-imports the main module: a script that builds a pool "
+            "outside an `if __name__ == \"__main__\":` guard fails this way."
         )
         return self._error
 
