@@ -13,6 +13,8 @@ import torch
 from tensordict import TensorDict
 from torchrl.envs.utils import set_exploration_type
 
+from torchrl_asyncpool.exchange.arena import as_key
+
 __all__ = ["ActingPolicy", "ActingPolicyFactory", "derive_policy_outputs", "WEIGHT_PREFIX"]
 
 #: Parameter names of the wrapped policy inside :class:`ActingPolicy`.
@@ -107,7 +109,7 @@ def derive_policy_outputs(policy, request: dict, actions: dict, version_key) -> 
     with torch.no_grad():
         out = policy(fake)
     produced = {k: v for k, v in out.items(include_nested=True, leaves_only=True)}
-    norm_actions = {(k,) if isinstance(k, str) else tuple(k) for k in actions}
+    norm_actions = {as_key(k) for k in actions}
     for key in norm_actions:
         if (key[0] if len(key) == 1 else key) not in produced:
             raise ValueError(
@@ -115,8 +117,7 @@ def derive_policy_outputs(policy, request: dict, actions: dict, version_key) -> 
             )
     outputs = {}
     for key, value in produced.items():
-        norm = (key,) if isinstance(key, str) else tuple(key)
-        if key in inputs or norm in norm_actions:
+        if key in inputs or as_key(key) in norm_actions:
             continue
         if isinstance(value, torch.Tensor) and value.shape[:1] == (1,):
             outputs[key] = (tuple(value.shape[1:]), value.dtype)

@@ -16,7 +16,7 @@ from torchrl.data.utils import CloudpickleWrapper
 from torchrl_asyncpool.delivery.chunks import ChunkBuffers, ChunkReader
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange import slot_states as S
-from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
+from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout, as_key
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
 from torchrl_asyncpool.exchange.metrics import PoolMetrics
@@ -331,7 +331,7 @@ class AsyncEnvPool:
 
     def layout_dtype(self, key):
         """The dtype of slot field ``key`` (an action, observation or policy output)."""
-        key = (key,) if isinstance(key, str) else tuple(key)
+        key = as_key(key)
         for f in self.layout.request + self.layout.response:
             if f.key == key:
                 return f.dtype
@@ -516,10 +516,6 @@ def _auto_envs_per_worker(adapter, n, probe_s: float = 0.2, probe_steps: int = 3
     if blocking:
         return 1
     return max(1, math.ceil(n / cores))
-
-
-def _as_key(key):
-    return (key,) if isinstance(key, str) else tuple(key)
 
 
 def _check_policy_outputs(spec, request, response) -> dict:

@@ -92,13 +92,13 @@ class ArenaLayout:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}.")
         self.num_slots = int(num_slots)
         #: response keys the env consumes (the rest are policy outputs); ``None``: all of them
-        self.action_keys = None if action_keys is None else [_as_key(k) for k in action_keys]
+        self.action_keys = None if action_keys is None else [as_key(k) for k in action_keys]
         #: ``{hidden_in key: hidden_out key}`` the workers feed back (see ``AsyncEnvPool``)
-        self.recurrent = {_as_key(k): _as_key(v) for k, v in (recurrent or {}).items()}
+        self.recurrent = {as_key(k): as_key(v) for k, v in (recurrent or {}).items()}
         self.control = [FieldSpec((name,), (), dtype) for name, dtype in CONTROL_FIELDS]
         self.control.append(FieldSpec(("error_text",), (int(error_text_bytes),), torch.uint8))
-        self.request = [FieldSpec(_as_key(k), tuple(int(s) for s in shape), dtype) for k, (shape, dtype) in request.items()]
-        self.response = [FieldSpec(_as_key(k), tuple(int(s) for s in shape), dtype) for k, (shape, dtype) in response.items()]
+        self.request = [FieldSpec(as_key(k), tuple(int(s) for s in shape), dtype) for k, (shape, dtype) in request.items()]
+        self.response = [FieldSpec(as_key(k), tuple(int(s) for s in shape), dtype) for k, (shape, dtype) in response.items()]
         self.offsets: Dict[Tuple[str, Tuple[str, ...]], int] = {}
         self.offsets[("stats", ("consumer_stats",))] = 0
         offset = NUM_STATS * 8
@@ -197,8 +197,11 @@ class Arena:
             self.fd = -1
 
 
-def _as_key(key) -> Tuple[str, ...]:
+def as_key(key) -> Tuple[str, ...]:
+    """A TensorDict key as a tuple: ``"obs"`` -> ``("obs",)``."""
     return (key,) if isinstance(key, str) else tuple(key)
+
+
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -227,20 +227,29 @@ class SlotConsumer:
             phase, _, tb = text.partition("\n")
             self.error = EnvError(i, phase, tb)
             raise self.error
-        for fd, w in self._sentinels.items():
-            p = select.poll()
-            p.register(fd, select.POLLIN)
-            if p.poll(0):
-                slots = np.flatnonzero(self._slot_worker == w).tolist()
-                how = self._death_info(w) if self._death_info is not None else "exit status unknown here"
-                self.error = WorkerDiedError(
-                    f"worker {w} (pid {self.handle.worker_pids[w]}, hosting envs {slots}) died ({how})."
-                )
-                raise self.error
+        # a fresh poll object: this runs from other threads too (a driver's health check) and
+        # poll objects refuse concurrent use; the recv thread's own poller is not shared
+        dead = _poll_now(list(self._sentinels))
+        if dead:
+            w = min(self._sentinels[fd] for fd in dead)
+            slots = np.flatnonzero(self._slot_worker == w).tolist()
+            how = self._death_info(w) if self._death_info is not None else "exit status unknown here"
+            self.error = WorkerDiedError(
+                f"worker {w} (pid {self.handle.worker_pids[w]}, hosting envs {slots}) died ({how})."
+            )
+            raise self.error
 
     def close(self) -> None:
         """Drops this process's mapping (descriptors belong to the handle's owner)."""
         self._batch_views.clear()
+
+
+def _poll_now(fds) -> list:
+    """The descriptors among ``fds`` that are readable right now."""
+    p = select.poll()
+    for fd in fds:
+        p.register(fd, select.POLLIN)
+    return [fd for fd, _ in p.poll(0)]
 
 
 def as_index(env_indices, n) -> torch.Tensor:

@@ -11,6 +11,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from torchrl_asyncpool.exchange.arena import as_key  # noqa: F401 - the server modules import it from here
+
 __all__ = [
     "InferenceServerError",
     "BatchKey",
@@ -184,9 +186,6 @@ class ServerSpec:
     flush_fraction: float = 0.5
     initial_versions: Dict[str, int] = field(default_factory=dict)
 
-
-def as_key(key) -> Tuple[str, ...]:
-    return (key,) if isinstance(key, str) else tuple(key)
 
 
 def key_repr(key: Tuple[str, ...]):

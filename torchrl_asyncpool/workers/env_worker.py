@@ -25,7 +25,7 @@ import torch
 
 from torchrl_asyncpool.delivery import chunks as C
 from torchrl_asyncpool.exchange import slot_states as S
-from torchrl_asyncpool.exchange.arena import Arena
+from torchrl_asyncpool.exchange.arena import Arena, as_key
 from torchrl_asyncpool.exchange.doorbell import Doorbell
 from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.workers.env_adapter import make_adapter
@@ -276,7 +276,7 @@ class _DeferredEnvError(Exception):
 
 
 def _keyed(fields):
-    return {((k,) if isinstance(k, str) else tuple(k)): v for k, v in fields.items()}
+    return {as_key(k): v for k, v in fields.items()}
 
 
 def _check_fields(index, what, expected, got):
