@@ -64,12 +64,14 @@ class BenchPolicy(nn.Module):
 
 
 # -- ours -----------------------------------------------------------------------------------------
-def run_ours(n, max_get, timeout, duration, warmup, mode, buckets, device="cpu"):
+def run_ours(n, max_get, timeout, duration, warmup, mode, buckets, device="cpu", cuda_graphs=False):
     from torchrl_asyncpool import AsyncEnvPool, InferenceServer
     from torchrl_asyncpool.testing import ZeroLatencyEnv
 
     with AsyncEnvPool([ZeroLatencyEnv] * n, envs_per_worker=1) as pool:
         kwargs = dict(max_get=max_get, timeout=timeout, bucket_sizes=buckets, device=device, mode=mode)
+        if cuda_graphs:
+            kwargs["cuda_graphs"] = True
         if mode == "thread":
             server = InferenceServer(BenchPolicy(), **kwargs)
         else:
@@ -187,6 +189,9 @@ def main(argv=None):
         ("ours/thread/buckets", functools.partial(run_ours, mode="thread", buckets="auto")),
         ("ours/thread/no-pad", functools.partial(run_ours, mode="thread", buckets=None)),
         ("ours/process/buckets", functools.partial(run_ours, mode="process", buckets="auto")),
+        *([("ours/thread/cuda-graphs", functools.partial(run_ours, mode="thread", buckets="auto", cuda_graphs=True)),
+           ("ours/process/cuda-graphs", functools.partial(run_ours, mode="process", buckets="auto", cuda_graphs=True))]
+          if args.device.startswith("cuda") else []),
         ("torchrl/thread", functools.partial(run_torchrl, backend="thread")),
         ("torchrl/process", functools.partial(run_torchrl, backend="process")),
     ]

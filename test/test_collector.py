@@ -133,6 +133,108 @@ def test_torchrl_docstring_example_runs_unchanged():
     collector.shutdown()
 
 
+def _make_linear_policy(device):
+    """TorchRL's ``make_policy`` from its AsyncBatchedCollector examples (module level: picklable)."""
+    import torch.nn as nn
+    from tensordict.nn import TensorDictModule
+
+    with torch.device(device):
+        module = nn.Linear(4, 2)
+    return TensorDictModule(module, in_keys=["observation"], out_keys=["action"])
+
+
+_EXAMPLE_DEVICES = [
+    pytest.param("cpu", 8, id="cpu-8envs"),
+    pytest.param("cuda:0", 64, id="cuda-64envs", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+]
+
+
+@pytest.mark.parametrize("device,num_envs", _EXAMPLE_DEVICES)
+def test_torchrl_second_docstring_example_runs_unchanged(device, num_envs):
+    """TorchRL's process-server example (policy_factory, transport="auto", server/device configs).
+
+    TorchRL writes it for ``cuda:0`` and 64 envs; without a GPU the same code runs on CPU with
+    8 envs so CI still proves the keywords are accepted and honoured.
+    """
+    import functools
+
+    from torchrl.envs import GymEnv
+    from torchrl.modules.inference_server import InferenceDeviceConfig, InferenceServerConfig
+
+    collector = AsyncPoolCollector(
+        create_env_fn=[lambda: GymEnv("CartPole-v1")] * num_envs,
+        policy_factory=functools.partial(_make_linear_policy, device),
+        frames_per_batch=1024,
+        env_backend="multiprocessing",
+        transport="auto",
+        transition_chunk_size=64,
+        server_config=InferenceServerConfig(max_batch_size=num_envs, min_batch_size=1, timeout=0.001),
+        device_config=InferenceDeviceConfig(policy_device=device, output_device="cpu", storing_device="cpu"),
+    )
+    try:
+        assert collector.server_backend == "process"
+        learner_policy = _make_linear_policy(device)
+        collector.update_policy_weights_(learner_policy)
+        for batch in collector:
+            assert batch.shape == torch.Size([1024])
+            assert batch["env_index"].dtype == torch.long
+            assert batch.device == torch.device("cpu")
+            assert (batch["policy_version"] >= 1).any()
+            break
+    finally:
+        collector.shutdown()
+
+
+@pytest.mark.parametrize("device,num_envs", _EXAMPLE_DEVICES)
+def test_torchrl_third_docstring_example_hand_built_transport(device, num_envs):
+    """TorchRL's example with a hand-built ProcessSlotTransport runs unchanged; a transport whose
+    keys do not match the env/policy, or one given with policy=, raises a clear error."""
+    import functools
+
+    from torchrl.envs import GymEnv
+    from torchrl.modules.inference_server import InferenceDeviceConfig, ProcessSlotTransport
+
+    env = GymEnv("CartPole-v1")
+    request_spec = env.fake_tensordict().select("observation")
+    response_spec = _make_linear_policy("cpu")(request_spec.clone()).select("action")
+    response_spec["policy_version"] = torch.zeros((), dtype=torch.long)
+    env.close()
+    collector = AsyncPoolCollector(
+        create_env_fn=[lambda: GymEnv("CartPole-v1")] * num_envs,
+        policy_factory=functools.partial(_make_linear_policy, device),
+        frames_per_batch=1024,
+        transport=ProcessSlotTransport(request_spec, response_spec, num_slots=num_envs),
+        transition_chunk_size=64,
+        device_config=InferenceDeviceConfig(policy_device=device, output_device="cpu", storing_device="cpu"),
+    )
+    collector.shutdown()
+
+    bad_request = request_spec.clone()
+    bad_request["pixels"] = torch.zeros(3, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="pixels"):
+        AsyncPoolCollector(
+            create_env_fn=[lambda: GymEnv("CartPole-v1")] * 2,
+            policy_factory=functools.partial(_make_linear_policy, "cpu"),
+            frames_per_batch=64,
+            transport=ProcessSlotTransport(bad_request, response_spec, num_slots=2),
+        )
+    with pytest.raises(ValueError, match="policy_factory"):
+        AsyncPoolCollector(
+            create_env_fn=[lambda: GymEnv("CartPole-v1")] * 2,
+            policy=_make_linear_policy("cpu"),
+            frames_per_batch=64,
+            transport=ProcessSlotTransport(request_spec, response_spec, num_slots=2),
+        )
+    with pytest.raises(ValueError, match="one slot per env"):
+        AsyncPoolCollector(
+            create_env_fn=[lambda: GymEnv("CartPole-v1")] * 4,
+            policy_factory=functools.partial(_make_linear_policy, "cpu"),
+            frames_per_batch=64,
+            transport=ProcessSlotTransport(request_spec, response_spec, num_slots=2),
+        )
+
+
 def test_process_server_with_policy_factory_and_weight_update():
     """policy_factory= serves from a dedicated process; weights travel without a restart."""
     from torchrl_asyncpool.inference.examples import OracleTagPolicy

@@ -42,6 +42,48 @@ _ACCEPTED_AS_IS = {
 }
 
 
+def _check_slot_transport(transport, policy_factory, num_envs: int) -> None:
+    """Validates a TorchRL ``ProcessSlotTransport`` given as ``transport=``.
+
+    TorchRL's hand-built slot layouts select its process inference server; here the slot
+    layouts are always derived from the env and one policy pass, so the transport's specs are
+    only checked against them (:func:`_check_transport_keys`) and its own slots stay unused.
+    """
+    from torchrl.modules.inference_server import ProcessSlotTransport as TorchRLProcessSlotTransport
+
+    if not isinstance(transport, TorchRLProcessSlotTransport):
+        raise ValueError(
+            f"AsyncPoolCollector accepts transport=None, 'auto' or a torchrl ProcessSlotTransport, got "
+            f"{type(transport).__name__}: env workers always reach the inference server through the "
+            "shared-memory exchange."
+        )
+    if policy_factory is None:
+        raise ValueError("transport=ProcessSlotTransport(...) implies the process inference server: pass "
+                         "policy_factory= instead of policy=.")
+    num_slots = getattr(transport, "_num_slots", num_envs)
+    if num_slots < num_envs:
+        raise ValueError(f"transport has {num_slots} slots but create_env_fn has {num_envs} envs; "
+                         "a ProcessSlotTransport needs one slot per env.")
+
+
+def _check_transport_keys(transport, layout, policy_version_key) -> None:
+    """The transport's request keys must be env observations, its response keys policy outputs."""
+    from torchrl_asyncpool.exchange.arena import as_key
+
+    def keys(name):
+        return {as_key(k) for k in getattr(transport, name, ()) if not str(as_key(k)[-1]).startswith("_")}
+
+    observed = {f.key for f in layout.request}
+    answered = {f.key for f in layout.response} | {as_key(policy_version_key)}
+    for what, given, have in (("request", keys("_request_keys"), observed), ("response", keys("_response_keys"), answered)):
+        missing = sorted(given - have)
+        if missing:
+            raise ValueError(
+                f"transport {what}_spec has keys {missing} that the {'env does not observe' if what == 'request' else 'policy does not return'} "
+                f"(available: {sorted(have)})."
+            )
+
+
 class AsyncPoolCollector(AsyncBatchedCollector):
     """A drop-in :class:`~torchrl.collectors.AsyncBatchedCollector` on the v2 shared-memory exchange.
 
@@ -108,6 +150,11 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     TorchRL keywords that select what this collector always does (``env_backend=
     "multiprocessing"``, ``transport="auto"``, ...) are accepted; any other value of them, or
     a keyword that has no meaning here, raises :class:`ValueError` instead of being ignored.
+    ``transport=`` may also be a TorchRL
+    :class:`~torchrl.modules.inference_server.ProcessSlotTransport` built by hand (as in TorchRL's
+    own examples): it implies ``policy_factory=``, and its request/response keys are checked
+    against the env's observations and the policy's outputs (a mismatch raises
+    :class:`ValueError`), while the slots themselves always come from the shared-memory exchange.
 
     Examples:
         >>> import torch.nn as nn
@@ -158,6 +205,11 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self._pool = None
         self._server = None
         self._closed = False
+        transport = torchrl_kwargs.pop("transport", None)
+        if transport is not None and not isinstance(transport, str):
+            _check_slot_transport(transport, policy_factory, len(create_env_fn))
+        elif transport is not None:
+            torchrl_kwargs["transport"] = transport
         for name, value in torchrl_kwargs.items():
             if name not in _ACCEPTED_AS_IS:
                 raise ValueError(f"AsyncPoolCollector got an unknown keyword argument {name!r}.")
@@ -221,6 +273,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             chunks_per_env=chunks_per_env,
         )
         try:
+            if transport is not None and not isinstance(transport, str):
+                _check_transport_keys(transport, self._pool.layout, policy_version_key)
             dtypes = {k: self._pool.layout_dtype(k) for k in self._pool.action_keys}
             server_kwargs = dict(
                 max_get=max_batch_size,
