@@ -94,14 +94,17 @@ class ActingPolicyFactory:
         return ActingPolicy(self.factory(), self.exploration_type, self.action_dtypes)
 
 
-def derive_policy_outputs(policy, request: dict, actions: dict, version_key) -> dict:
+def derive_policy_outputs(policy, request: dict, actions: dict, version_key, device=None) -> dict:
     """Runs ``policy`` once on a zero record to learn which entries it adds besides the actions.
 
     Returns ``{key: (shape, dtype)}`` of the policy outputs to carry in the slots (and so in
     the transitions), plus ``version_key`` as an int64 scalar when it is not ``None``.
     Raises ``ValueError`` naming the missing key when the policy does not write an action.
+    ``device`` is where the policy's parameters live (the record is built there, as the
+    inference server would hand it over).
     """
-    fake = TensorDict({k: torch.zeros((1, *shape), dtype=dtype) for k, (shape, dtype) in request.items()}, [1])
+    fake = TensorDict({k: torch.zeros((1, *shape), dtype=dtype) for k, (shape, dtype) in request.items()}, [1],
+                      device=device)
     # what the inference server adds to every batch it hands a policy
     fake.set("env_index", torch.zeros(1, dtype=torch.int64))
     fake.set("valid_mask", torch.ones(1, dtype=torch.bool))
