@@ -12,7 +12,7 @@ import select
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -26,6 +26,10 @@ from torchrl_asyncpool.exchange.gather import RowGather
 from torchrl_asyncpool.exchange.metrics import record_recv, record_send, record_wait
 
 __all__ = ["ConsumerHandle", "SlotConsumer"]
+
+#: how often :meth:`SlotConsumer.lease_ready` looks for dead workers (a busy serving loop
+#: never blocks in ``poll``, where deaths are otherwise noticed at once)
+_SENTINEL_PERIOD_S = 0.005
 
 
 @dataclass
@@ -64,6 +68,8 @@ class SlotConsumer:
         self._bell = Doorbell(handle.consumer_bell.fd)
         self._worker_bells = [Doorbell(b.fd) for b in handle.worker_bells]
         self._slot_worker = np.asarray(handle.slot_worker)
+        self._one_env_per_worker = np.unique(self._slot_worker).size == self._slot_worker.size
+        self._last_sentinel_check = 0.0
         self._death_info = death_info
         self._poller = select.poll()
         self._poller.register(self._bell.fd, select.POLLIN)
@@ -128,6 +134,29 @@ class SlotConsumer:
             oldest = np.argsort(self.arena.ready_time[ready], kind="stable")[:max_get]
             ready = np.sort(ready[oldest])
         return self._lease(ready, max_get, waited)
+
+    def lease_ready(self, cap: int) -> Optional[TensorDictBase]:
+        """Leases what is ready now (oldest first, at most ``cap``) for a serving loop that has
+        already waited for it; ``None`` when nothing is. No argument checks and no blocking.
+
+        Worker deaths are checked at most every :data:`_SENTINEL_PERIOD_S` here (a serving
+        loop that never blocks would otherwise pay one ``poll`` per batch); a dead worker's
+        slots never become ready, so nothing it wrote is lost by the delay.
+        """
+        if self.error is not None:
+            raise self.error
+        now = time.monotonic()
+        if now - self._last_sentinel_check > _SENTINEL_PERIOD_S:
+            self._last_sentinel_check = now
+            if self._sentinel_poller.poll(0):
+                self.raise_worker_errors()
+        ready = np.flatnonzero(self.arena.state == S.OBS_READY)
+        if ready.size == 0:
+            return None
+        if ready.size > cap:
+            oldest = np.argsort(self.arena.ready_time[ready], kind="stable")[:cap]
+            ready = np.sort(ready[oldest])
+        return self._lease(ready, cap, 0.0)
 
     def wait_ready(self, count: int = 1, timeout: float | None = None) -> int:
         """Blocks until ``count`` records are ready or ``timeout`` passes; leases nothing.
@@ -213,6 +242,34 @@ class SlotConsumer:
         state[idx_np] = S.ACTION_READY  # after the data
         workers = self._slot_worker[idx_np]
         for w in (np.unique(workers) if b > 1 else workers).tolist():
+            self._worker_bells[w].ring()
+
+    def send_rows(self, values: Sequence[torch.Tensor], idx: torch.Tensor) -> None:
+        """:meth:`send` for the caller that leased ``idx`` itself (a serving loop).
+
+        ``values`` are the response leaves in :attr:`response_keys` order, ``idx`` the
+        ``env_indices`` of a batch this consumer leased and has not answered: the indices and
+        slot states are trusted, only shapes and dtypes are checked (``ValueError`` naming the
+        key, before anything is written).
+        """
+        if self.error is not None:
+            raise self.error
+        idx_np = idx.numpy()
+        b = idx_np.size
+        for (key, dst), value in zip(self._response, values):
+            if value.shape[0] != b or value.shape[1:] != dst.shape[1:] or value.dtype != dst.dtype:
+                raise ValueError(
+                    f"send: {key!r} must be a tensor of shape {(b, *dst.shape[1:])} and dtype {dst.dtype}; "
+                    f"given shape {tuple(value.shape)} and dtype {value.dtype}."
+                )
+        for (_, dst), value in zip(self._response, values):
+            dst.index_copy_(0, idx, value if value.device.type == "cpu" else value.cpu())
+        now = time.monotonic()
+        state = self.arena.state
+        record_send(self._stats, b, float(now * b - self.arena.lease_time[idx_np].sum()))
+        state[idx_np] = S.ACTION_READY  # after the data
+        workers = self._slot_worker[idx_np]
+        for w in (np.unique(workers) if b > 1 and not self._one_env_per_worker else workers).tolist():
             self._worker_bells[w].ring()
 
     # -- faults -----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from torchrl_asyncpool.exchange import slot_states as S
+from torchrl_asyncpool.exchange.arena import as_key
 from torchrl_asyncpool.exchange.doorbell import Doorbell
 from torchrl_asyncpool.exchange.metrics import record_wait
 from torchrl_asyncpool.inference._common import ServerSpec, auto_threshold
@@ -80,6 +81,7 @@ class ServingLoop:
         for fd in self._stop_fds:
             self._stop_poller.register(fd, select.POLLIN)
         self._waited = 0.0
+        self._send_orders = {}
         self._pool_stats = arena.consumer_stats
         self.current_key = None
         for k, runner in enumerate(runners):
@@ -90,7 +92,7 @@ class ServingLoop:
         st = self.state
         ready = st == S.OBS_READY
         n = int(np.count_nonzero(ready))
-        if (st == S.ERROR).any():
+        if st.max() == S.ERROR:  # ERROR is the largest state
             self.consumer.raise_worker_errors()
         if self.max_get is not None:
             threshold = self.max_get
@@ -176,7 +178,9 @@ class ServingLoop:
 
     def _recv_and_launch(self, inflight: List[_Flight]) -> None:
         self._apply_weights()
-        td = self.consumer.recv(min_get=1, max_get=self.cap, timeout=0)
+        td = self.consumer.lease_ready(self.cap)
+        if td is None:  # only a stale doorbell said so
+            return
         idx = td.env_indices.numpy().copy()  # the staging buffer is reused by the next recv
         queue = float((self.lease_time[idx] - self.ready_time[idx]).sum())
         self.stats.record_recv(self._waited, queue)
@@ -211,6 +215,20 @@ class ServingLoop:
                 else:
                     self._finish(flight)
 
+    def _in_send_order(self, outputs: dict):
+        """The output tensors in the consumer's response order, or ``None`` if one is missing."""
+        keys = tuple(outputs)
+        order = self._send_orders.get(keys)
+        if order is None:
+            position = {as_key(k): i for i, k in enumerate(keys)}
+            try:
+                order = [position[as_key(k)] for k in self.consumer.response_keys]
+            except KeyError:
+                return None
+            self._send_orders[keys] = order
+        values = list(outputs.values())
+        return [values[i] for i in order]
+
     def _finish(self, flight: _Flight) -> None:
         runner, pending = flight.runner, flight.pending
         self.current_key = runner.key
@@ -230,7 +248,11 @@ class ServingLoop:
         now = time.monotonic()
         service = float(now * b - self.ready_time[env_idx.numpy()].sum())  # read before send frees the slot
         try:
-            self.consumer.send(_nest(outputs), env_idx)
+            values = self._in_send_order(outputs)
+            if values is None:  # a key is missing: send() names it
+                self.consumer.send(_nest(outputs), env_idx)
+            else:
+                self.consumer.send_rows(values, env_idx)
         except ValueError as exc:
             raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
         self.stats.record_batch(k, b, pending.bucket, policy_s, service)

@@ -297,7 +297,7 @@ class KeyRunner:
     def _run_cpu(self, td, b):
         with torch.no_grad():
             values = self._outputs(self._call(td))
-        return {k: v[:b] for k, v in zip(self.response_keys, values)}
+        return {k: (v if v.shape[0] == b else v[:b]) for k, v in zip(self.response_keys, values)}
 
     def _launch_cuda(self, parity, b, bucket, t0) -> Pending:
         ctx = self.cuda_ctx
