@@ -89,6 +89,7 @@ class SlotConsumer:
         self._response = [(k, self.arena.response.get(k)) for k in self.response_keys]
         self._stats = self.arena.consumer_stats
         self._last_exit = None
+        self.last_lease_time, self.last_dwell = 0.0, 0.0
         self.error = None
 
     # -- batch former -----------------------------------------------------------------------
@@ -191,6 +192,7 @@ class SlotConsumer:
         self.arena.state[ready] = S.LEASED
         self.arena.lease_time[ready] = now
         dwell = float(now * b - self.arena.ready_time[ready].sum())
+        self.last_lease_time, self.last_dwell = now, dwell  # a serving loop's stats reuse them
         for gather in self._gather:
             gather(ready)
         self._staging_env_index[:b].copy_(torch.from_numpy(ready))
@@ -244,13 +246,14 @@ class SlotConsumer:
         for w in (np.unique(workers) if b > 1 else workers).tolist():
             self._worker_bells[w].ring()
 
-    def send_rows(self, values: Sequence[torch.Tensor], idx: torch.Tensor) -> None:
+    def send_rows(self, values: Sequence[torch.Tensor], idx: torch.Tensor, lease_time: Optional[float] = None) -> None:
         """:meth:`send` for the caller that leased ``idx`` itself (a serving loop).
 
         ``values`` are the response leaves in :attr:`response_keys` order, ``idx`` the
         ``env_indices`` of a batch this consumer leased and has not answered: the indices and
         slot states are trusted, only shapes and dtypes are checked (``ValueError`` naming the
-        key, before anything is written).
+        key, before anything is written). ``lease_time``: when every row was leased, if that
+        was one lease (saves reading the slots' lease times back).
         """
         if self.error is not None:
             raise self.error
@@ -266,7 +269,8 @@ class SlotConsumer:
             dst.index_copy_(0, idx, value if value.device.type == "cpu" else value.cpu())
         now = time.monotonic()
         state = self.arena.state
-        record_send(self._stats, b, float(now * b - self.arena.lease_time[idx_np].sum()))
+        dwell = b * (now - lease_time) if lease_time is not None else float(now * b - self.arena.lease_time[idx_np].sum())
+        record_send(self._stats, b, dwell)
         state[idx_np] = S.ACTION_READY  # after the data
         workers = self._slot_worker[idx_np]
         for w in (np.unique(workers) if b > 1 and not self._one_env_per_worker else workers).tolist():

@@ -32,10 +32,13 @@ __all__ = ["ServingLoop"]
 
 
 class _Flight:
-    __slots__ = ("runner", "pending", "env_idx", "whole")
+    # queue: summed ready->lease wait of its rows when the flight is a whole lease (else None),
+    # lease_t: when its rows were leased
+    __slots__ = ("runner", "pending", "env_idx", "whole", "queue", "lease_t")
 
-    def __init__(self, runner, pending, env_idx, whole):
+    def __init__(self, runner, pending, env_idx, whole, queue=None, lease_t=None):
         self.runner, self.pending, self.env_idx, self.whole = runner, pending, env_idx, whole
+        self.queue, self.lease_t = queue, lease_t
 
 
 class ServingLoop:
@@ -70,7 +73,8 @@ class ServingLoop:
         self.timeout = float(spec.timeout)
         self.overlap = bool(spec.overlap)
         self.version_key = spec.policy_version_key if spec.stamp_version else None
-        self._version_bufs = [torch.zeros(max(len(r.plan.slots), 1), dtype=torch.int64) for r in runners]
+        # per key: (buffer, the version it holds, its row views by batch size)
+        self._version_bufs = [(torch.zeros(max(len(r.plan.slots), 1), dtype=torch.int64), None, {}) for r in runners]
         self._bell = Doorbell(consumer.handle.consumer_bell.fd)  # not closed here: the handle owns it
         self._stop_fds = set(stop_fds)
         self._sentinels = {s.fd for s in consumer.handle.worker_sentinels}
@@ -182,7 +186,7 @@ class ServingLoop:
         if td is None:  # only a stale doorbell said so
             return
         idx = td.env_indices.numpy().copy()  # the staging buffer is reused by the next recv
-        queue = float((self.lease_time[idx] - self.ready_time[idx]).sum())
+        queue, lease_t = self.consumer.last_dwell, self.consumer.last_lease_time
         self.stats.record_recv(self._waited, queue)
         idx_t = torch.from_numpy(idx)
         if self.single_key:
@@ -209,11 +213,25 @@ class ServingLoop:
                     pending = runner.launch(chunk, whole)
                 except Exception as exc:  # noqa: BLE001 - reported with the key
                     raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
-                flight = _Flight(runner, pending, chunk, whole)
+                one = chunk is idx_t
+                flight = _Flight(runner, pending, chunk, whole, queue if one else None, lease_t)
                 if self.overlap:
                     inflight.append(flight)
                 else:
                     self._finish(flight)
+
+    def _version_rows(self, k: int, b: int, version: int) -> torch.Tensor:
+        """``b`` rows of ``version`` for key ``k`` (refilled only when the version changes)."""
+        buf, filled, views = self._version_bufs[k]
+        if buf.numel() < b:
+            buf, filled, views = torch.zeros(b, dtype=torch.int64), None, {}
+        if filled != version:
+            buf.fill_(version)
+        view = views.get(b)
+        if view is None:
+            view = views[b] = buf[:b]
+        self._version_bufs[k] = (buf, version, views)
+        return view
 
     def _in_send_order(self, outputs: dict):
         """The output tensors in the consumer's response order, or ``None`` if one is missing."""
@@ -240,19 +258,19 @@ class ServingLoop:
         b = pending.b
         k = self.by_name[runner.plan.name][0]
         if self.version_key is not None:
-            buf = self._version_bufs[k]
-            if buf.numel() < b:
-                buf = self._version_bufs[k] = torch.zeros(b, dtype=torch.int64)
-            outputs[self.version_key] = buf[:b].fill_(pending.version)
+            outputs[self.version_key] = self._version_rows(k, b, pending.version)
         env_idx = flight.env_idx
         now = time.monotonic()
-        service = float(now * b - self.ready_time[env_idx.numpy()].sum())  # read before send frees the slot
+        if flight.queue is not None:
+            service = flight.queue + b * (now - flight.lease_t)
+        else:
+            service = float(now * b - self.ready_time[env_idx.numpy()].sum())  # read before send frees the slot
         try:
             values = self._in_send_order(outputs)
             if values is None:  # a key is missing: send() names it
                 self.consumer.send(_nest(outputs), env_idx)
             else:
-                self.consumer.send_rows(values, env_idx)
+                self.consumer.send_rows(values, env_idx, flight.lease_t)
         except ValueError as exc:
             raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
         self.stats.record_batch(k, b, pending.bucket, policy_s, service)
