@@ -27,8 +27,7 @@ from torchrl_asyncpool.exchange.metrics import record_recv, record_send, record_
 
 __all__ = ["ConsumerHandle", "SlotConsumer"]
 
-#: how often :meth:`SlotConsumer.lease_ready` looks for dead workers (a busy serving loop
-#: never blocks in ``poll``, where deaths are otherwise noticed at once)
+#: how often a consumer that does not block looks for dead workers (see ``_check_sentinels``)
 _SENTINEL_PERIOD_S = 0.005
 
 
@@ -117,8 +116,7 @@ class SlotConsumer:
             now = time.monotonic()
             if ready.size >= min_get:
                 if deadline is None or ready.size >= cap or now >= deadline:
-                    if self._sentinel_poller.poll(0):  # a dead worker is reported, not skipped
-                        self.raise_worker_errors()
+                    self._check_sentinels(now)  # a dead worker is reported, not skipped
                     break
             elif deadline is not None and now >= deadline:
                 raise TimeoutError(
@@ -139,18 +137,10 @@ class SlotConsumer:
     def lease_ready(self, cap: int) -> Optional[TensorDictBase]:
         """Leases what is ready now (oldest first, at most ``cap``) for a serving loop that has
         already waited for it; ``None`` when nothing is. No argument checks and no blocking.
-
-        Worker deaths are checked at most every :data:`_SENTINEL_PERIOD_S` here (a serving
-        loop that never blocks would otherwise pay one ``poll`` per batch); a dead worker's
-        slots never become ready, so nothing it wrote is lost by the delay.
         """
         if self.error is not None:
             raise self.error
-        now = time.monotonic()
-        if now - self._last_sentinel_check > _SENTINEL_PERIOD_S:
-            self._last_sentinel_check = now
-            if self._sentinel_poller.poll(0):
-                self.raise_worker_errors()
+        self._check_sentinels(time.monotonic())
         ready = np.flatnonzero(self.arena.state == S.OBS_READY)
         if ready.size == 0:
             return None
@@ -158,6 +148,16 @@ class SlotConsumer:
             oldest = np.argsort(self.arena.ready_time[ready], kind="stable")[:cap]
             ready = np.sort(ready[oldest])
         return self._lease(ready, cap, 0.0)
+
+    def _check_sentinels(self, now: float) -> None:
+        """Raises if a worker died, looking at most every :data:`_SENTINEL_PERIOD_S`: a consumer
+        that never blocks in ``poll`` (where deaths are noticed at once) would otherwise pay one
+        extra system call per batch. A dead worker's slots never become ready, so the delay
+        loses nothing."""
+        if now - self._last_sentinel_check > _SENTINEL_PERIOD_S:
+            self._last_sentinel_check = now
+            if self._sentinel_poller.poll(0):
+                self.raise_worker_errors()
 
     def wait_ready(self, count: int = 1, timeout: float | None = None) -> int:
         """Blocks until ``count`` records are ready or ``timeout`` passes; leases nothing.
@@ -214,10 +214,11 @@ class SlotConsumer:
         b = idx.numel()
         state = self.arena.state
         idx_np = idx.numpy()
-        if (state[idx_np] == S.ERROR).any():
-            self.raise_worker_errors()
-        not_leased = idx_np[state[idx_np] != S.LEASED]
-        if not_leased.size:
+        states = state[idx_np]
+        if (states != S.LEASED).any():  # one check on the fast path; the cause only on failure
+            if (states == S.ERROR).any():
+                self.raise_worker_errors()
+            not_leased = idx_np[states != S.LEASED]
             raise ValueError(
                 f"send got env indices {not_leased.tolist()} that are not awaiting an action "
                 "(each index must come from recv(...).env_indices and be answered once)."
@@ -242,9 +243,7 @@ class SlotConsumer:
         now = time.monotonic()
         record_send(self._stats, b, float(now * b - self.arena.lease_time[idx_np].sum()))
         state[idx_np] = S.ACTION_READY  # after the data
-        workers = self._slot_worker[idx_np]
-        for w in (np.unique(workers) if b > 1 else workers).tolist():
-            self._worker_bells[w].ring()
+        self._ring_workers(idx_np)
 
     def send_rows(self, values: Sequence[torch.Tensor], idx: torch.Tensor, lease_time: Optional[float] = None) -> None:
         """:meth:`send` for the caller that leased ``idx`` itself (a serving loop).
@@ -272,8 +271,12 @@ class SlotConsumer:
         dwell = b * (now - lease_time) if lease_time is not None else float(now * b - self.arena.lease_time[idx_np].sum())
         record_send(self._stats, b, dwell)
         state[idx_np] = S.ACTION_READY  # after the data
+        self._ring_workers(idx_np)
+
+    def _ring_workers(self, idx_np: np.ndarray) -> None:
+        """One doorbell ring per worker hosting any of the answered slots."""
         workers = self._slot_worker[idx_np]
-        for w in (np.unique(workers) if b > 1 and not self._one_env_per_worker else workers).tolist():
+        for w in (np.unique(workers) if idx_np.size > 1 and not self._one_env_per_worker else workers).tolist():
             self._worker_bells[w].ring()
 
     # -- faults -----------------------------------------------------------------------------
@@ -329,7 +332,7 @@ def as_index(env_indices, n) -> torch.Tensor:
         raise ValueError("send got no env indices.")
     if a.min() < 0 or a.max() >= n:
         raise ValueError(f"env_indices must lie in [0, {n}), got {a.tolist()}.")
-    if a.size > 1 and np.unique(a).size != a.size:
+    if a.size > 1 and np.bincount(a, minlength=n).max() > 1:
         raise ValueError(f"env_indices must not repeat, got {a.tolist()}.")
     return idx
 
