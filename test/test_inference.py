@@ -424,6 +424,26 @@ def test_policy_error_names_the_key_thread_mode():
         # delivered already: leaving the block does not raise it a second time
 
 
+class _WrongDtypeLater(OracleTagPolicy):
+    """Passes the start-up dry run, then writes float actions once a record reaches step 3."""
+
+    def forward(self, td):
+        td = super().forward(td)
+        if bool((td.get("tag")[..., 2] >= 3).any()):
+            td.set("action", td.get("action").float())
+        return td
+
+
+def test_policy_output_of_the_wrong_dtype_mid_run_names_key_and_layout():
+    """Outputs are checked on every batch (not only at start-up), before anything is written."""
+    with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:
+        with InferenceServer(_WrongDtypeLater()).start(pool) as server:
+            with pytest.raises(InferenceServerError, match="'action'.*dtype torch.int64.*given.*torch.float32"):
+                server.wait(timeout=30)
+        steps = pool._local_consumer().arena.request.get("tag")[:, 2]
+        assert int(steps.max()) <= 3  # no action answered the bad batch: no env stepped past it
+
+
 def test_policy_error_names_the_key_process_mode():
     with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:
         with InferenceServer(policy_factories={"bad": functools.partial(RaisingPolicy, fail_at_step=2)}).start(pool) as server:
