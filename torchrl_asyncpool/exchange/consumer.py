@@ -275,8 +275,8 @@ class SlotConsumer:
 
     def _ring_workers(self, idx_np: np.ndarray) -> None:
         """One doorbell ring per worker hosting any of the answered slots."""
-        workers = self._slot_worker[idx_np]
-        for w in (np.unique(workers) if idx_np.size > 1 and not self._one_env_per_worker else workers).tolist():
+        workers = self._slot_worker[idx_np].tolist()
+        for w in (set(workers) if len(workers) > 1 and not self._one_env_per_worker else workers):
             self._worker_bells[w].ring()
 
     # -- faults -----------------------------------------------------------------------------
