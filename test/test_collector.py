@@ -111,6 +111,10 @@ def test_bad_arguments_raise():
         AsyncPoolCollector(oracle_factories(1), frames_per_batch=4)
     with pytest.raises(ValueError, match="action key"):
         AsyncPoolCollector(oracle_factories(1), policy=lambda td: td, frames_per_batch=4)
+    with pytest.raises(ValueError, match="transport"):
+        AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, transport="driver")
+    with pytest.raises(ValueError, match="ProcessSlotTransport"):
+        AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, transport=object())
 
 
 def test_torchrl_docstring_example_runs_unchanged():
@@ -212,27 +216,20 @@ def test_torchrl_third_docstring_example_hand_built_transport(device, num_envs):
 
     bad_request = request_spec.clone()
     bad_request["pixels"] = torch.zeros(3, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="pixels"):
-        AsyncPoolCollector(
-            create_env_fn=[lambda: GymEnv("CartPole-v1")] * 2,
-            policy_factory=functools.partial(_make_linear_policy, "cpu"),
-            frames_per_batch=64,
-            transport=ProcessSlotTransport(bad_request, response_spec, num_slots=2),
-        )
-    with pytest.raises(ValueError, match="policy_factory"):
-        AsyncPoolCollector(
-            create_env_fn=[lambda: GymEnv("CartPole-v1")] * 2,
-            policy=_make_linear_policy("cpu"),
-            frames_per_batch=64,
-            transport=ProcessSlotTransport(request_spec, response_spec, num_slots=2),
-        )
-    with pytest.raises(ValueError, match="one slot per env"):
-        AsyncPoolCollector(
-            create_env_fn=[lambda: GymEnv("CartPole-v1")] * 4,
-            policy_factory=functools.partial(_make_linear_policy, "cpu"),
-            frames_per_batch=64,
-            transport=ProcessSlotTransport(request_spec, response_spec, num_slots=2),
-        )
+    factory = functools.partial(_make_linear_policy, "cpu")
+    refused = [  # (num envs, policy keywords, request spec, slots, what the error names)
+        (2, {"policy_factory": factory}, bad_request, 2, "pixels"),
+        (2, {"policy": _make_linear_policy("cpu")}, request_spec, 2, "policy_factory"),
+        (4, {"policy_factory": factory}, request_spec, 2, "one slot per env"),
+    ]
+    for n, policy_kwargs, request, slots, match in refused:
+        with pytest.raises(ValueError, match=match):
+            AsyncPoolCollector(
+                create_env_fn=[lambda: GymEnv("CartPole-v1")] * n,
+                frames_per_batch=64,
+                transport=ProcessSlotTransport(request, response_spec, num_slots=slots),
+                **policy_kwargs,
+            )
 
 
 def test_process_server_with_policy_factory_and_weight_update():
