@@ -403,6 +403,44 @@ def test_bad_configuration_is_refused_at_start_up():
             InferenceServer(OracleTagPolicy()).start(pool)
 
 
+def _openmp_runtime():
+    """The OpenMP runtime torch loaded (``omp_get_max_threads`` is per thread), or ``None``."""
+    import ctypes
+
+    torch.ones(2) @ torch.ones(2)  # make sure the runtime is loaded
+    libs = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line or "libiomp" in line})
+    return ctypes.CDLL(libs[0]) if libs else None
+
+
+class _ThreadCountProbe(OracleTagPolicy):
+    def __init__(self, omp):
+        super().__init__()
+        self.omp, self.seen = omp, set()
+
+    def forward(self, td):
+        self.seen.add(int(self.omp.omp_get_max_threads()))
+        return super().forward(td)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_thread_server_runs_at_the_callers_torch_thread_count():
+    """torch.set_num_threads(1) does not reach new threads' OpenMP setting; the serving thread
+    re-applies the caller's, so its parallel ops do not start a spinning team per core."""
+    omp = _openmp_runtime()
+    if omp is None:
+        pytest.skip("torch was not built with an OpenMP runtime")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        probe = _ThreadCountProbe(omp)
+        with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:
+            with InferenceServer(probe).start(pool) as server:
+                _serve_until(server, 20)
+        assert probe.seen == {1}
+    finally:
+        torch.set_num_threads(before)
+
+
 # -- faults -------------------------------------------------------------------------------------
 def test_policy_error_names_the_key_thread_mode():
     with AsyncEnvPool(oracle_factories(4), envs_per_worker=4) as pool:

@@ -444,10 +444,12 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             raise RuntimeError("The collector is already collecting.")
         self._ensure_started()
         self._replay_error = None
-        self._replay_thread = threading.Thread(target=self._run_replay, name="AsyncPoolCollector-replay", daemon=True)
+        self._replay_thread = threading.Thread(target=self._run_replay, args=(torch.get_num_threads(),),
+                                               name="AsyncPoolCollector-replay", daemon=True)
         self._replay_thread.start()
 
-    def _run_replay(self) -> None:
+    def _run_replay(self, num_threads: int) -> None:
+        torch.set_num_threads(num_threads)  # OpenMP's count is per thread (see InferenceServer)
         try:
             for _ in self.iterator():
                 pass
