@@ -129,9 +129,8 @@ class SlotConsumer:
             for fd, _ in events:
                 if fd != self._bell.fd:
                     self.raise_worker_errors()
-        if max_get is not None and ready.size > max_get:
-            oldest = np.argsort(self.arena.ready_time[ready], kind="stable")[:max_get]
-            ready = np.sort(ready[oldest])
+        if max_get is not None:
+            ready = self._oldest(ready, max_get)
         return self._lease(ready, max_get, waited)
 
     def lease_ready(self, cap: int) -> Optional[TensorDictBase]:
@@ -144,10 +143,14 @@ class SlotConsumer:
         ready = np.flatnonzero(self.arena.state == S.OBS_READY)
         if ready.size == 0:
             return None
-        if ready.size > cap:
-            oldest = np.argsort(self.arena.ready_time[ready], kind="stable")[:cap]
-            ready = np.sort(ready[oldest])
-        return self._lease(ready, cap, 0.0)
+        return self._lease(self._oldest(ready, cap), cap, 0.0)
+
+    def _oldest(self, ready: np.ndarray, cap: int) -> np.ndarray:
+        """The ``cap`` longest-waiting of the ``ready`` slots (all of them if fewer), in slot order."""
+        if ready.size <= cap:
+            return ready
+        oldest = np.argsort(self.arena.ready_time[ready], kind="stable")[:cap]
+        return np.sort(ready[oldest])
 
     def _check_sentinels(self, now: float) -> None:
         """Raises if a worker died, looking at most every :data:`_SENTINEL_PERIOD_S`: a consumer
@@ -212,9 +215,8 @@ class SlotConsumer:
             raise self.error
         idx = as_index(env_indices, self.num_envs)
         b = idx.numel()
-        state = self.arena.state
         idx_np = idx.numpy()
-        states = state[idx_np]
+        states = self.arena.state[idx_np]
         if (states != S.LEASED).any():  # one check on the fast path; the cause only on failure
             if (states == S.ERROR).any():
                 self.raise_worker_errors()
@@ -231,19 +233,9 @@ class SlotConsumer:
                     f"send: actions miss the key {key!r}; expected keys {self.response_keys} "
                     f"(given {_keys_of(actions)})."
                 )
-            expected = (b, *dst.shape[1:])
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected or value.dtype != dst.dtype:
-                given = f"shape {tuple(value.shape)} and dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
-                raise ValueError(
-                    f"send: {key!r} must be a tensor of shape {expected} and dtype {dst.dtype}; given {given}."
-                )
-            values.append((dst, value))
-        for dst, value in values:
-            dst.index_copy_(0, idx, value if value.device.type == "cpu" else value.cpu())
-        now = time.monotonic()
-        record_send(self._stats, b, float(now * b - self.arena.lease_time[idx_np].sum()))
-        state[idx_np] = S.ACTION_READY  # after the data
-        self._ring_workers(idx_np)
+            _check_rows(key, dst, value, b)
+            values.append(value)
+        self._write(values, idx, idx_np, None)
 
     def send_rows(self, values: Sequence[torch.Tensor], idx: torch.Tensor, lease_time: Optional[float] = None) -> None:
         """:meth:`send` for the caller that leased ``idx`` itself (a serving loop).
@@ -257,20 +249,19 @@ class SlotConsumer:
         if self.error is not None:
             raise self.error
         idx_np = idx.numpy()
-        b = idx_np.size
         for (key, dst), value in zip(self._response, values):
-            if value.shape[0] != b or value.shape[1:] != dst.shape[1:] or value.dtype != dst.dtype:
-                raise ValueError(
-                    f"send: {key!r} must be a tensor of shape {(b, *dst.shape[1:])} and dtype {dst.dtype}; "
-                    f"given shape {tuple(value.shape)} and dtype {value.dtype}."
-                )
+            _check_rows(key, dst, value, idx_np.size)
+        self._write(values, idx, idx_np, lease_time)
+
+    def _write(self, values, idx: torch.Tensor, idx_np: np.ndarray, lease_time: Optional[float]) -> None:
+        """Writes checked answers into their slots, hands the slots back and rings their workers."""
         for (_, dst), value in zip(self._response, values):
             dst.index_copy_(0, idx, value if value.device.type == "cpu" else value.cpu())
+        b = idx_np.size
         now = time.monotonic()
-        state = self.arena.state
         dwell = b * (now - lease_time) if lease_time is not None else float(now * b - self.arena.lease_time[idx_np].sum())
         record_send(self._stats, b, dwell)
-        state[idx_np] = S.ACTION_READY  # after the data
+        self.arena.state[idx_np] = S.ACTION_READY  # after the data
         self._ring_workers(idx_np)
 
     def _ring_workers(self, idx_np: np.ndarray) -> None:
@@ -335,6 +326,14 @@ def as_index(env_indices, n) -> torch.Tensor:
     if a.size > 1 and np.bincount(a, minlength=n).max() > 1:
         raise ValueError(f"env_indices must not repeat, got {a.tolist()}.")
     return idx
+
+
+def _check_rows(key, dst: torch.Tensor, value, b: int) -> None:
+    """Raises ``ValueError`` unless ``value`` is a ``[b, *dst.shape[1:]]`` tensor of ``dst``'s dtype."""
+    expected = (b, *dst.shape[1:])
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected or value.dtype != dst.dtype:
+        given = f"shape {tuple(value.shape)} and dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"send: {key!r} must be a tensor of shape {expected} and dtype {dst.dtype}; given {given}.")
 
 
 def _keys_of(actions):
