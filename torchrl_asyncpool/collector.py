@@ -19,6 +19,7 @@ from torchrl_asyncpool.inference import InferenceServer
 from torchrl_asyncpool.inference._runner import flatten_weights
 from torchrl_asyncpool.errors import PoolClosedError
 from torchrl_asyncpool.pool import AsyncEnvPool
+from torchrl_asyncpool.threads import start_daemon_thread
 
 __all__ = ["AsyncPoolCollector"]
 
@@ -444,12 +445,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             raise RuntimeError("The collector is already collecting.")
         self._ensure_started()
         self._replay_error = None
-        self._replay_thread = threading.Thread(target=self._run_replay, args=(torch.get_num_threads(),),
-                                               name="AsyncPoolCollector-replay", daemon=True)
-        self._replay_thread.start()
+        self._replay_thread = start_daemon_thread(self._run_replay, "AsyncPoolCollector-replay")
 
-    def _run_replay(self, num_threads: int) -> None:
-        torch.set_num_threads(num_threads)  # OpenMP's count is per thread (see InferenceServer)
+    def _run_replay(self) -> None:
         try:
             for _ in self.iterator():
                 pass

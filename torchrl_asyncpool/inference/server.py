@@ -30,6 +30,7 @@ from torchrl_asyncpool.inference._shared import (
     StatsBlock,
 )
 from torchrl_asyncpool.inference.transport import ProcessSlotTransport, _as_handle
+from torchrl_asyncpool.threads import start_daemon_thread
 
 __all__ = ["InferenceServer"]
 
@@ -507,16 +508,9 @@ class _ThreadBackend:
             consumer, self.runners, self.spec, self.stats_block, self.weights, [self._stop.fd], on_batch=self.spec.on_batch
         )
         self.stats_block.set_state(STATE_SERVING)
-        self._thread = threading.Thread(target=self._main, args=(torch.get_num_threads(),),
-                                        name="torchrl_asyncpool-inference", daemon=True)
-        self._thread.start()
+        self._thread = start_daemon_thread(self._main, "torchrl_asyncpool-inference")
 
-    def _main(self, num_threads: int):
-        # OpenMP's thread count is per thread: the caller's torch.set_num_threads(1) does not
-        # reach a new thread, whose first parallel op would then start a team of one thread per
-        # core that spins between batches (measured: a core at ~93 % and -25 % frames/s on the
-        # 2 ms pixel env). Re-applying the caller's setting here keeps the serving thread to it.
-        torch.set_num_threads(num_threads)
+    def _main(self):
         try:
             self.loop.serve()
             self.stats_block.set_state(STATE_STOPPED)
