@@ -73,8 +73,8 @@ class ServingLoop:
         self.timeout = float(spec.timeout)
         self.overlap = bool(spec.overlap)
         self.version_key = spec.policy_version_key if spec.stamp_version else None
-        # per key: (buffer, the version it holds, its row views by batch size)
-        self._version_bufs = [(torch.zeros(max(len(r.plan.slots), 1), dtype=torch.int64), None, {}) for r in runners]
+        # per key: (buffer, the version it holds)
+        self._version_bufs = [(torch.zeros(max(len(r.plan.slots), 1), dtype=torch.int64), None) for r in runners]
         self._bell = Doorbell(consumer.handle.consumer_bell.fd)  # not closed here: the handle owns it
         self._stop_fds = set(stop_fds)
         self._sentinels = {s.fd for s in consumer.handle.worker_sentinels}
@@ -222,16 +222,13 @@ class ServingLoop:
 
     def _version_rows(self, k: int, b: int, version: int) -> torch.Tensor:
         """``b`` rows of ``version`` for key ``k`` (refilled only when the version changes)."""
-        buf, filled, views = self._version_bufs[k]
+        buf, filled = self._version_bufs[k]
         if buf.numel() < b:
-            buf, filled, views = torch.zeros(b, dtype=torch.int64), None, {}
+            buf, filled = torch.zeros(b, dtype=torch.int64), None
         if filled != version:
             buf.fill_(version)
-        view = views.get(b)
-        if view is None:
-            view = views[b] = buf[:b]
-        self._version_bufs[k] = (buf, version, views)
-        return view
+        self._version_bufs[k] = (buf, version)
+        return buf[:b]
 
     def _in_send_order(self, outputs: dict):
         """The output tensors in the consumer's response order, or ``None`` if one is missing."""

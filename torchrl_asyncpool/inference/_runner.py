@@ -19,7 +19,6 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from torchrl_asyncpool.acting_policy import ActingPolicy
 from torchrl_asyncpool.exchange.gather import RowGather
 from torchrl_asyncpool.inference._common import KeyPlan, key_repr, pick_bucket
 
@@ -89,9 +88,6 @@ class KeyRunner:
         self.input_fields = self.request_fields + [((VALID_MASK,), (), torch.bool)]
         self.response_fields = list(response_fields)
         self.response_keys = [k for k, _, _ in self.response_fields]
-        # The collector's own wrapper carries no hooks: skip one nn.Module.__call__ layer per
-        # batch (the wrapped user policy is still called through its __call__, hooks and all).
-        self._invoke = policy.forward if isinstance(policy, ActingPolicy) else policy
         self.buckets = plan.buckets
         # staging rows: the bucket that holds the largest chunk (plan.max_rows records)
         rows = self.staging_rows = pick_bucket(plan.buckets, plan.max_rows)
@@ -144,7 +140,7 @@ class KeyRunner:
 
     # -- the policy call --------------------------------------------------------------------
     def _call(self, td: TensorDictBase) -> TensorDictBase:
-        out = self._invoke(td)
+        out = self.policy(td)
         if out is None:
             out = td
         if not isinstance(out, TensorDictBase):
