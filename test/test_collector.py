@@ -214,9 +214,18 @@ def test_torchrl_third_docstring_example_hand_built_transport(device, num_envs):
     )
     collector.shutdown()
 
+    factory = functools.partial(_make_linear_policy, "cpu")
+    # without version stamping the transport's response spec carries no version either
+    AsyncPoolCollector(
+        create_env_fn=[lambda: GymEnv("CartPole-v1")] * 2,
+        policy_factory=factory,
+        frames_per_batch=64,
+        transport=ProcessSlotTransport(request_spec, response_spec.exclude("policy_version"), num_slots=2),
+        policy_version_key=None,
+    ).shutdown()
+
     bad_request = request_spec.clone()
     bad_request["pixels"] = torch.zeros(3, dtype=torch.uint8)
-    factory = functools.partial(_make_linear_policy, "cpu")
     refused = [  # (num envs, policy keywords, request spec, slots, what the error names)
         (2, {"policy_factory": factory}, bad_request, 2, "pixels"),
         (2, {"policy": _make_linear_policy("cpu")}, request_spec, 2, "policy_factory"),

@@ -13,11 +13,13 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.collectors import AsyncBatchedCollector
 from torchrl.collectors._base import BaseCollector
 from torchrl.envs.utils import ExplorationType, set_exploration_type
+from torchrl.modules.inference_server import ProcessSlotTransport as TorchRLProcessSlotTransport
 
 from torchrl_asyncpool.acting_policy import WEIGHT_PREFIX, ActingPolicy, ActingPolicyFactory, derive_policy_outputs
 from torchrl_asyncpool.inference import InferenceServer
 from torchrl_asyncpool.inference._runner import flatten_weights
 from torchrl_asyncpool.errors import PoolClosedError
+from torchrl_asyncpool.exchange.arena import as_key
 from torchrl_asyncpool.pool import AsyncEnvPool
 from torchrl_asyncpool.threads import start_daemon_thread
 
@@ -54,8 +56,6 @@ def _check_slot_transport(transport, policy_factory, num_envs: int) -> None:
     layouts are always derived from the env and one policy pass, so the transport's specs are
     only checked against them (:func:`_check_transport_keys`) and its own slots stay unused.
     """
-    from torchrl.modules.inference_server import ProcessSlotTransport as TorchRLProcessSlotTransport
-
     if not isinstance(transport, TorchRLProcessSlotTransport):
         raise ValueError(
             f"AsyncPoolCollector accepts transport=None, 'auto' or a torchrl ProcessSlotTransport, got "
@@ -73,13 +73,12 @@ def _check_slot_transport(transport, policy_factory, num_envs: int) -> None:
 
 def _check_transport_keys(transport, layout, policy_version_key) -> None:
     """The transport's request keys must be env observations, its response keys policy outputs."""
-    from torchrl_asyncpool.exchange.arena import as_key
 
     def keys(name):
         return {as_key(k) for k in getattr(transport, name, ()) if not str(as_key(k)[-1]).startswith("_")}
 
     observed = {f.key for f in layout.request}
-    answered = {f.key for f in layout.response} | {as_key(policy_version_key)}
+    answered = {f.key for f in layout.response} | ({as_key(policy_version_key)} if policy_version_key is not None else set())
     for what, given, have in (("request", keys("_request_keys"), observed), ("response", keys("_response_keys"), answered)):
         missing = sorted(given - have)
         if missing:
@@ -214,11 +213,13 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self._pool = None
         self._server = None
         self._closed = False
-        transport = torchrl_kwargs.pop("transport", None)
-        if transport is not None and not isinstance(transport, str):
-            _check_slot_transport(transport, policy_factory, len(create_env_fn))
-        elif transport is not None:
-            torchrl_kwargs["transport"] = transport
+        # a hand-built slot transport object; None and "auto" are checked with the other keywords
+        slot_transport = torchrl_kwargs.get("transport")
+        if slot_transport is None or isinstance(slot_transport, str):
+            slot_transport = None
+        else:
+            del torchrl_kwargs["transport"]
+            _check_slot_transport(slot_transport, policy_factory, len(create_env_fn))
         for name, value in torchrl_kwargs.items():
             if name not in _ACCEPTED_AS_IS:
                 raise ValueError(f"AsyncPoolCollector got an unknown keyword argument {name!r}.")
@@ -283,8 +284,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             chunks_per_env=chunks_per_env,
         )
         try:
-            if transport is not None and not isinstance(transport, str):
-                _check_transport_keys(transport, self._pool.layout, policy_version_key)
+            if slot_transport is not None:
+                _check_transport_keys(slot_transport, self._pool.layout, policy_version_key)
             dtypes = {k: self._pool.layout_dtype(k) for k in self._pool.action_keys}
             server_kwargs = dict(
                 max_get=max_batch_size,
