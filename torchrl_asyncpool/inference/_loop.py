@@ -183,7 +183,7 @@ class ServingLoop:
     def _recv_and_launch(self, inflight: List[_Flight]) -> None:
         self._apply_weights()
         td = self.consumer.lease_ready(self.cap)
-        if td is None:  # only a stale doorbell said so
+        if td is None:  # _due just counted them ready and only this loop leases: defensive
             return
         idx = td.env_indices.numpy().copy()  # the staging buffer is reused by the next recv
         queue, lease_t = self.consumer.last_dwell, self.consumer.last_lease_time
