@@ -1,10 +1,13 @@
 """Unit tests of the exchange building blocks and the step type."""
 import multiprocessing as mp
+import select
+import statistics
+import time
 
 import torch
 
 from torchrl_asyncpool import StepType, discount_from_step_type
-from torchrl_asyncpool.exchange import Arena, ArenaLayout, Doorbell, InheritedFd
+from torchrl_asyncpool.exchange import Arena, ArenaLayout, Doorbell, InheritedFd, poll_for
 
 
 def _child_writes(layout, fd, bell):
@@ -38,6 +41,30 @@ def test_doorbell_counts_and_times_out():
     bell.ring(3)
     assert bell.wait(timeout=0)
     assert bell.drain() == 3
+    bell.close()
+
+
+def test_poll_for_honours_sub_millisecond_timeouts():
+    # poll(2) counts whole milliseconds and CPython rounds up: a 200 us wait used to take >= 1 ms
+    # every time (a 100 us flush deadline idled the envs a full millisecond). The median of many
+    # tries keeps a descheduled try on a busy machine from failing the test.
+    bell = Doorbell()
+    p = select.poll()
+    p.register(bell.fd, select.POLLIN)
+    took = []
+    for _ in range(31):
+        t0 = time.monotonic()
+        assert poll_for(p, 0.0002) == []
+        took.append(time.monotonic() - t0)
+    assert statistics.median(took) < 0.00095, took
+    bell.ring()
+    assert [fd for fd, _ in poll_for(p, 0.0002)] == [bell.fd]
+    assert [fd for fd, _ in poll_for(p, 5.0)] == [bell.fd]  # ready: returns at once
+    bell.drain()
+    t0 = time.monotonic()
+    assert poll_for(p, 0.0) == []
+    assert not bell.wait(timeout=0.0015)
+    assert time.monotonic() - t0 >= 0.0015  # waits of a millisecond or more still wait in full
     bell.close()
 
 

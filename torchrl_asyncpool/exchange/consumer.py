@@ -7,7 +7,6 @@ is pickled per step. Exactly one consumer may drive a pool at a time.
 """
 from __future__ import annotations
 
-import math
 import select
 import time
 from collections.abc import Mapping
@@ -21,7 +20,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl_asyncpool.errors import EnvError, WorkerDiedError
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
-from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
+from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd, poll_for
 from torchrl_asyncpool.exchange.gather import RowGather
 from torchrl_asyncpool.exchange.metrics import record_recv, record_send, record_wait
 
@@ -123,8 +122,7 @@ class SlotConsumer:
                     f"recv timed out after {timeout}s with {ready.size}/{min_get} envs ready; "
                     "nothing was consumed, ready records stay available to the next call."
                 )
-            wait_ms = None if deadline is None else max(0, math.ceil((deadline - now) * 1000.0))
-            events = self._poller.poll(wait_ms)
+            events = poll_for(self._poller, None if deadline is None else deadline - now)
             waited += time.monotonic() - now
             for fd, _ in events:
                 if fd != self._bell.fd:
@@ -182,8 +180,7 @@ class SlotConsumer:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return ready
-            wait_ms = None if deadline is None else max(0, math.ceil((deadline - now) * 1000.0))
-            events = self._poller.poll(wait_ms)
+            events = poll_for(self._poller, None if deadline is None else deadline - now)
             record_wait(self._stats, time.monotonic() - now)
             for fd, _ in events:
                 if fd != self._bell.fd:

@@ -9,8 +9,49 @@ from __future__ import annotations
 
 import os
 import select
+import time
 
-__all__ = ["Doorbell", "InheritedFd"]
+__all__ = ["Doorbell", "InheritedFd", "poll_for"]
+
+
+def poll_for(poller, timeout: float | None) -> list:
+    """``poller.poll`` with a timeout in seconds that is honoured below one millisecond.
+
+    ``poll(2)`` counts its timeout in whole milliseconds and CPython rounds up, so a 100 us
+    flush deadline used to cost a full millisecond of idle envs. Waits of a millisecond or
+    more poll for the whole milliseconds (the caller loops and recomputes what is left);
+    a shorter remainder is slept, then polled without blocking. A ring during that short
+    sleep is seen when it ends, at most ``timeout`` (< 1 ms) late.
+
+    Args:
+        poller (select.poll): registered descriptors.
+        timeout (float or None): seconds; ``None`` blocks until an event.
+
+    Returns:
+        the ``(fd, event)`` pairs of ``poller.poll``.
+
+    Examples:
+        >>> import select, time
+        >>> from torchrl_asyncpool.exchange import Doorbell, poll_for
+        >>> bell = Doorbell(); p = select.poll(); p.register(bell.fd, select.POLLIN)
+        >>> t0 = time.monotonic(); poll_for(p, 0.0002); elapsed = time.monotonic() - t0
+        []
+        >>> elapsed < 0.0009 or elapsed  # well under poll(2)'s rounded-up millisecond (a loaded machine may exceed it)
+        True
+        >>> bell.ring(); [fd == bell.fd for fd, _ in poll_for(p, 0.0002)]
+        [True]
+        >>> bell.close()
+    """
+    if timeout is None:
+        return poller.poll()
+    ms = int(timeout * 1000.0)
+    if ms >= 1:
+        return poller.poll(ms)
+    events = poller.poll(0)
+    if events or timeout <= 0:
+        return events
+    time.sleep(timeout)
+    return poller.poll(0)
 
 
 class InheritedFd:
@@ -74,7 +115,13 @@ class Doorbell:
         """Blocks until rung or ``timeout`` seconds passed; returns whether it was rung."""
         p = select.poll()
         p.register(self.fd, select.POLLIN)
-        return bool(p.poll(None if timeout is None else max(0, timeout) * 1000.0))
+        if timeout is None:
+            return bool(p.poll())
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            events = poll_for(p, deadline - time.monotonic())
+            if events or time.monotonic() >= deadline:
+                return bool(events)
 
     def inheritable(self) -> InheritedFd:
         """The descriptor wrapped for handing to a child process."""

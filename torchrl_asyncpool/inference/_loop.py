@@ -13,7 +13,6 @@ Everything ready (up to the cap) is then leased in one ``recv`` and split by key
 """
 from __future__ import annotations
 
-import math
 import select
 import time
 from typing import List
@@ -23,7 +22,7 @@ import torch
 
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import as_key
-from torchrl_asyncpool.exchange.doorbell import Doorbell
+from torchrl_asyncpool.exchange.doorbell import Doorbell, poll_for
 from torchrl_asyncpool.exchange.metrics import record_wait
 from torchrl_asyncpool.inference._common import ServerSpec, auto_threshold
 from torchrl_asyncpool.inference._runner import KeyRunner, PolicyFailure, format_exc
@@ -130,8 +129,7 @@ class ServingLoop:
                 # before calling recv(timeout=0), so it adds its wait to the same (consumer-only) sum
                 record_wait(self._pool_stats, self._waited)
                 return True
-            wait_ms = None if remaining is None else max(1, int(math.ceil(remaining * 1000.0)))
-            for fd, _ in self._poller.poll(wait_ms):
+            for fd, _ in poll_for(self._poller, remaining):
                 if fd in self._stop_fds:
                     return False
                 if fd in self._sentinels:
