@@ -220,7 +220,13 @@ def _timed_vector_env(venv_cls, w, n, seconds, **kwargs):
 
 
 def run_gym_async(w, n, fpb, seconds):
-    return _timed_vector_env(gym.vector.AsyncVectorEnv, w, n, seconds, shared_memory=True)
+    # "fork", gymnasium's own default on Linux, stated explicitly: importing torchrl (which the
+    # other implementations do in this process) sets the global start method to "spawn", and
+    # spawned workers re-import this script (tens of seconds of start-up for 32 envs on 2 cores).
+    import multiprocessing as mp
+
+    context = "fork" if "fork" in mp.get_all_start_methods() else None
+    return _timed_vector_env(gym.vector.AsyncVectorEnv, w, n, seconds, shared_memory=True, context=context)
 
 
 def run_gym_sync(w, n, fpb, seconds):
@@ -243,6 +249,9 @@ def main(argv=None):
     p.add_argument("--envs", nargs="+", type=int, default=None, help="override the env counts of every workload")
     p.add_argument("--seconds", type=float, default=8.0, help="measurement time per cell")
     p.add_argument("--frames-per-batch", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every cell this many times, the implementations interleaved; the table shows the median "
+                        "and the range (this machine's throughput drifts by +-20%% within minutes)")
     p.add_argument("--quick", action="store_true", help="2 s per cell, smallest env count only")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a frames/s vs number of envs PNG here")
@@ -255,15 +264,16 @@ def main(argv=None):
         if args.quick:
             counts = counts[:1]
         for n in counts:
-            for impl in args.impls:
-                try:
-                    fps, startup, close = RUNNERS[impl](w, n, args.frames_per_batch, seconds)
-                    row = dict(workload=w, envs=n, impl=impl, fps=fps, startup_s=startup, shutdown_s=close)
-                except Exception as e:  # noqa: BLE001 - one failing baseline must not hide the others
-                    row = dict(workload=w, envs=n, impl=impl, fps=float("nan"), startup_s=float("nan"),
-                               shutdown_s=float("nan"), error=f"{type(e).__name__}: {e}"[:200])
-                results.append(row)
-                print(json.dumps(row), flush=True)
+            for rep in range(args.repeats):
+                for impl in args.impls:
+                    try:
+                        fps, startup, close = RUNNERS[impl](w, n, args.frames_per_batch, seconds)
+                        row = dict(workload=w, envs=n, impl=impl, rep=rep, fps=fps, startup_s=startup, shutdown_s=close)
+                    except Exception as e:  # noqa: BLE001 - one failing baseline must not hide the others
+                        row = dict(workload=w, envs=n, impl=impl, rep=rep, fps=float("nan"), startup_s=float("nan"),
+                                   shutdown_s=float("nan"), error=f"{type(e).__name__}: {e}"[:200])
+                    results.append(row)
+                    print(json.dumps(row), flush=True)
     _print_table(results)
     if args.json:
         with open(args.json, "w") as f:
@@ -273,14 +283,35 @@ def main(argv=None):
     return results
 
 
+def _median_rows(results):
+    """One row per (workload, envs, impl): the median of its repeats, with their range."""
+    cells = {}
+    for r in results:
+        cells.setdefault((r["workload"], r["envs"], r["impl"]), []).append(r)
+    out = []
+    for (w, n, impl), rows in cells.items():
+        ok = sorted((x for x in rows if x["fps"] == x["fps"]), key=lambda x: x["fps"])
+        if not ok:
+            out.append(rows[0])
+            continue
+        mid = dict(ok[len(ok) // 2])
+        mid["fps_range"] = (ok[0]["fps"], ok[-1]["fps"])
+        mid["repeats"] = len(ok)
+        out.append(mid)
+    return out
+
+
 def _print_table(results):
-    print(f"\n{'workload':9} {'envs':>4} {'impl':14} {'frames/s':>10} {'x torchrl_async':>15} {'x gym_async':>11} "
-          f"{'% N/lat':>8} {'1st batch s':>11} {'shutdown s':>10}")
+    results = _median_rows(results)
+    print(f"\n{'workload':9} {'envs':>4} {'impl':14} {'frames/s':>10} {'range':>15} {'x torchrl_async':>15} "
+          f"{'x gym_async':>11} {'% N/lat':>8} {'1st batch s':>11} {'shutdown s':>10}")
     for r in results:
         same = {x["impl"]: x["fps"] for x in results if x["workload"] == r["workload"] and x["envs"] == r["envs"]}
         ratio = lambda k: r["fps"] / same[k] if same.get(k) and same[k] == same[k] else float("nan")  # noqa: E731
         limit = r["envs"] / 0.002 if r["workload"] == "sleep2ms" else float("nan")
-        print(f"{r['workload']:9} {r['envs']:>4} {r['impl']:14} {r['fps']:>10.0f} {ratio('torchrl_async'):>15.1f} "
+        lo, hi = r.get("fps_range", (r["fps"], r["fps"]))
+        print(f"{r['workload']:9} {r['envs']:>4} {r['impl']:14} {r['fps']:>10.0f} {f'{lo:.0f}-{hi:.0f}':>15} "
+              f"{ratio('torchrl_async'):>15.1f} "
               f"{ratio('gym_async'):>11.2f} {100 * r['fps'] / limit:>8.1f} {r['startup_s']:>11.2f} {r['shutdown_s']:>10.2f}"
               + (f"  ERROR {r['error']}" if "error" in r else ""))
 
@@ -291,13 +322,14 @@ def plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = _median_rows(results)
     workloads = sorted({r["workload"] for r in results})
     fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4), squeeze=False)
     for ax, w in zip(axes[0], workloads):
         for impl in IMPLS:
             pts = sorted((r["envs"], r["fps"]) for r in results if r["workload"] == w and r["impl"] == impl)
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=impl)
+                ax.plot(*zip(*pts), marker="o", label=impl, color=f"C{IMPLS.index(impl)}")  # same colour in every panel
         ax.set_title(w)
         ax.set_xlabel("number of envs")
         ax.set_ylabel("frames/s delivered to the learner")
