@@ -42,6 +42,6 @@ class RowGather:
     def __call__(self, rows: np.ndarray, start: int = 0) -> None:
         end = start + len(rows)
         if self._numpy:
-            np.take(self._src, rows, axis=0, out=self._dst[start:end], mode="clip")
+            self._src.take(rows, 0, self._dst[start:end], "clip")  # the method: no np.take wrapper frames
         else:
             torch.index_select(self._src, 0, torch.from_numpy(np.ascontiguousarray(rows)), out=self._dst[start:end])

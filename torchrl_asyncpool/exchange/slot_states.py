@@ -17,6 +17,6 @@ FREE = 0
 OBS_READY = 1
 LEASED = 2
 ACTION_READY = 3
-ERROR = 4  # keep the largest: the serving loop tests `state.max() == ERROR`
+ERROR = 4
 
 NAMES = {FREE: "FREE", OBS_READY: "OBS_READY", LEASED: "LEASED", ACTION_READY: "ACTION_READY", ERROR: "ERROR"}

@@ -29,6 +29,8 @@ from torchrl_asyncpool.inference._runner import KeyRunner, PolicyFailure, format
 
 __all__ = ["ServingLoop"]
 
+_NUM_STATES = max(S.NAMES) + 1
+
 
 class _Flight:
     # queue: summed ready->lease wait of its rows when the flight is a whole lease (else None),
@@ -92,26 +94,28 @@ class ServingLoop:
 
     # -- flush rule -------------------------------------------------------------------------
     def _scan(self):
-        st = self.state
-        ready = st == S.OBS_READY
-        n = int(np.count_nonzero(ready))
-        if st.max() == S.ERROR:  # ERROR is the largest state
+        """``(records ready, flush size)``: one counting pass over the state words."""
+        counts = np.bincount(self.state, minlength=_NUM_STATES)
+        if counts[S.ERROR]:
             self.consumer.raise_worker_errors()
+        n = int(counts[S.OBS_READY])
         if self.max_get is not None:
             threshold = self.max_get
         else:
-            live = n + int(np.count_nonzero(st == S.ACTION_READY))
+            live = n + int(counts[S.ACTION_READY])
             threshold = auto_threshold(live, self.min_get, self.spec.flush_fraction)
-        return ready, n, threshold
+        return n, threshold
 
     def _due(self, now):
         """``(flush now?, seconds until the deadline or None)``."""
-        ready, n, threshold = self._scan()
+        n, threshold = self._scan()
         if n < self.min_get:
             return False, None
         if n >= threshold:
             return True, 0.0
-        due = float(self.ready_time[ready].min()) + self.timeout
+        # only this loop takes slots out of OBS_READY, so the ready set seen now holds at
+        # least the n counted above (workers may have added some: their deadline is later)
+        due = float(self.ready_time[self.state == S.OBS_READY].min()) + self.timeout
         return (now >= due), max(0.0, due - now)
 
     def wait_flush(self) -> bool:
