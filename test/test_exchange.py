@@ -78,3 +78,27 @@ def test_step_type_and_discount():
     st = torch.tensor([0, 1, 2, 3], dtype=torch.int8)
     assert discount_from_step_type(st).tolist() == [1.0, 1.0, 0.0, 1.0]
     assert StepType.TRUNCATION.is_last() and not StepType.MID.is_last()
+
+
+def test_fresh_batch_tensordicts_share_rows_but_not_keys(monkeypatch):
+    # the consumer hands each batch out as a new TensorDict over cached staging rows: a key a
+    # policy adds to one batch must not appear in the next, nested entries included, with
+    # tensordict's fast constructor and with the public fallback
+    from tensordict import TensorDict
+
+    from torchrl_asyncpool.exchange import consumer
+
+    staging = TensorDict({"obs": torch.arange(8.0).view(4, 2), "nest": {"x": torch.zeros(4, 3)}}, [4])
+    tree = consumer._leaf_tree(staging[:3])
+    for fast in (True, False):
+        if not fast:
+            monkeypatch.setattr(consumer, "_NEW_UNSAFE", None)
+        first = consumer._fresh_td(tree, 3)
+        assert first.batch_size == (3,) and first["nest", "x"].shape == (3, 3)
+        first.set("action", torch.ones(3))
+        first.set(("nest", "y"), torch.ones(3))
+        second = consumer._fresh_td(tree, 3)
+        assert "action" not in second.keys() and ("nest", "y") not in second.keys(True)
+        second["obs"][0, 0] = 42.0  # the rows themselves are shared with the staging buffer
+        assert staging["obs"][0, 0] == 42.0
+        staging["obs"][0, 0] = 0.0

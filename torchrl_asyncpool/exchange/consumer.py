@@ -317,14 +317,18 @@ def _leaf_tree(td: TensorDictBase) -> dict:
     return {k: (_leaf_tree(v) if isinstance(v, TensorDictBase) else v) for k, v in td.items()}
 
 
+#: tensordict's unvalidated constructor (private API, present in the 0.14 line TorchRL 0.14 pins);
+#: ``None`` falls back to the public, validating one
+_NEW_UNSAFE = getattr(TensorDict, "_new_unsafe", None)
+
+
 def _fresh_td(tree: dict, b: int) -> TensorDictBase:
     """A new TensorDict over the tensors of ``tree`` (no copy of data, no re-validation: they
     are staging rows of batch size ``b``). ``TensorDict.copy()`` re-checked every leaf and cost
     ~3x more, once per batch on the serving loop's hot path."""
-    new = getattr(TensorDict, "_new_unsafe", None)
-    if new is None:  # not in this tensordict version: the validated constructor
+    if _NEW_UNSAFE is None:
         return TensorDict(tree, batch_size=[b])
-    return new(source=tree, batch_size=torch.Size([b]))
+    return _NEW_UNSAFE(source=tree, batch_size=torch.Size([b]))
 
 
 def _poll_now(fds) -> list:
