@@ -21,7 +21,7 @@ from torchrl_asyncpool.errors import EnvError, WorkerDiedError
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd, poll_for
-from torchrl_asyncpool.exchange.gather import RowGather
+from torchrl_asyncpool.exchange.gather import RowGather, numpy_or_none
 from torchrl_asyncpool.exchange.metrics import record_recv, record_send, record_wait
 
 __all__ = ["ConsumerHandle", "SlotConsumer"]
@@ -82,13 +82,12 @@ class SlotConsumer:
         )
         self._staging = staging.pin_memory() if pin_memory else staging
         self._gather = [RowGather(self.arena.request.get(k), self._staging.get(k)) for k in self.arena.request.keys(True, True)]
-        self._staging_env_index = self._staging.get("env_index")
-        self._staging_env_index_np = self._staging_env_index.numpy()
-        self._batch_views = {}  # b -> nested dict of the staging rows [:b]
+        self._staging_env_index_np = self._staging.get("env_index").numpy()
+        self._batch_rows = {}  # b -> nested dict of the staging rows [:b]
         self._response = [(k, self.arena.response.get(k)) for k in self.response_keys]
         # numpy views of the response fields (None for dtypes numpy lacks): a fancy-index store
         # costs a few us less than torch's index_copy_ dispatch, once per key and batch
-        self._response_np = [_numpy_or_none(dst) for _, dst in self._response]
+        self._response_np = [numpy_or_none(dst) for _, dst in self._response]
         self._stats = self.arena.consumer_stats
         self._last_exit = None
         self.last_lease_time, self.last_dwell = 0.0, 0.0
@@ -200,9 +199,9 @@ class SlotConsumer:
         for gather in self._gather:
             gather(ready)
         self._staging_env_index_np[:b] = ready
-        rows = self._batch_views.get(b)
+        rows = self._batch_rows.get(b)
         if rows is None:
-            rows = self._batch_views[b] = _leaf_tree(self._staging[:b])
+            rows = self._batch_rows[b] = _leaf_tree(self._staging[:b])
         out = _fresh_td(rows, b)  # a new TensorDict each batch: a policy may add keys to it
         out.env_indices = out.get("env_index")
         cap = min(max_get, self.num_envs) if max_get is not None else self.num_envs
@@ -302,14 +301,7 @@ class SlotConsumer:
 
     def close(self) -> None:
         """Drops this process's mapping (descriptors belong to the handle's owner)."""
-        self._batch_views.clear()
-
-
-def _numpy_or_none(t: torch.Tensor):
-    try:
-        return t.numpy()
-    except (TypeError, RuntimeError):  # bfloat16 and other dtypes numpy lacks
-        return None
+        self._batch_rows.clear()
 
 
 def _leaf_tree(td: TensorDictBase) -> dict:

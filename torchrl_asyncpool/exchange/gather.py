@@ -12,7 +12,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["RowGather"]
+__all__ = ["RowGather", "numpy_or_none"]
+
+
+def numpy_or_none(t: torch.Tensor):
+    """A numpy view of ``t``, or ``None`` where numpy cannot alias it (bfloat16, CUDA, ...)."""
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError):
+        return None
 
 
 class RowGather:
@@ -34,10 +42,10 @@ class RowGather:
     __slots__ = ("_src", "_dst", "_numpy")
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor):
-        try:
-            self._src, self._dst, self._numpy = src.numpy(), dst.numpy(), True
-        except (TypeError, RuntimeError):  # bfloat16, CUDA, ...: torch's own gather
-            self._src, self._dst, self._numpy = src, dst, False
+        src_np, dst_np = numpy_or_none(src), numpy_or_none(dst)
+        self._numpy = src_np is not None and dst_np is not None
+        # otherwise (bfloat16, CUDA, ...) torch's own gather
+        self._src, self._dst = (src_np, dst_np) if self._numpy else (src, dst)
 
     def __call__(self, rows: np.ndarray, start: int = 0) -> None:
         end = start + len(rows)
