@@ -115,6 +115,8 @@ def test_bad_arguments_raise():
         AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, transport="driver")
     with pytest.raises(ValueError, match="ProcessSlotTransport"):
         AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, transport=object())
+    with pytest.raises(ValueError, match="num_threads must be None or a positive int, got 0"):
+        AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, policy_num_threads=0)
 
 
 def test_torchrl_docstring_example_runs_unchanged():

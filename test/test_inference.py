@@ -372,6 +372,9 @@ def test_bad_configuration_is_refused_at_start_up():
                 return td
             return run
 
+        for bad in (0, 1.5, True):
+            with pytest.raises(ValueError, match="num_threads must be None or a positive int"):
+                InferenceServer(with_logp(good), num_threads=bad)
         with pytest.raises(ValueError, match="unknown policy 'c'"):
             InferenceServer(policies={"a": with_logp(good), "b": with_logp(good)}, slot_keys=["a", "c"]).start(pool)
         with pytest.raises(ValueError, match="unknown batch key"):
@@ -418,25 +421,34 @@ class _ThreadCountProbe(OracleTagPolicy):
         self.omp, self.seen = omp, set()
 
     def forward(self, td):
-        self.seen.add(int(self.omp.omp_get_max_threads()))
+        if threading.current_thread() is not threading.main_thread():  # not start()'s dry run
+            self.seen.add(int(self.omp.omp_get_max_threads()))
         return super().forward(td)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
-def test_thread_server_runs_at_the_callers_torch_thread_count():
-    """torch.set_num_threads(1) does not reach new threads' OpenMP setting; the serving thread
-    re-applies the caller's, so its parallel ops do not start a spinning team per core."""
+@pytest.mark.parametrize(
+    "caller, num_threads, expected",
+    [(2, "default", 1), (2, 2, 2), (2, None, 2), (1, None, 1)],
+)
+def test_thread_server_torch_thread_count(caller, num_threads, expected):
+    """OpenMP thread counts are per thread. The serving thread runs at ``num_threads`` (default 1,
+    whatever the caller's count), or with ``None`` at the caller's count (a new thread would
+    otherwise start a team of one thread per core on its first parallel op); the caller's own
+    count is left as it was."""
     omp = _openmp_runtime()
     if omp is None:
         pytest.skip("torch was not built with an OpenMP runtime")
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(caller)
     try:
         probe = _ThreadCountProbe(omp)
+        kwargs = {} if num_threads == "default" else {"num_threads": num_threads}
         with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:
-            with InferenceServer(probe).start(pool) as server:
+            with InferenceServer(probe, **kwargs).start(pool) as server:
                 _serve_until(server, 20)
-        assert probe.seen == {1}
+        assert probe.seen == {expected}
+        assert torch.get_num_threads() == caller
     finally:
         torch.set_num_threads(before)
 

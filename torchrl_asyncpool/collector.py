@@ -152,6 +152,11 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             (default 2). Envs stop (back-pressure) once all their chunks wait for the learner, so
             this bounds how stale on-policy data can get: ``1`` keeps batches closest to the
             current policy, more lets envs run ahead while the learner trains.
+        policy_num_threads (int, optional): ``torch.set_num_threads`` where the policy runs
+            (the serving thread with ``policy=``, the server process with ``policy_factory=``).
+            Defaults to ``1``: an acting policy's batches are small and the cores step envs;
+            ``None`` keeps your thread's count (``policy=``) or torch's default. Your own
+            thread's count is not changed. See the tuning guide's "Torch threads".
         post_collect_hook (callable, optional): called with each batch before it is yielded.
         verbose (bool, optional): print start-up and shutdown timings.
 
@@ -207,6 +212,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         envs_per_worker: int | str = "auto",
         transition_chunk_size: int | str = "auto",
         chunks_per_env: int = 2,
+        policy_num_threads: int | None = 1,
         **torchrl_kwargs,
     ):
         BaseCollector.__init__(self, post_collect_hook=post_collect_hook)
@@ -295,6 +301,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 policy_version_key=policy_version_key,
                 # padding buys fixed shapes for CUDA graphs; on CPU it only costs compute and a copy
                 bucket_sizes="auto" if self._policy_device.type == "cuda" else None,
+                num_threads=policy_num_threads,
             )
             if policy is not None:
                 probe.action_dtypes = dtypes
