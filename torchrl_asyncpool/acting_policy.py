@@ -37,6 +37,8 @@ class ActingPolicy(torch.nn.Module):
         else:
             self._callable = policy
         self.exploration_type = exploration_type
+        # one context object, entered per batch (building one costs about as much as entering it)
+        self._explore = set_exploration_type(exploration_type) if exploration_type is not None else None
         self.action_dtypes = dict(action_dtypes or {})
         self._gate = threading.Condition()
         self._paused = False
@@ -52,8 +54,8 @@ class ActingPolicy(torch.nn.Module):
                 self._gate.wait()
             self._in_call[0] += 1
         try:
-            if self.exploration_type is not None:
-                with set_exploration_type(self.exploration_type):
+            if self._explore is not None:
+                with self._explore:
                     out = self._target()(td)
             else:
                 out = self._target()(td)
@@ -66,7 +68,8 @@ class ActingPolicy(torch.nn.Module):
         finally:
             with self._gate:
                 self._in_call[0] -= 1
-                self._gate.notify_all()
+                if self._paused:  # only pause() and paused calls wait on the gate
+                    self._gate.notify_all()
 
     def pause(self, timeout=None) -> None:
         """Blocks new calls and waits until no call is running."""

@@ -25,11 +25,14 @@ from torchrl_asyncpool.exchange.arena import as_key
 from torchrl_asyncpool.exchange.doorbell import Doorbell, poll_for
 from torchrl_asyncpool.exchange.metrics import record_wait
 from torchrl_asyncpool.inference._common import ServerSpec, auto_threshold
-from torchrl_asyncpool.inference._runner import KeyRunner, PolicyFailure, format_exc
+from torchrl_asyncpool.inference._runner import VALID_MASK, KeyRunner, PolicyFailure, format_exc
 
 __all__ = ["ServingLoop"]
 
 _NUM_STATES = max(S.NAMES) + 1
+#: a busy loop (a batch due at every pass) looks at its stop descriptors at most this often;
+#: a waiting one sees them in its poll at once
+_STOP_CHECK_S = 0.001
 
 
 class _Flight:
@@ -59,6 +62,7 @@ class ServingLoop:
         self.consumer = consumer
         self.runners = runners
         self.by_name = {r.plan.name: (k, r) for k, r in enumerate(runners)}
+        self._index_of = {r: k for k, r in enumerate(runners)}
         self.spec = spec
         self.stats = stats
         self.weights = weights
@@ -86,8 +90,13 @@ class ServingLoop:
         for fd in self._stop_fds:
             self._stop_poller.register(fd, select.POLLIN)
         self._waited = 0.0
+        self._last_stop_check = 0.0
         self._send_orders = {}
-        self._pool_stats = arena.consumer_stats
+        self._pool_stats = memoryview(arena.consumer_stats)
+        # one key served unpadded on CPU: the leased batch itself is the policy's input, and it
+        # gets its all-True "valid_mask" from the consumer's cached rows instead of a set()
+        whole_ok = self.single_key and runners[0].takes_whole and not self.overlap
+        self._extras = {VALID_MASK: torch.ones(n, dtype=torch.bool)} if whole_ok else None
         self.current_key = None
         for k, runner in enumerate(runners):
             stats.set_version(k, runner.version)
@@ -121,12 +130,21 @@ class ServingLoop:
     def wait_flush(self) -> bool:
         """Blocks until a batch is due (``True``) or a stop was requested (``False``)."""
         t0 = time.monotonic()
-        if self._stop_requested():  # checked even when a batch is due: a busy server still stops
-            return False
+        if t0 - self._last_stop_check > _STOP_CHECK_S:  # a busy server still stops
+            self._last_stop_check = t0
+            if self._stop_requested():
+                return False
+        drained = False
         while True:
-            self._bell.drain()  # before the scan: a ring after it wakes the poll below
             now = time.monotonic()
             flush, remaining = self._due(now)
+            if not flush and not drained:
+                # drain, then scan again: a ring after the drain wakes the poll below, and records
+                # published between the first scan and the drain are counted by the second one.
+                # (Draining only before a wait saves a system call per batch when one is due.)
+                self._bell.drain()
+                drained = True
+                continue
             if flush:
                 self._waited = now - t0
                 # the pool's consumer_busy_fraction counts waits inside recv only; this loop waits
@@ -138,6 +156,7 @@ class ServingLoop:
                     return False
                 if fd in self._sentinels:
                     self.consumer.raise_worker_errors()
+            drained = False
 
     def _stop_requested(self) -> bool:
         return bool(self._stop_poller.poll(0))
@@ -184,7 +203,7 @@ class ServingLoop:
 
     def _recv_and_launch(self, inflight: List[_Flight]) -> None:
         self._apply_weights()
-        td = self.consumer.lease_ready(self.cap)
+        td = self.consumer.lease_ready(self.cap, self._extras)
         if td is None:  # _due just counted them ready and only this loop leases: defensive
             return
         idx = td.env_indices.numpy().copy()  # the staging buffer is reused by the next recv
@@ -212,7 +231,7 @@ class ServingLoop:
                     self._finish(oldest)
                 self.current_key = runner.key
                 try:
-                    pending = runner.launch(chunk, whole)
+                    pending = runner.launch(chunk, whole, masked=whole is not None and self._extras is not None)
                 except Exception as exc:  # noqa: BLE001 - reported with the key
                     raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
                 one = chunk is idx_t
@@ -232,19 +251,25 @@ class ServingLoop:
         self._version_bufs[k] = (buf, version)
         return buf[:b]
 
-    def _in_send_order(self, outputs: dict):
-        """The output tensors in the consumer's response order, or ``None`` if one is missing."""
+    def _in_send_order(self, outputs: dict, version: int):
+        """The response values in the consumer's order (the stamped version as an ``int``, which
+        fills every row), or ``None`` if the policy missed a key."""
         keys = tuple(outputs)
         order = self._send_orders.get(keys)
         if order is None:
             position = {as_key(k): i for i, k in enumerate(keys)}
-            try:
-                order = [position[as_key(k)] for k in self.consumer.response_keys]
-            except KeyError:
-                return None
+            stamp = as_key(self.version_key) if self.version_key is not None else None
+            order = []
+            for key in map(as_key, self.consumer.response_keys):
+                if key == stamp:
+                    order.append(-1)  # the server's stamp wins over anything the policy wrote
+                elif key in position:
+                    order.append(position[key])
+                else:
+                    return None
             self._send_orders[keys] = order
         values = list(outputs.values())
-        return [values[i] for i in order]
+        return [version if i < 0 else values[i] for i in order]
 
     def _finish(self, flight: _Flight) -> None:
         runner, pending = flight.runner, flight.pending
@@ -255,9 +280,7 @@ class ServingLoop:
             raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
         policy_s = time.perf_counter() - pending.t_launch
         b = pending.b
-        k = self.by_name[runner.plan.name][0]
-        if self.version_key is not None:
-            outputs[self.version_key] = self._version_rows(k, b, pending.version)
+        k = self._index_of[runner]
         env_idx = flight.env_idx
         now = time.monotonic()
         if flight.queue is not None:
@@ -265,8 +288,9 @@ class ServingLoop:
         else:
             service = float(now * b - self.ready_time[env_idx.numpy()].sum())  # read before send frees the slot
         try:
-            values = self._in_send_order(outputs)
+            values = self._in_send_order(outputs, pending.version)
             if values is None:  # a key is missing: send() names it
+                self._stamp(outputs, k, b, pending.version)
                 self.consumer.send(_nest(outputs), env_idx)
             else:
                 self.consumer.send_rows(values, env_idx, flight.lease_t)
@@ -276,9 +300,14 @@ class ServingLoop:
         if self.on_batch is not None:
             from tensordict import TensorDict
 
+            self._stamp(outputs, k, b, pending.version)
             request = runner.request_view(pending, flight.whole)
             response = TensorDict(_nest(outputs), batch_size=[b])
             self.on_batch(runner.plan.name, request, response)
+
+    def _stamp(self, outputs: dict, k: int, b: int, version: int) -> None:
+        if self.version_key is not None:
+            outputs[self.version_key] = self._version_rows(k, b, version)
 
 
 def _failure_text(runner, exc) -> str:

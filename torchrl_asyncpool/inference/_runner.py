@@ -266,18 +266,25 @@ class KeyRunner:
         self.version = int(version)
 
     # -- serving ----------------------------------------------------------------------------
-    def launch(self, env_idx: torch.Tensor, whole: Optional[TensorDictBase] = None) -> Pending:
+    @property
+    def takes_whole(self) -> bool:
+        """Whether :meth:`launch` feeds a received batch to the policy as is (unpadded CPU)."""
+        return not self.cuda and self.buckets is None
+
+    def launch(self, env_idx: torch.Tensor, whole: Optional[TensorDictBase] = None, masked: bool = False) -> Pending:
         """Stages the records of slots ``env_idx`` (leased, so stable) and starts the policy on them.
 
         ``whole`` is the received batch when it holds exactly these records (one key, one
         chunk): the unpadded CPU path then feeds it to the policy without another copy.
+        ``masked``: ``whole`` already carries its ``"valid_mask"`` (all ``True``).
         """
         t0 = time.perf_counter()
         b = int(env_idx.numel())
-        bucket = pick_bucket(self.buckets, b)
-        if whole is not None and not self.cuda and self.buckets is None:
-            whole.set(VALID_MASK, self._ones[:b])
+        if whole is not None and self.takes_whole:
+            if not masked:
+                whole.set(VALID_MASK, self._ones[:b])
             return Pending(0, b, b, self.version, self._run_cpu(whole, b), t0)
+        bucket = pick_bucket(self.buckets, b)
         parity = self._parity
         self._parity = (parity + 1) % self._nbuf
         if self.cuda:

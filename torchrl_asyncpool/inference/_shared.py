@@ -233,6 +233,8 @@ class StatsBlock:
         self.names = list(names)
         self.size = _GLOBAL + _PER_KEY * len(self.names)
         self.array = np.zeros(self.size, dtype=np.float64) if array is None else array
+        # the server adds through a memoryview: half the cost of numpy's scalar +=, per batch
+        self._sums = memoryview(self.array)
         self.reset_baseline()
 
     @classmethod
@@ -249,13 +251,13 @@ class StatsBlock:
 
     # server side
     def record_recv(self, waited, queue_sum):
-        a = self.array
+        a = self._sums
         a[_G_WAIT] += waited
         a[_G_QUEUE] += queue_sum
         a[_G_RECV] += 1
 
     def record_batch(self, k, b, rows, policy_s, service_sum):
-        a = self.array
+        a = self._sums
         a[_G_BATCHES] += 1
         a[_G_FRAMES] += b
         a[_G_ROWS] += rows
