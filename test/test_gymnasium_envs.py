@@ -1,0 +1,112 @@
+"""Plain ``gymnasium.Env`` factories: the worker's fast path (no TensorDict work per step).
+
+Echo envs return the action they were stepped with as their next observation, so each test
+proves the action sent for a slot is the one its env received, for discrete and box actions,
+a ``Dict`` observation space, and several envs per worker process.
+"""
+import functools
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from torchrl_asyncpool import AsyncEnvPool, StepType
+
+
+class _EchoBox(gym.Env):
+    """Observation = the last action (``float32 [2]``); truncates after ``episode_len`` steps."""
+
+    observation_space = gym.spaces.Box(-10.0, 10.0, (2,), np.float32)
+    action_space = gym.spaces.Box(-10.0, 10.0, (2,), np.float32)
+
+    def __init__(self, episode_len=5):
+        self.episode_len, self.t = episode_len, 0
+
+    def reset(self, *, seed=None, options=None):
+        self.t = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.asarray(action, np.float32), float(action[0]), False, self.t >= self.episode_len, {}
+
+
+class _EchoDiscrete(gym.Env):
+    """``Dict`` observation: ``{"last": the last action, "t": step}``; terminates after 4 steps."""
+
+    observation_space = gym.spaces.Dict(
+        {"last": gym.spaces.Box(-1, 100, (1,), np.int64), "t": gym.spaces.Box(0, 100, (1,), np.int64)}
+    )
+    action_space = gym.spaces.Discrete(7)
+
+    def reset(self, *, seed=None, options=None):
+        self.t = 0
+        return {"last": np.full(1, -1, np.int64), "t": np.zeros(1, np.int64)}, {}
+
+    def step(self, action):
+        assert isinstance(action, int), type(action)  # Discrete actions arrive as Python ints
+        self.t += 1
+        return {"last": np.full(1, action, np.int64), "t": np.full(1, self.t, np.int64)}, 1.0, self.t >= 4, False, {}
+
+
+@pytest.mark.parametrize("envs_per_worker", [1, 3])
+def test_box_actions_reach_their_env(envs_per_worker):
+    n = 6
+    rng = torch.Generator().manual_seed(0)
+    sent = {}  # env -> the action sent for its last non-terminal record
+    checked = 0
+    with AsyncEnvPool([functools.partial(_EchoBox)] * n, envs_per_worker=envs_per_worker) as pool:
+        assert pool.action_keys == ["action"]
+        for _ in range(120):
+            td = pool.recv(min_get=1)
+            assert td["observation"].dtype == torch.float32 and td["observation"].shape[1:] == (2,)
+            for row, env in enumerate(td.env_indices.tolist()):
+                st = int(td["step_type"][row])
+                if st == StepType.FIRST:
+                    assert torch.equal(td["observation"][row], torch.zeros(2))
+                else:
+                    assert torch.equal(td["observation"][row], sent[env]), f"env {env}"
+                    assert td["reward"][row].item() == pytest.approx(float(sent[env][0]))
+                    checked += 1
+            actions = torch.randn(td.batch_size[0], 2, generator=rng)
+            for row, env in enumerate(td.env_indices.tolist()):
+                sent[env] = actions[row].clone()
+            pool.send(TensorDict({"action": actions}, td.batch_size), td.env_indices)
+    assert checked > 50
+
+
+def test_discrete_actions_and_dict_observations():
+    n = 4
+    sent = {}
+    ends = 0
+    with AsyncEnvPool([_EchoDiscrete] * n, envs_per_worker=2) as pool:
+        for _ in range(80):
+            td = pool.recv(min_get=1)
+            assert set(td.keys()) >= {"last", "t", "reward", "done", "terminated", "truncated", "step_type"}
+            for row, env in enumerate(td.env_indices.tolist()):
+                st = int(td["step_type"][row])
+                t = int(td["t"][row])
+                if st == StepType.FIRST:
+                    assert t == 0 and int(td["last"][row]) == -1
+                else:
+                    assert int(td["last"][row]) == sent[env]
+                    assert (st == StepType.TERMINATION) == (t == 4)
+                    assert bool(td["terminated"][row]) == (t == 4) and bool(td["done"][row]) == (t == 4)
+                    ends += t == 4
+            actions = torch.randint(0, 7, (td.batch_size[0],))
+            for row, env in enumerate(td.env_indices.tolist()):
+                sent[env] = int(actions[row])
+            pool.send(TensorDict({"action": actions}, td.batch_size), td.env_indices)
+    assert ends >= n
+
+
+def test_box_action_with_the_wrong_shape_is_refused_before_anything_is_written():
+    with AsyncEnvPool([_EchoBox] * 2, envs_per_worker=2) as pool:
+        td = pool.recv(min_get=2)
+        with pytest.raises(ValueError, match="'action'.*shape"):
+            pool.send(TensorDict({"action": torch.zeros(2, 3)}, [2]), td.env_indices)
+        pool.send(TensorDict({"action": torch.ones(2, 2)}, [2]), td.env_indices)  # still usable
+        td = pool.recv(min_get=2, timeout=30)
+        assert torch.equal(td["observation"], torch.ones(2, 2))
