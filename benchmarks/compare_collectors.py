@@ -185,7 +185,9 @@ def run_torchrl_sync(w, n, fpb, seconds):
 
     _, trl_fn, key, dim, na, _ = WORKLOADS[w]
     return _timed_collector(
-        lambda: Collector(ParallelEnv(n, trl_fn), make_torchrl_policy(key, dim, na), frames_per_batch=fpb, total_frames=-1),
+        lambda: Collector(
+            ParallelEnv(n, trl_fn), make_torchrl_policy(key, dim, na), frames_per_batch=fpb, total_frames=-1
+        ),
         seconds,
         fpb,
     )
@@ -312,7 +314,8 @@ def _print_table(results):
         lo, hi = r.get("fps_range", (r["fps"], r["fps"]))
         print(f"{r['workload']:9} {r['envs']:>4} {r['impl']:14} {r['fps']:>10.0f} {f'{lo:.0f}-{hi:.0f}':>15} "
               f"{ratio('torchrl_async'):>15.1f} "
-              f"{ratio('gym_async'):>11.2f} {100 * r['fps'] / limit:>8.1f} {r['startup_s']:>11.2f} {r['shutdown_s']:>10.2f}"
+              f"{ratio('gym_async'):>11.2f} {100 * r['fps'] / limit:>8.1f} "
+              f"{r['startup_s']:>11.2f} {r['shutdown_s']:>10.2f}"
               + (f"  ERROR {r['error']}" if "error" in r else ""))
 
 

@@ -196,7 +196,10 @@ def main(argv=None):
         ("torchrl/process", functools.partial(run_torchrl, backend="process")),
     ]
     results = []
-    header = f"{'config':<22} {'envs':>4} {'batch':>5} {'req/s':>10} {'latency ms':>11} {'mean batch':>10} {'pad':>5} {'fwd ms':>7}"
+    header = (
+        f"{'config':<22} {'envs':>4} {'batch':>5} {'req/s':>10} {'latency ms':>11} "
+        f"{'mean batch':>10} {'pad':>5} {'fwd ms':>7}"
+    )
     print(header)
     for n in args.envs:
         batch = n if args.batch == "full" else (max(1, n // 2) if args.batch == "half" else int(args.batch))

@@ -197,7 +197,10 @@ def measure_env_only(factories, sample, seconds, warmup) -> dict:
 
     ctx = mp.get_context("fork")  # children only step a small env; start-up is not the point here
     barrier, out = ctx.Barrier(len(factories) + 1), ctx.Queue()
-    procs = [ctx.Process(target=_env_only_worker, args=(f, sample, barrier, warmup, seconds, out), daemon=True) for f in factories]
+    procs = [
+        ctx.Process(target=_env_only_worker, args=(f, sample, barrier, warmup, seconds, out), daemon=True)
+        for f in factories
+    ]
     try:
         for p in procs:
             p.start()
@@ -209,7 +212,11 @@ def measure_env_only(factories, sample, seconds, warmup) -> dict:
         leaked = reap([p.pid for p in procs if p.pid is not None], grace_s=0.0)
         for p in procs:
             p.join(timeout=1)
-    return {"tps": sum(counts) / seconds, "windows": [{"transitions": sum(counts), "elapsed_s": seconds}], "leaked_pids": leaked}
+    return {
+        "tps": sum(counts) / seconds,
+        "windows": [{"transitions": sum(counts), "elapsed_s": seconds}],
+        "leaked_pids": leaked,
+    }
 
 
 def make_driver(impl: str, factories, sample, torchrl_stack: str = "dense"):
@@ -361,7 +368,10 @@ def add_ratios(records):
 
 
 def format_table(records) -> str:
-    head = ("workload", "N", "impl", "transitions/s", "vs best TorchRL", "% N/latency", "% env-only", "mean batch", "startup s", "close s")
+    head = (
+        "workload", "N", "impl", "transitions/s", "vs best TorchRL",
+        "% N/latency", "% env-only", "mean batch", "startup s", "close s",
+    )
     rows = []
     for r in records:
         if r.get("error"):
@@ -416,8 +426,16 @@ def _git_revision() -> str | None:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(torchrl_asyncpool.__file__)))
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=10)
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if rev.returncode != 0:
@@ -426,7 +444,9 @@ def _git_revision() -> str | None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--envs", type=int, nargs="+", default=[8, 32], help="pool sizes (default: 8 32)")
     p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per cell (default: 5)")
     p.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds per cell, not measured (default: 1)")
@@ -439,7 +459,9 @@ def parse_args(argv=None):
         default=None,
         help="torch.set_num_threads in the consumer (default: leave torch's default, as a user would)",
     )
-    p.add_argument("--torchrl-stack", default="dense", choices=("dense", "lazy"), help="TorchRL pool stack= (default dense)")
+    p.add_argument(
+        "--torchrl-stack", default="dense", choices=("dense", "lazy"), help="TorchRL pool stack= (default dense)"
+    )
     p.add_argument("--quick", action="store_true", help="validation run: 1 s per cell, 0.25 s warm-up")
     p.add_argument("--json", metavar="PATH", help="also write every record (and machine info) as JSON")
     args = p.parse_args(argv)
@@ -467,7 +489,10 @@ def main(argv=None) -> int:
         flush=True,
     )
     info["forkserver_boot_s"] = boot_forkserver()
-    print(f"# our fork server booted in {info['forkserver_boot_s']:.2f}s (once per process, not in start-up below)", flush=True)
+    print(
+        f"# our fork server booted in {info['forkserver_boot_s']:.2f}s (once per process, not in start-up below)",
+        flush=True,
+    )
     records = []
     t_all = time.perf_counter()
     try:

@@ -3,7 +3,6 @@ import time
 
 import pytest
 import torch
-from tensordict import TensorDict
 from torchrl.collectors import AsyncBatchedCollector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
@@ -73,8 +72,10 @@ def test_yield_completed_trajectories():
             assert traj["next", "done"][-1].all() and not traj["next", "done"][:-1].any()
             assert traj["env_index"].unique().numel() == 1
             assert traj["tag"][0, 2] == 0  # starts an episode
+            checker.observe_transitions(traj)  # each env's episodes arrive whole, in order, none skipped
             n += traj.shape[0]
         assert n >= 60
+        assert checker.episodes_done >= 3 and checker.records == n
     finally:
         c.shutdown()
 
@@ -86,7 +87,9 @@ def test_weight_update_bumps_stamped_version():
         score = policy(td["observation"])
         return td.set("action", oracle_action(td["tag"])).set("score", score)
 
-    c = AsyncPoolCollector(oracle_factories(2), policy=act, frames_per_batch=20, total_frames=200, transition_chunk_size=2)
+    c = AsyncPoolCollector(
+        oracle_factories(2), policy=act, frames_per_batch=20, total_frames=200, transition_chunk_size=2
+    )
     try:
         it = iter(c)
         first = next(it)

@@ -3,7 +3,6 @@ import threading
 import time
 
 import pytest
-import torch
 from tensordict import TensorDict
 
 from conftest import oracle_factories
@@ -23,7 +22,9 @@ def _serve(pool, stop, errors):
         errors.append(e)
 
 
-@pytest.mark.parametrize("num_envs,envs_per_worker,chunk,frames", [(1, 1, 4, 10), (8, 4, 5, 64), (8, 1, 16, 50), (2, 1, 3, 100)])
+@pytest.mark.parametrize(
+    "num_envs,envs_per_worker,chunk,frames", [(1, 1, 4, 10), (8, 4, 5, 64), (8, 1, 16, 50), (2, 1, 3, 100)]
+)
 def test_chunks_exactly_once_in_order(num_envs, envs_per_worker, chunk, frames, dev_shm_guard):
     checker = OracleChecker()
     stop, errors = threading.Event(), []

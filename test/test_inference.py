@@ -148,7 +148,8 @@ def test_padded_batches_give_the_same_actions_as_single_calls(buckets, policy_cl
     runner = KeyRunner(KeyPlan(0, "p", "h", list(range(n)), ladder, max_rows), spy, _REQ,
                        [(("action",), (), torch.int64)], device="cpu", arena_request=arena)
     runner.dry_run()
-    expected = torch.stack([_single(policy, {"tag": arena["tag"][i], "observation": arena["observation"][i]})["action"][0]
+    expected = torch.stack([_single(policy, {"tag": arena["tag"][i],
+                                             "observation": arena["observation"][i]})["action"][0]
                             for i in range(n)])
     for b in range(1, max_rows + 1):
         idx = torch.randperm(n, generator=gen)[:b]
@@ -180,7 +181,9 @@ def test_server_actions_match_single_calls_end_to_end(policy_cls, buckets, max_g
 
     checker = OracleChecker(policy=single_action)
     with AsyncEnvPool(oracle_factories(8, step_delay=0.001), envs_per_worker=4) as pool:
-        with InferenceServer(spy, bucket_sizes=buckets, max_get=max_get, timeout=0.002, on_batch=rec).start(pool) as server:
+        with InferenceServer(
+            spy, bucket_sizes=buckets, max_get=max_get, timeout=0.002, on_batch=rec
+        ).start(pool) as server:
             _serve_until(server, 400)
             ladder = server.bucket_sizes["policy"]
             stats = server.stats()
@@ -386,7 +389,9 @@ def test_bad_configuration_is_refused_at_start_up():
         with pytest.raises(ValueError, match="'logp'"):
             InferenceServer(good).start(pool)  # misses a declared policy output
         with pytest.raises(ValueError, match="'action'"):
-            InferenceServer(lambda td: td.set("hidden_out", td["hidden_in"]).set("logp", torch.zeros(td.shape))).start(pool)
+            InferenceServer(
+                lambda td: td.set("hidden_out", td["hidden_in"]).set("logp", torch.zeros(td.shape))
+            ).start(pool)
         with pytest.raises(ValueError, match="recurrent state"):
             InferenceServer(with_logp(GRUPolicy(hidden=8))).start(pool)  # hidden size 8, pool carries 4
         with pytest.raises(ValueError, match="dtype torch.float64"):
@@ -496,7 +501,9 @@ def test_policy_output_of_the_wrong_dtype_mid_run_names_key_and_layout():
 
 def test_policy_error_names_the_key_process_mode():
     with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:
-        with InferenceServer(policy_factories={"bad": functools.partial(RaisingPolicy, fail_at_step=2)}).start(pool) as server:
+        with InferenceServer(
+            policy_factories={"bad": functools.partial(RaisingPolicy, fail_at_step=2)}
+        ).start(pool) as server:
             deadline = time.monotonic() + 30
             with pytest.raises(InferenceServerError, match="policy 'bad'") as info:
                 while time.monotonic() < deadline:

@@ -80,7 +80,10 @@ def _assert_reaped(pids, timeout=3.0):
 def _assert_dead_or_zombie(pids, timeout, what="process"):
     """Processes orphaned to an init that may not reap them: a zombie ('Z') counts as gone."""
     ok = _wait_until(lambda: all(_proc_state(p) in (None, "Z", "X") for p in pids), timeout)
-    assert ok, f"{what} still running: {[(p, _proc_state(p), _cmdline(p)) for p in pids if _proc_state(p) not in (None, 'Z', 'X')]}"
+    assert ok, (
+        f"{what} still running: "
+        f"{[(p, _proc_state(p), _cmdline(p)) for p in pids if _proc_state(p) not in (None, 'Z', 'X')]}"
+    )
 
 
 def _cmdline(pid):
@@ -279,7 +282,9 @@ def _drive_until_error(pool, checker, n, max_rounds=60, reset_failing_env=None):
         idx, st = td.env_indices.tolist(), td["step_type"].tolist()
         for i, s in zip(idx, st):
             steps[i] += s != int(StepType.FIRST)
-        alone = [k for k, (i, s) in enumerate(zip(idx, st)) if i == reset_failing_env and s >= int(StepType.TERMINATION)]
+        alone = [
+            k for k, (i, s) in enumerate(zip(idx, st)) if i == reset_failing_env and s >= int(StepType.TERMINATION)
+        ]
         rest = [k for k in range(len(idx)) if k not in alone]
         try:
             _answer(pool, td[torch.tensor(rest)] if alone else td)
@@ -667,7 +672,9 @@ def test_parent_sigkill_takes_workers_and_forkserver_down(envs_per_worker):
             lines.append(line.strip())
             if line.strip() == "READY":
                 break
-        assert lines and lines[-1] == "READY", f"child did not start a pool: {lines}\n{child.stderr.read() if child.poll() is not None else ''}"
+        assert lines and lines[-1] == "READY", (
+            f"child did not start a pool: {lines}\n{child.stderr.read() if child.poll() is not None else ''}"
+        )
         pids = json.loads(lines[-2])
         assert len(pids) == 4 // envs_per_worker
         assert all(_proc_state(p) not in (None, "Z") for p in pids)

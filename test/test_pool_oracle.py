@@ -179,5 +179,7 @@ def test_policy_outputs_are_required_in_send_and_recurrent_keys_validated():
         td = pool.recv()
         with pytest.raises(ValueError, match="logp"):
             pool.send(TensorDict({"action": torch.zeros(1, dtype=torch.int64)}, [1]), td.env_indices)
-        pool.send(TensorDict({"action": torch.zeros(1, dtype=torch.int64), "logp": torch.zeros(1)}, [1]), td.env_indices)
+        pool.send(
+            TensorDict({"action": torch.zeros(1, dtype=torch.int64), "logp": torch.zeros(1)}, [1]), td.env_indices
+        )
         assert pool.recv()["tag"].tolist() == [[0, 0, 1]]

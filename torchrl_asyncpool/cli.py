@@ -277,7 +277,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--frames-per-batch", type=int, default=256, help="frames per learner step (default: 256)")
     demo.add_argument("--target-return", type=float, default=475.0,
                       help="stop when the mean return of the last 20 episodes reaches it (default: 475)")
-    demo.add_argument("--env-id", default="CartPole-v1", help="gymnasium env with a discrete action (default: CartPole-v1)")
+    demo.add_argument("--env-id", default="CartPole-v1",
+                      help="gymnasium env with a discrete action (default: CartPole-v1)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=_cmd_demo)

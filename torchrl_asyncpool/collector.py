@@ -9,10 +9,10 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torchrl.collectors import AsyncBatchedCollector
 from torchrl.collectors._base import BaseCollector
-from torchrl.envs.utils import ExplorationType, set_exploration_type
+from torchrl.envs.utils import ExplorationType
 from torchrl.modules.inference_server import ProcessSlotTransport as TorchRLProcessSlotTransport
 
 from torchrl_asyncpool.acting_policy import WEIGHT_PREFIX, ActingPolicy, ActingPolicyFactory, derive_policy_outputs
@@ -78,12 +78,18 @@ def _check_transport_keys(transport, layout, policy_version_key) -> None:
         return {as_key(k) for k in getattr(transport, name, ()) if not str(as_key(k)[-1]).startswith("_")}
 
     observed = {f.key for f in layout.request}
-    answered = {f.key for f in layout.response} | ({as_key(policy_version_key)} if policy_version_key is not None else set())
-    for what, given, have in (("request", keys("_request_keys"), observed), ("response", keys("_response_keys"), answered)):
+    answered = {f.key for f in layout.response} | (
+        {as_key(policy_version_key)} if policy_version_key is not None else set()
+    )
+    for what, given, have in (
+        ("request", keys("_request_keys"), observed),
+        ("response", keys("_response_keys"), answered),
+    ):
         missing = sorted(given - have)
         if missing:
             raise ValueError(
-                f"transport {what}_spec has keys {missing} that the {'env does not observe' if what == 'request' else 'policy does not return'} "
+                f"transport {what}_spec has keys {missing} that the "
+                f"{'env does not observe' if what == 'request' else 'policy does not return'} "
                 f"(available: {sorted(have)})."
             )
 
@@ -241,7 +247,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         if not isinstance(total_frames, int) or (total_frames < 1 and total_frames != -1):
             raise ValueError(f"total_frames must be -1 (endless) or a positive int, got {total_frames!r}.")
         if server_config is not None and any(v is not None for v in (max_batch_size, min_batch_size, server_timeout)):
-            raise ValueError("server_config is mutually exclusive with max_batch_size, min_batch_size and server_timeout.")
+            raise ValueError(
+                "server_config is mutually exclusive with max_batch_size, min_batch_size and server_timeout."
+            )
         if server_config is not None:
             max_batch_size = getattr(server_config, "max_batch_size", None)
             min_batch_size = getattr(server_config, "min_batch_size", None)
@@ -284,8 +292,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             create_env_fn,
             create_env_kwargs=create_env_kwargs,
             envs_per_worker=envs_per_worker,
-            policy_output_spec=lambda request, actions: derive_policy_outputs(probe, request, actions, policy_version_key,
-                                                                        device=self._policy_device),
+            policy_output_spec=lambda request, actions: derive_policy_outputs(
+                probe, request, actions, policy_version_key, device=self._policy_device
+            ),
             transition_chunk_size=lambda layout: _auto_chunk(transition_chunk_size, layout, frames_per_batch),
             chunks_per_env=chunks_per_env,
         )

@@ -15,7 +15,6 @@ from torchrl.data.utils import CloudpickleWrapper
 
 from torchrl_asyncpool.delivery.chunks import ChunkBuffers, ChunkReader
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
-from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout, as_key
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
@@ -161,7 +160,9 @@ class AsyncEnvPool:
             request[hidden_in] = outputs[hidden_out]
         self.policy_output_keys = list(outputs)
         self.recurrent_state = dict(recurrent)
-        self.layout = ArenaLayout(n, request, {**response, **outputs}, action_keys=self.action_keys, recurrent=recurrent)
+        self.layout = ArenaLayout(
+            n, request, {**response, **outputs}, action_keys=self.action_keys, recurrent=recurrent
+        )
 
         self._arena = Arena.create(self.layout)
         self._chunks = None
@@ -214,7 +215,9 @@ class AsyncEnvPool:
         ctx = mp.get_context(method)
         if method == "forkserver":
             ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
-        arena_fd, consumer_fd, life_fd = InheritedFd(self._arena.fd), self._consumer.inheritable(), InheritedFd(self._life_r)
+        arena_fd, consumer_fd, life_fd = (
+            InheritedFd(self._arena.fd), self._consumer.inheritable(), InheritedFd(self._life_r)
+        )
         for w, slots in enumerate(groups):
             parent_conn, child_conn = ctx.Pipe()
             p = ctx.Process(

@@ -79,7 +79,9 @@ class ChunkBuffers:
         self.layout = ArenaLayout(self.num_envs * self.chunks_per_env, fields, {}, error_text_bytes=0)
         self.arena = Arena.create(self.layout, name="torchrl_asyncpool_chunks")
         env_index = self.arena.request.get("env_index")
-        env_index.copy_(torch.arange(self.num_envs).repeat_interleave(self.chunks_per_env)[:, None].expand_as(env_index))
+        env_index.copy_(
+            torch.arange(self.num_envs).repeat_interleave(self.chunks_per_env)[:, None].expand_as(env_index)
+        )
         self.driver_bell = Doorbell()
 
     def handle(self) -> ChunkHandle:

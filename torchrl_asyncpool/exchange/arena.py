@@ -97,8 +97,12 @@ class ArenaLayout:
         self.recurrent = {as_key(k): as_key(v) for k, v in (recurrent or {}).items()}
         self.control = [FieldSpec((name,), (), dtype) for name, dtype in CONTROL_FIELDS]
         self.control.append(FieldSpec(("error_text",), (int(error_text_bytes),), torch.uint8))
-        self.request = [FieldSpec(as_key(k), tuple(int(s) for s in shape), dtype) for k, (shape, dtype) in request.items()]
-        self.response = [FieldSpec(as_key(k), tuple(int(s) for s in shape), dtype) for k, (shape, dtype) in response.items()]
+        self.request = [
+            FieldSpec(as_key(k), tuple(int(s) for s in shape), dtype) for k, (shape, dtype) in request.items()
+        ]
+        self.response = [
+            FieldSpec(as_key(k), tuple(int(s) for s in shape), dtype) for k, (shape, dtype) in response.items()
+        ]
         self.offsets: Dict[Tuple[str, Tuple[str, ...]], int] = {}
         self.offsets[("stats", ("consumer_stats",))] = 0
         offset = NUM_STATS * 8

@@ -81,7 +81,9 @@ class SlotConsumer:
             {**self.arena.request.clone().to_dict(), "env_index": torch.zeros(n, dtype=torch.int64)}, batch_size=[n]
         )
         self._staging = staging.pin_memory() if pin_memory else staging
-        self._gather = [RowGather(self.arena.request.get(k), self._staging.get(k)) for k in self.arena.request.keys(True, True)]
+        self._gather = [
+            RowGather(self.arena.request.get(k), self._staging.get(k)) for k in self.arena.request.keys(True, True)
+        ]
         self._staging_env_index_np = self._staging.get("env_index").numpy()
         self._batch_rows = {}  # (b, extras given) -> nested dict of the staging rows [:b] (and extras)
         self._response = [(k, self.arena.response.get(k)) for k in self.response_keys]
@@ -279,7 +281,9 @@ class SlotConsumer:
                 dst.index_copy_(0, idx, value)
         b = idx_np.size
         now = time.monotonic()
-        dwell = b * (now - lease_time) if lease_time is not None else float(now * b - self.arena.lease_time[idx_np].sum())
+        dwell = (
+            b * (now - lease_time) if lease_time is not None else float(now * b - self.arena.lease_time[idx_np].sum())
+        )
         record_send(self._stats, b, dwell)
         self.arena.state[idx_np] = S.ACTION_READY  # after the data
         self._ring_workers(idx_np)
@@ -371,7 +375,11 @@ def _check_rows(key, dst: torch.Tensor, value, b: int) -> None:
     """Raises ``ValueError`` unless ``value`` is a ``[b, *dst.shape[1:]]`` tensor of ``dst``'s dtype."""
     expected = (b, *dst.shape[1:])
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected or value.dtype != dst.dtype:
-        given = f"shape {tuple(value.shape)} and dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+        given = (
+            f"shape {tuple(value.shape)} and dtype {value.dtype}"
+            if isinstance(value, torch.Tensor)
+            else type(value).__name__
+        )
         raise ValueError(f"send: {key!r} must be a tensor of shape {expected} and dtype {dst.dtype}; given {given}.")
 
 

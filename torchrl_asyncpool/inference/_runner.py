@@ -183,7 +183,9 @@ class KeyRunner:
         for rows in sizes:
             td = _zeros_td(self.input_fields, rows, self.device)
             td.set(VALID_MASK, torch.ones(rows, dtype=torch.bool, device=self.device))
-            layout = ", ".join(f"{key_repr(k)!r}: {tuple(s)} {str(d).replace('torch.', '')}" for k, s, d in self.input_fields)
+            layout = ", ".join(
+                f"{key_repr(k)!r}: {tuple(s)} {str(d).replace('torch.', '')}" for k, s, d in self.input_fields
+            )
             try:
                 with torch.no_grad():
                     out = self._call(td)
@@ -209,7 +211,11 @@ class KeyRunner:
                     )
                 want = (rows, *shape)
                 if not isinstance(value, torch.Tensor) or tuple(value.shape) != want or value.dtype != dtype:
-                    got = f"shape {tuple(value.shape)} and dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+                    got = (
+                        f"shape {tuple(value.shape)} and dtype {value.dtype}"
+                        if isinstance(value, torch.Tensor)
+                        else type(value).__name__
+                    )
                     raise ValueError(
                         f"policy {name!r} (batch key {self.key}) writes {what} {key_repr(key)!r} with {got} for a "
                         f"batch of {rows}; the pool declares per-env shape {tuple(shape)} and dtype {dtype}, so "

@@ -64,7 +64,11 @@ def make_plans(layout, *, names, targets: Mapping, configs: Optional[Mapping], s
             raise ValueError(f"bucket_sizes names unknown policies {unknown_b}; known: {names}.")
     # hashes need the ladders, ladders need the slot counts, slot counts need names only
     counts_binding = resolve_slot_keys(
-        [k[0] if isinstance(k, tuple) and k else getattr(k, "name", k) for k in slot_keys] if slot_keys is not None else None,
+        (
+            [k[0] if isinstance(k, tuple) and k else getattr(k, "name", k) for k in slot_keys]
+            if slot_keys is not None
+            else None
+        ),
         names, {nm: "" for nm in names}, n,
     )
     ladders = {}

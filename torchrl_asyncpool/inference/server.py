@@ -207,7 +207,9 @@ class InferenceServer:
         self.mode = mode
         self.policy_configs = dict(policy_configs or {})
         if slot_keys is not None and (isinstance(slot_keys, (str, bytes)) or not isinstance(slot_keys, Sequence)):
-            raise ValueError(f"slot_keys must be a sequence with one entry per env slot, got {type(slot_keys).__name__}.")
+            raise ValueError(
+                f"slot_keys must be a sequence with one entry per env slot, got {type(slot_keys).__name__}."
+            )
         self.slot_keys = list(slot_keys) if slot_keys is not None else None
         self._bucket_sizes_arg = bucket_sizes
         self.min_get = check_positive_int("min_get", min_get)
@@ -227,7 +229,9 @@ class InferenceServer:
             raise ValueError("cuda_graphs=True needs a CUDA device.")
         self.double_buffer = (self.device.type == "cuda") if double_buffer is None else bool(double_buffer)
         self.policy_version_key = policy_version_key
-        if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1):
+        if num_threads is not None and (
+            isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
+        ):
             raise ValueError(f"num_threads must be None or a positive int, got {num_threads!r}.")
         self.num_threads = num_threads
         self.mp_start_method = mp_start_method
@@ -350,7 +354,8 @@ class InferenceServer:
 
     # -- weights ----------------------------------------------------------------------------
     @_delivers_errors
-    def update_policy_weights_(self, weights_or_module=None, name: Optional[str] = None, *, version: Optional[int] = None,
+    def update_policy_weights_(self, weights_or_module=None, name: Optional[str] = None, *,
+                               version: Optional[int] = None,
                                wait: bool = False, timeout: Optional[float] = 30.0) -> int:
         """Sends new weights to a policy without restarting the server; bumps its version.
 
@@ -467,11 +472,15 @@ def _copy_into(policy, flat, name):
     targets = named_tensors(policy)
     unknown, missing = sorted(set(flat) - set(targets)), sorted(set(targets) - set(flat))
     if unknown or missing:
-        raise KeyError(f"weights for policy {name!r} do not match its parameters: unknown {unknown[:8]}, missing {missing[:8]}.")
+        raise KeyError(
+            f"weights for policy {name!r} do not match its parameters: unknown {unknown[:8]}, missing {missing[:8]}."
+        )
     with torch.no_grad():
         for k, dst in targets.items():
             if tuple(flat[k].shape) != tuple(dst.shape):
-                raise ValueError(f"weights for policy {name!r}: {k!r} has shape {tuple(flat[k].shape)}, expected {tuple(dst.shape)}.")
+                raise ValueError(
+                    f"weights for policy {name!r}: {k!r} has shape {tuple(flat[k].shape)}, expected {tuple(dst.shape)}."
+                )
             dst.copy_(flat[k])
 
 
@@ -513,7 +522,8 @@ class _ThreadBackend:
         self.weights = LocalWeights(self.spec.names)
         self._stop = Doorbell()
         self.loop = ServingLoop(
-            consumer, self.runners, self.spec, self.stats_block, self.weights, [self._stop.fd], on_batch=self.spec.on_batch
+            consumer, self.runners, self.spec, self.stats_block, self.weights, [self._stop.fd],
+            on_batch=self.spec.on_batch,
         )
         self.stats_block.set_state(STATE_SERVING)
         self._thread = start_daemon_thread(self._main, "torchrl_asyncpool-inference")
@@ -558,12 +568,14 @@ class _ThreadBackend:
             unknown, missing = sorted(set(flat) - set(targets)), sorted(set(targets) - set(flat))
             if unknown or missing:
                 raise KeyError(
-                    f"weights for policy {name!r} do not match its parameters: unknown {unknown[:8]}, missing {missing[:8]}."
+                    f"weights for policy {name!r} do not match its parameters: "
+                    f"unknown {unknown[:8]}, missing {missing[:8]}."
                 )
             for n, dst in targets.items():
                 if tuple(flat[n].shape) != tuple(dst.shape):
                     raise ValueError(
-                        f"weights for policy {name!r}: {n!r} has shape {tuple(flat[n].shape)}, expected {tuple(dst.shape)}."
+                        f"weights for policy {name!r}: {n!r} has shape {tuple(flat[n].shape)}, "
+                        f"expected {tuple(dst.shape)}."
                     )
         self.weights.publish(name, flat, version)
 

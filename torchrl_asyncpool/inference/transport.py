@@ -220,7 +220,9 @@ class ProcessSlotTransport:
                 msg = _decode(self._conn.recv_bytes())
                 if msg.get("event") == "error" and self._error is None:
                     key = tuple(msg["key"]) if msg.get("key") else None
-                    self._error = InferenceServerError(msg.get("message", "server error"), key, msg.get("traceback", ""))
+                    self._error = InferenceServerError(
+                        msg.get("message", "server error"), key, msg.get("traceback", "")
+                    )
         except (EOFError, OSError):
             pass
 

@@ -40,7 +40,12 @@ class ZeroLatencyEnv(EnvBase):
     def _reset(self, tensordict=None, **kwargs):
         self._t = 0
         return TensorDict(
-            {"observation": self._obs.clone(), "done": self._false, "terminated": self._false, "truncated": self._false},
+            {
+                "observation": self._obs.clone(),
+                "done": self._false,
+                "terminated": self._false,
+                "truncated": self._false,
+            },
             batch_size=[],
         )
 
@@ -97,7 +102,9 @@ class SleepPixelEnv(EnvBase):
 
     def _reset(self, tensordict=None, **kwargs):
         self._t = 0
-        return TensorDict({**self._frame(), "done": self._false, "terminated": self._false, "truncated": self._false}, [])
+        return TensorDict(
+            {**self._frame(), "done": self._false, "terminated": self._false, "truncated": self._false}, []
+        )
 
     def _step(self, tensordict: TensorDictBase):
         if self.step_s:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl_asyncpool.testing._specs import _done_spec
-from torchrl.data import Bounded, Categorical, Composite, Unbounded
+from torchrl.data import Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
 
 from torchrl_asyncpool.step_type import StepType
@@ -192,7 +192,9 @@ class OracleChecker:
         self.records = 0
         self.episodes_done = 0
 
-    def observe(self, env_index: int, tag, step_type, reward=None, echo=None, done=None, terminated=None, truncated=None) -> None:
+    def observe(
+        self, env_index: int, tag, step_type, reward=None, echo=None, done=None, terminated=None, truncated=None
+    ) -> None:
         """Checks one record of env ``env_index`` against the previous one of the same env."""
         tag = tuple(int(x) for x in (tag.tolist() if isinstance(tag, torch.Tensor) else tag))
         st = StepType(int(step_type))
@@ -256,7 +258,10 @@ class OracleChecker:
         actions = td.get("action").reshape(-1).tolist()
         echoes = td.get(("next", "echo")).reshape(-1).tolist()
         rewards = td.get(("next", "reward")).reshape(-1).tolist()
-        flags = {k: td.get(("next", k)).reshape(len(env_index), -1).any(-1).tolist() for k in ("done", "terminated", "truncated")}
+        flags = {
+            k: td.get(("next", k)).reshape(len(env_index), -1).any(-1).tolist()
+            for k in ("done", "terminated", "truncated")
+        }
         last = self._last_transition
         for i, e in enumerate(env_index):
             tag, nxt = tuple(tags[i]), tuple(next_tags[i])

@@ -36,7 +36,9 @@ __all__ = ["worker_main"]
 # coalescing rings saves the consumer a wake-up per record when envs are cheap.
 _RING_DELAY_S = 100e-6
 
-_FIRST, _MID, _TERM, _TRUNC = int(StepType.FIRST), int(StepType.MID), int(StepType.TERMINATION), int(StepType.TRUNCATION)
+_FIRST, _MID, _TERM, _TRUNC = (
+    int(StepType.FIRST), int(StepType.MID), int(StepType.TERMINATION), int(StepType.TRUNCATION)
+)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
