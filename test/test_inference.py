@@ -199,6 +199,7 @@ def test_server_actions_match_single_calls_end_to_end(policy_cls, buckets, max_g
         assert max(sizes) <= 5 if buckets == (3, 5) else True
     for size, mask, env_index in spy.calls:
         b = int(mask.sum())
+        assert mask.shape == env_index.shape == (size,)  # the unpadded path's cached mask rows too
         assert mask[:b].all() and not mask[b:].any()
     assert 0.0 <= stats["padding_fraction"] < 1.0
 

@@ -253,8 +253,8 @@ class SlotConsumer:
         fills every row, e.g. a policy version), ``idx`` the ``env_indices`` of a batch this
         consumer leased and has not answered: the indices and slot states are trusted, only
         shapes and dtypes are checked (``ValueError`` naming the key, before anything is
-        written). ``lease_time``: when every row was leased, if that
-        was one lease (saves reading the slots' lease times back).
+        written). ``lease_time``: when every row was leased, if that was one lease (saves
+        reading the slots' lease times back).
         """
         if self.error is not None:
             raise self.error
