@@ -111,9 +111,6 @@ class GymnasiumEnvAdapter:
     ``float32 [1]``.
     """
 
-    #: the worker hands ``step`` numpy views of the action rows
-    numpy_actions = True
-
     def __init__(self, env, env_index: int | None = None):
         import gymnasium as gym
 
@@ -163,9 +160,7 @@ class GymnasiumEnvAdapter:
         return value
 
     def random_action(self) -> Dict:
-        import numpy as np
-
-        return {"action": np.asarray(self.env.action_space.sample())}
+        return {"action": torch.as_tensor(self.env.action_space.sample())}
 
     def _obs(self, obs):
         return obs if self._dict_obs else {"observation": obs}
@@ -176,7 +171,7 @@ class GymnasiumEnvAdapter:
 
     def step(self, actions: Dict):
         a = actions["action"]
-        a = int(a) if self._discrete else a.copy()
+        a = int(a) if self._discrete else a.numpy().copy()
         obs, reward, terminated, truncated, _ = self.env.step(a)
         return self._obs(obs), reward, bool(terminated), bool(truncated)
 

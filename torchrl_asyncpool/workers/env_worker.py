@@ -49,7 +49,7 @@ class _Slot:
     """Everything one hosted env needs on the hot path, resolved once."""
 
     __slots__ = ("index", "adapter", "obs", "reward", "actions", "recurrent", "ended", "pending_first",
-                 "pending_error", "chunks", "chunk", "pos", "seq", "root_rows", "next_rows")
+                 "pending_error", "chunks", "chunk", "pos", "seq")
 
     def __init__(self, index, adapter, arena, recurrent):
         self.index = index
@@ -57,11 +57,7 @@ class _Slot:
         req, resp = arena.request, arena.response
         self.obs = [(k, _np(req.get(k)[index])) for k in adapter.obs_keys]
         self.reward = _np(req.get("reward")[index])
-        # the action views the adapter reads: numpy for a gymnasium env (``int()`` of a numpy
-        # 0-d view costs a third of a tensor's), tensors for a TorchRL one
-        as_view = _np if getattr(adapter, "numpy_actions", False) else (lambda t: t)
-        self.actions = {k: as_view(resp.get(k)[index]) for k in adapter.action_keys}
-        self.root_rows, self.next_rows = [], []  # (this slot's row view, chunk array): _Delivery.bind
+        self.actions = {k: resp.get(k)[index] for k in adapter.action_keys}
         # (hidden_in view, hidden_out view): the last answered state is fed back as input
         self.recurrent = [(_np(req.get(i)[index]), _np(resp.get(o)[index])) for i, o in recurrent.items()]
         self.ended = False
@@ -98,13 +94,6 @@ class _Delivery:
                 self.next.append((_np(req.get(k)), _np(c.get(("next",) + k))))
         self.root += [(_np(resp.get(f.key)), _np(c.get(f.key))) for f in arena.layout.response]
 
-    def bind(self, slot) -> None:
-        """Resolves ``slot``'s source rows once (views of its arena row, 0-d for scalar fields):
-        the per-step copies then index only the chunk side."""
-        i = slot.index
-        slot.root_rows = [(src[i:i + 1].reshape(src.shape[1:]), dst) for src, dst in self.root]
-        slot.next_rows = [(src[i:i + 1].reshape(src.shape[1:]), dst) for src, dst in self.next]
-
     def claim(self, slot) -> bool:
         """Makes sure ``slot`` has a chunk to write into; False means back-pressure."""
         if slot.chunk >= 0:
@@ -120,15 +109,15 @@ class _Delivery:
 
     def write_root(self, slot):
         """Row ``pos``: the record the action answered, and the answer (before publishing)."""
-        c, p = slot.chunk, slot.pos
-        for row, dst in slot.root_rows:
-            dst[c, p] = row
+        i, c, p = slot.index, slot.chunk, slot.pos
+        for src, dst in self.root:
+            dst[c, p] = src[i]
 
     def write_next(self, slot):
         """Row ``pos``: the record the step produced (after publishing); closes full chunks."""
-        c, p = slot.chunk, slot.pos
-        for row, dst in slot.next_rows:
-            dst[c, p] = row
+        i, c, p = slot.index, slot.chunk, slot.pos
+        for src, dst in self.next:
+            dst[c, p] = src[i]
         slot.pos = p + 1
         if slot.pos == self.T:
             self.chunks.length[c] = self.T
@@ -176,7 +165,6 @@ class _Worker:
             if self.delivery is not None:
                 per = self.delivery.per_env
                 slot.chunks = list(range(index * per, (index + 1) * per))
-                self.delivery.bind(slot)
             self.slots.append(slot)
 
     # -- publishing ---------------------------------------------------------------------------
