@@ -62,7 +62,6 @@ class ServingLoop:
         self.consumer = consumer
         self.runners = runners
         self.by_name = {r.plan.name: (k, r) for k, r in enumerate(runners)}
-        self._index_of = {r: k for k, r in enumerate(runners)}
         self.spec = spec
         self.stats = stats
         self.weights = weights
@@ -93,8 +92,8 @@ class ServingLoop:
         self._last_stop_check = 0.0
         self._send_orders = {}
         self._pool_stats = memoryview(arena.consumer_stats)
-        # one key served unpadded on CPU: the leased batch itself is the policy's input, and it
-        # gets its all-True "valid_mask" from the consumer's cached rows instead of a set()
+        # one key served unpadded on CPU without double buffering: the leased batch itself is the
+        # policy's input, and it gets its all-True "valid_mask" from the consumer's cached rows
         whole_ok = self.single_key and runners[0].takes_whole and not self.overlap
         self._extras = {VALID_MASK: torch.ones(n, dtype=torch.bool)} if whole_ok else None
         self.current_key = None
@@ -220,9 +219,9 @@ class ServingLoop:
             total, step = int(env_idx.numel()), runner.plan.max_rows
             for start in range(0, total, step):
                 chunk = env_idx[start:start + step] if total > step else env_idx
-                # the received batch itself may feed the policy (no copy) unless the next recv
-                # could overwrite it before this batch is answered (double buffering)
-                whole = td if (self.single_key and total <= step and not self.overlap) else None
+                # the received batch itself feeds the policy (no copy) when it holds exactly these
+                # records and the next recv cannot overwrite it before it is answered (see _extras)
+                whole = td if (self._extras is not None and total <= step) else None
                 # at most two batches of one key in flight (double buffering)
                 mine = [f for f in inflight if f.runner is runner]
                 while len(mine) >= 2:
@@ -231,7 +230,7 @@ class ServingLoop:
                     self._finish(oldest)
                 self.current_key = runner.key
                 try:
-                    pending = runner.launch(chunk, whole, masked=whole is not None and self._extras is not None)
+                    pending = runner.launch(chunk, whole)
                 except Exception as exc:  # noqa: BLE001 - reported with the key
                     raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
                 one = chunk is idx_t
@@ -280,7 +279,7 @@ class ServingLoop:
             raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
         policy_s = time.perf_counter() - pending.t_launch
         b = pending.b
-        k = self._index_of[runner]
+        k = self.by_name[runner.plan.name][0]
         env_idx = flight.env_idx
         now = time.monotonic()
         if flight.queue is not None:

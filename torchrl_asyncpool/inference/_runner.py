@@ -107,7 +107,6 @@ class KeyRunner:
             ]
         self._arange = torch.arange(rows)
         self._views: List[Dict[int, TensorDictBase]] = [{} for _ in range(nbuf)]
-        self._ones = torch.ones(rows, dtype=torch.bool)
         self._graphs: Dict[int, Tuple[torch.cuda.CUDAGraph, List[torch.Tensor]]] = {}
         self.cuda_graphs = bool(cuda_graphs) and self.cuda
         if self.cuda:
@@ -277,18 +276,16 @@ class KeyRunner:
         """Whether :meth:`launch` feeds a received batch to the policy as is (unpadded CPU)."""
         return not self.cuda and self.buckets is None
 
-    def launch(self, env_idx: torch.Tensor, whole: Optional[TensorDictBase] = None, masked: bool = False) -> Pending:
+    def launch(self, env_idx: torch.Tensor, whole: Optional[TensorDictBase] = None) -> Pending:
         """Stages the records of slots ``env_idx`` (leased, so stable) and starts the policy on them.
 
         ``whole`` is the received batch when it holds exactly these records (one key, one
-        chunk): the unpadded CPU path then feeds it to the policy without another copy.
-        ``masked``: ``whole`` already carries its ``"valid_mask"`` (all ``True``).
+        chunk) and already carries its all-``True`` ``"valid_mask"``: the unpadded CPU path
+        (:attr:`takes_whole`) then feeds it to the policy without another copy.
         """
         t0 = time.perf_counter()
         b = int(env_idx.numel())
         if whole is not None and self.takes_whole:
-            if not masked:
-                whole.set(VALID_MASK, self._ones[:b])
             return Pending(0, b, b, self.version, self._run_cpu(whole, b), t0)
         bucket = pick_bucket(self.buckets, b)
         parity = self._parity
