@@ -251,23 +251,11 @@ class KeyRunner:
     def apply_weights(self, flat: Dict[str, torch.Tensor], version: int) -> None:
         """Copies ``{dotted name: tensor}`` into the policy's parameters and buffers, in place."""
         targets = named_tensors(self.policy)
-        missing = sorted(set(targets) - set(flat))
-        unknown = sorted(set(flat) - set(targets))
-        if unknown or missing:
-            raise KeyError(
-                f"weights for policy {self.plan.name!r} do not match its parameters: unknown {unknown[:8]}, "
-                f"missing {missing[:8]}."
-            )
+        check_weights(targets, flat, self.plan.name)
         stream = torch.cuda.stream(self.cuda_ctx.compute) if self.cuda else _nullcontext()
         with torch.no_grad(), stream:
             for name, dst in targets.items():
-                src = flat[name]
-                if tuple(src.shape) != tuple(dst.shape):
-                    raise ValueError(
-                        f"weights for policy {self.plan.name!r}: {name!r} has shape {tuple(src.shape)}, "
-                        f"the policy's has {tuple(dst.shape)}."
-                    )
-                dst.copy_(src)
+                dst.copy_(flat[name])
         self.version = int(version)
 
     # -- serving ----------------------------------------------------------------------------
@@ -370,6 +358,21 @@ def named_tensors(policy) -> Dict[str, torch.Tensor]:
     for name, b in policy.named_buffers(remove_duplicate=False):
         out[name] = b
     return out
+
+
+def check_weights(targets: Dict[str, torch.Tensor], flat: Dict[str, torch.Tensor], name: str) -> None:
+    """Raises before anything is copied unless ``flat`` has exactly the names of ``targets``
+    (``KeyError`` listing unknown and missing ones) with the same shapes (``ValueError``)."""
+    unknown, missing = sorted(set(flat) - set(targets)), sorted(set(targets) - set(flat))
+    if unknown or missing:
+        raise KeyError(
+            f"weights for policy {name!r} do not match its parameters: unknown {unknown[:8]}, missing {missing[:8]}."
+        )
+    for key, dst in targets.items():
+        if tuple(flat[key].shape) != tuple(dst.shape):
+            raise ValueError(
+                f"weights for policy {name!r}: {key!r} has shape {tuple(flat[key].shape)}, expected {tuple(dst.shape)}."
+            )
 
 
 def flatten_weights(weights) -> Dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from torchrl_asyncpool.inference._common import (
     check_positive_int,
 )
 from torchrl_asyncpool.inference._loop import ServingLoop
-from torchrl_asyncpool.inference._runner import PolicyFailure, flatten_weights, named_tensors
+from torchrl_asyncpool.inference._runner import PolicyFailure, check_weights, flatten_weights, named_tensors
 from torchrl_asyncpool.inference._setup import build_runners, make_plans, version_stamping
 from torchrl_asyncpool.inference._shared import (
     STATE_FAILED,
@@ -470,17 +470,9 @@ class InferenceServer:
 
 def _copy_into(policy, flat, name):
     targets = named_tensors(policy)
-    unknown, missing = sorted(set(flat) - set(targets)), sorted(set(targets) - set(flat))
-    if unknown or missing:
-        raise KeyError(
-            f"weights for policy {name!r} do not match its parameters: unknown {unknown[:8]}, missing {missing[:8]}."
-        )
+    check_weights(targets, flat, name)
     with torch.no_grad():
         for k, dst in targets.items():
-            if tuple(flat[k].shape) != tuple(dst.shape):
-                raise ValueError(
-                    f"weights for policy {name!r}: {k!r} has shape {tuple(flat[k].shape)}, expected {tuple(dst.shape)}."
-                )
             dst.copy_(flat[k])
 
 
@@ -564,19 +556,7 @@ class _ThreadBackend:
         if flat is None:
             flat = {n: t.detach().clone() for n, t in named_tensors(runner.policy).items()}
         else:
-            targets = named_tensors(runner.policy)
-            unknown, missing = sorted(set(flat) - set(targets)), sorted(set(targets) - set(flat))
-            if unknown or missing:
-                raise KeyError(
-                    f"weights for policy {name!r} do not match its parameters: "
-                    f"unknown {unknown[:8]}, missing {missing[:8]}."
-                )
-            for n, dst in targets.items():
-                if tuple(flat[n].shape) != tuple(dst.shape):
-                    raise ValueError(
-                        f"weights for policy {name!r}: {n!r} has shape {tuple(flat[n].shape)}, "
-                        f"expected {tuple(dst.shape)}."
-                    )
+            check_weights(named_tensors(runner.policy), flat, name)
         self.weights.publish(name, flat, version)
 
     def wait_applied(self, name, version, timeout):
