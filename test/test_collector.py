@@ -15,10 +15,12 @@ def oracle_policy(td):
     return td.set("action", oracle_action(td["tag"]))
 
 
-def test_is_an_async_batched_collector_and_iterates_exactly(dev_shm_guard):
+@pytest.mark.parametrize("env_threads", [False, True])
+def test_is_an_async_batched_collector_and_iterates_exactly(env_threads, dev_shm_guard):
     checker = OracleChecker()
-    c = AsyncPoolCollector(oracle_factories(8), policy=oracle_policy, frames_per_batch=50, total_frames=230,
-                           envs_per_worker=4, transition_chunk_size=7)
+    c = AsyncPoolCollector(oracle_factories(8, step_delay=0.001 if env_threads else 0.0), policy=oracle_policy,
+                           frames_per_batch=50, total_frames=230, envs_per_worker=4, env_threads=env_threads,
+                           transition_chunk_size=7)
     try:
         assert isinstance(c, AsyncBatchedCollector)
         sizes = []
@@ -33,11 +35,13 @@ def test_is_an_async_batched_collector_and_iterates_exactly(dev_shm_guard):
         c.shutdown()
 
 
-def test_replay_buffer_iteration_yields_none_and_writes_everything():
+@pytest.mark.parametrize("envs_per_worker,env_threads", [("auto", "auto"), (2, True)])
+def test_replay_buffer_iteration_yields_none_and_writes_everything(envs_per_worker, env_threads):
     checker = OracleChecker()
     rb = ReplayBuffer(storage=LazyTensorStorage(1000))
     c = AsyncPoolCollector(oracle_factories(4), policy=oracle_policy, frames_per_batch=40, total_frames=200,
-                           replay_buffer=rb, transition_chunk_size=5)
+                           replay_buffer=rb, transition_chunk_size=5, envs_per_worker=envs_per_worker,
+                           env_threads=env_threads)
     try:
         assert all(b is None for b in c)
         assert len(rb) == 200
@@ -46,11 +50,13 @@ def test_replay_buffer_iteration_yields_none_and_writes_everything():
         c.shutdown()
 
 
-def test_start_fills_replay_buffer_in_background():
+@pytest.mark.parametrize("envs_per_worker,env_threads", [("auto", "auto"), (2, True)])
+def test_start_fills_replay_buffer_in_background(envs_per_worker, env_threads):
     checker = OracleChecker()
     rb = ReplayBuffer(storage=LazyTensorStorage(2000))
     c = AsyncPoolCollector(oracle_factories(4), policy=oracle_policy, frames_per_batch=32, total_frames=320,
-                           replay_buffer=rb, transition_chunk_size=8)
+                           replay_buffer=rb, transition_chunk_size=8, envs_per_worker=envs_per_worker,
+                           env_threads=env_threads)
     try:
         c.start()
         deadline = time.monotonic() + 60

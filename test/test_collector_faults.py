@@ -36,10 +36,12 @@ def _state(pid):
         return "Z"
 
 
-def test_env_crash_reaches_the_iterating_learner(dev_shm_guard):
+@pytest.mark.parametrize("env_threads", [False, True])
+def test_env_crash_reaches_the_iterating_learner(env_threads, dev_shm_guard):
     fns = oracle_factories(4)
     fns[2] = functools.partial(OracleEnv, env_id=2, fail_at_step=30)
-    c = AsyncPoolCollector(fns, policy=oracle_policy, frames_per_batch=16, transition_chunk_size=4)
+    c = AsyncPoolCollector(fns, policy=oracle_policy, frames_per_batch=16, transition_chunk_size=4,
+                           envs_per_worker=2, env_threads=env_threads)
     pids = c.env.worker_pids
     with pytest.raises(EnvError, match="env 2 raised during step") as info:
         for _ in c:
@@ -49,9 +51,10 @@ def test_env_crash_reaches_the_iterating_learner(dev_shm_guard):
     assert _gone(pids)
 
 
-def test_worker_sigkill_raises_within_two_seconds():
+@pytest.mark.parametrize("env_threads", [False, True])
+def test_worker_sigkill_raises_within_two_seconds(env_threads):
     c = AsyncPoolCollector(oracle_factories(4, step_delay=0.001), policy=oracle_policy, frames_per_batch=8,
-                           envs_per_worker=2, transition_chunk_size=2)
+                           envs_per_worker=2, env_threads=env_threads, transition_chunk_size=2)
     try:
         it = iter(c)
         next(it)
@@ -65,9 +68,10 @@ def test_worker_sigkill_raises_within_two_seconds():
         c.shutdown(raise_on_error=False)
 
 
-def test_shutdown_mid_iteration_from_another_thread_stops_cleanly():
+@pytest.mark.parametrize("env_threads", [False, True])
+def test_shutdown_mid_iteration_from_another_thread_stops_cleanly(env_threads):
     c = AsyncPoolCollector(oracle_factories(4, step_delay=0.05), policy=oracle_policy, frames_per_batch=10_000,
-                           transition_chunk_size=4)
+                           transition_chunk_size=4, envs_per_worker=2, env_threads=env_threads)
     pids = c.env.worker_pids
     out = []
     t = threading.Thread(target=lambda: out.extend(iter(c)), daemon=True)

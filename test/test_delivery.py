@@ -23,12 +23,14 @@ def _serve(pool, stop, errors):
 
 
 @pytest.mark.parametrize(
-    "num_envs,envs_per_worker,chunk,frames", [(1, 1, 4, 10), (8, 4, 5, 64), (8, 1, 16, 50), (2, 1, 3, 100)]
+    "num_envs,envs_per_worker,env_threads,chunk,frames",
+    [(1, 1, False, 4, 10), (8, 4, False, 5, 64), (8, 4, True, 5, 64), (8, 1, False, 16, 50), (2, 1, False, 3, 100)],
 )
-def test_chunks_exactly_once_in_order(num_envs, envs_per_worker, chunk, frames, dev_shm_guard):
+def test_chunks_exactly_once_in_order(num_envs, envs_per_worker, env_threads, chunk, frames, dev_shm_guard):
     checker = OracleChecker()
     stop, errors = threading.Event(), []
-    with AsyncEnvPool(oracle_factories(num_envs), envs_per_worker=envs_per_worker, transition_chunk_size=chunk) as pool:
+    with AsyncEnvPool(oracle_factories(num_envs), envs_per_worker=envs_per_worker, env_threads=env_threads,
+                      transition_chunk_size=chunk) as pool:
         t = threading.Thread(target=_serve, args=(pool, stop, errors), daemon=True)
         t.start()
         try:

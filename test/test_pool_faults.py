@@ -187,11 +187,11 @@ def _bad(td, shift=1):
 
 
 # -- wrong actions and indices: ValueError, nothing written, pool still usable -------------------
-@pytest.mark.parametrize("envs_per_worker", [1, 2])
-def test_send_wrong_action_raises_value_error_and_pool_stays_usable(envs_per_worker):
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (2, False), (2, True)])
+def test_send_wrong_action_raises_value_error_and_pool_stays_usable(envs_per_worker, env_threads):
     n = 4
     checker = OracleChecker()
-    with AsyncEnvPool(_factories(n), envs_per_worker=envs_per_worker) as pool:
+    with AsyncEnvPool(_factories(n), envs_per_worker=envs_per_worker, env_threads=env_threads) as pool:
         _drive(pool, checker, rounds=5, min_get=n)
         td = pool.recv(min_get=n)
         checker.observe_batch(td)
@@ -221,11 +221,11 @@ def test_send_wrong_action_raises_value_error_and_pool_stays_usable(envs_per_wor
     assert checker.records >= n * 6 + 30
 
 
-@pytest.mark.parametrize("envs_per_worker", [1, 2])
-def test_send_bad_indices_raise_value_error_and_pool_stays_usable(envs_per_worker):
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (2, False), (2, True)])
+def test_send_bad_indices_raise_value_error_and_pool_stays_usable(envs_per_worker, env_threads):
     n = 4
     checker = OracleChecker()
-    with AsyncEnvPool(_factories(n), envs_per_worker=envs_per_worker) as pool:
+    with AsyncEnvPool(_factories(n), envs_per_worker=envs_per_worker, env_threads=env_threads) as pool:
         # nothing has been received yet: no index is awaiting an action
         with pytest.raises(ValueError, match="not awaiting an action"):
             pool.send({"action": torch.zeros(1, dtype=torch.int64)}, [0])
@@ -305,11 +305,12 @@ def _assert_env_error(err, index, phase, needle):
     assert needle in err.worker_traceback
 
 
-@pytest.mark.parametrize("envs_per_worker", [1, 2])
-def test_env_raising_in_step_raises_env_error(envs_per_worker):
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (2, False), (2, True)])
+def test_env_raising_in_step_raises_env_error(envs_per_worker, env_threads):
     n = 4
     checker = OracleChecker()
-    with AsyncEnvPool(_factories(n, per_env={1: {"fail_at_step": 3}}), envs_per_worker=envs_per_worker) as pool:
+    with AsyncEnvPool(_factories(n, per_env={1: {"fail_at_step": 3}}),
+                      envs_per_worker=envs_per_worker, env_threads=env_threads) as pool:
         pids = pool.worker_pids
         err, steps = _drive_until_error(pool, checker, n)
         _assert_env_error(err, 1, "step", "scripted failure at step 3")
@@ -322,12 +323,13 @@ def test_env_raising_in_step_raises_env_error(envs_per_worker):
     _assert_reaped(pids)
 
 
-@pytest.mark.parametrize("envs_per_worker", [1, 2])
-def test_env_raising_in_autoreset_raises_env_error(envs_per_worker):
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (2, False), (2, True)])
+def test_env_raising_in_autoreset_raises_env_error(envs_per_worker, env_threads):
     """Reset count 1 is the initial reset; 2 is the first autoreset (after env 1's first episode)."""
     n = 4
     checker = OracleChecker()
-    with AsyncEnvPool(_factories(n, per_env={1: {"fail_on_reset": 2}}), envs_per_worker=envs_per_worker) as pool:
+    with AsyncEnvPool(_factories(n, per_env={1: {"fail_on_reset": 2}}),
+                      envs_per_worker=envs_per_worker, env_threads=env_threads) as pool:
         pids = pool.worker_pids
         err, steps = _drive_until_error(pool, checker, n, reset_failing_env=1)
         _assert_env_error(err, 1, "reset", "scripted failure on reset 2")
@@ -404,15 +406,15 @@ def _raising_factory_for(bad_index):
     return make
 
 
-@pytest.mark.parametrize("envs_per_worker", [1, 2])
-def test_env_raising_in_constructor_makes_pool_constructor_raise(envs_per_worker):
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (2, False), (2, True)])
+def test_env_raising_in_constructor_makes_pool_constructor_raise(envs_per_worker, env_threads):
     make = _raising_factory_for(2)  # a closure: cloudpickled by value into the workers
     fns = [functools.partial(make, env_id=i) for i in range(4)]
     before = {p.pid for p in mp.active_children()}
     pool = None
     try:
         with pytest.raises(EnvError) as info:
-            pool = AsyncEnvPool(fns, envs_per_worker=envs_per_worker)
+            pool = AsyncEnvPool(fns, envs_per_worker=envs_per_worker, env_threads=env_threads)
     finally:
         if pool is not None:
             pool.close()
@@ -428,14 +430,15 @@ def _assert_no_new_children(before):
     assert all(_proc_state(p) is None for p in leftover)
 
 
-@pytest.mark.parametrize("envs_per_worker", [1, 2])
-def test_env_raising_in_initial_reset_makes_pool_constructor_raise(envs_per_worker):
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (2, False), (2, True)])
+def test_env_raising_in_initial_reset_makes_pool_constructor_raise(envs_per_worker, env_threads):
     """Reset count 1 is the initial reset, done by the worker during start-up."""
     before = {p.pid for p in mp.active_children()}
     pool = None
     try:
         with pytest.raises(EnvError) as info:
-            pool = AsyncEnvPool(_factories(4, per_env={3: {"fail_on_reset": 1}}), envs_per_worker=envs_per_worker)
+            pool = AsyncEnvPool(_factories(4, per_env={3: {"fail_on_reset": 1}}),
+                                envs_per_worker=envs_per_worker, env_threads=env_threads)
     finally:
         if pool is not None:
             pool.close()
@@ -477,10 +480,10 @@ def _kill_message_ok(err, worker, pid, envs):
     assert "signal 9" in msg or "SIGKILL" in msg, msg
 
 
-@pytest.mark.parametrize("envs_per_worker", [1, 2])
-def test_sigkilled_worker_raises_worker_died_in_blocked_recv(envs_per_worker):
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (2, False), (2, True)])
+def test_sigkilled_worker_raises_worker_died_in_blocked_recv(envs_per_worker, env_threads):
     n = 4
-    with AsyncEnvPool(_factories(n), envs_per_worker=envs_per_worker) as pool:
+    with AsyncEnvPool(_factories(n), envs_per_worker=envs_per_worker, env_threads=env_threads) as pool:
         pids = pool.worker_pids
         pool.recv(min_get=n)  # every env is now leased: nothing will become ready
         victim = 1
@@ -531,12 +534,12 @@ def test_sigkilled_worker_wakes_recv_blocked_in_another_thread():
 
 
 # -- recv timeout: TimeoutError, nothing lost --------------------------------------------------
-@pytest.mark.parametrize("envs_per_worker", [1, 2])
-def test_recv_timeout_loses_nothing(envs_per_worker):
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (2, False), (2, True)])
+def test_recv_timeout_loses_nothing(envs_per_worker, env_threads):
     n = 4
     checker = OracleChecker()
     # first steps sleep 0, 0.1, 0.2 and 0.3 s (delay factor (env_id % 4) / 2 at t=0, episode 0)
-    with AsyncEnvPool(_factories(n, step_delay=0.2), envs_per_worker=envs_per_worker) as pool:
+    with AsyncEnvPool(_factories(n, step_delay=0.2), envs_per_worker=envs_per_worker, env_threads=env_threads) as pool:
         _answer(pool, pool.recv(min_get=n), checker)
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
@@ -564,10 +567,10 @@ def test_recv_with_timeout_returns_once_every_env_is_ready():
 
 
 # -- close ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("envs_per_worker", [1, 2])
-def test_close_under_load_is_prompt_and_reaps_workers(envs_per_worker):
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (2, False), (2, True)])
+def test_close_under_load_is_prompt_and_reaps_workers(envs_per_worker, env_threads):
     n = 4
-    pool = AsyncEnvPool(_factories(n, step_delay=0.5), envs_per_worker=envs_per_worker)
+    pool = AsyncEnvPool(_factories(n, step_delay=0.5), envs_per_worker=envs_per_worker, env_threads=env_threads)
     try:
         pids = pool.worker_pids
         td = pool.recv(min_get=n)
@@ -612,13 +615,13 @@ def test_close_is_idempotent_and_closed_pool_refuses_use():
 
 
 # -- no /dev/shm segment ----------------------------------------------------------------------------
-@pytest.mark.parametrize("envs_per_worker", [1, 2])
-def test_no_dev_shm_entry_during_or_after_pool_lifetime(envs_per_worker):
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (2, False), (2, True)])
+def test_no_dev_shm_entry_during_or_after_pool_lifetime(envs_per_worker, env_threads):
     n = 4
     before = set(os.listdir("/dev/shm"))
     parent_before = set(_shm_files_used_by([os.getpid()]).get(os.getpid(), []))
     checker = OracleChecker()
-    with AsyncEnvPool(_factories(n), envs_per_worker=envs_per_worker) as pool:
+    with AsyncEnvPool(_factories(n), envs_per_worker=envs_per_worker, env_threads=env_threads) as pool:
         pids = pool.worker_pids
         _drive(pool, checker, rounds=20)
         assert _new_shm_entries(before, pids) == [], "the pool created /dev/shm entries while open"
@@ -711,10 +714,10 @@ def _idle_cpu(pool, min_get):
     return _cpu_seconds(pids) - w0, time.thread_time() - c0, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("envs_per_worker", [1, 2])
-def test_idle_pool_uses_almost_no_cpu(envs_per_worker):
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (2, False), (2, True)])
+def test_idle_pool_uses_almost_no_cpu(envs_per_worker, env_threads):
     n = 4
-    with AsyncEnvPool(_factories(n), envs_per_worker=envs_per_worker) as pool:
+    with AsyncEnvPool(_factories(n), envs_per_worker=envs_per_worker, env_threads=env_threads) as pool:
         td = pool.recv(min_get=n)
         # 1) every record received, no action sent: workers wait for actions, consumer for records
         workers, consumer, wall = _idle_cpu(pool, min_get=1)

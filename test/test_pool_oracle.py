@@ -1,4 +1,5 @@
 """Exactly-once, in-order delivery through AsyncEnvPool, proven with the oracle env."""
+import os
 import time
 
 import pytest
@@ -21,13 +22,15 @@ def _drive(pool, checker, steps, min_get=1, max_get=None, timeout=None):
 
 
 @pytest.mark.parametrize(
-    "num_envs,envs_per_worker",
-    [(1, 1), (8, 1), (8, 4), (32, 4), pytest.param(32, 1, marks=pytest.mark.slow)],
+    "num_envs,envs_per_worker,env_threads",
+    [(1, 1, False), (8, 1, False), (8, 4, False), (8, 4, True), (32, 4, False), (32, 8, True),
+     pytest.param(32, 1, False, marks=pytest.mark.slow)],
 )
-def test_oracle_exactly_once_in_order(num_envs, envs_per_worker, dev_shm_guard):
+def test_oracle_exactly_once_in_order(num_envs, envs_per_worker, env_threads, dev_shm_guard):
     checker = OracleChecker()
-    with AsyncEnvPool(oracle_factories(num_envs), envs_per_worker=envs_per_worker) as pool:
+    with AsyncEnvPool(oracle_factories(num_envs), envs_per_worker=envs_per_worker, env_threads=env_threads) as pool:
         assert pool.num_workers == -(-num_envs // envs_per_worker)
+        assert pool.env_threads is env_threads
         _drive(pool, checker, steps=300)
     assert checker.records >= 300
     # every env made progress through several episodes, both ending kinds were exercised
@@ -35,11 +38,13 @@ def test_oracle_exactly_once_in_order(num_envs, envs_per_worker, dev_shm_guard):
     assert checker.episodes_done > num_envs
 
 
-@pytest.mark.parametrize("envs_per_worker", [1, 4])
-def test_oracle_with_jittered_slow_envs_and_batching(envs_per_worker):
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (4, False), (4, True)])
+def test_oracle_with_jittered_slow_envs_and_batching(envs_per_worker, env_threads):
     """Envs drift apart (per-step delays), batches are capped and deadline-bound."""
     checker = OracleChecker()
-    with AsyncEnvPool(oracle_factories(8, step_delay=0.002), envs_per_worker=envs_per_worker) as pool:
+    with AsyncEnvPool(oracle_factories(8, step_delay=0.002), envs_per_worker=envs_per_worker,
+                      env_threads=env_threads) as pool:
+        assert pool.env_threads is env_threads
         _drive(pool, checker, steps=120, min_get=2, max_get=4, timeout=0.05)
     assert checker.records >= 240
 
@@ -132,8 +137,17 @@ def test_auto_envs_per_worker_groups_cheap_envs():
 
     with AsyncEnvPool([ZeroLatencyEnv] * 8, envs_per_worker="auto") as pool:
         assert pool.envs_per_worker > 1
-    with AsyncEnvPool([lambda: SleepPixelEnv(step_s=0.005)] * 4, envs_per_worker="auto") as pool:
-        assert pool.envs_per_worker == 1
+    # blocking envs: about two workers per core, their envs stepped in threads
+    cores = len(os.sched_getaffinity(0))
+    n = 8 * cores
+    with AsyncEnvPool([lambda: SleepPixelEnv(step_s=0.005)] * n, envs_per_worker="auto") as pool:
+        assert (pool.envs_per_worker, pool.env_threads, pool.num_workers) == (4, True, 2 * cores)
+    # ... or, without threads, a process each
+    with AsyncEnvPool([lambda: SleepPixelEnv(step_s=0.005)] * 4, envs_per_worker="auto", env_threads=False) as pool:
+        assert (pool.envs_per_worker, pool.env_threads) == (1, False)
+    # an explicit grouping is not probed: "auto" threads nothing there
+    with AsyncEnvPool([lambda: SleepPixelEnv(step_s=0.005)] * 4, envs_per_worker=2) as pool:
+        assert pool.env_threads is False
 
 
 def test_bad_constructor_arguments():
@@ -141,19 +155,21 @@ def test_bad_constructor_arguments():
         AsyncEnvPool(lambda: None)
     with pytest.raises(ValueError, match="envs_per_worker"):
         AsyncEnvPool(oracle_factories(2), envs_per_worker=0)
+    with pytest.raises(ValueError, match="env_threads must be True, False or 'auto', got 'yes'"):
+        AsyncEnvPool(oracle_factories(2), env_threads="yes")
     with pytest.raises(ValueError, match="create_env_kwargs"):
         AsyncEnvPool(oracle_factories(2), create_env_kwargs=[{}])
     with pytest.raises(ValueError, match="mp_start_method"):
         AsyncEnvPool(oracle_factories(2), mp_start_method="fork")
 
 
-@pytest.mark.parametrize("envs_per_worker", [1, 2])
-def test_recurrent_state_is_carried_and_reset_on_first(envs_per_worker):
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (2, False), (2, True)])
+def test_recurrent_state_is_carried_and_reset_on_first(envs_per_worker, env_threads):
     """hidden_out = hidden_in + 1, so hidden_in must equal the step id inside the episode."""
     checker = OracleChecker()
     with AsyncEnvPool(
         oracle_factories(4),
-        envs_per_worker=envs_per_worker,
+        envs_per_worker=envs_per_worker, env_threads=env_threads,
         policy_output_spec={"hidden_out": ((3,), torch.float32), "logp": ((), torch.float32)},
         recurrent_state={"hidden_in": "hidden_out"},
     ) as pool:

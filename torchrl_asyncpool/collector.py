@@ -150,7 +150,11 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         create_env_kwargs (dict or list of dicts, optional): factory keyword arguments.
         envs_per_worker (int or "auto", optional): envs hosted by one worker process.
             ``"auto"`` (default) times the env: cheap CPU-bound envs are grouped about one
-            worker per core, blocking envs get a process each.
+            worker per core, blocking envs (sleep, I/O) about two workers per core, each env
+            stepped in its own thread (see ``env_threads``).
+        env_threads (bool or "auto", optional): step each env of a worker in its own thread, so
+            that envs whose step blocks overlap inside one process. ``"auto"`` (default): when
+            the timed env blocks. See :class:`~torchrl_asyncpool.AsyncEnvPool`.
         transition_chunk_size (int or "auto", optional): consecutive transitions per
             chunk. ``"auto"`` (default): ``max(64, frames_per_batch // num_envs)``, at most
             ``frames_per_batch``, and small enough that the chunk buffers stay under 256 MiB.
@@ -216,6 +220,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         policy_version: int = 0,
         policy_version_key="policy_version",
         envs_per_worker: int | str = "auto",
+        env_threads: bool | str = "auto",
         transition_chunk_size: int | str = "auto",
         chunks_per_env: int = 2,
         policy_num_threads: int | None = 1,
@@ -292,6 +297,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             create_env_fn,
             create_env_kwargs=create_env_kwargs,
             envs_per_worker=envs_per_worker,
+            env_threads=env_threads,
             policy_output_spec=lambda request, actions: derive_policy_outputs(
                 probe, request, actions, policy_version_key, device=self._policy_device
             ),

@@ -58,8 +58,18 @@ class AsyncEnvPool:
         envs_per_worker (int or "auto", optional): envs hosted by one worker process, each in
             its own slot and stepped as its action arrives (not in lockstep). ``"auto"``
             times a few steps of the spec env: cheap CPU-bound envs are grouped so that there
-            is about one worker per core, envs that block (sleep, I/O) get a process each.
-            Defaults to ``1``.
+            is about one worker per core; envs that block (sleep, I/O) are grouped about two
+            workers per core and stepped in threads (with ``env_threads=False``, one process
+            each). Defaults to ``1``.
+        env_threads (bool or "auto", optional): step each env of a worker in its own thread,
+            each slot with its own doorbell, so that envs whose step blocks (sleep, I/O, a
+            simulator that releases the GIL) overlap inside one process instead of needing a
+            process each; their Python work still takes turns on the worker's GIL, which is
+            why blocking envs are grouped a few workers per core. ``"auto"`` (default): with
+            ``envs_per_worker="auto"``, threads when the timed spec env blocks (its step waits
+            more than twice as long as it computes, and takes over 0.2 ms); with an explicit
+            ``envs_per_worker``, no threads (the spec env is not stepped here). ``False``: a
+            worker steps its envs one after the other.
         mp_start_method (str, optional): ``"forkserver"`` (default: workers fork from a
             server that has torch, tensordict and torchrl already imported) or ``"spawn"``.
             ``"fork"`` is refused: a forked child inherits the pipes that tell other pools'
@@ -125,6 +135,7 @@ class AsyncEnvPool:
         *,
         create_env_kwargs: Mapping | Sequence[Mapping] | None = None,
         envs_per_worker: int | str = 1,
+        env_threads: bool | str = "auto",
         mp_start_method: str = "forkserver",
         worker_num_threads: int | None = 1,
         pin_memory: bool = False,
@@ -147,7 +158,7 @@ class AsyncEnvPool:
         spec_adapter = make_adapter(fns[0](**kwargs[0]), 0)
         try:
             request, response = spec_adapter.fields()
-            self.envs_per_worker = _resolve_envs_per_worker(envs_per_worker, spec_adapter, n)
+            self.envs_per_worker, self.env_threads = _resolve_grouping(envs_per_worker, env_threads, spec_adapter, n)
         finally:
             spec_adapter.close()
         self.observation_keys = list(spec_adapter.obs_keys)
@@ -176,7 +187,9 @@ class AsyncEnvPool:
         groups = [list(range(i, min(i + k, n))) for i in range(0, n, k)]
         self.num_workers = len(groups)
         self._slot_worker = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
-        self._bells = [Doorbell() for _ in groups]
+        # a threaded worker's slots each wait on their own doorbell; otherwise one per worker
+        self._slot_bell = np.arange(n) if self.env_threads else self._slot_worker
+        self._bells = [Doorbell() for _ in range(int(self._slot_bell.max()) + 1)]
         self._conns = []
         self._error = None
         self._closed = False
@@ -194,7 +207,8 @@ class AsyncEnvPool:
             layout=self.layout,
             arena_fd=InheritedFd(self._arena.fd),
             consumer_bell=self._consumer.inheritable(),
-            worker_bells=[bell.inheritable() for bell in self._bells],
+            bells=[bell.inheritable() for bell in self._bells],
+            slot_bell=self._slot_bell.tolist(),
             worker_sentinels=[InheritedFd(p.sentinel) for p in self._procs],
             slot_worker=self._slot_worker.tolist(),
             worker_pids=[p.pid for p in self._procs],
@@ -224,8 +238,9 @@ class AsyncEnvPool:
                 target=worker_main,
                 args=(
                     w, slots, [_picklable(fns[i]) for i in slots], [kwargs[i] for i in slots], self.layout,
-                    arena_fd, self._bells[w].inheritable(), consumer_fd, life_fd, child_conn, num_threads,
-                    self._chunks.handle() if self._chunks is not None else None,
+                    arena_fd, [self._bells[b].inheritable() for b in sorted(set(self._slot_bell[slots].tolist()))],
+                    consumer_fd, life_fd, child_conn, num_threads,
+                    self._chunks.handle() if self._chunks is not None else None, self.env_threads,
                 ),
                 name=f"torchrl_asyncpool-worker-{w}",
                 daemon=True,
@@ -334,7 +349,7 @@ class AsyncEnvPool:
         self._local_consumer().raise_worker_errors()
 
     def _release_chunk(self, env_index: int) -> None:
-        self._bells[self._slot_worker[env_index]].ring()
+        self._bells[self._slot_bell[env_index]].ring()
 
     def layout_dtype(self, key):
         """The dtype of slot field ``key`` (an action, observation or policy output)."""
@@ -406,7 +421,8 @@ class AsyncEnvPool:
     def __repr__(self):
         return (
             f"{type(self).__name__}(num_envs={self.num_envs}, num_workers={getattr(self, 'num_workers', 0)}, "
-            f"envs_per_worker={getattr(self, 'envs_per_worker', None)}, closed={self._closed})"
+            f"envs_per_worker={getattr(self, 'envs_per_worker', None)}, "
+            f"env_threads={getattr(self, 'env_threads', None)}, closed={self._closed})"
         )
 
     # -- errors -----------------------------------------------------------------------------
@@ -495,17 +511,36 @@ def _picklable(fn):
     return fn if isinstance(fn, CloudpickleWrapper) or type(fn).__name__ == "EnvCreator" else CloudpickleWrapper(fn)
 
 
-def _resolve_envs_per_worker(value, adapter, n):
-    if value == "auto":
-        return _auto_envs_per_worker(adapter, n)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"envs_per_worker must be a positive int or 'auto', got {value!r}.")
-    return min(value, n)
-
-
-def _auto_envs_per_worker(adapter, n, probe_s: float = 0.2, probe_steps: int = 32):
-    """Groups cheap CPU-bound envs about one worker per core; blocking envs one per process."""
+def _resolve_grouping(envs_per_worker, env_threads, adapter, n):
+    """``(envs per worker, threaded)``; the spec env is timed only for ``envs_per_worker="auto"``."""
+    if envs_per_worker != "auto" and (
+        isinstance(envs_per_worker, bool) or not isinstance(envs_per_worker, int) or envs_per_worker < 1
+    ):
+        raise ValueError(f"envs_per_worker must be a positive int or 'auto', got {envs_per_worker!r}.")
+    if not (env_threads is True or env_threads is False or env_threads == "auto"):
+        raise ValueError(f"env_threads must be True, False or 'auto', got {env_threads!r}.")
+    if envs_per_worker != "auto":
+        k = min(envs_per_worker, n)
+        return k, env_threads is True and k > 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    blocking = _probe_blocking(adapter)
+    threaded = blocking if env_threads == "auto" else env_threads
+    if blocking and not threaded:
+        return 1, False  # stepped one after the other, blocking envs must not share a process
+    # cheap envs: about one worker per core; blocking envs in threads: a few workers per core,
+    # so that one process's GIL-held work (copies, the env's own Python) overlaps another's
+    k = max(1, math.ceil(n / (cores * (_BLOCKING_WORKERS_PER_CORE if blocking else 1))))
+    return k, threaded and k > 1
+
+
+#: workers per core for blocking envs stepped in threads. 2 cores, 64 envs sleeping 2 ms: 16 envs
+#: per worker (2 per core) 68 % of N/latency, 32 (1 per core) 62 %, 8 (4 per core) 65 %, a
+#: process per env 51 % (benchmarks/README.md)
+_BLOCKING_WORKERS_PER_CORE = 2
+
+
+def _probe_blocking(adapter, probe_s: float = 0.2, probe_steps: int = 32) -> bool:
+    """Times a few steps of the spec env: True when it mostly waits (sleep, I/O) rather than computes."""
     adapter.reset()
     wall = cpu = 0.0
     steps = 0
@@ -519,10 +554,7 @@ def _auto_envs_per_worker(adapter, n, probe_s: float = 0.2, probe_steps: int = 3
         steps += 1
         if term or trunc:
             adapter.reset()
-    blocking = wall > 2.0 * cpu and wall / max(steps, 1) > 2e-4
-    if blocking:
-        return 1
-    return max(1, math.ceil(n / cores))
+    return wall > 2.0 * cpu and wall / max(steps, 1) > 2e-4
 
 
 def _check_policy_outputs(spec, request, response) -> dict:

@@ -37,7 +37,8 @@ class ConsumerHandle:
     layout: ArenaLayout
     arena_fd: InheritedFd
     consumer_bell: InheritedFd
-    worker_bells: List[InheritedFd]
+    bells: List[InheritedFd]  # the workers' doorbells: one per worker, or one per slot (threaded workers)
+    slot_bell: List[int]  # slot -> index in bells
     worker_sentinels: List[InheritedFd]
     slot_worker: List[int]
     worker_pids: List[int]
@@ -64,9 +65,10 @@ class SlotConsumer:
         self.action_keys = list(handle.action_keys)
         self.response_keys = [f.key if len(f.key) > 1 else f.key[0] for f in handle.layout.response]
         self._bell = Doorbell(handle.consumer_bell.fd)
-        self._worker_bells = [Doorbell(b.fd) for b in handle.worker_bells]
+        self._bells = [Doorbell(b.fd) for b in handle.bells]
+        self._slot_bell = np.asarray(handle.slot_bell)
         self._slot_worker = np.asarray(handle.slot_worker)
-        self._one_env_per_worker = np.unique(self._slot_worker).size == self._slot_worker.size
+        self._one_slot_per_bell = len(self._bells) == self._slot_bell.size
         self._last_sentinel_check = 0.0
         self._death_info = death_info
         self._poller = select.poll()
@@ -289,10 +291,10 @@ class SlotConsumer:
         self._ring_workers(idx_np)
 
     def _ring_workers(self, idx_np: np.ndarray) -> None:
-        """One doorbell ring per worker hosting any of the answered slots."""
-        workers = self._slot_worker[idx_np].tolist()
-        for w in (set(workers) if len(workers) > 1 and not self._one_env_per_worker else workers):
-            self._worker_bells[w].ring()
+        """One ring per doorbell (worker, or slot of a threaded worker) of the answered slots."""
+        bells = self._slot_bell[idx_np].tolist()
+        for b in (set(bells) if len(bells) > 1 and not self._one_slot_per_bell else bells):
+            self._bells[b].ring()
 
     # -- faults -----------------------------------------------------------------------------
     def raise_worker_errors(self) -> None:

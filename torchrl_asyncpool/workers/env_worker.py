@@ -12,11 +12,19 @@ Slots hosted by the same worker are stepped as their actions arrive, not in lock
 here allocates shared memory or pickles a tensor: records are copied into the arena through
 numpy views, the state word is set after the data, and the consumer's doorbell is rung after
 the state word.
+
+Threaded workers (``threaded=True``, for envs that block: sleep, I/O, a simulator that releases
+the GIL) run the same per-slot logic in one thread per hosted slot, each slot with its own
+doorbell, so the slots' blocking steps overlap inside one process. Each thread works on a
+shallow copy of the worker: the shared arrays are the same objects, the bookkeeping that says
+what the thread is doing (phase, current slot, unrung records) is its own.
 """
 from __future__ import annotations
 
 import os
+import copy
 import select
+import threading
 import time
 import traceback
 
@@ -128,14 +136,15 @@ class _Delivery:
 
 
 class _Worker:
-    def __init__(self, worker_id, layout, arena_fd, bell_fd, consumer_fd, life_fd, conn, delivery):
+    def __init__(self, worker_id, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn, delivery, threaded=False):
         self.worker_id = worker_id
+        self.threaded = threaded
         self.layout = layout
         self._phase, self._current = "construction", None
         self.started = False
         self.conn = conn
         self.arena = a = Arena.attach(layout, arena_fd)
-        self.bell = Doorbell(bell_fd)
+        self.bells = [Doorbell(fd) for fd in bell_fds]  # one, or one per slot when threaded
         self.consumer = Doorbell(consumer_fd)
         self.life_fd = life_fd
         self.state, self.ready_time = a.state, a.ready_time
@@ -234,20 +243,23 @@ class _Worker:
 
     # -- main loop ----------------------------------------------------------------------------
     def run(self):
+        if self.threaded:
+            return self._run_threaded()
         for slot in self.slots:
             self._publish(slot, self._timed_reset(slot), None, _FIRST)
         self._ring(time.monotonic())
         self.conn.send(("ready", self.worker_id, None, None))
         self.started = True
         poller = select.poll()
-        poller.register(self.bell.fd, select.POLLIN)
+        bell = self.bells[0]
+        poller.register(bell.fd, select.POLLIN)
         poller.register(self.life_fd, select.POLLIN)
         state, slots = self.state, self.slots
         while True:
             for fd, _ in poller.poll():
                 if fd == self.life_fd:
                     return
-            self.bell.drain()  # before the scan: a ring after this point wakes the next poll
+            bell.drain()  # before the scan: a ring after this point wakes the next poll
             ended = []
             for slot in slots:
                 if state[slot.index] == S.ACTION_READY and self._serve(slot):
@@ -260,13 +272,75 @@ class _Worker:
             if self.unrung:
                 self._ring(time.monotonic())
             for slot in ended:
-                # Eager reset hides reset latency behind the consumer's (discarded) answer. The
-                # slot belongs to the consumer meanwhile, so a failure waits for its answer.
-                if slot.pending_first is None and state[slot.index] != S.ACTION_READY:
-                    try:
-                        slot.pending_first = self._timed_reset(slot)
-                    except Exception:  # noqa: BLE001 - re-raised by _serve once the slot is ours
-                        slot.pending_error = traceback.format_exc()
+                self._eager_reset(slot)
+
+    def _eager_reset(self, slot):
+        # Eager reset hides reset latency behind the consumer's (discarded) answer. The slot
+        # belongs to the consumer meanwhile, so a failure waits for its answer.
+        if slot.pending_first is None and self.state[slot.index] != S.ACTION_READY:
+            try:
+                slot.pending_first = self._timed_reset(slot)
+            except Exception:  # noqa: BLE001 - re-raised by _serve once the slot is ours
+                slot.pending_error = traceback.format_exc()
+
+    # -- threaded worker ----------------------------------------------------------------------
+    def _run_threaded(self):
+        failed_r, failed_w = os.pipe()
+        failures = []  # (phase, env index, traceback) of the threads that raised
+        threads = []
+        for slot, bell in zip(self.slots, self.bells):
+            view = copy.copy(self)  # shared arrays, own phase/current/unrung (see module doc)
+            first = threading.Event()
+            t = threading.Thread(target=view._slot_thread, args=(slot, bell, first, failures, failed_w),
+                                 name=f"env-{slot.index}", daemon=True)
+            t.start()
+            threads.append((t, first))
+        for _, first in threads:
+            first.wait()
+        self._raise_thread_failure(failures)
+        self.conn.send(("ready", self.worker_id, None, None))
+        self.started = True
+        poller = select.poll()
+        poller.register(self.life_fd, select.POLLIN)
+        poller.register(failed_r, select.POLLIN)
+        while True:
+            for fd, _ in poller.poll():
+                if fd == self.life_fd:
+                    return
+                self._raise_thread_failure(failures)
+
+    def _raise_thread_failure(self, failures):
+        if failures:
+            self._phase, self._current, tb = failures[0]
+            raise _DeferredEnvError(tb)
+
+    def _slot_thread(self, slot, bell, first, failures, failed_w):
+        """One hosted slot: the loop of :meth:`run` for a single slot, its own doorbell."""
+        try:
+            self._publish(slot, self._timed_reset(slot), None, _FIRST)
+            self._ring(time.monotonic())
+            first.set()
+            poller = select.poll()
+            poller.register(bell.fd, select.POLLIN)
+            poller.register(self.life_fd, select.POLLIN)
+            state, i = self.state, slot.index
+            while True:
+                for fd, _ in poller.poll():
+                    if fd == self.life_fd:
+                        return
+                bell.drain()
+                if state[i] != S.ACTION_READY:
+                    continue
+                ended = self._serve(slot)
+                if self.unrung:
+                    self._ring(time.monotonic())
+                if ended:
+                    self._eager_reset(slot)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which reports it
+            tb = exc.tb if isinstance(exc, _DeferredEnvError) else traceback.format_exc()
+            failures.append((self._phase, self._current if self._current is not None else slot.index, tb))
+            first.set()
+            os.write(failed_w, b"x")
 
 
 class _DeferredEnvError(Exception):
@@ -308,8 +382,8 @@ def _batch_scheduling():
         pass
 
 
-def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_fd, consumer_fd, life_fd, conn,
-                num_threads, delivery=None):
+def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn,
+                num_threads, delivery=None, threaded=False):
     """Entry point of a worker process (see the module docstring)."""
     if num_threads is not None:
         torch.set_num_threads(num_threads)
@@ -317,7 +391,8 @@ def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell
     worker = None
     try:
         env_fns = [getattr(fn, "fn", fn) for fn in env_fns]
-        worker = _Worker(worker_id, layout, arena_fd.fd, bell_fd.fd, consumer_fd.fd, life_fd.fd, conn, delivery)
+        worker = _Worker(worker_id, layout, arena_fd.fd, [b.fd for b in bell_fds], consumer_fd.fd, life_fd.fd, conn,
+                         delivery, threaded)
         worker.build(slot_ids, env_fns, env_kwargs)
         worker.run()
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the consumer, then we exit
