@@ -29,10 +29,11 @@ _ENV_IDX_KEY = "env_index"
 # Chunk memory ceiling for transition_chunk_size="auto": pixel envs would otherwise pin GBs.
 _AUTO_CHUNK_BYTES = 256 * 2**20
 _AUTO_MIN_CHUNK = 64
-# Near-greedy flushing: records that arrive while the policy runs form the next batch anyway
-# (natural batching), so a long deadline only idles envs. Measured on 2 cores: 1 ms cost 25 %
-# of CartPole throughput and 10 % on a 2 ms env against 0.1 ms (benchmarks/README.md).
-_DEFAULT_FLUSH_TIMEOUT_S = 1e-4
+# Greedy flushing: records that arrive while the policy runs form the next batch anyway
+# (natural batching), so a deadline only idles envs. Measured on 2 cores: 1 ms cost 25 % of
+# CartPole throughput and 10 % on a 2 ms env against 0.1 ms; 0 against 0.1 ms: CartPole equal,
+# 2 ms env +3-8 % with 16 envs and +0-3 % with 64 (benchmarks/README.md).
+_DEFAULT_FLUSH_TIMEOUT_S = 0.0
 
 # TorchRL keywords whose only meaningful values are what this collector always does.
 _ACCEPTED_AS_IS = {
@@ -129,10 +130,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         min_batch_size (int, optional): smallest inference batch (``min_get``). Defaults to 1.
         server_timeout (float, optional): inference flush deadline in seconds: a batch is
             run when the flush size is reached OR the oldest ready record has waited this
-            long. Defaults to ``1e-4`` (near-greedy): records arriving while the policy runs
-            form the next batch anyway, and on few cores a longer deadline (TorchRL's examples
-            use ``0.001``) mostly leaves envs idle. Raise it for a GPU policy whose per-call
-            cost dominates.
+            long. Defaults to ``0`` (greedy: a batch leaves as soon as a record is ready):
+            records arriving while the policy runs form the next batch anyway, and on few
+            cores a deadline (TorchRL's examples use ``0.001``) mostly leaves envs idle. Raise
+            it for a GPU policy whose per-call cost dominates.
         server_config (InferenceServerConfig, optional): TorchRL's structured server
             configuration; its ``max_batch_size``, ``min_batch_size`` and ``timeout`` are
             used. Mutually exclusive with the three keywords above.

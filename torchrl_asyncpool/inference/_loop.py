@@ -119,7 +119,7 @@ class ServingLoop:
         n, threshold = self._scan()
         if n < self.min_get:
             return False, None
-        if n >= threshold:
+        if n >= threshold or self.timeout <= 0.0:
             return True, 0.0
         # only this loop takes slots out of OBS_READY, so the ready set seen now holds at
         # least the n counted above (workers may have added some: their deadline is later)
