@@ -110,3 +110,49 @@ def test_box_action_with_the_wrong_shape_is_refused_before_anything_is_written()
         pool.send(TensorDict({"action": torch.ones(2, 2)}, [2]), td.env_indices)  # still usable
         td = pool.recv(min_get=2, timeout=30)
         assert torch.equal(td["observation"], torch.ones(2, 2))
+
+
+class _ThreadBound(_EchoBox):
+    """Refuses to be used by any thread but the one that built it (an OpenGL context, a
+    simulator handle); on close, writes which thread closed it to ``log``."""
+
+    def __init__(self, log):
+        super().__init__()
+        import threading
+
+        self._owner, self._log = threading.get_ident(), log
+
+    def _check(self, what):
+        import threading
+
+        if threading.get_ident() != self._owner:
+            raise RuntimeError(f"{what} called from a thread that did not build the env")
+
+    def reset(self, *, seed=None, options=None):
+        self._check("reset")
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        self._check("step")
+        return super().step(action)
+
+    def close(self):
+        import threading
+
+        with open(self._log, "a") as f:
+            f.write("same\n" if threading.get_ident() == self._owner else "other\n")
+
+
+@pytest.mark.parametrize("env_threads", [False, True])
+def test_each_env_lives_in_one_thread(env_threads, tmp_path):
+    """Threaded workers build, step and close each env in its own thread."""
+    n, log = 4, tmp_path / "closed.txt"
+    with AsyncEnvPool([functools.partial(_ThreadBound, str(log))] * n, envs_per_worker=2,
+                      env_threads=env_threads) as pool:
+        assert pool.env_threads is env_threads
+        for _ in range(40):  # several episodes of every env, autoreset included
+            td = pool.recv(min_get=1)
+            pool.send(TensorDict({"action": torch.zeros(td.batch_size[0], 2)}, td.batch_size), td.env_indices)
+    # the spec env (built and closed by the pool in this process) and the n envs of the workers,
+    # each closed by the thread that built it
+    assert log.read_text().split() == ["same"] * (n + 1)

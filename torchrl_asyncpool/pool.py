@@ -64,7 +64,9 @@ class AsyncEnvPool:
         env_threads (bool or "auto", optional): step each env of a worker in its own thread,
             each slot with its own doorbell, so that envs whose step blocks (sleep, I/O, a
             simulator that releases the GIL) overlap inside one process instead of needing a
-            process each; their Python work still takes turns on the worker's GIL, which is
+            process each. Each env is built, reset, stepped and closed by its own thread, so
+            thread-bound resources (an OpenGL context) stay valid. Their Python work still
+            takes turns on the worker's GIL, which is
             why blocking envs are grouped a few workers per core. ``"auto"`` (default): with
             ``envs_per_worker="auto"``, threads when the timed spec env blocks (its step waits
             more than twice as long as it computes, and takes over 0.2 ms); with an explicit

@@ -154,27 +154,54 @@ class _Worker:
         self.terminated = _np(a.request.get("terminated"))
         self.truncated = _np(a.request.get("truncated"))
         self.delivery = _Delivery(delivery, a) if delivery is not None else None
-        self.slots = []
+        self.slots = []  # hosted slots (empty when threaded: each thread holds its own)
+        self._threads = []
+        self._stop_w = -1
         self.unrung = 0  # records published since the consumer's doorbell was last rung
         self.last_ring = 0.0
 
     def build(self, slot_ids, env_fns, env_kwargs):
-        layout, a = self.layout, self.arena
+        layout = self.layout
         recurrent = layout.recurrent
-        expected_request = {f.key: (f.shape, f.dtype) for f in layout.request if f.key not in recurrent}
         actions = layout.action_keys
-        expected_response = {f.key: (f.shape, f.dtype) for f in layout.response if actions is None or f.key in actions}
-        for index, fn, kw in zip(slot_ids, env_fns, env_kwargs):
-            self._phase, self._current = "construction", index
-            adapter = make_adapter(fn(**kw), index)
-            request, response = (_keyed(d) for d in adapter.fields())
-            _check_fields(index, "observation/reward/done", expected_request, request)
-            _check_fields(index, "action", expected_response, response)
-            slot = _Slot(index, adapter, a, recurrent)
-            if self.delivery is not None:
-                per = self.delivery.per_env
-                slot.chunks = list(range(index * per, (index + 1) * per))
-            self.slots.append(slot)
+        self._expected = (
+            {f.key: (f.shape, f.dtype) for f in layout.request if f.key not in recurrent},
+            {f.key: (f.shape, f.dtype) for f in layout.response if actions is None or f.key in actions},
+        )
+        specs = list(zip(slot_ids, env_fns, env_kwargs))
+        if self.threaded:
+            # each env is built, stepped and closed by its own thread: envs holding thread-bound
+            # resources (an OpenGL context, a simulator handle) never see another thread
+            self._specs = specs
+            return
+        for spec in specs:
+            self.slots.append(self._build_slot(*spec))
+
+    def _build_slot(self, index, fn, kw):
+        self._phase, self._current = "construction", index
+        adapter = make_adapter(fn(**kw), index)
+        request, response = (_keyed(d) for d in adapter.fields())
+        _check_fields(index, "observation/reward/done", self._expected[0], request)
+        _check_fields(index, "action", self._expected[1], response)
+        slot = _Slot(index, adapter, self.arena, self.layout.recurrent)
+        if self.delivery is not None:
+            per = self.delivery.per_env
+            slot.chunks = list(range(index * per, (index + 1) * per))
+        return slot
+
+    def close_envs(self, timeout: float = 1.0):
+        """Closes the hosted envs; a threaded worker's threads close their own (waited for at
+        most ``timeout`` seconds in all: a thread may be inside a long step)."""
+        if not self.threaded:
+            for slot in self.slots:
+                slot.adapter.close()
+            return
+        if self._stop_w >= 0:
+            os.close(self._stop_w)  # every slot thread's poll sees the hang-up
+            self._stop_w = -1
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     # -- publishing ---------------------------------------------------------------------------
     def _publish(self, slot, obs, reward, step_type):
@@ -286,16 +313,19 @@ class _Worker:
     # -- threaded worker ----------------------------------------------------------------------
     def _run_threaded(self):
         failed_r, failed_w = os.pipe()
+        stop_r, self._stop_w = os.pipe()
         failures = []  # (phase, env index, traceback) of the threads that raised
-        threads = []
-        for slot, bell in zip(self.slots, self.bells):
+        firsts = []
+        for (index, fn, kw), bell in zip(self._specs, self.bells):
             view = copy.copy(self)  # shared arrays, own phase/current/unrung (see module doc)
             first = threading.Event()
-            t = threading.Thread(target=view._slot_thread, args=(slot, bell, first, failures, failed_w),
-                                 name=f"env-{slot.index}", daemon=True)
+            t = threading.Thread(target=view._slot_thread,
+                                 args=((index, fn, kw), bell, stop_r, first, failures, failed_w),
+                                 name=f"env-{index}", daemon=True)
             t.start()
-            threads.append((t, first))
-        for _, first in threads:
+            self._threads.append(t)
+            firsts.append(first)
+        for first in firsts:
             first.wait()
         self._raise_thread_failure(failures)
         self.conn.send(("ready", self.worker_id, None, None))
@@ -314,19 +344,21 @@ class _Worker:
             self._phase, self._current, tb = failures[0]
             raise _DeferredEnvError(tb)
 
-    def _slot_thread(self, slot, bell, first, failures, failed_w):
-        """One hosted slot: the loop of :meth:`run` for a single slot, its own doorbell."""
+    def _slot_thread(self, spec, bell, stop_fd, first, failures, failed_w):
+        """One hosted env, start to end: build, reset, the loop of :meth:`run` for its slot, close."""
+        slot = None
         try:
+            slot = self._build_slot(*spec)
             self._publish(slot, self._timed_reset(slot), None, _FIRST)
             self._ring(time.monotonic())
             first.set()
             poller = select.poll()
-            poller.register(bell.fd, select.POLLIN)
-            poller.register(self.life_fd, select.POLLIN)
+            for fd in (bell.fd, self.life_fd, stop_fd):
+                poller.register(fd, select.POLLIN)
             state, i = self.state, slot.index
             while True:
                 for fd, _ in poller.poll():
-                    if fd == self.life_fd:
+                    if fd != bell.fd:
                         return
                 bell.drain()
                 if state[i] != S.ACTION_READY:
@@ -338,9 +370,15 @@ class _Worker:
                     self._eager_reset(slot)
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which reports it
             tb = exc.tb if isinstance(exc, _DeferredEnvError) else traceback.format_exc()
-            failures.append((self._phase, self._current if self._current is not None else slot.index, tb))
+            failures.append((self._phase, self._current if self._current is not None else spec[0], tb))
             first.set()
             os.write(failed_w, b"x")
+        finally:
+            if slot is not None:
+                try:
+                    slot.adapter.close()
+                except Exception:  # noqa: BLE001 - the worker is going away; nothing to report to
+                    pass
 
 
 class _DeferredEnvError(Exception):
@@ -409,7 +447,9 @@ def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell
         except BaseException:  # noqa: BLE001 - the parent may be gone already
             pass
     finally:
-        if worker is not None:
-            for slot in worker.slots:
-                slot.adapter.close()
+        try:
+            if worker is not None:
+                worker.close_envs()
+        except BaseException:  # noqa: BLE001 - an env failing to close must not keep the worker alive
+            pass
         os._exit(0)
