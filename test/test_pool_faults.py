@@ -642,8 +642,9 @@ from torchrl_asyncpool import AsyncEnvPool
 from torchrl_asyncpool.testing import OracleEnv
 
 if __name__ == "__main__":
-    epw = int(sys.argv[1])
-    pool = AsyncEnvPool([functools.partial(OracleEnv, env_id=i) for i in range(4)], envs_per_worker=epw)
+    epw, threads = int(sys.argv[1]), sys.argv[2] == "True"
+    pool = AsyncEnvPool([functools.partial(OracleEnv, env_id=i, step_delay=0.01) for i in range(4)],
+                        envs_per_worker=epw, env_threads=threads)
     td = pool.recv(min_get=4)
     # leave half the envs leased and half mid-answer so workers are in different states
     pool.send({"action": td["tag"][:2, 0].clone()}, td.env_indices[:2])
@@ -655,11 +656,11 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("envs_per_worker", [1, 2])
-def test_parent_sigkill_takes_workers_and_forkserver_down(envs_per_worker):
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (2, False), (2, True)])
+def test_parent_sigkill_takes_workers_and_forkserver_down(envs_per_worker, env_threads):
     before = set(os.listdir("/dev/shm"))
     child = subprocess.Popen(
-        [sys.executable, "-c", _PARENT_SCRIPT, str(envs_per_worker)],
+        [sys.executable, "-c", _PARENT_SCRIPT, str(envs_per_worker), str(env_threads)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
