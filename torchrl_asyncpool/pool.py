@@ -66,12 +66,12 @@ class AsyncEnvPool:
             simulator that releases the GIL) overlap inside one process instead of needing a
             process each. Each env is built, reset, stepped and closed by its own thread, so
             thread-bound resources (an OpenGL context) stay valid. Their Python work still
-            takes turns on the worker's GIL, which is
-            why blocking envs are grouped a few workers per core. ``"auto"`` (default): with
-            ``envs_per_worker="auto"``, threads when the timed spec env blocks (its step waits
-            more than twice as long as it computes, and takes over 0.2 ms); with an explicit
-            ``envs_per_worker``, no threads (the spec env is not stepped here). ``False``: a
-            worker steps its envs one after the other.
+            takes turns on the worker's GIL, which is why blocking envs are grouped a few
+            workers per core. ``"auto"`` (default): with ``envs_per_worker="auto"``, threads
+            when the timed spec env blocks (its step waits more than twice as long as it
+            computes, and takes over 0.2 ms); with an explicit ``envs_per_worker``, no threads
+            (the spec env is not stepped here). ``False``: a worker steps its envs one after
+            the other.
         mp_start_method (str, optional): ``"forkserver"`` (default: workers fork from a
             server that has torch, tensordict and torchrl already imported) or ``"spawn"``.
             ``"fork"`` is refused: a forked child inherits the pipes that tell other pools'

@@ -21,8 +21,8 @@ what the thread is doing (phase, current slot, unrung records) is its own.
 """
 from __future__ import annotations
 
-import os
 import copy
+import os
 import select
 import threading
 import time
