@@ -126,7 +126,7 @@ def make_torchrl_policy(key, dim, n):
     return TensorDictModule(_ActNet(dim, n), in_keys=[key], out_keys=["action"])
 
 
-# -- runners: each returns (frames/s, startup s to first batch, shutdown s) -----------------------
+# -- timing helpers ----------------------------------------------------------------------------
 def _drive(it, seconds, fpb):
     t0 = time.perf_counter()
     frames = 0
@@ -152,68 +152,91 @@ def _timed_collector(build, seconds, fpb):
     return fps, startup, close
 
 
-def run_asyncpool(w, n, fpb, seconds):
+# -- builders: one per implementation, shared with test_bench_collectors.py -----------------------
+def build_asyncpool(w, n, fpb):
     from torchrl_asyncpool import AsyncPoolCollector
 
     gym_fn, _, key, dim, na, _ = WORKLOADS[w]
-    return _timed_collector(
-        lambda: AsyncPoolCollector([gym_fn] * n, policy=make_policy(key, dim, na), frames_per_batch=fpb), seconds, fpb
-    )
+    return AsyncPoolCollector([gym_fn] * n, policy=make_policy(key, dim, na), frames_per_batch=fpb)
 
 
-def run_torchrl_async(w, n, fpb, seconds):
+def build_torchrl_async(w, n, fpb):
     from torchrl.collectors import AsyncBatchedCollector
 
     _, trl_fn, key, dim, na, _ = WORKLOADS[w]
-    return _timed_collector(
-        lambda: AsyncBatchedCollector(
-            create_env_fn=[trl_fn] * n,
-            policy_factory=functools.partial(make_torchrl_policy, key, dim, na),
-            frames_per_batch=fpb,
-            env_backend="multiprocessing",
-            transport="auto",
-            transition_chunk_size="auto",
-        ),
-        seconds,
-        fpb,
+    return AsyncBatchedCollector(
+        create_env_fn=[trl_fn] * n,
+        policy_factory=functools.partial(make_torchrl_policy, key, dim, na),
+        frames_per_batch=fpb,
+        env_backend="multiprocessing",
+        transport="auto",
+        transition_chunk_size="auto",
     )
 
 
-def run_torchrl_sync(w, n, fpb, seconds):
+def build_torchrl_sync(w, n, fpb):
     from torchrl.collectors import Collector
     from torchrl.envs import ParallelEnv
 
     _, trl_fn, key, dim, na, _ = WORKLOADS[w]
-    return _timed_collector(
-        lambda: Collector(
-            ParallelEnv(n, trl_fn), make_torchrl_policy(key, dim, na), frames_per_batch=fpb, total_frames=-1
-        ),
-        seconds,
-        fpb,
-    )
+    return Collector(ParallelEnv(n, trl_fn), make_torchrl_policy(key, dim, na), frames_per_batch=fpb, total_frames=-1)
 
 
-def _gym_loop(venv, policy, key, seconds, n):
-    obs, _ = venv.reset(seed=0)
+def build_gym_async(w, n):
+    # "fork", gymnasium's own default on Linux, stated explicitly: importing torchrl (which the
+    # other implementations do in this process) sets the global start method to "spawn", and
+    # spawned workers re-import this script (tens of seconds of start-up for 32 envs on 2 cores).
+    import multiprocessing as mp
+
+    context = "fork" if "fork" in mp.get_all_start_methods() else None
+    return gym.vector.AsyncVectorEnv([WORKLOADS[w][0]] * n, shared_memory=True, context=context)
+
+
+def build_gym_sync(w, n):
+    return gym.vector.SyncVectorEnv([WORKLOADS[w][0]] * n)
+
+
+class GymLoop:
+    """The hand-written gymnasium baseline: the policy's MLP called on the vector env's batch."""
+
+    def __init__(self, venv, w):
+        _, _, self.key, dim, na, _ = WORKLOADS[w]
+        self.venv, self.policy = venv, make_policy(self.key, dim, na)
+        self.obs, _ = venv.reset(seed=0)
+
+    @torch.no_grad()
+    def step(self) -> int:
+        """One step of every env; returns the frames it made."""
+        o = self.obs[self.key] if isinstance(self.obs, dict) else self.obs
+        a = self.policy.net(torch.as_tensor(o, dtype=torch.float32)).argmax(-1).numpy()
+        self.obs, *_ = self.venv.step(a)
+        return self.venv.num_envs
+
+
+# -- runners: each returns (frames/s, startup s to first batch, shutdown s) -----------------------
+def run_asyncpool(w, n, fpb, seconds):
+    return _timed_collector(lambda: build_asyncpool(w, n, fpb), seconds, fpb)
+
+
+def run_torchrl_async(w, n, fpb, seconds):
+    return _timed_collector(lambda: build_torchrl_async(w, n, fpb), seconds, fpb)
+
+
+def run_torchrl_sync(w, n, fpb, seconds):
+    return _timed_collector(lambda: build_torchrl_sync(w, n, fpb), seconds, fpb)
+
+
+def _timed_vector_env(build, w, n, seconds):
     t0 = time.perf_counter()
-    frames = 0
-    with torch.no_grad():
-        while time.perf_counter() - t0 < seconds:
-            o = obs[key] if isinstance(obs, dict) else obs
-            a = policy.net(torch.as_tensor(o, dtype=torch.float32)).argmax(-1).numpy()
-            obs, *_ = venv.step(a)
-            frames += n
-    return frames / (time.perf_counter() - t0)
-
-
-def _timed_vector_env(venv_cls, w, n, seconds, **kwargs):
-    gym_fn, _, key, dim, na, _ = WORKLOADS[w]
-    t0 = time.perf_counter()
-    venv = venv_cls([gym_fn] * n, **kwargs)
+    venv = build(w, n)
     try:
-        venv.reset(seed=0)
+        loop = GymLoop(venv, w)
         startup = time.perf_counter() - t0
-        fps = _gym_loop(venv, make_policy(key, dim, na), key, seconds, n)
+        t0 = time.perf_counter()
+        frames = 0
+        while time.perf_counter() - t0 < seconds:
+            frames += loop.step()
+        fps = frames / (time.perf_counter() - t0)
     finally:
         t1 = time.perf_counter()
         venv.close()
@@ -222,17 +245,11 @@ def _timed_vector_env(venv_cls, w, n, seconds, **kwargs):
 
 
 def run_gym_async(w, n, fpb, seconds):
-    # "fork", gymnasium's own default on Linux, stated explicitly: importing torchrl (which the
-    # other implementations do in this process) sets the global start method to "spawn", and
-    # spawned workers re-import this script (tens of seconds of start-up for 32 envs on 2 cores).
-    import multiprocessing as mp
-
-    context = "fork" if "fork" in mp.get_all_start_methods() else None
-    return _timed_vector_env(gym.vector.AsyncVectorEnv, w, n, seconds, shared_memory=True, context=context)
+    return _timed_vector_env(build_gym_async, w, n, seconds)
 
 
 def run_gym_sync(w, n, fpb, seconds):
-    return _timed_vector_env(gym.vector.SyncVectorEnv, w, n, seconds)
+    return _timed_vector_env(build_gym_sync, w, n, seconds)
 
 
 RUNNERS = {
