@@ -140,6 +140,9 @@ class GymnasiumEnvAdapter:
             raise TypeError(f"{where}: unsupported gymnasium action space {a!r}.")
         self.action_keys = ["action"]
 
+    #: the worker hands :meth:`step` numpy views of the action rows (no torch call per step)
+    takes_numpy = True
+
     def fields(self) -> Tuple[Dict, Dict]:
         import gymnasium as gym
 
@@ -171,7 +174,9 @@ class GymnasiumEnvAdapter:
 
     def step(self, actions: Dict):
         a = actions["action"]
-        a = int(a) if self._discrete else a.numpy().copy()
+        if isinstance(a, torch.Tensor):
+            a = a.numpy()
+        a = int(a) if self._discrete else a.copy()
         obs, reward, terminated, truncated, _ = self.env.step(a)
         return self._obs(obs), reward, bool(terminated), bool(truncated)
 

@@ -40,9 +40,14 @@ from torchrl_asyncpool.workers.env_adapter import make_adapter
 
 __all__ = ["worker_main"]
 
-# Longest a published record waits for its doorbell while the worker serves its other slots:
-# coalescing rings saves the consumer a wake-up per record when envs are cheap.
-_RING_DELAY_S = 100e-6
+# A worker hosting several cheap envs publishes a whole pass at once (one ring, one store per
+# array), so the consumer sees them as one batch: it pays ~100 us per batch whatever its size,
+# and records trickling out one by one (each leased as it appears) make batches small. A record
+# is held back at most _HOLD_S, and a step slower than _SLOW_STEP_S publishes its group at once:
+# for such envs the consumer answering the first record while the worker steps the next one is
+# worth more than a bigger batch.
+_HOLD_S = 1e-3
+_SLOW_STEP_S = 100e-6
 
 _FIRST, _MID, _TERM, _TRUNC = (
     int(StepType.FIRST), int(StepType.MID), int(StepType.TERMINATION), int(StepType.TRUNCATION)
@@ -66,6 +71,8 @@ class _Slot:
         self.obs = [(k, _np(req.get(k)[index])) for k in adapter.obs_keys]
         self.reward = _np(req.get("reward")[index])
         self.actions = {k: resp.get(k)[index] for k in adapter.action_keys}
+        if getattr(adapter, "takes_numpy", False):
+            self.actions = {k: _np(v) for k, v in self.actions.items()}
         # (hidden_in view, hidden_out view): the last answered state is fed back as input
         self.recurrent = [(_np(req.get(i)[index]), _np(resp.get(o)[index])) for i, o in recurrent.items()]
         self.ended = False
@@ -121,6 +128,26 @@ class _Delivery:
         for src, dst in self.root:
             dst[c, p] = src[i]
 
+    def write_root_rows(self, idx, chunk, pos):
+        """:meth:`write_root` for several slots at once (``idx``, ``chunk``, ``pos``: arrays)."""
+        for src, dst in self.root:
+            dst[chunk, pos] = src[idx]
+
+    def write_next_rows(self, slots, idx, chunk, pos):
+        """:meth:`write_next` for several slots at once."""
+        for src, dst in self.next:
+            dst[chunk, pos] = src[idx]
+        T = self.T
+        for slot in slots:
+            slot.pos += 1
+            if slot.pos == T:
+                c = slot.chunk
+                self.chunks.length[c] = T
+                self.chunks.ready_time[c] = time.monotonic()
+                self.state[c] = C.FULL  # after the data
+                self.driver.ring()
+                slot.chunk = -1
+
     def write_next(self, slot):
         """Row ``pos``: the record the step produced (after publishing); closes full chunks."""
         i, c, p = slot.index, slot.chunk, slot.pos
@@ -153,12 +180,15 @@ class _Worker:
         self.done = _np(a.request.get("done"))
         self.terminated = _np(a.request.get("terminated"))
         self.truncated = _np(a.request.get("truncated"))
+        self.reward = _np(a.request.get("reward"))
+        # one (k, 1, ...) reshape per pass broadcasts a step type over each slot's flag row
+        self._flag_dims = (1,) * (self.done.ndim - 1)
         self.delivery = _Delivery(delivery, a) if delivery is not None else None
         self.slots = []  # hosted slots (empty when threaded: each thread holds its own)
         self._threads = []
         self._stop_w = -1
         self.unrung = 0  # records published since the consumer's doorbell was last rung
-        self.last_ring = 0.0
+        self.held = None  # slot indices written but not yet published (the main loop's pass)
 
     def build(self, slot_ids, env_fns, env_kwargs):
         layout = self.layout
@@ -222,9 +252,20 @@ class _Worker:
         self.terminated[i] = step_type == _TERM
         self.truncated[i] = step_type == _TRUNC
         self.done[i] = step_type >= _TERM
+        if self.held is not None:  # published with the rest of the pass (see _HOLD_S)
+            self.held.append(i)
+            return
         self.ready_time[i] = time.monotonic()
         self.state[i] = S.OBS_READY  # after the data: the consumer may read it from now on
         self.unrung += 1
+
+    def _publish_held(self):
+        """Publishes the records held back this pass: one store per array, one ring."""
+        held = self.held
+        self.ready_time[held] = time.monotonic()
+        self.state[held] = S.OBS_READY  # after the data
+        self.consumer.ring(len(held))
+        held.clear()
 
     def _timed_reset(self, slot):
         self._phase, self._current = "reset", slot.index
@@ -263,10 +304,9 @@ class _Worker:
         slot.ended = st != _MID
         return slot.ended
 
-    def _ring(self, now):
+    def _ring(self):
         self.consumer.ring(self.unrung)
         self.unrung = 0
-        self.last_ring = now
 
     # -- main loop ----------------------------------------------------------------------------
     def run(self):
@@ -274,7 +314,7 @@ class _Worker:
             return self._run_threaded()
         for slot in self.slots:
             self._publish(slot, self._timed_reset(slot), None, _FIRST)
-        self._ring(time.monotonic())
+        self._ring()
         self.conn.send(("ready", self.worker_id, None, None))
         self.started = True
         poller = select.poll()
@@ -282,24 +322,85 @@ class _Worker:
         poller.register(bell.fd, select.POLLIN)
         poller.register(self.life_fd, select.POLLIN)
         state, slots = self.state, self.slots
+        held = self.held = []
         while True:
             for fd, _ in poller.poll():
                 if fd == self.life_fd:
                     return
             bell.drain()  # before the scan: a ring after this point wakes the next poll
-            ended = []
-            for slot in slots:
-                if state[slot.index] == S.ACTION_READY and self._serve(slot):
-                    ended.append(slot)
-                # One wake-up per pass for cheap envs; never hold a record back > _RING_DELAY_S.
-                if self.unrung:
-                    now = time.monotonic()
-                    if now - self.last_ring > _RING_DELAY_S:
-                        self._ring(now)
-            if self.unrung:
-                self._ring(time.monotonic())
+            ready = [slot for slot in slots if state[slot.index] == S.ACTION_READY]
+            if not ready:
+                continue
+            stepping = []
+            for slot in ready:
+                if slot.ended:
+                    self._serve(slot)  # a FIRST record: no step, nothing to deliver
+                elif self.delivery is None or self.delivery.claim(slot):
+                    stepping.append(slot)
+                # else back-pressure: the driver holds every chunk of this env; the action waits
+            ended = self._step_pass(stepping) if stepping else []
+            if held:
+                self._publish_held()
             for slot in ended:
                 self._eager_reset(slot)
+
+    def _step_pass(self, stepping):
+        """Steps ``stepping`` (claimed, ACTION_READY, not ended) in order; returns those whose
+        episode ended. Per slot only the step and its observation copy run in Python; the
+        chunk rows, flags, rewards and counters are written with one store per array for a
+        group of slots, published together; a group closes early after a slow step or once
+        its first record has waited :data:`_HOLD_S` (see there)."""
+        delivery = self.delivery
+        idx = np.fromiter((s.index for s in stepping), np.int64, len(stepping))
+        if delivery is not None:
+            chunk = np.fromiter((s.chunk for s in stepping), np.int64, len(stepping))
+            pos = np.fromiter((s.pos for s in stepping), np.int64, len(stepping))
+            delivery.write_root_rows(idx, chunk, pos)  # before any step overwrites the records
+        ended = []
+        start = 0
+        while start < len(stepping):
+            group, sts, rewards, times = [], [], [], []
+            t_group = t = time.perf_counter()
+            for slot in stepping[start:]:
+                self._phase, self._current = "step", slot.index
+                obs, reward, terminated, truncated = slot.adapter.step(slot.actions)
+                t_end = time.perf_counter()
+                dt = t_end - t
+                times.append(dt)
+                t = t_end
+                as_np = slot.adapter.as_numpy
+                for key, view in slot.obs:
+                    view[...] = as_np(obs.get(key))
+                rewards.append(as_np(reward))
+                st = _TERM if terminated else (_TRUNC if truncated else _MID)
+                if slot.recurrent:
+                    for hidden_in, hidden_out in slot.recurrent:
+                        hidden_in[...] = hidden_out
+                sts.append(st)
+                group.append(slot)
+                if st != _MID:
+                    slot.ended = True
+                    ended.append(slot)
+                if dt > _SLOW_STEP_S or t_end - t_group > _HOLD_S:
+                    break
+            k = len(group)
+            gidx = idx[start:start + k]
+            st_arr = np.array(sts, np.int8)
+            self.reward[gidx] = np.asarray(rewards).reshape((k, *self.reward.shape[1:]))
+            self.step_type[gidx] = st_arr
+            flag = st_arr.reshape((k, *self._flag_dims))
+            self.terminated[gidx] = flag == _TERM
+            self.truncated[gidx] = flag == _TRUNC
+            self.done[gidx] = flag >= _TERM
+            self.step_time[gidx] += times
+            self.step_count[gidx] += 1
+            if delivery is not None:
+                delivery.write_next_rows(group, gidx, chunk[start:start + k], pos[start:start + k])
+            self.held.extend(gidx.tolist())
+            start += k
+            if start < len(stepping):
+                self._publish_held()
+        return ended
 
     def _eager_reset(self, slot):
         # Eager reset hides reset latency behind the consumer's (discarded) answer. The slot
@@ -350,7 +451,7 @@ class _Worker:
         try:
             slot = self._build_slot(*spec)
             self._publish(slot, self._timed_reset(slot), None, _FIRST)
-            self._ring(time.monotonic())
+            self._ring()
             first.set()
             poller = select.poll()
             for fd in (bell.fd, self.life_fd, stop_fd):
@@ -365,7 +466,7 @@ class _Worker:
                     continue
                 ended = self._serve(slot)
                 if self.unrung:
-                    self._ring(time.monotonic())
+                    self._ring()
                 if ended:
                     self._eager_reset(slot)
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which reports it
