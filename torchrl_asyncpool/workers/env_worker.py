@@ -2,16 +2,19 @@
 
 Loop (per wake-up of the worker's doorbell)::
 
-    drain doorbell -> for each hosted slot in ACTION_READY:
-        if the last record was terminal: discard the action, publish the (already reset) FIRST
-        else: step, [append the transition to the env's chunk], publish MID / TERMINATION / TRUNCATION
+    drain doorbell -> the hosted slots in ACTION_READY, in slot order:
+        if the last record was terminal: discard the action, write the (already reset) FIRST
+        else: [copy the answered record and its action into the env's chunk], step, write
+              MID / TERMINATION / TRUNCATION, [copy it into the chunk as "next"]
+    -> publish what the pass wrote: ready times, then state words, one store each; one ring
     -> reset the envs that just ended (eagerly, while the consumer computes the discarded action)
     -> block in poll(doorbell, parent life pipe)
 
-Slots hosted by the same worker are stepped as their actions arrive, not in lockstep. Nothing
-here allocates shared memory or pickles a tensor: records are copied into the arena through
-numpy views, the state word is set after the data, and the consumer's doorbell is rung after
-the state word.
+A pass publishes its records together so that the consumer leases them as one batch (see
+``_HOLD_S`` for the bounds); slots hosted by the same worker are otherwise stepped as their
+actions arrive, not in lockstep. Nothing here allocates shared memory or pickles a tensor:
+records are copied into the arena through numpy views, the state word is set after the data,
+and the consumer's doorbell is rung after the state word.
 
 Threaded workers (``threaded=True``, for envs that block: sleep, I/O, a simulator that releases
 the GIL) run the same per-slot logic in one thread per hosted slot, each slot with its own
