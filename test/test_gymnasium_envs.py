@@ -177,3 +177,33 @@ def test_cheap_envs_of_a_worker_are_published_as_one_batch():
     # a pass is split only by a slow step (gymnasium's env checker on the first one) or when
     # the worker is held off the CPU for a millisecond in its middle
     assert sorted(sizes)[len(sizes) // 2] == 32, sizes
+
+
+class _Reward(gym.Env):
+    """Reward 1.0 as a float, or 2.0 as a ``[1]`` array (``as_array``)."""
+
+    observation_space = gym.spaces.Box(-1, 1, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, as_array=False):
+        self.as_array = as_array
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        reward = np.array([2.0], np.float32) if self.as_array else 1.0
+        return np.zeros(2, np.float32), reward, False, False, {}
+
+
+def test_rewards_of_mixed_shapes_in_one_pass():
+    """A pass stores its rewards with one write; envs that disagree on the reward's shape (a
+    float and a ``[1]`` array) are still stored one by one, each in its own slot."""
+    fns = [functools.partial(_Reward, False), functools.partial(_Reward, True)] * 2
+    with AsyncEnvPool(fns, envs_per_worker=4) as pool:
+        td = pool.recv(min_get=4)
+        for _ in range(5):
+            pool.send(TensorDict({"action": torch.zeros(4, dtype=torch.int64)}, [4]), td.env_indices)
+            td = pool.recv(min_get=4)
+            rewards = dict(zip(td.env_indices.tolist(), td["reward"].view(-1).tolist()))
+            assert rewards == {0: 1.0, 1: 2.0, 2: 1.0, 3: 2.0}

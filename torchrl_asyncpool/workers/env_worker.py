@@ -389,7 +389,11 @@ class _Worker:
             k = len(group)
             gidx = idx[start:start + k]
             st_arr = np.array(sts, np.int8)
-            self.reward[gidx] = np.asarray(rewards).reshape((k, *self.reward.shape[1:]))
+            try:
+                self.reward[gidx] = np.asarray(rewards, self.reward.dtype).reshape((k, *self.reward.shape[1:]))
+            except ValueError:  # rewards of mixed shapes (a float here, a [1] array there): one by one
+                for i, r in zip(gidx.tolist(), rewards):
+                    self.reward[i] = r
             self.step_type[gidx] = st_arr
             flag = st_arr.reshape((k, *self._flag_dims))
             self.terminated[gidx] = flag == _TERM
