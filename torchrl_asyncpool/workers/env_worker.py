@@ -48,9 +48,11 @@ __all__ = ["worker_main"]
 # and records trickling out one by one (each leased as it appears) make batches small. A record
 # is held back at most _HOLD_S, and a step slower than _SLOW_STEP_S publishes its group at once:
 # for such envs the consumer answering the first record while the worker steps the next one is
-# worth more than a bigger batch.
+# worth more than a bigger batch. (0.2 ms keeps TorchRL-wrapped cheap envs, ~0.13 ms a step
+# with their TensorDict work, in the held regime: +8-10 % on GymEnv CartPole with 32 envs on 2
+# cores, where 0.1 ms changed nothing; 0.3 ms CPU-bound envs, 2 per worker, are unaffected.)
 _HOLD_S = 1e-3
-_SLOW_STEP_S = 100e-6
+_SLOW_STEP_S = 200e-6
 
 _FIRST, _MID, _TERM, _TRUNC = (
     int(StepType.FIRST), int(StepType.MID), int(StepType.TERMINATION), int(StepType.TRUNCATION)
@@ -265,8 +267,9 @@ class _Worker:
     def _publish_held(self):
         """Publishes the records held back this pass: one store per array, one ring."""
         held = self.held
-        self.ready_time[held] = time.monotonic()
-        self.state[held] = S.OBS_READY  # after the data
+        target = held[0] if len(held) == 1 else held  # a scalar store costs less than a fancy one
+        self.ready_time[target] = time.monotonic()
+        self.state[target] = S.OBS_READY  # after the data
         self.consumer.ring(len(held))
         held.clear()
 
@@ -341,7 +344,10 @@ class _Worker:
                 elif self.delivery is None or self.delivery.claim(slot):
                     stepping.append(slot)
                 # else back-pressure: the driver holds every chunk of this env; the action waits
-            ended = self._step_pass(stepping) if stepping else []
+            if len(stepping) > 1:
+                ended = self._step_pass(stepping)
+            else:  # one env to step (a slow env's usual pass): the per-slot path costs less
+                ended = [slot for slot in stepping if self._serve(slot)]
             if held:
                 self._publish_held()
             for slot in ended:
@@ -355,10 +361,13 @@ class _Worker:
         its first record has waited :data:`_HOLD_S` (see there)."""
         delivery = self.delivery
         idx = np.fromiter((s.index for s in stepping), np.int64, len(stepping))
-        if delivery is not None:
+        if delivery is not None:  # the answered records, before any step overwrites them
             chunk = np.fromiter((s.chunk for s in stepping), np.int64, len(stepping))
             pos = np.fromiter((s.pos for s in stepping), np.int64, len(stepping))
-            delivery.write_root_rows(idx, chunk, pos)  # before any step overwrites the records
+            if len(stepping) == 1:
+                delivery.write_root(stepping[0])
+            else:
+                delivery.write_root_rows(idx, chunk, pos)
         ended = []
         start = 0
         while start < len(stepping):
@@ -387,27 +396,46 @@ class _Worker:
                 if dt > _SLOW_STEP_S or t_end - t_group > _HOLD_S:
                     break
             k = len(group)
-            gidx = idx[start:start + k]
-            st_arr = np.array(sts, np.int8)
-            try:
-                self.reward[gidx] = np.asarray(rewards, self.reward.dtype).reshape((k, *self.reward.shape[1:]))
-            except ValueError:  # rewards of mixed shapes (a float here, a [1] array there): one by one
-                for i, r in zip(gidx.tolist(), rewards):
-                    self.reward[i] = r
-            self.step_type[gidx] = st_arr
-            flag = st_arr.reshape((k, *self._flag_dims))
-            self.terminated[gidx] = flag == _TERM
-            self.truncated[gidx] = flag == _TRUNC
-            self.done[gidx] = flag >= _TERM
-            self.step_time[gidx] += times
-            self.step_count[gidx] += 1
-            if delivery is not None:
-                delivery.write_next_rows(group, gidx, chunk[start:start + k], pos[start:start + k])
-            self.held.extend(gidx.tolist())
+            if k == 1:  # slow envs publish one by one: scalar stores cost less than fancy indexing
+                self._store_one(group[0], sts[0], rewards[0], times[0])
+            else:
+                gidx = idx[start:start + k]
+                self._store_group(group, gidx, sts, rewards, times)
+                if delivery is not None:
+                    delivery.write_next_rows(group, gidx, chunk[start:start + k], pos[start:start + k])
+            self.held.extend(s.index for s in group)
             start += k
             if start < len(stepping):
                 self._publish_held()
         return ended
+
+    def _store_one(self, slot, st, reward, dt):
+        i = slot.index
+        self.reward[i] = reward
+        self.step_type[i] = st
+        self.terminated[i] = st == _TERM
+        self.truncated[i] = st == _TRUNC
+        self.done[i] = st >= _TERM
+        self.step_time[i] += dt
+        self.step_count[i] += 1
+        if self.delivery is not None:
+            self.delivery.write_next(slot)
+
+    def _store_group(self, group, gidx, sts, rewards, times):
+        k = len(group)
+        st_arr = np.array(sts, np.int8)
+        try:
+            self.reward[gidx] = np.asarray(rewards, self.reward.dtype).reshape((k, *self.reward.shape[1:]))
+        except ValueError:  # rewards of mixed shapes (a float here, a [1] array there): one by one
+            for i, r in zip(gidx.tolist(), rewards):
+                self.reward[i] = r
+        self.step_type[gidx] = st_arr
+        flag = st_arr.reshape((k, *self._flag_dims))
+        self.terminated[gidx] = flag == _TERM
+        self.truncated[gidx] = flag == _TRUNC
+        self.done[gidx] = flag >= _TERM
+        self.step_time[gidx] += times
+        self.step_count[gidx] += 1
 
     def _eager_reset(self, slot):
         # Eager reset hides reset latency behind the consumer's (discarded) answer. The slot
