@@ -6,6 +6,7 @@ which must reach the 475 target, are opt-in: ``python -m pytest -m slow test/tes
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -146,7 +147,7 @@ def test_script_stops_with_the_error_when_a_worker_dies(script, tmp_path):
 # -- the torchrl-asyncpool command ---------------------------------------------------------------
 def test_cli_help():
     proc = _run([*_cli_command(), "--help"], timeout=120)
-    assert "demo" in proc.stdout and "bench" in proc.stdout
+    assert "demo" in proc.stdout and "bench" in proc.stdout and "eval" in proc.stdout
     assert "IMPALA" in proc.stdout
 
 
@@ -203,3 +204,32 @@ def test_script_reaches_target(script, tmp_path):
 def test_cli_demo_reaches_target():
     proc = _run([*_cli_command(), "demo", "--no-progress"], timeout=1100)
     assert "[target 475 reached" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_cli_eval_writes_one_result_per_episode(tmp_path):
+    manifest = tmp_path / "episodes.json"
+    episodes = [{"episode_id": "short", "seed": 3, "max_steps": 4}, {"episode_id": "free", "seed": 4}]
+    manifest.write_text(json.dumps(episodes))
+    out = tmp_path / "results.json"
+    proc = _run([*_cli_command(), "eval", "--manifest", str(manifest), "--output", str(out), "--num-envs", "2",
+                 "--no-progress"], timeout=240)
+    assert "2 episodes" in proc.stdout and "0 failed" in proc.stdout, proc.stdout
+    data = json.loads(out.read_text())
+    assert [e["episode_id"] for e in data["episodes"]] == ["short", "free"]
+    assert data["episodes"][0]["status"] == "timeout" and data["episodes"][0]["length"] == 4
+    assert data["episodes"][1]["status"] == "completed" and data["summary"]["completed"] == 1
+
+
+def test_cli_eval_validate_only_and_bad_input(tmp_path, capsys):
+    manifest = tmp_path / "episodes.json"
+    manifest.write_text(json.dumps([{"episode_id": "a", "seed": 1}]))
+    assert cli.main(["eval", "--manifest", str(manifest), "--validate-only"]) == 0
+    assert "1 episodes of CartPole-v1 are valid" in capsys.readouterr().out
+    manifest.write_text(json.dumps([{"episode_id": "a", "seed": "one"}]))
+    assert cli.main(["eval", "--manifest", str(manifest), "--validate-only"]) == 2
+    assert "seed must be None or an int" in capsys.readouterr().err
+    assert cli.main(["eval", "--env-id", "NoSuchEnv-v0", "--validate-only"]) == 2
+    assert "NoSuchEnv" in capsys.readouterr().err
+    assert cli.main(["eval", "--policy", "nomodule", "--validate-only"]) == 2
+    assert "MODULE:FACTORY" in capsys.readouterr().err

@@ -104,6 +104,23 @@ def test_recv_returns_at_deadline_with_partial_batch():
         assert 0.15 <= elapsed < 2.0
 
 
+def test_wait_ready_counts_without_leasing():
+    with AsyncEnvPool(oracle_factories(3), envs_per_worker=1) as pool:
+        assert pool.wait_ready(3) == 3  # the three FIRST records
+        assert pool.wait_ready(1, timeout=0) == 3  # still there: nothing was leased
+        td = pool.recv(min_get=3)
+        t0 = time.monotonic()
+        assert pool.wait_ready(1, timeout=0.2) == 0  # all leased: times out, returns the count
+        assert 0.15 <= time.monotonic() - t0 < 5.0
+        pool.send(TensorDict({"action": torch.zeros(3, dtype=torch.int64)}, [3]), td.env_indices)
+        assert pool.wait_ready(3, timeout=10) == 3
+        for bad in (0, 4, True, 1.0):
+            with pytest.raises(ValueError, match="count"):
+                pool.wait_ready(bad)
+        with pytest.raises(ValueError, match="timeout"):
+            pool.wait_ready(1, timeout=-1)
+
+
 def test_received_batch_is_not_overwritten_by_workers():
     """Data handed out stays put while workers step again (staging, not slot views)."""
     with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:

@@ -1,10 +1,12 @@
-"""The ``torchrl-asyncpool`` command: ``demo`` (train IMPALA on CartPole) and ``bench``.
+"""The ``torchrl-asyncpool`` command: ``demo`` (train IMPALA on CartPole), ``eval`` and ``bench``.
 
 ``torchrl-asyncpool demo`` is the package's main job in one command: it starts an
 :class:`~torchrl_asyncpool.AsyncPoolCollector` over CartPole-v1 envs in worker processes,
 trains an IMPALA (V-trace) actor-critic from the batches it yields, and prints the frames/s
 reached and the final mean episode return. ``torchrl-asyncpool bench`` runs the repository's
-side-by-side benchmark against TorchRL's stock collector.
+side-by-side benchmark against TorchRL's stock collector. ``torchrl-asyncpool eval`` runs a
+fixed set of episodes (a JSON manifest, or N seeds) with a policy and writes one result per
+episode (see :mod:`torchrl_asyncpool.evaluation`).
 
 The full training scripts (PPO, IMPALA, DQN) are in the repository's ``sota-implementations/``.
 """
@@ -31,6 +33,12 @@ commands:
           when the mean return of the last 20 episodes reaches --target-return (default 475)
           or after --total-frames, and prints the frames/s reached and the final return.
           Takes about a minute on a 2-core CPU machine (longer when it is busy).
+  eval    Run a fixed set of episodes of a gymnasium env (--manifest FILE, or --episodes N
+          seeded --seed, --seed+1, ...) with a policy (--policy MODULE:FACTORY, a function
+          returning a TensorDict -> TensorDict policy; default: uniform random actions) and
+          write one result per episode, in manifest order, to --output (JSON: completed,
+          timeout or failed, return, length). --validate-only checks the manifest and builds
+          one env without running anything. Exits with 1 when an episode failed.
   bench   Run the side-by-side collector benchmark (benchmarks/compare_collectors.py in a
           source checkout): AsyncPoolCollector against TorchRL's stock collectors and
           gymnasium's vector envs; prints the table and writes a PNG plot (--plot, default
@@ -41,6 +49,7 @@ commands:
 examples:
   torchrl-asyncpool demo
   torchrl-asyncpool demo --total-frames 50000 --num-envs 4
+  torchrl-asyncpool eval --env-id CartPole-v1 --episodes 20 --max-steps 200 --output results.json
   torchrl-asyncpool bench --quick
 """
 
@@ -222,6 +231,78 @@ def _default_benchmark() -> Path:
     return Path(__file__).resolve().parent.parent / "benchmarks" / "compare_collectors.py"
 
 
+# ----------------------------------------------------------------------------------------------
+# eval: a fixed set of episodes, one result each
+# ----------------------------------------------------------------------------------------------
+def _random_policy(action_space):
+    """Uniform random actions for a gymnasium ``Discrete`` or ``Box`` action space."""
+    import gymnasium as gym
+    import torch
+
+    if isinstance(action_space, gym.spaces.Discrete):
+        n, start = int(action_space.n), int(action_space.start)
+        return lambda td: td.set("action", torch.randint(start, start + n, (td.batch_size[0],)))
+    if isinstance(action_space, gym.spaces.Box):
+        low = torch.as_tensor(action_space.low, dtype=torch.float32)
+        high = torch.as_tensor(action_space.high, dtype=torch.float32)
+        dtype = torch.from_numpy(action_space.sample()).dtype
+        return lambda td: td.set(
+            "action", (low + (high - low) * torch.rand(td.batch_size[0], *low.shape)).to(dtype)
+        )
+    raise ValueError(f"--policy random supports Discrete and Box action spaces, not {action_space!r}.")
+
+
+def _load_policy(spec: str, env_id: str):
+    if spec == "random":
+        import gymnasium as gym
+
+        env = gym.make(env_id)
+        try:
+            return _random_policy(env.action_space)
+        finally:
+            env.close()
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ValueError(f"--policy must be 'random' or MODULE:FACTORY, got {spec!r}.")
+    import importlib
+
+    factory = getattr(importlib.import_module(module), attr)
+    return factory()
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import gymnasium as gym
+
+    from torchrl_asyncpool.evaluation import Episode, evaluate, load_manifest, summarize, write_results
+
+    try:
+        if args.manifest:
+            episodes = load_manifest(args.manifest)
+        else:
+            if args.episodes < 1:
+                raise ValueError(f"--episodes must be >= 1, got {args.episodes}.")
+            episodes = [Episode(f"{args.env_id}-{args.seed + i}", seed=args.seed + i) for i in range(args.episodes)]
+        make = functools.partial(gym.make, args.env_id)
+        make().close()  # an unknown id fails here, with gymnasium's message
+        policy = _load_policy(args.policy, args.env_id)
+    except (ValueError, OSError, gym.error.Error, ImportError, AttributeError) as exc:
+        print(f"torchrl-asyncpool eval: {exc}", file=sys.stderr)
+        return 2
+    if args.validate_only:
+        print(f"{len(episodes)} episodes of {args.env_id} are valid; nothing was run.")
+        return 0
+    t0 = time.monotonic()
+    results = evaluate(make, policy, episodes, num_envs=args.num_envs, max_steps=args.max_steps,
+                       episode_timeout_s=args.episode_timeout_s, progress=not args.no_progress)
+    write_results(results, args.output)
+    summary = summarize(results)
+    mean = "n/a" if summary["mean_return"] is None else f"{summary['mean_return']:.2f}"
+    print(f"{summary['episodes']} episodes in {time.monotonic() - t0:.1f} s: {summary['completed']} completed, "
+          f"{summary['timeout']} timeout, {summary['failed']} failed; mean return of the completed: {mean}; "
+          f"results in {args.output}")
+    return 1 if summary["failed"] else 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     script = Path(args.script) if args.script else _default_benchmark()
     if not script.is_file():
@@ -265,7 +346,7 @@ def _parser() -> argparse.ArgumentParser:
     except Exception:  # noqa: BLE001 - not installed (source tree on sys.path)
         __version__ = "unknown"
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,eval,bench}")
 
     demo = sub.add_parser(
         "demo", help="train IMPALA on CartPole with AsyncPoolCollector; print frames/s and final return",
@@ -282,6 +363,27 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=_cmd_demo)
+
+    ev = sub.add_parser(
+        "eval", help="run a fixed set of episodes with a policy; write one result per episode",
+        description="Run a fixed set of episodes of a gymnasium env on AsyncEnvPool workers and write one "
+                    "result per episode (completed, timeout or failed), in manifest order, as JSON.",
+    )
+    ev.add_argument("--env-id", default="CartPole-v1", help="gymnasium env id (default: CartPole-v1)")
+    which = ev.add_mutually_exclusive_group()
+    which.add_argument("--manifest", default=None,
+                       help="JSON list of {episode_id, seed, max_steps} (or {'episodes': [...]})")
+    which.add_argument("--episodes", type=int, default=10, help="without a manifest: N episodes (default: 10)")
+    ev.add_argument("--seed", type=int, default=0, help="without a manifest: seed of the first episode")
+    ev.add_argument("--policy", default="random",
+                    help="'random' (default) or MODULE:FACTORY, a function returning a TensorDict -> TensorDict policy")
+    ev.add_argument("--num-envs", type=int, default=8, help="episodes run at once (default: 8)")
+    ev.add_argument("--max-steps", type=int, default=None, help="step limit of episodes that set none")
+    ev.add_argument("--episode-timeout-s", type=float, default=None, help="wall-clock limit per episode")
+    ev.add_argument("--output", default="eval_results.json", help="results file (default: eval_results.json)")
+    ev.add_argument("--validate-only", action="store_true", help="check the manifest and the env; run nothing")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ev.set_defaults(func=_cmd_eval)
 
     bench = sub.add_parser(
         "bench", help="run the side-by-side benchmark against TorchRL's stock collector",

@@ -305,6 +305,22 @@ class AsyncEnvPool:
         """
         return self._local_consumer().recv(min_get, max_get, timeout)
 
+    def wait_ready(self, count: int = 1, timeout: float | None = None) -> int:
+        """Blocks until ``count`` records are ready or ``timeout`` seconds pass; leases nothing.
+
+        Returns how many records are ready (fewer than ``count`` after a timeout). With
+        ``timeout=None`` a following ``recv(min_get=1)`` then returns at once with everything
+        ready, so a caller that must look at a clock now and then (wall-clock limits) can wait
+        in bounded steps without the deadline semantics of ``recv(timeout=...)`` (which waits
+        for ``max_get`` records up to its deadline). Env errors and worker deaths raise as in
+        :meth:`recv`.
+        """
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= self.num_envs:
+            raise ValueError(f"count must be an int in [1, num_envs={self.num_envs}], got {count!r}.")
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be None or >= 0, got {timeout!r}.")
+        return self._local_consumer().wait_ready(count, timeout)
+
     def send(self, actions: TensorDictBase | Mapping, env_indices) -> None:
         """Writes actions into the leased slots ``env_indices`` and wakes their workers.
 

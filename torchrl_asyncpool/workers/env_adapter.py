@@ -12,10 +12,44 @@ from typing import Dict, Tuple
 import torch
 from torchrl.envs import EnvBase
 
-__all__ = ["RESERVED_KEYS", "TorchRLEnvAdapter", "GymnasiumEnvAdapter", "make_adapter"]
+__all__ = ["RESERVED_KEYS", "EPISODE_PLAN_ATTR", "TorchRLEnvAdapter", "GymnasiumEnvAdapter", "make_adapter"]
 
 #: Request keys the exchange defines itself; an env observation may not use them.
 RESERVED_KEYS = ("reward", "step_type", "done", "terminated", "truncated", "env_index")
+
+#: Attribute an env may carry to fix its episodes: a sequence of ``(seed, max_steps, options)``,
+#: one per reset, in order (set by :mod:`torchrl_asyncpool.evaluation`). Each reset takes the
+#: next entry: the env is reset with that seed (and, for a gymnasium env, those reset options),
+#: and its episode is truncated after ``max_steps`` steps unless it ends first. Resets past the
+#: end of the plan are unseeded and unlimited.
+EPISODE_PLAN_ATTR = "_torchrl_asyncpool_episode_plan"
+
+
+class _EpisodePlan:
+    """The per-reset (seed, step limit) of an env that carries :data:`EPISODE_PLAN_ATTR`."""
+
+    def __init__(self, plan):
+        self.plan = list(plan)
+        self.episode = -1
+        self.limit = None
+        self.t = 0
+
+    def next_reset(self):
+        """``(seed, options)`` of the next episode; sets its step limit."""
+        self.episode += 1
+        seed, self.limit, options = self.plan[self.episode] if self.episode < len(self.plan) else (None, None, None)
+        self.t = 0
+        return seed, options
+
+    def cut(self) -> bool:
+        """Counts a step; True when it reaches the episode's step limit."""
+        self.t += 1
+        return self.limit is not None and self.t >= self.limit
+
+
+def _plan_of(env):
+    plan = getattr(env, EPISODE_PLAN_ATTR, None)
+    return None if plan is None else _EpisodePlan(plan)
 
 
 class TorchRLEnvAdapter:
@@ -45,6 +79,9 @@ class TorchRLEnvAdapter:
         done_spec = env.full_done_spec
         self._done_shape = tuple(done_spec["done"].shape)
         self._td = None
+        self._plan = _plan_of(env)
+        if self._plan is not None:  # the plain step stays free of the plan's bookkeeping
+            self.step = self._planned_step
 
     def fields(self) -> Tuple[Dict, Dict]:
         """``(request, response)`` field specs ``{key: (shape, dtype)}`` for one slot."""
@@ -71,8 +108,22 @@ class TorchRLEnvAdapter:
 
     def reset(self):
         """Resets the env; returns a mapping ``key -> tensor`` holding the observation."""
+        if self._plan is not None:
+            seed, options = self._plan.next_reset()
+            if options is not None:
+                raise ValueError(
+                    f"episode reset options {options!r} need a gymnasium env; a TorchRL env is reset with a seed only."
+                )
+            if seed is not None:
+                self.env.set_seed(seed)
         self._td = self.env.reset()
         return self._td
+
+    def _planned_step(self, actions: Dict):
+        obs, reward, terminated, truncated = TorchRLEnvAdapter.step(self, actions)
+        if self._plan.cut() and not terminated:
+            truncated = True
+        return obs, reward, terminated, truncated
 
     def step(self, actions: Dict) -> Tuple[object, torch.Tensor, bool, bool]:
         """Steps with ``actions`` (key -> tensor); returns ``(obs, reward, terminated, truncated)``."""
@@ -139,6 +190,9 @@ class GymnasiumEnvAdapter:
         else:
             raise TypeError(f"{where}: unsupported gymnasium action space {a!r}.")
         self.action_keys = ["action"]
+        self._plan = _plan_of(env)
+        if self._plan is not None:  # the plain step stays free of the plan's bookkeeping
+            self.step = self._planned_step
 
     #: the worker hands :meth:`step` numpy views of the action rows (no torch call per step)
     takes_numpy = True
@@ -169,8 +223,18 @@ class GymnasiumEnvAdapter:
         return obs if self._dict_obs else {"observation": obs}
 
     def reset(self):
-        obs, _ = self.env.reset()
+        if self._plan is not None:
+            seed, options = self._plan.next_reset()
+            obs, _ = self.env.reset(seed=seed, options=options)
+        else:
+            obs, _ = self.env.reset()
         return self._obs(obs)
+
+    def _planned_step(self, actions: Dict):
+        obs, reward, terminated, truncated = GymnasiumEnvAdapter.step(self, actions)
+        if self._plan.cut() and not terminated:
+            truncated = True
+        return obs, reward, terminated, truncated
 
     def step(self, actions: Dict):
         a = actions["action"]

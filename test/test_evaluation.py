@@ -1,0 +1,207 @@
+"""Evaluation over fixed episode sets: results in manifest order, identical to running each
+episode alone with its seed, and one status per episode when an env fails, hangs or runs long."""
+import functools
+import json
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from torchrl_asyncpool.evaluation import Episode, EpisodeResult, evaluate, load_manifest, summarize, write_results
+
+
+def _balance(td):
+    """Deterministic CartPole controller: push towards the side the pole leans to."""
+    return td.set("action", (td["observation"][:, 2] > 0).long())
+
+
+def _alone(seed, limit=None, make=lambda: gym.make("CartPole-v1")):
+    """(return, length, terminated, truncated) of one episode run in this process."""
+    env = make()
+    obs, _ = env.reset(seed=seed)
+    ret, t = 0.0, 0
+    while True:
+        obs, r, term, trunc, _ = env.step(int(obs[2] > 0))
+        ret, t = ret + float(r), t + 1
+        if term or trunc or (limit is not None and t >= limit):
+            return ret, t, bool(term), bool(trunc)
+
+
+class _Faulty(gym.Env):
+    """CartPole that raises on reset with ``bad_reset_seed`` or at step 3 with ``bad_step_seed``,
+    and sleeps for a minute at step 2 with ``hang_seed``."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, bad_reset_seed=None, bad_step_seed=None, hang_seed=None):
+        self.env = gym.make("CartPole-v1")
+        self.bad_reset_seed, self.bad_step_seed, self.hang_seed = bad_reset_seed, bad_step_seed, hang_seed
+        self.seed, self.t = None, 0
+
+    def reset(self, *, seed=None, options=None):
+        if seed is not None and seed == self.bad_reset_seed:
+            raise RuntimeError(f"reset refused for seed {seed}")
+        self.seed, self.t = seed, 0
+        return self.env.reset(seed=seed)
+
+    def step(self, action):
+        self.t += 1
+        if self.seed == self.bad_step_seed and self.t == 3:
+            raise RuntimeError(f"step 3 of seed {self.seed} failed")
+        if self.seed == self.hang_seed and self.t == 2:
+            time.sleep(60)
+        return self.env.step(action)
+
+
+def test_results_are_in_manifest_order_and_match_running_each_episode_alone():
+    episodes = [Episode(f"ep{i}", seed=100 + i) for i in range(7)]
+    results = evaluate(functools.partial(gym.make, "CartPole-v1"), _balance, episodes, num_envs=3, envs_per_worker=2)
+    assert [r.episode_id for r in results] == [e.episode_id for e in episodes]
+    for ep, r in zip(episodes, results):
+        ret, length, term, trunc = _alone(ep.seed)
+        assert (r.status, r.episode_return, r.length, r.terminated, r.truncated) == ("completed", ret, length, term,
+                                                                                     trunc), ep
+        assert r.seed == ep.seed and r.error is None
+    # round robin over 3 slots: slot s runs episodes s, s+3, ...
+    assert [r.env_index for r in results] == [0, 1, 2, 0, 1, 2, 0]
+    assert len({r.length for r in results}) > 1  # the seeds matter
+
+
+def test_step_limits_cut_episodes_as_timeouts():
+    episodes = [Episode("a", seed=1), Episode("b", seed=2, max_steps=5), Episode("c", seed=3, max_steps=10_000)]
+    results = evaluate(functools.partial(gym.make, "CartPole-v1"), _balance, episodes, num_envs=2, max_steps=20)
+    a, b, c = results
+    assert (a.status, a.length, a.truncated) == ("timeout", 20, False) and "max_steps=20" in a.error
+    assert (b.status, b.length) == ("timeout", 5)
+    assert b.episode_return == 5.0  # CartPole pays 1 per step, up to the cut
+    assert c.status == "completed" and c.length == _alone(3)[1]
+
+
+def test_a_failing_env_fails_only_its_episode():
+    """Reset and step failures mark their own episode; the episodes that were running on the
+    closed pool are run again from their start and end exactly as they would alone."""
+    make = functools.partial(_Faulty, bad_reset_seed=12, bad_step_seed=15)
+    episodes = [Episode(f"ep{i}", seed=10 + i) for i in range(8)]
+    results = evaluate(make, _balance, episodes, num_envs=3, envs_per_worker=1)
+    by_id = {r.episode_id: r for r in results}
+    assert by_id["ep2"].status == "failed" and "reset refused for seed 12" in by_id["ep2"].error
+    assert by_id["ep5"].status == "failed" and "step 3 of seed 15 failed" in by_id["ep5"].error
+    assert "during step" in by_id["ep5"].error and "during reset" in by_id["ep2"].error
+    for i in (0, 1, 3, 4, 6, 7):
+        r = by_id[f"ep{i}"]
+        assert r.status == "completed", r
+        assert (r.episode_return, r.length) == _alone(10 + i, make=make)[:2]
+    assert summarize(results)["failed"] == 2 and summarize(results)["completed"] == 6
+
+
+def test_a_hung_env_times_out_on_the_wall_clock():
+    make = functools.partial(_Faulty, hang_seed=21)
+    episodes = [Episode(f"ep{i}", seed=20 + i) for i in range(4)]
+    t0 = time.monotonic()
+    results = evaluate(make, _balance, episodes, num_envs=4, envs_per_worker=1, episode_timeout_s=1.0)
+    assert time.monotonic() - t0 < 30  # the hung step sleeps 60 s; generous bound
+    assert results[1].status == "timeout" and "wall clock" in results[1].error
+    assert [r.status for r in results] == ["completed", "timeout", "completed", "completed"]
+
+
+def test_an_env_that_cannot_be_built_fails_every_episode():
+    calls = []
+
+    def make():
+        calls.append(1)
+        if len(calls) > 1:  # the first build (in this process) learns the specs; workers fail
+            raise RuntimeError("no simulator licence")
+        return gym.make("CartPole-v1")
+
+    results = evaluate(make, _balance, [Episode("a", seed=0), Episode("b", seed=1)], num_envs=2,
+                       envs_per_worker=1, env_threads=False)
+    assert [r.status for r in results] == ["failed", "failed"]
+    assert all("no simulator licence" in r.error for r in results)
+
+
+def test_torchrl_envs_take_their_seed_at_each_reset():
+    from torchrl.envs import GymEnv
+
+    def one_hot_balance(td):  # TorchRL's CartPole takes one-hot actions
+        return td.set("action", torch.nn.functional.one_hot((td["observation"][:, 2] > 0).long(), 2))
+
+    episodes = [Episode(f"ep{i}", seed=s) for i, s in enumerate([5, 6, 5, 6])]
+    results = evaluate(functools.partial(GymEnv, "CartPole-v1"), one_hot_balance, episodes, num_envs=2)
+    assert [r.status for r in results] == ["completed"] * 4
+    assert (results[0].length, results[1].length) == (results[2].length, results[3].length)
+    assert results[0].length != results[1].length
+
+
+def test_manifest_round_trip_and_errors(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"episodes": [{"episode_id": "a", "seed": 1}, {"episode_id": "b", "max_steps": 3}]}))
+    assert load_manifest(path) == [Episode("a", seed=1), Episode("b", max_steps=3)]
+    for bad, match in [([], "non-empty"), ([{"seed": 1}], "episode_id"), ([{"episode_id": "a", "sed": 1}], "unknown"),
+                       ([{"episode_id": "a"}, {"episode_id": "a"}], "unique"),
+                       ([{"episode_id": "a", "seed": -1}], "seed")]:
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=match):
+            load_manifest(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_manifest(path)
+    out = tmp_path / "r.json"
+    write_results([EpisodeResult("a", "completed", 3.0, 3), EpisodeResult("b", "failed", error="x")], out)
+    data = json.loads(out.read_text())
+    assert data["summary"] == {"episodes": 2, "completed": 1, "timeout": 0, "failed": 1, "mean_return": 3.0,
+                               "mean_length": 3.0}
+    assert [e["status"] for e in data["episodes"]] == ["completed", "failed"]
+
+
+def test_bad_arguments_are_refused():
+    make = functools.partial(gym.make, "CartPole-v1")
+    ep = [Episode("a")]
+    for kwargs, match in [(dict(num_envs=0), "num_envs"), (dict(max_steps=0), "max_steps"),
+                          (dict(episode_timeout_s=0), "episode_timeout_s")]:
+        with pytest.raises(ValueError, match=match):
+            evaluate(make, _balance, ep, **kwargs)
+    with pytest.raises(ValueError, match="empty"):
+        evaluate(make, _balance, [])
+    with pytest.raises(TypeError, match="Episode"):
+        evaluate(make, _balance, [{"episode_id": "a"}])
+    with pytest.raises(ValueError, match="unique"):
+        evaluate(make, _balance, [Episode("a"), Episode("a")])
+    with pytest.raises(ValueError, match="max_steps"):
+        Episode("a", max_steps=0)
+
+
+class _Start(gym.Env):
+    """Starts at ``options["start"]`` (default 0) and counts up; terminates at 10."""
+
+    observation_space = gym.spaces.Box(-100, 100, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        self.x = float((options or {}).get("start", 0))
+        return np.array([self.x], np.float32), {}
+
+    def step(self, action):
+        self.x += 1
+        return np.array([self.x], np.float32), 1.0, self.x >= 10, False, {}
+
+
+def test_reset_options_reach_gymnasium_envs_and_are_refused_by_torchrl_envs():
+    def act(td):
+        return td.set("action", torch.zeros(td.batch_size[0], dtype=torch.int64))
+
+    episodes = [Episode("a", options={"start": 7}), Episode("b"), Episode("c", options={"start": 4})]
+    results = evaluate(_Start, act, episodes, num_envs=2)
+    assert [(r.status, r.length) for r in results] == [("completed", 3), ("completed", 10), ("completed", 6)]
+
+    from torchrl.envs import GymEnv
+
+    def one_hot(td):
+        return td.set("action", torch.nn.functional.one_hot(torch.zeros(td.batch_size[0], dtype=torch.int64), 2))
+
+    results = evaluate(functools.partial(GymEnv, "CartPole-v1"), one_hot,
+                       [Episode("x", seed=1), Episode("y", seed=2, options={"start": 1})], num_envs=1)
+    assert results[0].status == "completed"
+    assert results[1].status == "failed" and "need a gymnasium env" in results[1].error

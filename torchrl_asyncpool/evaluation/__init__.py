@@ -1,0 +1,15 @@
+"""Policy evaluation over a fixed set of episodes (seeds, step limits), with per-episode results.
+
+See :func:`evaluate` and :doc:`/evaluation`.
+"""
+from torchrl_asyncpool.evaluation.episodes import (
+    STATUSES,
+    Episode,
+    EpisodeResult,
+    load_manifest,
+    summarize,
+    write_results,
+)
+from torchrl_asyncpool.evaluation.runner import evaluate
+
+__all__ = ["Episode", "EpisodeResult", "STATUSES", "evaluate", "load_manifest", "summarize", "write_results"]

@@ -1,0 +1,164 @@
+"""What an evaluation runs and what it reports: episodes, results, and their JSON files.
+
+A manifest is a JSON list of episodes (or an object with an ``"episodes"`` list); each entry
+has an ``"episode_id"`` and optionally a ``"seed"``, a ``"max_steps"`` and reset ``"options"``
+(an object, for gymnasium envs). Results come back
+in manifest order, one per episode, each with exactly one of three statuses:
+
+``"completed"``  the env ended the episode (terminated, or truncated by the env itself)
+``"timeout"``    the evaluation cut it: ``max_steps`` steps, or ``episode_timeout_s`` seconds
+``"failed"``     the env raised while building, resetting or stepping for this episode
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import List, Optional, Sequence
+
+from torchrl_asyncpool.workers.env_adapter import EPISODE_PLAN_ATTR
+
+__all__ = ["Episode", "EpisodeResult", "STATUSES", "load_manifest", "summarize", "write_results"]
+
+#: the three statuses an :class:`EpisodeResult` can have
+STATUSES = ("completed", "timeout", "failed")
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One episode of an evaluation set.
+
+    Args:
+        episode_id (str): a name, unique within the set.
+        seed (int, optional): the seed the env is reset with (``None``: unseeded).
+        max_steps (int, optional): steps after which the evaluation cuts the episode
+            (status ``"timeout"``); ``None`` uses :func:`~torchrl_asyncpool.evaluation.evaluate`'s
+            ``max_steps``.
+        options (dict, optional): passed to a gymnasium env's ``reset(options=...)`` (a TorchRL
+            env given options fails the episode: it has no such argument).
+
+    Examples:
+        >>> from torchrl_asyncpool.evaluation import Episode
+        >>> Episode("cartpole-0", seed=0, max_steps=500)
+        Episode(episode_id='cartpole-0', seed=0, max_steps=500, options=None)
+    """
+
+    episode_id: str
+    seed: Optional[int] = None
+    max_steps: Optional[int] = None
+    options: Optional[dict] = None
+
+    def __post_init__(self):
+        if not isinstance(self.episode_id, str) or not self.episode_id:
+            raise ValueError(f"episode_id must be a non-empty string, got {self.episode_id!r}.")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"episode {self.episode_id!r}: seed must be None or an int >= 0, got {self.seed!r}.")
+        if self.max_steps is not None and (
+            isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or self.max_steps < 1
+        ):
+            raise ValueError(
+                f"episode {self.episode_id!r}: max_steps must be None or an int >= 1, got {self.max_steps!r}."
+            )
+        if self.options is not None and not isinstance(self.options, dict):
+            raise ValueError(f"episode {self.episode_id!r}: options must be None or a dict, got {self.options!r}.")
+
+    def __hash__(self):  # options is a dict: hash by id, the rest of the identity is the id anyway
+        return hash(self.episode_id)
+
+
+@dataclass
+class EpisodeResult:
+    """The outcome of one :class:`Episode`.
+
+    Attributes:
+        episode_id (str): the episode's name.
+        status (str): ``"completed"``, ``"timeout"`` or ``"failed"`` (see the module doc).
+        episode_return (float): the sum of the rewards received (up to the cut, for a timeout).
+        length (int): steps taken.
+        terminated (bool): the env ended the episode in a terminal state.
+        truncated (bool): the env cut the episode itself (its own time limit).
+        seed (int or None): the seed the env was reset with.
+        env_index (int or None): the slot that ran it.
+        error (str or None): why a ``"failed"`` or wall-clock ``"timeout"`` episode ended.
+    """
+
+    episode_id: str
+    status: str
+    episode_return: float = 0.0
+    length: int = 0
+    terminated: bool = False
+    truncated: bool = False
+    seed: Optional[int] = None
+    env_index: Optional[int] = None
+    error: Optional[str] = None
+
+
+def load_manifest(path) -> List[Episode]:
+    """Reads a manifest (see the module doc) into episodes; ``ValueError`` names what is wrong."""
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"manifest {path}: not valid JSON ({exc}).") from None
+    if isinstance(data, dict):
+        data = data.get("episodes")
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"manifest {path}: expected a non-empty list of episodes (or {{'episodes': [...]}}).")
+    episodes = []
+    for i, entry in enumerate(data):
+        if not isinstance(entry, dict) or "episode_id" not in entry:
+            raise ValueError(f"manifest {path}: entry {i} must be an object with an 'episode_id', got {entry!r}.")
+        unknown = set(entry) - {"episode_id", "seed", "max_steps", "options"}
+        if unknown:
+            raise ValueError(f"manifest {path}: entry {i} has unknown fields {sorted(unknown)}.")
+        episodes.append(Episode(entry["episode_id"], entry.get("seed"), entry.get("max_steps"), entry.get("options")))
+    check_unique(episodes)
+    return episodes
+
+
+def check_unique(episodes: Sequence[Episode]) -> None:
+    seen = set()
+    for ep in episodes:
+        if ep.episode_id in seen:
+            raise ValueError(f"episode ids must be unique; {ep.episode_id!r} appears twice.")
+        seen.add(ep.episode_id)
+
+
+def write_results(results: Sequence[EpisodeResult], path) -> None:
+    """Writes results (manifest order) and a summary as JSON: ``{"summary": ..., "episodes": [...]}``."""
+    with open(path, "w") as f:
+        json.dump({"summary": summarize(results), "episodes": [asdict(r) for r in results]}, f, indent=1)
+
+
+def summarize(results: Sequence[EpisodeResult]) -> dict:
+    """Counts per status and the mean return and length of the completed episodes."""
+    done = [r for r in results if r.status == "completed"]
+    return {
+        "episodes": len(results),
+        **{status: sum(r.status == status for r in results) for status in STATUSES},
+        "mean_return": math.fsum(r.episode_return for r in done) / len(done) if done else None,
+        "mean_length": sum(r.length for r in done) / len(done) if done else None,
+    }
+
+
+class PlannedEnvFactory:
+    """Builds the user's env and attaches the seeds, step limits and reset options of the
+    episodes one slot will run, in order (read by the worker's env adapter at each reset).
+    Picklable when the wrapped factory is.
+
+    Only envs built in another process (the workers) get the plan: the pool also builds one
+    env in the calling process to learn the specs and may step it to measure its cost, and
+    those resets must not run the episodes' seeds or options.
+    """
+
+    def __init__(self, create_env_fn, plan):
+        self.create_env_fn = create_env_fn
+        self.plan = [tuple(p) for p in plan]
+        self._owner_pid = os.getpid()
+
+    def __call__(self, **kwargs):
+        env = self.create_env_fn(**kwargs)
+        if os.getpid() != self._owner_pid:
+            setattr(env, EPISODE_PLAN_ATTR, self.plan)
+        return env
