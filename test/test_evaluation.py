@@ -205,3 +205,32 @@ def test_reset_options_reach_gymnasium_envs_and_are_refused_by_torchrl_envs():
                        [Episode("x", seed=1), Episode("y", seed=2, options={"start": 1})], num_envs=1)
     assert results[0].status == "completed"
     assert results[1].status == "failed" and "need a gymnasium env" in results[1].error
+
+
+class _Crashing(_Faulty):
+    """Its worker process dies (SIGKILL, as a native crash would) at step 3 of seed ``crash_seed``."""
+
+    def __init__(self, crash_seed):
+        super().__init__()
+        self.crash_seed = crash_seed
+
+    def step(self, action):
+        if self.seed == self.crash_seed and self.t == 2:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().step(action)
+
+
+@pytest.mark.parametrize("envs_per_worker", [1, 3])
+def test_a_worker_death_fails_only_its_episode(envs_per_worker):
+    """With several envs in the dying worker, their episodes run again one env per process and
+    only the culprit's fails."""
+    make = functools.partial(_Crashing, crash_seed=33)
+    episodes = [Episode(f"ep{i}", seed=30 + i) for i in range(6)]
+    results = evaluate(make, _balance, episodes, num_envs=6, envs_per_worker=envs_per_worker)
+    assert results[3].status == "failed" and "died" in results[3].error and "signal 9" in results[3].error
+    for i in (0, 1, 2, 4, 5):
+        assert results[i].status == "completed", results[i]
+        assert (results[i].episode_return, results[i].length) == _alone(30 + i, make=make)[:2]

@@ -10,6 +10,7 @@ import functools
 import json
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -478,6 +479,9 @@ def _kill_message_ok(err, worker, pid, envs):
     assert str(pid) in msg, msg
     assert str(envs) in msg, msg
     assert "signal 9" in msg or "SIGKILL" in msg, msg
+    assert err.env_indices == tuple(envs)  # for callers that recover per env (evaluation)
+    clone = pickle.loads(pickle.dumps(err))  # crosses processes (an inference server's errors)
+    assert (str(clone), clone.env_indices) == (msg, err.env_indices)
 
 
 @pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (2, False), (2, True)])

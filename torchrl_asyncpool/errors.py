@@ -25,7 +25,18 @@ class EnvError(RuntimeError):
 
 
 class WorkerDiedError(RuntimeError):
-    """A worker process exited while the pool was running (killed, crashed, out of memory)."""
+    """A worker process exited while the pool was running (killed, crashed, out of memory).
+
+    Attributes:
+        env_indices (tuple of int): the envs (slots) the worker hosted; empty when unknown.
+    """
+
+    def __init__(self, message: str, env_indices=()):
+        self.env_indices = tuple(int(i) for i in env_indices)
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.env_indices))
 
 
 class PoolClosedError(RuntimeError):

@@ -9,8 +9,9 @@ A failure is the failing episode's, not the run's: an env that raises while rese
 episode or stepping it marks that episode ``"failed"`` (with the worker's traceback), the pool
 is closed, and the episodes that were still running are run again from their start on a new
 pool (their seeds make the rerun identical). An episode past ``episode_timeout_s`` (a hung
-simulator) is marked ``"timeout"`` the same way. A worker that dies (killed, crashed) ends the
-run with :class:`~torchrl_asyncpool.WorkerDiedError`.
+simulator) is marked ``"timeout"`` the same way. A worker that dies (killed, a crash in native
+code) fails the episode it was running; if it hosted several running episodes, they are run
+again with one env per process from then on, so that a second death names the culprit.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 from torchrl.envs.utils import ExplorationType
 
 from torchrl_asyncpool.acting_policy import ActingPolicy
-from torchrl_asyncpool.errors import EnvError
+from torchrl_asyncpool.errors import EnvError, WorkerDiedError
 from torchrl_asyncpool.evaluation.episodes import Episode, EpisodeResult, PlannedEnvFactory, check_unique, summarize
 from torchrl_asyncpool.pool import AsyncEnvPool
 from torchrl_asyncpool.step_type import StepType
@@ -121,6 +122,7 @@ def evaluate(
                 bar.set_postfix(mean_return=s["mean_return"], failed=s["failed"], timeout=s["timeout"])
 
         todo = list(range(len(episodes)))
+        isolate = False  # after a worker died hosting several running episodes: one env per process
         while todo:
             n = min(num_envs, len(todo))
             queues = [deque(todo[s::n]) for s in range(n)]
@@ -128,15 +130,20 @@ def evaluate(
                    for q in queues]
             run = _Run(episodes, limits, queues, acting, finish, episode_timeout_s)
             try:
-                pool = AsyncEnvPool(fns, create_env_kwargs=create_env_kwargs, envs_per_worker=envs_per_worker,
-                                    env_threads=env_threads)
+                pool = AsyncEnvPool(fns, create_env_kwargs=create_env_kwargs,
+                                    envs_per_worker=1 if isolate else envs_per_worker,
+                                    env_threads=False if isolate else env_threads)
             except EnvError as exc:
                 run.fail(exc, all_remaining=exc.phase == "construction", todo=todo)
+            except WorkerDiedError as exc:
+                isolate |= run.died(exc)
             else:
                 try:
                     run.drive(pool)
                 except EnvError as exc:
                     run.fail(exc)
+                except WorkerDiedError as exc:
+                    isolate |= run.died(exc)
                 except _Restart:
                     pass
                 finally:
@@ -215,6 +222,22 @@ class _Run:
             self.current[s] = None
         if late:  # the env may hang in its step: only closing the pool gets it back
             raise _Restart
+
+    def died(self, exc: WorkerDiedError) -> bool:
+        """A worker died (killed, crashed in native code): fails the episode it was running if
+        it ran one; returns True when it ran several, which are then run again one env per
+        process (the next death names the culprit)."""
+        running = [(s, self.current[s]) for s in exc.env_indices if self.current[s] is not None]
+        running += [(s, self.queues[s][0]) for s in exc.env_indices if self.current[s] is None and self.queues[s]]
+        if len(running) != 1:
+            return len(running) > 1
+        s, i = running[0]
+        result = EpisodeResult(self.episodes[i].episode_id, "failed", seed=self.episodes[i].seed, env_index=s,
+                               error=f"its worker died: {exc}")
+        if self.current[s] == i:
+            result.episode_return, result.length = float(self.ret[s]), int(self.length[s])
+        self.finish(i, result)
+        return False
 
     def fail(self, exc: EnvError, all_remaining: bool = False, todo=()) -> None:
         """Marks the episode ``exc`` belongs to as failed (or every remaining one, when the env

@@ -316,7 +316,7 @@ class SlotConsumer:
             slots = np.flatnonzero(self._slot_worker == w).tolist()
             how = self._death_info(w) if self._death_info is not None else "exit status unknown here"
             self.error = WorkerDiedError(
-                f"worker {w} (pid {self.handle.worker_pids[w]}, hosting envs {slots}) died ({how})."
+                f"worker {w} (pid {self.handle.worker_pids[w]}, hosting envs {slots}) died ({how}).", slots
             )
             raise self.error
 
