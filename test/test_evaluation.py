@@ -234,3 +234,10 @@ def test_a_worker_death_fails_only_its_episode(envs_per_worker):
     for i in (0, 1, 2, 4, 5):
         assert results[i].status == "completed", results[i]
         assert (results[i].episode_return, results[i].length) == _alone(30 + i, make=make)[:2]
+
+
+def test_a_vector_env_factory_is_refused_with_a_clear_error():
+    make = functools.partial(gym.make_vec, "CartPole-v1", num_envs=2, vectorization_mode="vector_entry_point")
+    with pytest.raises(TypeError, match="needs single envs; create_env_fn returned a CartPoleVectorEnv"):
+        evaluate(make, lambda td: td.set("action", torch.zeros(td.shape[0], dtype=torch.int64)),
+                 [Episode("a", seed=1, max_steps=10)], num_envs=1, progress=False)

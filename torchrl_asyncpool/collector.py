@@ -109,7 +109,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     Args:
         create_env_fn (list of callables): one factory per env, returning a TorchRL
             :class:`~torchrl.envs.EnvBase` (batch size ``()``) or a plain
-            :class:`gymnasium.Env` (fast path, no TensorDict work per step in the worker).
+            :class:`gymnasium.Env` (fast path, no TensorDict work per step in the worker), or
+            a :class:`gymnasium.vector.VectorEnv` of ``k`` envs (every factory the same ``k``;
+            its envs are stepped in lockstep by one worker and delivered as ``k`` envs with
+            their own ``"env_index"``, see :class:`~torchrl_asyncpool.AsyncEnvPool`).
 
     Keyword Args:
         policy (callable, optional): a ``TensorDict -> TensorDict`` policy (e.g. a
@@ -305,8 +308,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             transition_chunk_size=lambda layout: _auto_chunk(transition_chunk_size, layout, frames_per_batch),
             chunks_per_env=chunks_per_env,
         )
+        self._num_envs = self._pool.num_envs  # a vector env factory contributes several envs
         try:
             if slot_transport is not None:
+                _check_slot_transport(slot_transport, policy_factory, self._num_envs)
                 _check_transport_keys(slot_transport, self._pool.layout, policy_version_key)
             dtypes = {k: self._pool.layout_dtype(k) for k in self._pool.action_keys}
             server_kwargs = dict(

@@ -60,7 +60,8 @@ class AsyncEnvPool:
             times a few steps of the spec env: cheap CPU-bound envs are grouped so that there
             is about one worker per core; envs that block (sleep, I/O) are grouped about two
             workers per core and stepped in threads (with ``env_threads=False``, one process
-            each). Defaults to ``1``.
+            each). Defaults to ``1``. With vector env factories each worker hosts one vector
+            env (``"auto"``, ``1`` or ``k``).
         env_threads (bool or "auto", optional): step each env of a worker in its own thread,
             each slot with its own doorbell, so that envs whose step blocks (sleep, I/O, a
             simulator that releases the GIL) overlap inside one process instead of needing a
@@ -101,6 +102,11 @@ class AsyncEnvPool:
         start_timeout (float, optional): seconds to wait for every worker to build its envs
             and publish its first record. Defaults to ``None`` (no limit; a worker that dies
             or raises still ends the wait at once).
+
+    Attributes:
+        num_envs (int): slots, i.e. envs: ``len(create_env_fn)`` times ``envs_per_factory``.
+        envs_per_factory (int): envs one factory builds (``k`` for vector envs, else ``1``).
+        num_workers (int): worker processes.
 
     Lifetime of received data:
         The TensorDict returned by :meth:`recv` views a staging buffer owned by the pool, not
@@ -155,12 +161,19 @@ class AsyncEnvPool:
             raise ValueError(f"mp_start_method must be one of {_START_METHODS}, got {mp_start_method!r}.")
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA, which is not available in this process.")
-        self.num_envs = n = len(fns)
 
         spec_adapter = make_adapter(fns[0](**kwargs[0]), 0)
         try:
             request, response = spec_adapter.fields()
-            self.envs_per_worker, self.env_threads = _resolve_grouping(envs_per_worker, env_threads, spec_adapter, n)
+            # a vector env hosts k envs, in k consecutive slots of one worker, stepped in lockstep
+            self.envs_per_factory = k_vec = getattr(spec_adapter, "num_envs", 1)
+            self.num_envs = n = len(fns) * k_vec
+            if k_vec > 1 or hasattr(spec_adapter, "num_envs"):
+                self.envs_per_worker, self.env_threads = _vector_grouping(envs_per_worker, env_threads, k_vec)
+            else:
+                self.envs_per_worker, self.env_threads = _resolve_grouping(
+                    envs_per_worker, env_threads, spec_adapter, n
+                )
         finally:
             spec_adapter.close()
         self.observation_keys = list(spec_adapter.obs_keys)
@@ -187,6 +200,8 @@ class AsyncEnvPool:
         self._life_r, self._life_w = os.pipe()
         k = self.envs_per_worker
         groups = [list(range(i, min(i + k, n))) for i in range(0, n, k)]
+        # the factories each worker builds: one per slot, or the one vector env of its slots
+        self._group_factories = [sorted({i // k_vec for i in g}) for g in groups]
         self.num_workers = len(groups)
         self._slot_worker = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
         # a threaded worker's slots each wait on their own doorbell; otherwise one per worker
@@ -236,10 +251,11 @@ class AsyncEnvPool:
         )
         for w, slots in enumerate(groups):
             parent_conn, child_conn = ctx.Pipe()
+            made = self._group_factories[w]
             p = ctx.Process(
                 target=worker_main,
                 args=(
-                    w, slots, [_picklable(fns[i]) for i in slots], [kwargs[i] for i in slots], self.layout,
+                    w, slots, [_picklable(fns[i]) for i in made], [kwargs[i] for i in made], self.layout,
                     arena_fd, [self._bells[b].inheritable() for b in sorted(set(self._slot_bell[slots].tolist()))],
                     consumer_fd, life_fd, child_conn, num_threads,
                     self._chunks.handle() if self._chunks is not None else None, self.env_threads,
@@ -550,6 +566,20 @@ def _resolve_grouping(envs_per_worker, env_threads, adapter, n):
     # so that one process's GIL-held work (copies, the env's own Python) overlaps another's
     k = max(1, math.ceil(n / (cores * (_BLOCKING_WORKERS_PER_CORE if blocking else 1))))
     return k, threaded and k > 1
+
+
+def _vector_grouping(envs_per_worker, env_threads, k):
+    """``(envs per worker, threaded)`` for vector env factories: one vector env per worker."""
+    if envs_per_worker not in ("auto", 1, k) or isinstance(envs_per_worker, bool):
+        raise ValueError(
+            f"envs_per_worker={envs_per_worker!r}: the factories return gymnasium vector envs of {k} envs, and "
+            f"each vector env is hosted by one worker; pass envs_per_worker='auto' (or {k})."
+        )
+    if env_threads is True:
+        raise ValueError("env_threads=True: a vector env is stepped with one call for all its envs, not per thread.")
+    if not (env_threads is False or env_threads == "auto"):
+        raise ValueError(f"env_threads must be True, False or 'auto', got {env_threads!r}.")
+    return k, False
 
 
 #: workers per core for blocking envs stepped in threads. 2 cores, 64 envs sleeping 2 ms: 16 envs

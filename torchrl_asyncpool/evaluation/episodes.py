@@ -159,6 +159,18 @@ class PlannedEnvFactory:
 
     def __call__(self, **kwargs):
         env = self.create_env_fn(**kwargs)
+        if _is_vector_env(env):  # raised in the calling process, by the pool's spec env
+            env.close()
+            raise TypeError(
+                f"evaluate() runs one episode per env at a time and needs single envs; create_env_fn returned a "
+                f"{type(env).__name__} (a gymnasium vector env). Pass a factory of one env (e.g. gymnasium.make)."
+            )
         if os.getpid() != self._owner_pid:
             setattr(env, EPISODE_PLAN_ATTR, self.plan)
         return env
+
+
+def _is_vector_env(env) -> bool:
+    import gymnasium as gym
+
+    return isinstance(env, gym.vector.VectorEnv)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import gymnasium as gym
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl_asyncpool.testing._specs import _done_spec
@@ -12,7 +14,7 @@ from torchrl.envs import EnvBase
 
 from torchrl_asyncpool.step_type import StepType
 
-__all__ = ["OracleEnv", "OracleChecker", "oracle_episode", "oracle_action"]
+__all__ = ["OracleEnv", "OracleGymEnv", "OracleChecker", "oracle_episode", "oracle_action"]
 
 _NO_ACTION = -1
 
@@ -151,6 +153,72 @@ class OracleEnv(EnvBase):
 
     def _set_seed(self, seed: int | None):
         return seed
+
+
+class OracleGymEnv(gym.Env):
+    """:class:`OracleEnv` as a plain :class:`gymnasium.Env`, for gymnasium vector envs.
+
+    Same episodes, rewards and ``"tag"`` / ``"echo"`` / ``"observation"`` entries (a
+    ``Dict`` observation space), so :class:`OracleChecker` checks pools built from
+    ``gymnasium.vector.SyncVectorEnv([... OracleGymEnv(env_id=i) ...])`` with envs ids
+    equal to their slot indices.
+
+    Args:
+        env_id (int): identity written into the tag.
+
+    Keyword Args:
+        max_episode_len (int): episode lengths vary in ``[1, max_episode_len]``.
+        fail_at_step (int, optional): raise ``RuntimeError`` on this global step count.
+        obs_dim (int): size of the float observation ``"observation"``.
+
+    Examples:
+        >>> from torchrl_asyncpool.testing import OracleGymEnv
+        >>> obs, _ = OracleGymEnv(env_id=3).reset()
+        >>> obs["tag"].tolist(), int(obs["echo"])
+        ([3, 0, 0], -1)
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, env_id: int = 0, *, max_episode_len: int = 7, fail_at_step: int | None = None,
+                 obs_dim: int = 2):
+        self.env_id, self.max_episode_len, self.fail_at_step = int(env_id), int(max_episode_len), fail_at_step
+        big = np.iinfo(np.int64).max
+        self.observation_space = gym.spaces.Dict({
+            "tag": gym.spaces.Box(-1, big, (3,), np.int64),
+            "echo": gym.spaces.Box(-1, big, (), np.int64),
+            "observation": gym.spaces.Box(-np.inf, np.inf, (obs_dim,), np.float32),
+        })
+        self.action_space = gym.spaces.Discrete(1000)
+        self.obs_dim = obs_dim
+        self.episode, self.t, self.total_steps = -1, 0, 0
+
+    def _obs(self, echo):
+        tag = np.array([self.env_id, self.episode, self.t], np.int64)
+        return {"tag": tag, "echo": np.array(echo, np.int64),
+                "observation": np.full(self.obs_dim, self.env_id, np.float32)}
+
+    def reset(self, *, seed=None, options=None):
+        """Starts the next episode: ``(observation, {})`` with tag ``(env_id, episode, 0)``."""
+        super().reset(seed=seed)
+        self.episode += 1
+        self.t = 0
+        return self._obs(_NO_ACTION), {}
+
+    def step(self, action):
+        """One step: ``(observation, reward, terminated, truncated, {})``, echoing ``action``."""
+        self.total_steps += 1
+        if self.fail_at_step is not None and self.total_steps == self.fail_at_step:
+            raise RuntimeError(f"OracleGymEnv {self.env_id}: scripted failure at step {self.total_steps}")
+        length, ending = oracle_episode(self.env_id, self.episode, self.max_episode_len)
+        if self.t >= length:
+            raise RuntimeError(
+                f"OracleGymEnv {self.env_id}: stepped past the end of episode {self.episode} (step {self.t})"
+            )
+        self.t += 1
+        end = self.t == length
+        return (self._obs(int(action)), float(self.t), end and ending == StepType.TERMINATION,
+                end and ending == StepType.TRUNCATION, {})
 
 
 def _flags(terminated: bool, truncated: bool) -> dict:
@@ -293,3 +361,4 @@ class OracleChecker:
     def last_step(self, env_index: int):
         """The last tag seen for ``env_index`` (``None`` before any)."""
         return self._last.get(env_index)
+

@@ -12,7 +12,10 @@ from typing import Dict, Tuple
 import torch
 from torchrl.envs import EnvBase
 
-__all__ = ["RESERVED_KEYS", "EPISODE_PLAN_ATTR", "TorchRLEnvAdapter", "GymnasiumEnvAdapter", "make_adapter"]
+__all__ = [
+    "RESERVED_KEYS", "EPISODE_PLAN_ATTR", "TorchRLEnvAdapter", "GymnasiumEnvAdapter", "GymnasiumVectorAdapter",
+    "make_adapter",
+]
 
 #: Request keys the exchange defines itself; an env observation may not use them.
 RESERVED_KEYS = ("reward", "step_type", "done", "terminated", "truncated", "env_index")
@@ -56,7 +59,7 @@ class TorchRLEnvAdapter:
     """Runs a TorchRL :class:`~torchrl.envs.EnvBase` with an empty batch size in one slot."""
 
     def __init__(self, env: EnvBase, env_index: int | None = None):
-        where = f"env {env_index}" if env_index is not None else "the env"
+        where = _where(env_index)
         if not isinstance(env, EnvBase):
             raise TypeError(
                 f"create_env_fn for {where} returned {type(env).__name__}; expected a torchrl.envs.EnvBase."
@@ -163,11 +166,15 @@ class GymnasiumEnvAdapter:
     """
 
     def __init__(self, env, env_index: int | None = None):
+        self.env = env
+        self._read_spaces(env.observation_space, env.action_space, _where(env_index))
+        self._plan = _plan_of(env)
+        if self._plan is not None:  # the plain step stays free of the plan's bookkeeping
+            self.step = self._planned_step
+
+    def _read_spaces(self, space, a, where: str) -> None:
         import gymnasium as gym
 
-        where = f"env {env_index}" if env_index is not None else "the env"
-        self.env = env
-        space = env.observation_space
         if isinstance(space, gym.spaces.Dict):
             self._obs_spaces = dict(space.spaces)
             self._dict_obs = True
@@ -180,7 +187,6 @@ class GymnasiumEnvAdapter:
             if k in RESERVED_KEYS:
                 raise ValueError(f"{where}: observation key {k!r} collides with a reserved key {RESERVED_KEYS}.")
         self.obs_keys = list(self._obs_spaces)
-        a = env.action_space
         if isinstance(a, gym.spaces.Discrete):
             self._action = ((), torch.int64)
             self._discrete = True
@@ -190,9 +196,6 @@ class GymnasiumEnvAdapter:
         else:
             raise TypeError(f"{where}: unsupported gymnasium action space {a!r}.")
         self.action_keys = ["action"]
-        self._plan = _plan_of(env)
-        if self._plan is not None:  # the plain step stays free of the plan's bookkeeping
-            self.step = self._planned_step
 
     #: the worker hands :meth:`step` numpy views of the action rows (no torch call per step)
     takes_numpy = True
@@ -251,6 +254,53 @@ class GymnasiumEnvAdapter:
             pass
 
 
+class GymnasiumVectorAdapter(GymnasiumEnvAdapter):
+    """Runs a :class:`gymnasium.vector.VectorEnv` of ``k`` envs in ``k`` consecutive slots, in lockstep.
+
+    The slot fields are :class:`GymnasiumEnvAdapter`'s for the vector env's
+    ``single_observation_space`` and ``single_action_space``. :meth:`reset` and :meth:`step`
+    work on all ``k`` envs at once (observations ``[k, ...]``; rewards, terminated and
+    truncated ``[k]``), so a natively vectorized simulator is stepped with one call per pass.
+    The vector env must autoreset in gymnasium's ``NEXT_STEP`` mode (its default), which is
+    the pool's episode contract: the step after an env ended ignores that env's action and
+    returns its reset observation, published as a ``FIRST`` record.
+    """
+
+    def __init__(self, env, env_index: int | None = None):
+        from gymnasium.vector import AutoresetMode
+
+        where = f"{_where(env_index)} (a gymnasium vector env)"
+        if getattr(env, EPISODE_PLAN_ATTR, None) is not None:
+            raise TypeError(f"{where}: fixed episode plans (evaluate()) need single envs, not a vector env.")
+        mode = env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP)
+        if mode != AutoresetMode.NEXT_STEP and getattr(mode, "value", mode) != AutoresetMode.NEXT_STEP.value:
+            raise ValueError(
+                f"{where} autoresets in {mode!r} mode; the pool's episodes follow gymnasium's NEXT_STEP mode "
+                "(the vector env's default): build it with autoreset_mode=AutoresetMode.NEXT_STEP."
+            )
+        self.env = env
+        self.num_envs = int(env.num_envs)
+        self._read_spaces(env.single_observation_space, env.single_action_space, where)
+        self._plan = None
+
+    def random_action(self) -> Dict:
+        return {"action": torch.as_tensor(self.env.single_action_space.sample())}
+
+    def reset(self):
+        obs, _ = self.env.reset()
+        return self._obs(obs)
+
+    def step(self, actions: Dict):
+        """Steps all ``k`` envs with ``actions["action"]`` (``[k, ...]``); returns
+        ``(obs, reward, terminated, truncated)``, each with a leading ``k``."""
+        obs, reward, terminated, truncated, _ = self.env.step(actions["action"].copy())
+        return self._obs(obs), reward, terminated, truncated
+
+
+def _where(env_index) -> str:
+    return f"env {env_index}" if env_index is not None else "the env"
+
+
 def _torch_dtype(np_dtype) -> torch.dtype:
     import numpy as np
 
@@ -267,8 +317,9 @@ def make_adapter(env, env_index: int | None = None):
         gym = None
     if gym is not None and isinstance(env, gym.Env):
         return GymnasiumEnvAdapter(env, env_index)
-    where = f"env {env_index}" if env_index is not None else "the env"
+    if gym is not None and isinstance(env, gym.vector.VectorEnv):
+        return GymnasiumVectorAdapter(env, env_index)
     raise TypeError(
-        f"create_env_fn for {where} returned {type(env).__name__}; expected a torchrl.envs.EnvBase "
-        "or a gymnasium.Env."
+        f"create_env_fn for {_where(env_index)} returned {type(env).__name__}; expected a torchrl.envs.EnvBase, "
+        "a gymnasium.Env or a gymnasium.vector.VectorEnv."
     )

@@ -194,6 +194,7 @@ class _Worker:
         self._stop_w = -1
         self.unrung = 0  # records published since the consumer's doorbell was last rung
         self.held = None  # slot indices written but not yet published (the main loop's pass)
+        self.vector = None  # the adapter of a vector env hosting all the slots (stepped in lockstep)
 
     def build(self, slot_ids, env_fns, env_kwargs):
         layout = self.layout
@@ -203,6 +204,14 @@ class _Worker:
             {f.key: (f.shape, f.dtype) for f in layout.request if f.key not in recurrent},
             {f.key: (f.shape, f.dtype) for f in layout.response if actions is None or f.key in actions},
         )
+        if len(env_fns) == 1 and not self.threaded:
+            self._phase, self._current = "construction", slot_ids[0]
+            adapter = make_adapter(env_fns[0](**env_kwargs[0]), slot_ids[0])
+            if hasattr(adapter, "num_envs") or len(slot_ids) > 1:  # a vector env: all the slots, one adapter
+                self._build_vector(slot_ids, adapter)
+                return
+            self.slots.append(self._add_slot(slot_ids[0], adapter))
+            return
         specs = list(zip(slot_ids, env_fns, env_kwargs))
         if self.threaded:
             # each env is built, stepped and closed by its own thread: envs holding thread-bound
@@ -212,9 +221,37 @@ class _Worker:
         for spec in specs:
             self.slots.append(self._build_slot(*spec))
 
+    def _build_vector(self, slot_ids, adapter):
+        if not hasattr(adapter, "num_envs"):
+            adapter.close()
+            raise ValueError(
+                f"env {slot_ids[0]}: the factory returned a single env, but the first factory returned a gymnasium "
+                f"vector env of {len(slot_ids)} envs (all factories must return the same kind)."
+            )
+        if adapter.num_envs != len(slot_ids):
+            adapter.close()
+            raise ValueError(
+                f"env {slot_ids[0]}: the factory returned a vector env of {adapter.num_envs} envs; the pool "
+                f"expects {len(slot_ids)} (slots {slot_ids[0]}..{slot_ids[-1]}), as the first factory returned "
+                "(every factory must return the same number of envs)."
+            )
+        for index in slot_ids:
+            self.slots.append(self._add_slot(index, adapter))
+        self.vector = adapter
+
     def _build_slot(self, index, fn, kw):
         self._phase, self._current = "construction", index
         adapter = make_adapter(fn(**kw), index)
+        if hasattr(adapter, "num_envs"):
+            adapter.close()
+            raise ValueError(
+                f"env {index}: the factory returned a gymnasium vector env, but the first factory returned a "
+                "single env (all factories must return the same kind)."
+            )
+        return self._add_slot(index, adapter)
+
+    def _add_slot(self, index, adapter):
+        self._phase, self._current = "construction", index
         request, response = (_keyed(d) for d in adapter.fields())
         _check_fields(index, "observation/reward/done", self._expected[0], request)
         _check_fields(index, "action", self._expected[1], response)
@@ -228,8 +265,8 @@ class _Worker:
         """Closes the hosted envs; a threaded worker's threads close their own (waited for at
         most ``timeout`` seconds in all: a thread may be inside a long step)."""
         if not self.threaded:
-            for slot in self.slots:
-                slot.adapter.close()
+            for adapter in {id(slot.adapter): slot.adapter for slot in self.slots}.values():
+                adapter.close()
             return
         if self._stop_w >= 0:
             os.close(self._stop_w)  # every slot thread's poll sees the hang-up
@@ -318,6 +355,8 @@ class _Worker:
     def run(self):
         if self.threaded:
             return self._run_threaded()
+        if self.vector is not None:
+            return self._run_lockstep()
         for slot in self.slots:
             self._publish(slot, self._timed_reset(slot), None, _FIRST)
         self._ring()
@@ -445,6 +484,85 @@ class _Worker:
                 slot.pending_first = self._timed_reset(slot)
             except Exception:  # noqa: BLE001 - re-raised by _serve once the slot is ours
                 slot.pending_error = traceback.format_exc()
+
+    # -- vector env, stepped in lockstep -------------------------------------------------------
+    def _run_lockstep(self):
+        """The loop of :meth:`run` for one vector env hosting all the worker's slots: a pass
+        waits until every slot is answered, then steps all of them with one call. NEXT_STEP
+        autoreset is the vector env's own: an env that ended last pass ignores its action and
+        returns its reset observation, which is published as ``FIRST`` (no transition)."""
+        vec, slots, delivery = self.vector, self.slots, self.delivery
+        k, lo = len(slots), slots[0].index
+        rows = slice(lo, lo + k)
+        req, resp = self.arena.request, self.arena.response
+        obs_rows = [(key, _np(req.get(key))[rows]) for key in vec.obs_keys]
+        actions = {key: _np(resp.get(key))[rows] for key in vec.action_keys}
+        recurrent = [(_np(req.get(i))[rows], _np(resp.get(o))[rows]) for i, o in self.layout.recurrent.items()]
+        state, step_type = self.state[rows], self.step_type[rows]
+        reward, done = self.reward[rows], self.done[rows]
+        terminated, truncated = self.terminated[rows], self.truncated[rows]
+        flag_shape = (k, *self._flag_dims)
+        idx = np.arange(lo, lo + k)
+        first = np.full(k, _FIRST, np.int8)
+
+        def publish(obs, rew, st, dt):
+            for key, view in obs_rows:
+                view[...] = obs[key]
+            rew = np.asarray(rew, reward.dtype)
+            reward[...] = rew.reshape(reward.shape) if rew.size == reward.size else rew
+            step_type[...] = st
+            flag = st.reshape(flag_shape)
+            terminated[...] = flag == _TERM
+            truncated[...] = flag == _TRUNC
+            done[...] = flag >= _TERM
+            is_first = st == _FIRST
+            for hidden_in, hidden_out in recurrent:  # zeros on FIRST, else the last answer's state
+                hidden_in[...] = np.where(is_first.reshape((k,) + (1,) * (hidden_in.ndim - 1)), 0, hidden_out)
+            self.step_time[rows] += dt / k
+            self.step_count[rows] += 1
+
+        self._phase, self._current = "reset", lo
+        t = time.perf_counter()
+        obs = vec.reset()
+        publish(obs, 0.0, first, time.perf_counter() - t)
+        self.ready_time[rows] = time.monotonic()
+        state[...] = S.OBS_READY  # after the data
+        self.consumer.ring(k)
+        self.conn.send(("ready", self.worker_id, None, None))
+        self.started = True
+        poller = select.poll()
+        bell = self.bells[0]
+        poller.register(bell.fd, select.POLLIN)
+        poller.register(self.life_fd, select.POLLIN)
+        ended = np.zeros(k, bool)  # the env's last record was terminal: its next one is FIRST
+        while True:
+            for fd, _ in poller.poll():
+                if fd == self.life_fd:
+                    return
+            bell.drain()  # before the scan: a ring after this point wakes the next poll
+            if not (state == S.ACTION_READY).all():
+                continue
+            stepping = np.flatnonzero(~ended)
+            if delivery is not None and len(stepping):
+                if not all([delivery.claim(slots[j]) for j in stepping]):
+                    continue  # back-pressure: the driver frees a chunk and rings this worker
+                moving = [slots[j] for j in stepping]
+                chunk = np.fromiter((sl.chunk for sl in moving), np.int64, len(moving))
+                pos = np.fromiter((sl.pos for sl in moving), np.int64, len(moving))
+                delivery.write_root_rows(idx[stepping], chunk, pos)
+            self._phase, self._current = "step", lo
+            t = time.perf_counter()
+            obs, rew, term, trunc = vec.step(actions)
+            dt = time.perf_counter() - t
+            term, trunc = np.asarray(term, bool), np.asarray(trunc, bool)
+            st = np.where(ended, _FIRST, np.where(term, _TERM, np.where(trunc, _TRUNC, _MID))).astype(np.int8)
+            publish(obs, np.where(ended, 0.0, rew), st, dt)
+            if delivery is not None and len(stepping):
+                delivery.write_next_rows(moving, idx[stepping], chunk, pos)
+            ended = (st == _TERM) | (st == _TRUNC)
+            self.ready_time[rows] = time.monotonic()
+            state[...] = S.OBS_READY  # after the data
+            self.consumer.ring(k)
 
     # -- threaded worker ----------------------------------------------------------------------
     def _run_threaded(self):

@@ -1,0 +1,132 @@
+"""Factories returning gymnasium vector envs: k slots per vector env, stepped in lockstep.
+
+The oracle runs inside ``gymnasium.vector.SyncVectorEnv`` (NEXT_STEP autoreset, gymnasium's
+default), so every record and transition is checked for loss, duplication, order, step type,
+autoreset pairing and action routing, as for single envs.
+"""
+import functools
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, EnvError
+from torchrl_asyncpool.testing import OracleChecker, OracleGymEnv, oracle_action
+
+
+def oracle_vector(base, k, **kwargs):
+    """A vector env of the oracle envs ``base .. base + k - 1`` (ids equal slot indices)."""
+    return gym.vector.SyncVectorEnv([functools.partial(OracleGymEnv, env_id=base + j, **kwargs) for j in range(k)])
+
+
+def oracle_vectors(num_vectors, k, **kwargs):
+    return [functools.partial(oracle_vector, f * k, k, **kwargs) for f in range(num_vectors)]
+
+
+def oracle_policy(td):
+    return td.set("action", oracle_action(td["tag"]))
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_pool_records_pass_the_oracle(k, dev_shm_guard):
+    checker = OracleChecker()
+    with AsyncEnvPool(oracle_vectors(2, k)) as pool:
+        assert (pool.num_envs, pool.num_workers, pool.envs_per_factory) == (2 * k, 2, k)
+        for _ in range(150):
+            td = pool.recv(min_get=1)
+            checker.observe_batch(td)
+            actions = oracle_action(td["tag"])
+            pool.send(TensorDict({"action": actions}, td.batch_size), td.env_indices)
+    assert checker.records >= 150 * k
+    assert checker.episodes_done >= 20 * k
+
+
+def test_recurrent_state_is_carried_and_reset_on_first():
+    """hidden_out = hidden_in + 1, so hidden_in must equal the step id inside the episode."""
+    checker = OracleChecker()
+    with AsyncEnvPool(oracle_vectors(2, 3), policy_output_spec={"hidden_out": ((3,), torch.float32)},
+                      recurrent_state={"hidden_in": "hidden_out"}) as pool:
+        for _ in range(120):
+            td = pool.recv()
+            checker.observe_batch(td)
+            steps = td["tag"][:, 2].float()
+            assert torch.equal(td["hidden_in"], steps[:, None].expand(-1, 3)), (td["tag"], td["hidden_in"])
+            pool.send(TensorDict({"action": oracle_action(td["tag"]), "hidden_out": td["hidden_in"] + 1},
+                                 td.batch_size), td.env_indices)
+    assert checker.episodes_done >= 20
+
+
+def test_collector_transitions_pass_the_oracle(dev_shm_guard):
+    checker = OracleChecker()
+    c = AsyncPoolCollector(oracle_vectors(3, 4), policy=oracle_policy, frames_per_batch=50, total_frames=230,
+                           transition_chunk_size=7)
+    try:
+        assert c.env.num_envs == 12
+        sizes = []
+        for batch in c:
+            sizes.append(batch.shape[0])
+            checker.observe_transitions(batch)
+        assert sizes == [50, 50, 50, 50, 30]  # the total frame count is exact
+        assert checker.records == 230
+        assert len(checker._last_transition) == 12  # every env of every vector env delivered
+    finally:
+        c.shutdown()
+
+
+def test_cartpole_vector_env_transitions_follow_the_physics():
+    """gymnasium's numpy-vectorized CartPole: each transition is replayed on a single CartPole."""
+
+    class Alternate(torch.nn.Module):
+        def forward(self, td):
+            return td.set("action", (td["observation"][:, 2] > 0).long())  # push towards the pole
+
+    make = functools.partial(gym.make_vec, "CartPole-v1", num_envs=8, vectorization_mode="vector_entry_point")
+    c = AsyncPoolCollector([make] * 2, policy=Alternate(), frames_per_batch=256, total_frames=1024)
+    sim = gym.make("CartPole-v1").unwrapped
+    sim.reset(seed=0)
+    try:
+        n = 0
+        for batch in c:
+            obs, act, nxt = batch["observation"].numpy(), batch["action"].numpy(), batch["next", "observation"].numpy()
+            for i in range(len(obs)):
+                sim.state, sim.steps_beyond_terminated = obs[i].astype(np.float64), None
+                expected, *_ = sim.step(int(act[i]))
+                assert np.allclose(expected, nxt[i], atol=1e-4), f"transition {i} of env {int(batch['env_index'][i])}"
+                n += 1
+        assert n == 1024
+    finally:
+        c.shutdown()
+
+
+def test_an_env_raising_inside_a_vector_env_names_it():
+    with AsyncEnvPool(oracle_vectors(2, 3, fail_at_step=4)) as pool:
+        with pytest.raises(EnvError) as info:
+            for _ in range(50):
+                td = pool.recv(min_get=1)
+                pool.send(TensorDict({"action": oracle_action(td["tag"])}, td.batch_size), td.env_indices)
+    err = info.value
+    assert err.phase == "step" and err.env_index in (0, 3), str(err)  # the vector env's first slot
+    assert "scripted failure at step 4" in str(err)
+
+
+def test_bad_vector_env_setups_raise_clear_errors():
+    with pytest.raises(ValueError, match="envs_per_worker=2: the factories return gymnasium vector envs of 4"):
+        AsyncEnvPool(oracle_vectors(2, 4), envs_per_worker=2)
+    with pytest.raises(ValueError, match="env_threads=True"):
+        AsyncEnvPool(oracle_vectors(2, 4), env_threads=True)
+
+    def same_step():
+        return gym.vector.SyncVectorEnv([OracleGymEnv] * 2, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+    with pytest.raises(ValueError, match="NEXT_STEP"):
+        AsyncEnvPool([same_step])
+    # every factory must return the same number of envs, and the same kind of env
+    with pytest.raises(EnvError, match="vector env of 2 envs; the pool expects 4"):
+        AsyncEnvPool([functools.partial(oracle_vector, 0, 4), functools.partial(oracle_vector, 4, 2)])
+    with pytest.raises(EnvError, match="returned a single env, but the first factory returned a gymnasium vector"):
+        AsyncEnvPool([functools.partial(oracle_vector, 0, 2), functools.partial(OracleGymEnv, 2)])
+    with pytest.raises(EnvError, match="returned a gymnasium vector env, but the first factory returned a single"):
+        AsyncEnvPool([functools.partial(OracleGymEnv, 0), functools.partial(oracle_vector, 1, 2)],
+                     envs_per_worker=2)
