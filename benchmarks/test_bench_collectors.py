@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("pytest_benchmark")
 
 import compare_collectors as cc  # noqa: E402  (benchmarks/ is put on sys.path by conftest.py)
+import compare_vector_envs as cv  # noqa: E402
 
 FRAMES_PER_BATCH = 1024
 BATCHES = 8
@@ -36,7 +37,7 @@ def _record(benchmark, impl, w, n, timed):
     fps = frames / sum(dt for _, dt in timed)
     benchmark.group = f"{w}, {n} envs"
     benchmark.extra_info.update({"impl": impl, "workload": w, "num_envs": n, "frames_per_s": fps})
-    if w == "sleep2ms":
+    if w.startswith("sleep2ms"):
         benchmark.extra_info["pct_of_n_over_latency"] = 100.0 * fps / (n / 0.002)
     assert frames == ROUNDS * BATCHES * FRAMES_PER_BATCH  # nothing lost, nothing extra
 
@@ -113,3 +114,10 @@ def test_torchrl_async(benchmark, w, n):
 @pytest.mark.parametrize("w,n", CELLS)
 def test_torchrl_sync(benchmark, w, n):
     _bench_collector(benchmark, cc.build_torchrl_sync, "torchrl_sync", w, n)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("w,workers,k", [("cartpole_vec", 2, 32), ("sleep2ms_vec", 8, 16)])
+def test_asyncpool_vector_envs(benchmark, w, workers, k):
+    """Vector env factories (``compare_vector_envs.py``): ``workers`` vector envs of ``k``."""
+    _bench_collector(benchmark, lambda w, n, fpb: cv.build_asyncpool(w, workers, k, fpb), "asyncpool", w, workers * k)
