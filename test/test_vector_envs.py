@@ -12,7 +12,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, EnvError
+from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, EnvError, WorkerDiedError
 from torchrl_asyncpool.testing import OracleChecker, OracleGymEnv, oracle_action
 
 
@@ -130,3 +130,23 @@ def test_bad_vector_env_setups_raise_clear_errors():
     with pytest.raises(EnvError, match="returned a gymnasium vector env, but the first factory returned a single"):
         AsyncEnvPool([functools.partial(OracleGymEnv, 0), functools.partial(oracle_vector, 1, 2)],
                      envs_per_worker=2)
+
+
+def test_a_killed_vector_env_worker_names_its_envs(dev_shm_guard):
+    import os
+    import signal
+    import time
+
+    with AsyncEnvPool(oracle_vectors(2, 3)) as pool:
+        pids = pool.worker_pids
+        pool.recv(min_get=6)  # every env leased: only the death can end the next recv
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError) as info:
+            pool.recv()
+        assert time.monotonic() - t0 < 10.0  # prompt (generous bound: noisy machines)
+        assert info.value.env_indices == (3, 4, 5)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+        time.sleep(0.05)
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "workers not reaped after close()"
