@@ -5,6 +5,9 @@ default), so every record and transition is checked for loss, duplication, order
 autoreset pairing and action routing, as for single envs.
 """
 import functools
+import os
+import signal
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -75,6 +78,25 @@ def test_collector_transitions_pass_the_oracle(dev_shm_guard):
         c.shutdown()
 
 
+def test_start_fills_a_replay_buffer_with_small_inference_batches():
+    """The server leases at most 3 records at a time: a vector env of 4 still gets all its answers."""
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    checker = OracleChecker()
+    rb = ReplayBuffer(storage=LazyTensorStorage(2000))
+    c = AsyncPoolCollector(oracle_vectors(2, 4), policy=oracle_policy, frames_per_batch=32, total_frames=320,
+                           replay_buffer=rb, transition_chunk_size=8, max_batch_size=3)
+    try:
+        c.start()
+        deadline = time.monotonic() + 60
+        while len(rb) < 320 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(rb) == 320
+        checker.observe_transitions(rb[:320])
+    finally:
+        c.shutdown()
+
+
 def test_cartpole_vector_env_transitions_follow_the_physics():
     """gymnasium's numpy-vectorized CartPole: each transition is replayed on a single CartPole."""
 
@@ -133,10 +155,6 @@ def test_bad_vector_env_setups_raise_clear_errors():
 
 
 def test_a_killed_vector_env_worker_names_its_envs(dev_shm_guard):
-    import os
-    import signal
-    import time
-
     with AsyncEnvPool(oracle_vectors(2, 3)) as pool:
         pids = pool.worker_pids
         pool.recv(min_get=6)  # every env leased: only the death can end the next recv
