@@ -16,6 +16,10 @@ actions arrive, not in lockstep. Nothing here allocates shared memory or pickles
 records are copied into the arena through numpy views, the state word is set after the data,
 and the consumer's doorbell is rung after the state word.
 
+A worker whose factory returned a gymnasium vector env (``k`` slots, one adapter) runs
+:meth:`_Worker._run_lockstep` instead: it waits until all ``k`` slots are answered and steps
+them with one call; the vector env's own NEXT_STEP autoreset yields the ``FIRST`` records.
+
 Threaded workers (``threaded=True``, for envs that block: sleep, I/O, a simulator that releases
 the GIL) run the same per-slot logic in one thread per hosted slot, each slot with its own
 doorbell, so the slots' blocking steps overlap inside one process. Each thread works on a
