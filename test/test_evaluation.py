@@ -241,3 +241,14 @@ def test_a_vector_env_factory_is_refused_with_a_clear_error():
     with pytest.raises(TypeError, match="needs single envs; create_env_fn returned a CartPoleVectorEnv"):
         evaluate(make, lambda td: td.set("action", torch.zeros(td.shape[0], dtype=torch.int64)),
                  [Episode("a", seed=1, max_steps=10)], num_envs=1, progress=False)
+
+
+def test_a_batched_torchrl_env_factory_is_refused_with_a_clear_error():
+    from torchrl.envs import SerialEnv
+
+    from torchrl_asyncpool.testing import OracleEnv
+
+    make = functools.partial(SerialEnv, 2, OracleEnv)
+    with pytest.raises(TypeError, match="needs single envs; create_env_fn returned a SerialEnv"):
+        evaluate(make, lambda td: td.set("action", torch.zeros(td.shape[0], dtype=torch.int64)),
+                 [Episode("a", seed=1, max_steps=10)], num_envs=1, progress=False)

@@ -1,8 +1,9 @@
-"""Factories returning gymnasium vector envs: k slots per vector env, stepped in lockstep.
+"""Factories returning vector envs: k slots per vector env, stepped in lockstep.
 
 The oracle runs inside ``gymnasium.vector.SyncVectorEnv`` (NEXT_STEP autoreset, gymnasium's
-default), so every record and transition is checked for loss, duplication, order, step type,
-autoreset pairing and action routing, as for single envs.
+default) and inside TorchRL's ``SerialEnv`` (a batched ``EnvBase``, reset by partial resets),
+so every record and transition is checked for loss, duplication, order, step type, autoreset
+pairing and action routing, as for single envs.
 """
 import functools
 import os
@@ -16,7 +17,10 @@ import torch
 from tensordict import TensorDict
 
 from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, EnvError, WorkerDiedError
-from torchrl_asyncpool.testing import OracleChecker, OracleGymEnv, oracle_action
+from torchrl.data import Categorical, Composite, Unbounded
+from torchrl.envs import EnvBase, SerialEnv
+
+from torchrl_asyncpool.testing import OracleChecker, OracleEnv, OracleGymEnv, oracle_action
 
 
 def oracle_vector(base, k, **kwargs):
@@ -24,32 +28,44 @@ def oracle_vector(base, k, **kwargs):
     return gym.vector.SyncVectorEnv([functools.partial(OracleGymEnv, env_id=base + j, **kwargs) for j in range(k)])
 
 
-def oracle_vectors(num_vectors, k, **kwargs):
-    return [functools.partial(oracle_vector, f * k, k, **kwargs) for f in range(num_vectors)]
+def oracle_serial(base, k, **kwargs):
+    """The same as a TorchRL batched env (``batch_size=[k]``)."""
+    return SerialEnv(k, [functools.partial(OracleEnv, env_id=base + j, **kwargs) for j in range(k)])
+
+
+def oracle_vectors(num_vectors, k, kind="gym", **kwargs):
+    make = oracle_vector if kind == "gym" else oracle_serial
+    return [functools.partial(make, f * k, k, **kwargs) for f in range(num_vectors)]
+
+
+KINDS = ["gym", "torchrl"]
 
 
 def oracle_policy(td):
     return td.set("action", oracle_action(td["tag"]))
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("k", [1, 4])
-def test_pool_records_pass_the_oracle(k, dev_shm_guard):
+def test_pool_records_pass_the_oracle(k, kind, dev_shm_guard):
     checker = OracleChecker()
-    with AsyncEnvPool(oracle_vectors(2, k)) as pool:
+    with AsyncEnvPool(oracle_vectors(2, k, kind)) as pool:
         assert (pool.num_envs, pool.num_workers, pool.envs_per_factory) == (2 * k, 2, k)
         for _ in range(150):
             td = pool.recv(min_get=1)
             checker.observe_batch(td)
             actions = oracle_action(td["tag"])
             pool.send(TensorDict({"action": actions}, td.batch_size), td.env_indices)
-    assert checker.records >= 150 * k
-    assert checker.episodes_done >= 20 * k
+    # a TorchRL batched env spends a pass on each partial reset, publishing only the reset envs
+    assert checker.records >= 150 * (k if kind == "gym" else 1)
+    assert checker.episodes_done >= 10 * k
 
 
-def test_recurrent_state_is_carried_and_reset_on_first():
+@pytest.mark.parametrize("kind", KINDS)
+def test_recurrent_state_is_carried_and_reset_on_first(kind):
     """hidden_out = hidden_in + 1, so hidden_in must equal the step id inside the episode."""
     checker = OracleChecker()
-    with AsyncEnvPool(oracle_vectors(2, 3), policy_output_spec={"hidden_out": ((3,), torch.float32)},
+    with AsyncEnvPool(oracle_vectors(2, 3, kind), policy_output_spec={"hidden_out": ((3,), torch.float32)},
                       recurrent_state={"hidden_in": "hidden_out"}) as pool:
         for _ in range(120):
             td = pool.recv()
@@ -61,9 +77,10 @@ def test_recurrent_state_is_carried_and_reset_on_first():
     assert checker.episodes_done >= 20
 
 
-def test_collector_transitions_pass_the_oracle(dev_shm_guard):
+@pytest.mark.parametrize("kind", KINDS)
+def test_collector_transitions_pass_the_oracle(kind, dev_shm_guard):
     checker = OracleChecker()
-    c = AsyncPoolCollector(oracle_vectors(3, 4), policy=oracle_policy, frames_per_batch=50, total_frames=230,
+    c = AsyncPoolCollector(oracle_vectors(3, 4, kind), policy=oracle_policy, frames_per_batch=50, total_frames=230,
                            transition_chunk_size=7)
     try:
         assert c.env.num_envs == 12
@@ -78,13 +95,14 @@ def test_collector_transitions_pass_the_oracle(dev_shm_guard):
         c.shutdown()
 
 
-def test_start_fills_a_replay_buffer_with_small_inference_batches():
+@pytest.mark.parametrize("kind", KINDS)
+def test_start_fills_a_replay_buffer_with_small_inference_batches(kind):
     """The server leases at most 3 records at a time: a vector env of 4 still gets all its answers."""
     from torchrl.data import LazyTensorStorage, ReplayBuffer
 
     checker = OracleChecker()
     rb = ReplayBuffer(storage=LazyTensorStorage(2000))
-    c = AsyncPoolCollector(oracle_vectors(2, 4), policy=oracle_policy, frames_per_batch=32, total_frames=320,
+    c = AsyncPoolCollector(oracle_vectors(2, 4, kind), policy=oracle_policy, frames_per_batch=32, total_frames=320,
                            replay_buffer=rb, transition_chunk_size=8, max_batch_size=3)
     try:
         c.start()
@@ -122,8 +140,9 @@ def test_cartpole_vector_env_transitions_follow_the_physics():
         c.shutdown()
 
 
-def test_an_env_raising_inside_a_vector_env_names_it():
-    with AsyncEnvPool(oracle_vectors(2, 3, fail_at_step=4)) as pool:
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_env_raising_inside_a_vector_env_names_it(kind):
+    with AsyncEnvPool(oracle_vectors(2, 3, kind, fail_at_step=4)) as pool:
         with pytest.raises(EnvError) as info:
             for _ in range(50):
                 td = pool.recv(min_get=1)
@@ -168,3 +187,27 @@ def test_a_killed_vector_env_worker_names_its_envs(dev_shm_guard):
     while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
         time.sleep(0.05)
     assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "workers not reaped after close()"
+
+
+class _TwoD(EnvBase):
+    """A batched TorchRL env with a 2-d batch size (only its specs matter here)."""
+
+    def __init__(self):
+        super().__init__(batch_size=torch.Size([2, 2]))
+        self.observation_spec = Composite(observation=Unbounded(shape=(2, 2, 3)), shape=(2, 2))
+        self.action_spec = Categorical(2, shape=(2, 2))
+        self.reward_spec = Unbounded(shape=(2, 2, 1))
+
+    def _reset(self, tensordict=None, **kwargs):
+        raise NotImplementedError
+
+    def _step(self, tensordict):
+        raise NotImplementedError
+
+    def _set_seed(self, seed):
+        return seed
+
+
+def test_a_batched_torchrl_env_must_have_a_1d_batch_size():
+    with pytest.raises(ValueError, match=r"batch_size \(2, 2\).*1-d batch_size=\[k\]"):
+        AsyncEnvPool([_TwoD])

@@ -110,9 +110,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         create_env_fn (list of callables): one factory per env, returning a TorchRL
             :class:`~torchrl.envs.EnvBase` (batch size ``()``) or a plain
             :class:`gymnasium.Env` (fast path, no TensorDict work per step in the worker), or
-            a :class:`gymnasium.vector.VectorEnv` of ``k`` envs (every factory the same ``k``;
-            its envs are stepped in lockstep by one worker and delivered as ``k`` envs with
-            their own ``"env_index"``, see :class:`~torchrl_asyncpool.AsyncEnvPool`).
+            a :class:`gymnasium.vector.VectorEnv` or a TorchRL env with ``batch_size=[k]`` of
+            ``k`` envs (every factory the same ``k``; its envs are stepped in lockstep by one
+            worker and delivered as ``k`` envs with their own ``"env_index"``, see
+            :class:`~torchrl_asyncpool.AsyncEnvPool`).
 
     Keyword Args:
         policy (callable, optional): a ``TensorDict -> TensorDict`` policy (e.g. a

@@ -48,9 +48,16 @@ class AsyncEnvPool:
 
     Args:
         create_env_fn (list of callables): one factory per env, each returning a TorchRL
-            :class:`~torchrl.envs.EnvBase` with an empty batch size. Specs are read once from
-            the first env (instantiated in the calling process) and fix the slot layout;
-            every env must share them.
+            :class:`~torchrl.envs.EnvBase` with an empty batch size or a
+            :class:`gymnasium.Env`. Specs are read once from the first env (instantiated in
+            the calling process) and fix the slot layout; every env must share them. A
+            factory may instead return a :class:`gymnasium.vector.VectorEnv` of ``k`` envs
+            (``NEXT_STEP`` autoreset) or a TorchRL env with ``batch_size=[k]`` (every factory
+            the same ``k``): it then fills ``k`` consecutive slots of one worker, which steps
+            all of them with one call once every one of them is answered (lockstep), for
+            simulators that step many envs at once. A TorchRL batched env is reset with
+            partial resets (``"_reset"``), one pass after its envs end, and must not reset
+            itself.
 
     Keyword Args:
         create_env_kwargs (dict or list of dicts, optional): keyword arguments for the
@@ -105,7 +112,7 @@ class AsyncEnvPool:
 
     Attributes:
         num_envs (int): slots, i.e. envs: ``len(create_env_fn)`` times ``envs_per_factory``.
-        envs_per_factory (int): envs one factory builds (``k`` for vector envs, else ``1``).
+        envs_per_factory (int): envs one factory builds (``k`` for vector or batched envs, else ``1``).
         num_workers (int): worker processes.
 
     Lifetime of received data:

@@ -160,10 +160,13 @@ class PlannedEnvFactory:
     def __call__(self, **kwargs):
         env = self.create_env_fn(**kwargs)
         if _is_vector_env(env):  # raised in the calling process, by the pool's spec env
-            env.close()
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001 - e.g. a SerialEnv never started refuses to close
+                pass
             raise TypeError(
                 f"evaluate() runs one episode per env at a time and needs single envs; create_env_fn returned a "
-                f"{type(env).__name__} (a gymnasium vector env). Pass a factory of one env (e.g. gymnasium.make)."
+                f"{type(env).__name__} (a vector or batched env). Pass a factory of one env (e.g. gymnasium.make)."
             )
         if os.getpid() != self._owner_pid:
             setattr(env, EPISODE_PLAN_ATTR, self.plan)
@@ -172,5 +175,6 @@ class PlannedEnvFactory:
 
 def _is_vector_env(env) -> bool:
     import gymnasium as gym
+    from torchrl.envs import EnvBase
 
-    return isinstance(env, gym.vector.VectorEnv)
+    return isinstance(env, gym.vector.VectorEnv) or (isinstance(env, EnvBase) and len(env.batch_size) > 0)

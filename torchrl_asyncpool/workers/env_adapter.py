@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Dict, Tuple
 
 import torch
+from tensordict import TensorDict
 from torchrl.envs import EnvBase
 
 __all__ = [
-    "RESERVED_KEYS", "EPISODE_PLAN_ATTR", "TorchRLEnvAdapter", "GymnasiumEnvAdapter", "GymnasiumVectorAdapter",
-    "make_adapter",
+    "RESERVED_KEYS", "EPISODE_PLAN_ATTR", "TorchRLEnvAdapter", "TorchRLBatchedAdapter", "GymnasiumEnvAdapter",
+    "GymnasiumVectorAdapter", "make_adapter",
 ]
 
 #: Request keys the exchange defines itself; an env observation may not use them.
@@ -51,7 +52,12 @@ class _EpisodePlan:
 
 
 def _plan_of(env):
-    plan = getattr(env, EPISODE_PLAN_ATTR, None)
+    # the instance's own attribute only: batched TorchRL envs forward unknown attributes to
+    # their (possibly not yet built) sub-envs
+    try:
+        plan = vars(env).get(EPISODE_PLAN_ATTR)
+    except TypeError:  # no __dict__
+        plan = None
     return None if plan is None else _EpisodePlan(plan)
 
 
@@ -64,10 +70,10 @@ class TorchRLEnvAdapter:
             raise TypeError(
                 f"create_env_fn for {where} returned {type(env).__name__}; expected a torchrl.envs.EnvBase."
             )
-        if env.batch_size != torch.Size([]):
+        if len(env.batch_size) != self._batch_dims:
             raise ValueError(
-                f"{where} has batch_size {tuple(env.batch_size)}; AsyncEnvPool hosts one env per slot "
-                "and expects batch_size=() (use envs_per_worker to group envs in a process)."
+                f"{where} has batch_size {tuple(env.batch_size)}; AsyncEnvPool hosts an env with batch_size=() in "
+                "one slot, or a batched env with a 1-d batch_size=[k] in k slots stepped in lockstep."
             )
         self.env = env
         self.obs_keys = [k for k in env.observation_spec.keys(True, True)]
@@ -80,24 +86,28 @@ class TorchRLEnvAdapter:
         self.reward_key = rk[0]
         self.action_keys = list(env.action_keys)
         done_spec = env.full_done_spec
-        self._done_shape = tuple(done_spec["done"].shape)
+        b = self._batch_dims
+        self._done_shape = tuple(done_spec["done"].shape)[b:]
         self._td = None
         self._plan = _plan_of(env)
         if self._plan is not None:  # the plain step stays free of the plan's bookkeeping
             self.step = self._planned_step
 
+    #: leading batch dimensions of the env (the slot fields are the specs without them)
+    _batch_dims = 0
+
     def fields(self) -> Tuple[Dict, Dict]:
         """``(request, response)`` field specs ``{key: (shape, dtype)}`` for one slot."""
-        env = self.env
+        env, b = self.env, self._batch_dims
         obs_spec = env.observation_spec
-        request = {k: (tuple(obs_spec[k].shape), obs_spec[k].dtype) for k in self.obs_keys}
+        request = {k: (tuple(obs_spec[k].shape)[b:], obs_spec[k].dtype) for k in self.obs_keys}
         reward_spec = env.full_reward_spec[self.reward_key]
-        request["reward"] = (tuple(reward_spec.shape), reward_spec.dtype)
+        request["reward"] = (tuple(reward_spec.shape)[b:], reward_spec.dtype)
         request["step_type"] = ((), torch.int8)
         for k in ("done", "terminated", "truncated"):
             request[k] = (self._done_shape, torch.bool)
         action_spec = env.full_action_spec
-        response = {k: (tuple(action_spec[k].shape), action_spec[k].dtype) for k in self.action_keys}
+        response = {k: (tuple(action_spec[k].shape)[b:], action_spec[k].dtype) for k in self.action_keys}
         return request, response
 
     @staticmethod
@@ -154,6 +164,62 @@ class TorchRLEnvAdapter:
 def _flag(td, key):
     value = td.get(key, None)
     return None if value is None else bool(value.any())
+
+
+class TorchRLBatchedAdapter(TorchRLEnvAdapter):
+    """Runs a TorchRL :class:`~torchrl.envs.EnvBase` with ``batch_size=[k]`` in ``k`` consecutive slots.
+
+    The slot fields are the env's specs without the batch dimension. :meth:`reset` and
+    :meth:`step` work on all ``k`` envs at once (numpy arrays with a leading ``k``). TorchRL
+    envs do not reset themselves: an env that ended is reset with a partial reset
+    (``"_reset"`` mask, :meth:`reset_some`) on the worker's next pass, which publishes only
+    those ``FIRST`` records; the other envs' answered actions wait for that pass, since a
+    batched env steps all its envs together. The env must not reset itself inside ``step``.
+    """
+
+    _batch_dims = 1
+    #: ``False``: ended envs are reset by :meth:`reset_some`, not by the next :meth:`step`
+    autoresets = False
+
+    def __init__(self, env: EnvBase, env_index: int | None = None):
+        super().__init__(env, env_index)
+        if self._plan is not None:
+            raise TypeError(
+                f"{_where(env_index)}: fixed episode plans (evaluate()) need single envs, not a batched env."
+            )
+        self.num_envs = int(env.batch_size[0])
+        self._reset_shape = (self.num_envs, *self._done_shape)
+
+    def _obs(self, td):
+        return {k: self.as_numpy(td.get(k)) for k in self.obs_keys}
+
+    def reset(self):
+        self._td = self.env.reset()
+        return self._obs(self._td)
+
+    def reset_some(self, mask):
+        """Resets the envs where ``mask`` (bool ``[k]``) is set; returns the observations (rows of
+        the other envs are unspecified)."""
+        m = torch.from_numpy(mask)
+        out = self.env.reset(TensorDict({"_reset": m.reshape(self._reset_shape)}, [self.num_envs]))
+        td = self._td
+        for key in out.keys(True, True):
+            if key != "_reset" and key in td.keys(True, True):
+                td.get(key)[m] = out.get(key)[m]
+        return self._obs(out)
+
+    def step(self, actions: Dict):
+        td = self._td
+        for k, v in actions.items():
+            td.set(k, torch.from_numpy(v).clone())
+        nxt = self._td = self.env._step(td)  # ``_step``, as in TorchRLEnvAdapter.step
+        k = self.num_envs
+        done = nxt.get("done").reshape(k, -1).any(-1)
+        term = nxt.get("terminated", None)
+        trunc = nxt.get("truncated", None)
+        terminated = done if term is None else term.reshape(k, -1).any(-1)
+        truncated = done & ~terminated if trunc is None else trunc.reshape(k, -1).any(-1)
+        return self._obs(nxt), self.as_numpy(nxt.get(self.reward_key)), terminated.numpy(), truncated.numpy()
 
 
 class GymnasiumEnvAdapter:
@@ -270,7 +336,7 @@ class GymnasiumVectorAdapter(GymnasiumEnvAdapter):
         from gymnasium.vector import AutoresetMode
 
         where = f"{_where(env_index)} (a gymnasium vector env)"
-        if getattr(env, EPISODE_PLAN_ATTR, None) is not None:
+        if _plan_of(env) is not None:
             raise TypeError(f"{where}: fixed episode plans (evaluate()) need single envs, not a vector env.")
         mode = env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP)
         if mode != AutoresetMode.NEXT_STEP and getattr(mode, "value", mode) != AutoresetMode.NEXT_STEP.value:
@@ -310,7 +376,7 @@ def _torch_dtype(np_dtype) -> torch.dtype:
 def make_adapter(env, env_index: int | None = None):
     """Wraps whatever ``create_env_fn`` returned in the matching adapter."""
     if isinstance(env, EnvBase):
-        return TorchRLEnvAdapter(env, env_index)
+        return TorchRLBatchedAdapter(env, env_index) if len(env.batch_size) == 1 else TorchRLEnvAdapter(env, env_index)
     try:
         import gymnasium as gym
     except ImportError:  # pragma: no cover - gymnasium is a dependency

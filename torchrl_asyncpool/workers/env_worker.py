@@ -492,10 +492,15 @@ class _Worker:
     # -- vector env, stepped in lockstep -------------------------------------------------------
     def _run_lockstep(self):
         """The loop of :meth:`run` for one vector env hosting all the worker's slots: a pass
-        waits until every slot is answered, then steps all of them with one call. NEXT_STEP
-        autoreset is the vector env's own: an env that ended last pass ignores its action and
-        returns its reset observation, which is published as ``FIRST`` (no transition)."""
+        waits until every slot is answered, then steps all of them with one call.
+
+        A gymnasium vector env autoresets in NEXT_STEP mode: an env that ended last pass
+        ignores its action and returns its reset observation, published as ``FIRST`` (no
+        transition). A TorchRL batched env does not reset itself (``adapter.autoresets`` is
+        False): the pass after an env ended resets only the ended envs and publishes their
+        ``FIRST`` records; the others' answered actions wait for the next pass."""
         vec, slots, delivery = self.vector, self.slots, self.delivery
+        autoresets = getattr(vec, "autoresets", True)
         k, lo = len(slots), slots[0].index
         rows = slice(lo, lo + k)
         req, resp = self.arena.request, self.arena.response
@@ -505,32 +510,35 @@ class _Worker:
         state, step_type = self.state[rows], self.step_type[rows]
         reward, done = self.reward[rows], self.done[rows]
         terminated, truncated = self.terminated[rows], self.truncated[rows]
+        ready_time, step_time, step_count = self.ready_time[rows], self.step_time[rows], self.step_count[rows]
         flag_shape = (k, *self._flag_dims)
         idx = np.arange(lo, lo + k)
         first = np.full(k, _FIRST, np.int8)
+        everyone = slice(None)
 
-        def publish(obs, rew, st, dt):
+        def publish(obs, rew, st, dt, sel=everyone):
+            """Writes the records of the envs ``sel`` (all, or a bool mask); ``rew=None``: 0."""
             for key, view in obs_rows:
-                view[...] = obs[key]
-            rew = np.asarray(rew, reward.dtype)
-            reward[...] = rew.reshape(reward.shape) if rew.size == reward.size else rew
-            step_type[...] = st
+                view[sel] = obs[key][sel]
+            reward[sel] = 0 if rew is None else rew[sel]
+            step_type[sel] = st[sel]
             flag = st.reshape(flag_shape)
-            terminated[...] = flag == _TERM
-            truncated[...] = flag == _TRUNC
-            done[...] = flag >= _TERM
+            terminated[sel] = (flag == _TERM)[sel]
+            truncated[sel] = (flag == _TRUNC)[sel]
+            done[sel] = (flag >= _TERM)[sel]
             is_first = st == _FIRST
             for hidden_in, hidden_out in recurrent:  # zeros on FIRST, else the last answer's state
-                hidden_in[...] = np.where(is_first.reshape((k,) + (1,) * (hidden_in.ndim - 1)), 0, hidden_out)
-            self.step_time[rows] += dt / k
-            self.step_count[rows] += 1
+                mask = is_first.reshape((k,) + (1,) * (hidden_in.ndim - 1))
+                hidden_in[sel] = np.where(mask, 0, hidden_out)[sel]
+            step_time[sel] += dt / (k if sel is everyone else max(int(sel.sum()), 1))
+            step_count[sel] += 1
+            ready_time[sel] = time.monotonic()
+            state[sel] = S.OBS_READY  # after the data: the consumer may read them from now on
 
         self._phase, self._current = "reset", lo
         t = time.perf_counter()
         obs = vec.reset()
-        publish(obs, 0.0, first, time.perf_counter() - t)
-        self.ready_time[rows] = time.monotonic()
-        state[...] = S.OBS_READY  # after the data
+        publish(obs, None, first, time.perf_counter() - t)
         self.consumer.ring(k)
         self.conn.send(("ready", self.worker_id, None, None))
         self.started = True
@@ -546,6 +554,14 @@ class _Worker:
             bell.drain()  # before the scan: a ring after this point wakes the next poll
             if not (state == S.ACTION_READY).all():
                 continue
+            if not autoresets and ended.any():  # reset the ended envs only; the others wait
+                self._phase, self._current = "reset", lo + int(np.flatnonzero(ended)[0])
+                t = time.perf_counter()
+                obs = vec.reset_some(ended)
+                publish(obs, None, first, time.perf_counter() - t, ended)
+                self.consumer.ring(int(ended.sum()))
+                ended = np.zeros(k, bool)
+                continue
             stepping = np.flatnonzero(~ended)
             if delivery is not None and len(stepping):
                 if not all([delivery.claim(slots[j]) for j in stepping]):
@@ -560,12 +576,12 @@ class _Worker:
             dt = time.perf_counter() - t
             term, trunc = np.asarray(term, bool), np.asarray(trunc, bool)
             st = np.where(ended, _FIRST, np.where(term, _TERM, np.where(trunc, _TRUNC, _MID))).astype(np.int8)
-            publish(obs, np.where(ended, 0.0, rew), st, dt)
-            if delivery is not None and len(stepping):
+            rew = np.array(rew, reward.dtype).reshape(reward.shape)  # a copy: FIRST rows are zeroed
+            rew[ended] = 0
+            publish(obs, rew, st, dt)
+            if delivery is not None and len(stepping):  # copied from the request rows, which are ours
                 delivery.write_next_rows(moving, idx[stepping], chunk, pos)
             ended = (st == _TERM) | (st == _TRUNC)
-            self.ready_time[rows] = time.monotonic()
-            state[...] = S.OBS_READY  # after the data
             self.consumer.ring(k)
 
     # -- threaded worker ----------------------------------------------------------------------
