@@ -356,6 +356,16 @@ class _Worker:
         self.unrung = 0
 
     # -- main loop ----------------------------------------------------------------------------
+    def _started(self):
+        """Tells the parent the first records are out; returns ``(poller, doorbell)`` to wait on."""
+        self.conn.send(("ready", self.worker_id, None, None))
+        self.started = True
+        poller = select.poll()
+        bell = self.bells[0]
+        poller.register(bell.fd, select.POLLIN)
+        poller.register(self.life_fd, select.POLLIN)
+        return poller, bell
+
     def run(self):
         if self.threaded:
             return self._run_threaded()
@@ -364,12 +374,7 @@ class _Worker:
         for slot in self.slots:
             self._publish(slot, self._timed_reset(slot), None, _FIRST)
         self._ring()
-        self.conn.send(("ready", self.worker_id, None, None))
-        self.started = True
-        poller = select.poll()
-        bell = self.bells[0]
-        poller.register(bell.fd, select.POLLIN)
-        poller.register(self.life_fd, select.POLLIN)
+        poller, bell = self._started()
         state, slots = self.state, self.slots
         held = self.held = []
         while True:
@@ -540,12 +545,7 @@ class _Worker:
         obs = vec.reset()
         publish(obs, None, first, time.perf_counter() - t)
         self.consumer.ring(k)
-        self.conn.send(("ready", self.worker_id, None, None))
-        self.started = True
-        poller = select.poll()
-        bell = self.bells[0]
-        poller.register(bell.fd, select.POLLIN)
-        poller.register(self.life_fd, select.POLLIN)
+        poller, bell = self._started()
         ended = np.zeros(k, bool)  # the env's last record was terminal: its next one is FIRST
         while True:
             for fd, _ in poller.poll():
