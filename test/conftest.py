@@ -1,6 +1,7 @@
 """Shared fixtures: oracle env factories and a guard that no test leaks processes or /dev/shm files."""
 import functools
 import os
+import time
 
 import pytest
 
@@ -10,6 +11,22 @@ from torchrl_asyncpool.testing import OracleEnv
 def oracle_factories(n, **kwargs):
     """One OracleEnv factory per slot; env ids equal slot indices, as OracleChecker expects."""
     return [functools.partial(OracleEnv, env_id=i, **kwargs) for i in range(n)]
+
+
+def start_and_check(collector, rb, frames, timeout=60.0):
+    """``collector.start()``, waits until ``rb`` holds ``frames`` transitions, checks them with
+    the oracle and shuts the collector down."""
+    from torchrl_asyncpool.testing import OracleChecker
+
+    try:
+        collector.start()
+        deadline = time.monotonic() + timeout
+        while len(rb) < frames and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(rb) == frames
+        OracleChecker().observe_transitions(rb[:frames])
+    finally:
+        collector.shutdown()
 
 
 @pytest.fixture

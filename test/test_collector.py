@@ -6,7 +6,7 @@ import torch
 from torchrl.collectors import AsyncBatchedCollector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-from conftest import oracle_factories
+from conftest import oracle_factories, start_and_check
 from torchrl_asyncpool import AsyncPoolCollector
 from torchrl_asyncpool.testing import OracleChecker, oracle_action
 
@@ -52,20 +52,11 @@ def test_replay_buffer_iteration_yields_none_and_writes_everything(envs_per_work
 
 @pytest.mark.parametrize("envs_per_worker,env_threads", [("auto", "auto"), (2, True)])
 def test_start_fills_replay_buffer_in_background(envs_per_worker, env_threads):
-    checker = OracleChecker()
     rb = ReplayBuffer(storage=LazyTensorStorage(2000))
     c = AsyncPoolCollector(oracle_factories(4), policy=oracle_policy, frames_per_batch=32, total_frames=320,
                            replay_buffer=rb, transition_chunk_size=8, envs_per_worker=envs_per_worker,
                            env_threads=env_threads)
-    try:
-        c.start()
-        deadline = time.monotonic() + 60
-        while len(rb) < 320 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(rb) == 320
-        checker.observe_transitions(rb[:320])
-    finally:
-        c.shutdown()
+    start_and_check(c, rb, 320)
 
 
 def test_yield_completed_trajectories():

@@ -16,6 +16,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from conftest import start_and_check
 from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, EnvError, WorkerDiedError
 from torchrl.data import Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase, SerialEnv
@@ -100,19 +101,10 @@ def test_start_fills_a_replay_buffer_with_small_inference_batches(kind):
     """The server leases at most 3 records at a time: a vector env of 4 still gets all its answers."""
     from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-    checker = OracleChecker()
     rb = ReplayBuffer(storage=LazyTensorStorage(2000))
     c = AsyncPoolCollector(oracle_vectors(2, 4, kind), policy=oracle_policy, frames_per_batch=32, total_frames=320,
                            replay_buffer=rb, transition_chunk_size=8, max_batch_size=3)
-    try:
-        c.start()
-        deadline = time.monotonic() + 60
-        while len(rb) < 320 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(rb) == 320
-        checker.observe_transitions(rb[:320])
-    finally:
-        c.shutdown()
+    start_and_check(c, rb, 320)
 
 
 def test_cartpole_vector_env_transitions_follow_the_physics():
