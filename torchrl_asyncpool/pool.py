@@ -389,8 +389,9 @@ class AsyncEnvPool:
         :class:`~torchrl_asyncpool.WorkerDiedError` if an env failed or a worker died."""
         self._local_consumer().raise_worker_errors()
 
-    def _release_chunk(self, env_index: int) -> None:
-        self._bells[self._slot_bell[env_index]].ring()
+    def _release_chunk(self, env_indices: np.ndarray) -> None:
+        for bell in np.unique(self._slot_bell[env_indices]).tolist():  # one ring per worker (or slot)
+            self._bells[bell].ring()
 
     def layout_dtype(self, key):
         """The dtype of slot field ``key`` (an action, observation or policy output)."""

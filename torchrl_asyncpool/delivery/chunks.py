@@ -102,8 +102,9 @@ class ChunkReader:
 
     Args:
         buffers (ChunkBuffers): the chunk arena.
-        release (callable): ``env_index -> None``, wakes the worker hosting that env after one
-            of its chunks was freed.
+        release (callable): ``env_indices -> None`` (an int64 array), wakes the workers
+            hosting those envs after chunks of theirs were freed; called once per batch of
+            freed chunks, so a worker whose envs freed many chunks is rung once.
     """
 
     def __init__(self, buffers: ChunkBuffers, release):
@@ -178,8 +179,9 @@ class ChunkReader:
             for gather in gathers:
                 gather(idx, pos)
             pos += idx.size
-            for c in used:
-                self._state[c] = FREE
-                self._release(c // self.buffers.chunks_per_env)
+            if used:
+                used = np.asarray(used)
+                self._state[used] = FREE
+                self._release(used // self.buffers.chunks_per_env)
         self._pending = None
         return out
