@@ -12,6 +12,7 @@ Run::
 
     python sota-implementations/ppo_cartpole.py                      # defaults below
     python sota-implementations/ppo_cartpole.py --num-envs 16 --lr 5e-4 --log-dir /tmp/runs
+    python sota-implementations/ppo_cartpole.py --num-envs 64 --vector-envs 32   # 2 vector envs of 32
 
 Result on the 2-core development machine (heavily loaded by other jobs, see
 ``sota-implementations/README.md``): mean return of the last 20 episodes >= 475 after
@@ -47,6 +48,8 @@ from torchrl_asyncpool import AsyncPoolCollector
 class Config:
     env_id: str = "CartPole-v1"
     num_envs: int = 8
+    vector_envs: int = 0                  # > 0: each factory is gymnasium.make_vec(env_id, num_envs=vector_envs),
+                                          # num_envs / vector_envs of them, each stepped in lockstep by one worker
     frames_per_batch: int = 1024          # transitions per collector batch (= per PPO iteration)
     total_frames: int = 500_000           # hard stop
     target_return: float = 475.0          # stop early when the mean of the last `window` episodes reaches it
@@ -191,8 +194,15 @@ def main(argv=None) -> dict:
     acting = copy.deepcopy(agent)  # runs in the collector's policy thread
     optim = torch.optim.Adam(agent.parameters(), lr=cfg.lr, eps=1e-5)
 
+    if cfg.vector_envs:  # a batched simulator: one factory builds vector_envs envs
+        if cfg.vector_envs < 0 or cfg.num_envs % cfg.vector_envs:
+            raise SystemExit(f"--num-envs {cfg.num_envs} must be a multiple of --vector-envs {cfg.vector_envs}.")
+        factories = [functools.partial(gymnasium.make_vec, cfg.env_id, num_envs=cfg.vector_envs)]
+        factories *= cfg.num_envs // cfg.vector_envs
+    else:
+        factories = [functools.partial(gymnasium.make, cfg.env_id)] * cfg.num_envs
     collector = AsyncPoolCollector(
-        [functools.partial(gymnasium.make, cfg.env_id)] * cfg.num_envs,
+        factories,
         policy=acting,
         frames_per_batch=cfg.frames_per_batch,
         total_frames=cfg.total_frames,

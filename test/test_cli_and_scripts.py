@@ -65,6 +65,14 @@ def test_ppo_script_smoke(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_ppo_script_smoke_with_vector_envs(tmp_path):
+    proc = _run_script("ppo_cartpole.py", tmp_path, "--total-frames", "1024", "--frames-per-batch", "512",
+                       "--num-envs", "8", "--vector-envs", "4", "--epochs", "1")
+    assert "not reached" in proc.stdout
+    _check_outputs(tmp_path, "ppo_cartpole.png")
+
+
+@pytest.mark.timeout(300)
 def test_impala_script_smoke(tmp_path):
     proc = _run_script("impala_cartpole.py", tmp_path, "--total-frames", "1024", "--frames-per-batch", "256",
                        "--num-envs", "4")
