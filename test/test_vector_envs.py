@@ -155,6 +155,9 @@ def test_bad_vector_env_setups_raise_clear_errors():
 
     with pytest.raises(ValueError, match="NEXT_STEP"):
         AsyncEnvPool([same_step])
+    async_vec = functools.partial(gym.make_vec, "CartPole-v1", num_envs=2, vectorization_mode="async")
+    with pytest.raises(TypeError, match="AsyncVectorEnv, which runs its envs in processes of its own"):
+        AsyncEnvPool([async_vec])
     # every factory must return the same number of envs, and the same kind of env
     with pytest.raises(EnvError, match="vector env of 2 envs; the pool expects 4"):
         AsyncEnvPool([functools.partial(oracle_vector, 0, 4), functools.partial(oracle_vector, 4, 2)])

@@ -335,7 +335,16 @@ class GymnasiumVectorAdapter(GymnasiumEnvAdapter):
     def __init__(self, env, env_index: int | None = None):
         from gymnasium.vector import AutoresetMode
 
+        import gymnasium as gym
+
         where = f"{_where(env_index)} (a gymnasium vector env)"
+        if isinstance(env.unwrapped, gym.vector.AsyncVectorEnv):
+            env.close()
+            raise TypeError(
+                f"{where} is an AsyncVectorEnv, which runs its envs in processes of its own; pool workers cannot "
+                "start processes. Return a SyncVectorEnv or a natively vectorized env (gymnasium.make_vec with "
+                "vectorization_mode='sync' or 'vector_entry_point'), or pass one single-env factory per env."
+            )
         if _plan_of(env) is not None:
             raise TypeError(f"{where}: fixed episode plans (evaluate()) need single envs, not a vector env.")
         mode = env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP)
