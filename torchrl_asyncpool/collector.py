@@ -21,6 +21,7 @@ from torchrl_asyncpool.inference._runner import flatten_weights
 from torchrl_asyncpool.errors import PoolClosedError
 from torchrl_asyncpool.exchange.arena import as_key
 from torchrl_asyncpool.pool import AsyncEnvPool
+from torchrl_asyncpool.affinity import check_cpu_mask, pinned
 from torchrl_asyncpool.threads import start_daemon_thread
 
 __all__ = ["AsyncPoolCollector"]
@@ -45,8 +46,6 @@ _ACCEPTED_AS_IS = {
     "reset_at_each_iter": (False,),
     "weight_sync": (None,),
     "weight_sync_model_id": ("policy",),
-    "worker_affinity": (None,),
-    "driver_affinity": (None,),
 }
 
 
@@ -172,6 +171,16 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             Defaults to ``1``: an acting policy's batches are small and the cores step envs;
             ``None`` keeps your thread's count (``policy=``) or torch's default. Your own
             thread's count is not changed. See the tuning guide's "Torch threads".
+        worker_affinity (sequence of CPU index sequences, or callable, optional): TorchRL's
+            option: Linux CPU masks for the env worker processes, one per worker or a callable
+            ``worker_index -> mask`` (see :class:`~torchrl_asyncpool.AsyncEnvPool`). Defaults to
+            ``None`` (not pinned).
+        driver_affinity (sequence of int, optional): TorchRL's option: a Linux CPU mask for the
+            collector's threads in this process (the policy-serving thread with ``policy=``,
+            the background thread of :meth:`start`); the constructing thread keeps its own
+            mask. A ``policy_factory=`` server process is not covered. Defaults to ``None``.
+            See :mod:`torchrl_asyncpool.affinity` for what was measured; nothing is pinned
+            unless asked.
         post_collect_hook (callable, optional): called with each batch before it is yielded.
         verbose (bool, optional): print start-up and shutdown timings.
 
@@ -229,6 +238,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         transition_chunk_size: int | str = "auto",
         chunks_per_env: int = 2,
         policy_num_threads: int | None = 1,
+        worker_affinity: Sequence[Sequence[int]] | Callable[[int], Sequence[int]] | None = None,
+        driver_affinity: Sequence[int] | None = None,
         **torchrl_kwargs,
     ):
         BaseCollector.__init__(self, post_collect_hook=post_collect_hook)
@@ -252,6 +263,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 )
         if (policy is None) == (policy_factory is None):
             raise ValueError("Pass exactly one of policy= or policy_factory=.")
+        self._driver_affinity = None if driver_affinity is None else check_cpu_mask(driver_affinity, "driver_affinity")
         if not isinstance(frames_per_batch, int) or isinstance(frames_per_batch, bool) or frames_per_batch < 1:
             raise ValueError(f"frames_per_batch must be a positive int, got {frames_per_batch!r}.")
         if not isinstance(total_frames, int) or (total_frames < 1 and total_frames != -1):
@@ -308,6 +320,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             ),
             transition_chunk_size=lambda layout: _auto_chunk(transition_chunk_size, layout, frames_per_batch),
             chunks_per_env=chunks_per_env,
+            worker_affinity=worker_affinity,
         )
         self._num_envs = self._pool.num_envs  # a vector env factory contributes several envs
         try:
@@ -334,7 +347,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 self._server = InferenceServer(policy_factory=factory, mode="process", **server_kwargs)
             if policy_version:
                 self._server.update_policy_weights_(None, version=int(policy_version))
-            self._server.start(self._pool)
+            with pinned(self._driver_affinity):  # the serving thread inherits the mask
+                self._server.start(self._pool)
         except BaseException:
             self._pool.close()
             raise
@@ -475,7 +489,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             raise RuntimeError("The collector is already collecting.")
         self._ensure_started()
         self._replay_error = None
-        self._replay_thread = start_daemon_thread(self._run_replay, "AsyncPoolCollector-replay")
+        with pinned(self._driver_affinity):
+            self._replay_thread = start_daemon_thread(self._run_replay, "AsyncPoolCollector-replay")
 
     def _run_replay(self) -> None:
         try:

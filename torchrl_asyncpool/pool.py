@@ -13,6 +13,7 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.data.utils import CloudpickleWrapper
 
+from torchrl_asyncpool.affinity import resolve_worker_affinity
 from torchrl_asyncpool.delivery.chunks import ChunkBuffers, ChunkReader
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout, as_key
@@ -102,6 +103,11 @@ class AsyncEnvPool:
             this many consecutive steps in shared memory; read them with
             :meth:`take_transitions`; a callable ``layout -> int`` may choose it from the
             slot layout. Defaults to ``None`` (no transition delivery).
+        worker_affinity (sequence of CPU index sequences, or callable, optional): Linux CPU
+            masks for the worker processes, one per worker (``num_workers`` follows
+            ``envs_per_worker``) or a callable ``worker_index -> mask``; each worker pins
+            itself before building its envs (its env threads inherit the mask). Defaults to
+            ``None`` (not pinned): see :mod:`torchrl_asyncpool.affinity` for when it pays.
         chunks_per_env (int, optional): chunks per env (see
             :mod:`torchrl_asyncpool.delivery.chunks`). Defaults to ``2``.
         pin_memory (bool, optional): allocate the receive staging buffer in pinned memory
@@ -159,6 +165,7 @@ class AsyncEnvPool:
         recurrent_state: Mapping | None = None,
         transition_chunk_size: int | None = None,
         chunks_per_env: int = 2,
+        worker_affinity: Sequence[Sequence[int]] | Callable[[int], Sequence[int]] | None = None,
     ):
         self._closed = True  # until start-up completes, close() has little to undo
         self._procs = []
@@ -210,6 +217,7 @@ class AsyncEnvPool:
         # the factories each worker builds: one per slot, or the one vector env of its slots
         self._group_factories = [sorted({i // k_vec for i in g}) for g in groups]
         self.num_workers = len(groups)
+        affinity = resolve_worker_affinity(worker_affinity, self.num_workers)
         self._slot_worker = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
         # a threaded worker's slots each wait on their own doorbell; otherwise one per worker
         self._slot_bell = np.arange(n) if self.env_threads else self._slot_worker
@@ -220,7 +228,7 @@ class AsyncEnvPool:
         self._life_box = [self._life_w]
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._life_box, 0.0)
         try:
-            self._start_workers(mp_start_method, groups, fns, kwargs, worker_num_threads)
+            self._start_workers(mp_start_method, groups, fns, kwargs, worker_num_threads, affinity)
             self._await_ready(start_timeout)
         except BaseException:
             self.close()
@@ -249,7 +257,7 @@ class AsyncEnvPool:
             os.close(self._life_r)
             self._life_r = -1
 
-    def _start_workers(self, method, groups, fns, kwargs, num_threads):
+    def _start_workers(self, method, groups, fns, kwargs, num_threads, affinity=None):
         ctx = mp.get_context(method)
         if method == "forkserver":
             ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
@@ -266,6 +274,7 @@ class AsyncEnvPool:
                     arena_fd, [self._bells[b].inheritable() for b in sorted(set(self._slot_bell[slots].tolist()))],
                     consumer_fd, life_fd, child_conn, num_threads,
                     self._chunks.handle() if self._chunks is not None else None, self.env_threads,
+                    None if affinity is None else affinity[w],
                 ),
                 name=f"torchrl_asyncpool-worker-{w}",
                 daemon=True,

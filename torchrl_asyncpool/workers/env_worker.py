@@ -695,8 +695,10 @@ def _batch_scheduling():
 
 
 def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn,
-                num_threads, delivery=None, threaded=False):
+                num_threads, delivery=None, threaded=False, affinity=None):
     """Entry point of a worker process (see the module docstring)."""
+    if affinity is not None:  # before any thread starts: env threads inherit it
+        os.sched_setaffinity(0, affinity)
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     _batch_scheduling()
