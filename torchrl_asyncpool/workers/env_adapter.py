@@ -202,9 +202,10 @@ class TorchRLBatchedAdapter(TorchRLEnvAdapter):
         the other envs are unspecified)."""
         m = torch.from_numpy(mask)
         out = self.env.reset(TensorDict({"_reset": m.reshape(self._reset_shape)}, [self.num_envs]))
-        td = self._td
+        td = self._td  # the next step reads it: the reset rows take their new state
+        have = set(td.keys(True, True))
         for key in out.keys(True, True):
-            if key != "_reset" and key in td.keys(True, True):
+            if key != "_reset" and key in have:
                 td.get(key)[m] = out.get(key)[m]
         return self._obs(out)
 
