@@ -51,13 +51,18 @@ class _EchoDiscrete(gym.Env):
         return {"last": np.full(1, action, np.int64), "t": np.full(1, self.t, np.int64)}, 1.0, self.t >= 4, False, {}
 
 
-@pytest.mark.parametrize("envs_per_worker", [1, 3])
-def test_box_actions_reach_their_env(envs_per_worker):
+@pytest.mark.parametrize("envs_per_worker,vector", [(1, False), (3, False), ("auto", True)])
+def test_box_actions_reach_their_env(envs_per_worker, vector):
+    """``vector``: the 6 envs as 2 ``SyncVectorEnv`` of 3, stepped in lockstep by their workers."""
     n = 6
     rng = torch.Generator().manual_seed(0)
     sent = {}  # env -> the action sent for its last non-terminal record
     checked = 0
-    with AsyncEnvPool([functools.partial(_EchoBox)] * n, envs_per_worker=envs_per_worker) as pool:
+    if vector:
+        fns = [functools.partial(gym.vector.SyncVectorEnv, [_EchoBox] * 3)] * 2
+    else:
+        fns = [functools.partial(_EchoBox)] * n
+    with AsyncEnvPool(fns, envs_per_worker=envs_per_worker) as pool:
         assert pool.action_keys == ["action"]
         for _ in range(120):
             td = pool.recv(min_get=1)

@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
-
-from conftest import start_and_check
-from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, EnvError, StepType, WorkerDiedError
 from torchrl.data import Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase, SerialEnv
 
+from conftest import start_and_check
+from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, EnvError, WorkerDiedError
 from torchrl_asyncpool.testing import OracleChecker, OracleEnv, OracleGymEnv, oracle_action
 
 
@@ -206,44 +205,6 @@ class _TwoD(EnvBase):
 def test_a_batched_torchrl_env_must_have_a_1d_batch_size():
     with pytest.raises(ValueError, match=r"batch_size \(2, 2\).*1-d batch_size=\[k\]"):
         AsyncEnvPool([_TwoD])
-
-
-class _EchoBox(gym.Env):
-    """Observation = the last action (``float32 [2]``, zeros after a reset); truncates after 5 steps."""
-
-    observation_space = gym.spaces.Box(-10.0, 10.0, (2,), np.float32)
-    action_space = gym.spaces.Box(-10.0, 10.0, (2,), np.float32)
-
-    def __init__(self):
-        self.t = 0
-
-    def reset(self, *, seed=None, options=None):
-        self.t = 0
-        return np.zeros(2, np.float32), {}
-
-    def step(self, action):
-        self.t += 1
-        return np.asarray(action, np.float32), float(action[0]), False, self.t >= 5, {}
-
-
-def test_box_actions_reach_their_env_inside_a_vector_env():
-    sent, checked = {}, 0
-    rng = torch.Generator().manual_seed(0)
-    make = functools.partial(gym.vector.SyncVectorEnv, [_EchoBox] * 3)
-    with AsyncEnvPool([make] * 2) as pool:
-        for _ in range(60):
-            td = pool.recv(min_get=1)
-            for row, env in enumerate(td.env_indices.tolist()):
-                if int(td["step_type"][row]) == StepType.FIRST:
-                    assert torch.equal(td["observation"][row], torch.zeros(2))
-                else:
-                    assert torch.equal(td["observation"][row], sent[env]), f"env {env}"
-                    assert td["reward"][row].item() == pytest.approx(float(sent[env][0]))
-                    checked += 1
-            actions = torch.randn(td.batch_size[0], 2, generator=rng)
-            sent.update({env: actions[row].clone() for row, env in enumerate(td.env_indices.tolist())})
-            pool.send(TensorDict({"action": actions}, td.batch_size), td.env_indices)
-    assert checked > 100
 
 
 @pytest.mark.parametrize("kind", KINDS)
