@@ -182,7 +182,7 @@ class AsyncEnvPool:
             # a vector env hosts k envs, in k consecutive slots of one worker, stepped in lockstep
             self.envs_per_factory = k_vec = getattr(spec_adapter, "num_envs", 1)
             self.num_envs = n = len(fns) * k_vec
-            if k_vec > 1 or hasattr(spec_adapter, "num_envs"):
+            if hasattr(spec_adapter, "num_envs"):
                 self.envs_per_worker, self.env_threads = _vector_grouping(envs_per_worker, env_threads, k_vec)
             else:
                 self.envs_per_worker, self.env_threads = _resolve_grouping(
@@ -214,8 +214,6 @@ class AsyncEnvPool:
         self._life_r, self._life_w = os.pipe()
         k = self.envs_per_worker
         groups = [list(range(i, min(i + k, n))) for i in range(0, n, k)]
-        # the factories each worker builds: one per slot, or the one vector env of its slots
-        self._group_factories = [sorted({i // k_vec for i in g}) for g in groups]
         self.num_workers = len(groups)
         affinity = resolve_worker_affinity(worker_affinity, self.num_workers)
         self._slot_worker = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
@@ -266,7 +264,8 @@ class AsyncEnvPool:
         )
         for w, slots in enumerate(groups):
             parent_conn, child_conn = ctx.Pipe()
-            made = self._group_factories[w]
+            # the factories it builds: one per slot, or the one vector env of its slots
+            made = sorted({i // self.envs_per_factory for i in slots})
             p = ctx.Process(
                 target=worker_main,
                 args=(

@@ -137,10 +137,14 @@ class _Delivery:
         for src, dst in self.root:
             dst[c, p] = src[i]
 
-    def write_root_rows(self, idx, chunk, pos):
-        """:meth:`write_root` for several slots at once (``idx``, ``chunk``, ``pos``: arrays)."""
+    def write_root_rows(self, slots, idx):
+        """:meth:`write_root` for several claimed ``slots`` at once (``idx``: their indices);
+        returns their ``(chunk, pos)`` arrays for :meth:`write_next_rows`."""
+        chunk = np.fromiter((s.chunk for s in slots), np.int64, len(slots))
+        pos = np.fromiter((s.pos for s in slots), np.int64, len(slots))
         for src, dst in self.root:
             dst[chunk, pos] = src[idx]
+        return chunk, pos
 
     def write_next_rows(self, slots, idx, chunk, pos):
         """:meth:`write_next` for several slots at once."""
@@ -294,16 +298,22 @@ class _Worker:
                 hidden_in[...] = 0
             else:
                 hidden_in[...] = hidden_out
-        self.step_type[i] = step_type
-        self.terminated[i] = step_type == _TERM
-        self.truncated[i] = step_type == _TRUNC
-        self.done[i] = step_type >= _TERM
+        self._store_step_types(i, step_type)
         if self.held is not None:  # published with the rest of the pass (see _HOLD_S)
             self.held.append(i)
             return
         self.ready_time[i] = time.monotonic()
         self.state[i] = S.OBS_READY  # after the data: the consumer may read it from now on
         self.unrung += 1
+
+    def _store_step_types(self, target, st):
+        """``step_type`` and the three end flags of the records ``target``: one index and an int
+        step type, or an index array and an int8 array of step types."""
+        self.step_type[target] = st
+        flag = st if np.ndim(st) == 0 else st.reshape((len(st), *self._flag_dims))
+        self.terminated[target] = flag == _TERM
+        self.truncated[target] = flag == _TRUNC
+        self.done[target] = flag >= _TERM
 
     def _publish_held(self):
         """Publishes the records held back this pass: one store per array, one ring."""
@@ -410,12 +420,7 @@ class _Worker:
         delivery = self.delivery
         idx = np.fromiter((s.index for s in stepping), np.int64, len(stepping))
         if delivery is not None:  # the answered records, before any step overwrites them
-            chunk = np.fromiter((s.chunk for s in stepping), np.int64, len(stepping))
-            pos = np.fromiter((s.pos for s in stepping), np.int64, len(stepping))
-            if len(stepping) == 1:
-                delivery.write_root(stepping[0])
-            else:
-                delivery.write_root_rows(idx, chunk, pos)
+            chunk, pos = delivery.write_root_rows(stepping, idx)
         ended = []
         start = 0
         while start < len(stepping):
@@ -460,10 +465,7 @@ class _Worker:
     def _store_one(self, slot, st, reward, dt):
         i = slot.index
         self.reward[i] = reward
-        self.step_type[i] = st
-        self.terminated[i] = st == _TERM
-        self.truncated[i] = st == _TRUNC
-        self.done[i] = st >= _TERM
+        self._store_step_types(i, st)
         self.step_time[i] += dt
         self.step_count[i] += 1
         if self.delivery is not None:
@@ -471,17 +473,12 @@ class _Worker:
 
     def _store_group(self, group, gidx, sts, rewards, times):
         k = len(group)
-        st_arr = np.array(sts, np.int8)
         try:
             self.reward[gidx] = np.asarray(rewards, self.reward.dtype).reshape((k, *self.reward.shape[1:]))
         except ValueError:  # rewards of mixed shapes (a float here, a [1] array there): one by one
             for i, r in zip(gidx.tolist(), rewards):
                 self.reward[i] = r
-        self.step_type[gidx] = st_arr
-        flag = st_arr.reshape((k, *self._flag_dims))
-        self.terminated[gidx] = flag == _TERM
-        self.truncated[gidx] = flag == _TRUNC
-        self.done[gidx] = flag >= _TERM
+        self._store_step_types(gidx, np.array(sts, np.int8))
         self.step_time[gidx] += times
         self.step_count[gidx] += 1
 
@@ -512,11 +509,8 @@ class _Worker:
         obs_rows = [(key, _np(req.get(key))[rows]) for key in vec.obs_keys]
         actions = {key: _np(resp.get(key))[rows] for key in vec.action_keys}
         recurrent = [(_np(req.get(i))[rows], _np(resp.get(o))[rows]) for i, o in self.layout.recurrent.items()]
-        state, step_type = self.state[rows], self.step_type[rows]
-        reward, done = self.reward[rows], self.done[rows]
-        terminated, truncated = self.terminated[rows], self.truncated[rows]
+        state, reward = self.state[rows], self.reward[rows]
         ready_time, step_time, step_count = self.ready_time[rows], self.step_time[rows], self.step_count[rows]
-        flag_shape = (k, *self._flag_dims)
         idx = np.arange(lo, lo + k)
         first = np.full(k, _FIRST, np.int8)
         everyone = slice(None)
@@ -526,11 +520,7 @@ class _Worker:
             for key, view in obs_rows:
                 view[sel] = obs[key][sel]
             reward[sel] = 0 if rew is None else rew[sel]
-            step_type[sel] = st[sel]
-            flag = st.reshape(flag_shape)
-            terminated[sel] = (flag == _TERM)[sel]
-            truncated[sel] = (flag == _TRUNC)[sel]
-            done[sel] = (flag >= _TERM)[sel]
+            self._store_step_types(idx[sel], st[sel])
             is_first = st == _FIRST
             for hidden_in, hidden_out in recurrent:  # zeros on FIRST, else the last answer's state
                 mask = is_first.reshape((k,) + (1,) * (hidden_in.ndim - 1))
@@ -567,9 +557,7 @@ class _Worker:
                 if not all([delivery.claim(slots[j]) for j in stepping]):
                     continue  # back-pressure: the driver frees a chunk and rings this worker
                 moving = [slots[j] for j in stepping]
-                chunk = np.fromiter((sl.chunk for sl in moving), np.int64, len(moving))
-                pos = np.fromiter((sl.pos for sl in moving), np.int64, len(moving))
-                delivery.write_root_rows(idx[stepping], chunk, pos)
+                chunk, pos = delivery.write_root_rows(moving, idx[stepping])
             self._phase, self._current = "step", lo
             t = time.perf_counter()
             obs, rew, term, trunc = vec.step(actions)
