@@ -17,7 +17,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Sequence
 
-from torchrl_asyncpool.workers.env_adapter import EPISODE_PLAN_ATTR
+from torchrl_asyncpool.workers.env_adapter import EPISODE_PLAN_ATTR, is_vector_env
 
 __all__ = ["Episode", "EpisodeResult", "STATUSES", "load_manifest", "summarize", "write_results"]
 
@@ -159,7 +159,7 @@ class PlannedEnvFactory:
 
     def __call__(self, **kwargs):
         env = self.create_env_fn(**kwargs)
-        if _is_vector_env(env):  # raised in the calling process, by the pool's spec env
+        if is_vector_env(env):  # raised in the calling process, by the pool's spec env
             try:
                 env.close()
             except Exception:  # noqa: BLE001 - e.g. a SerialEnv never started refuses to close
@@ -172,9 +172,3 @@ class PlannedEnvFactory:
             setattr(env, EPISODE_PLAN_ATTR, self.plan)
         return env
 
-
-def _is_vector_env(env) -> bool:
-    import gymnasium as gym
-    from torchrl.envs import EnvBase
-
-    return isinstance(env, gym.vector.VectorEnv) or (isinstance(env, EnvBase) and len(env.batch_size) > 0)

@@ -15,7 +15,7 @@ from torchrl.envs import EnvBase
 
 __all__ = [
     "RESERVED_KEYS", "EPISODE_PLAN_ATTR", "TorchRLEnvAdapter", "TorchRLBatchedAdapter", "GymnasiumEnvAdapter",
-    "GymnasiumVectorAdapter", "make_adapter",
+    "GymnasiumVectorAdapter", "is_vector_env", "make_adapter",
 ]
 
 #: Request keys the exchange defines itself; an env observation may not use them.
@@ -334,10 +334,9 @@ class GymnasiumVectorAdapter(GymnasiumEnvAdapter):
     """
 
     def __init__(self, env, env_index: int | None = None):
-        from gymnasium.vector import AutoresetMode
-
         import gymnasium as gym
 
+        AutoresetMode = gym.vector.AutoresetMode
         where = f"{_where(env_index)} (a gymnasium vector env)"
         if isinstance(env.unwrapped, gym.vector.AsyncVectorEnv):
             env.close()
@@ -357,7 +356,6 @@ class GymnasiumVectorAdapter(GymnasiumEnvAdapter):
         self.env = env
         self.num_envs = int(env.num_envs)
         self._read_spaces(env.single_observation_space, env.single_action_space, where)
-        self._plan = None
 
     def random_action(self) -> Dict:
         return {"action": torch.as_tensor(self.env.single_action_space.sample())}
@@ -383,10 +381,22 @@ def _torch_dtype(np_dtype) -> torch.dtype:
     return torch.from_numpy(np.zeros((), dtype=np_dtype)).dtype
 
 
+def is_vector_env(env) -> bool:
+    """True for what the pool hosts in several slots: a gymnasium vector env, or a TorchRL env
+    with a non-empty batch size (only ``batch_size=[k]`` is accepted)."""
+    if isinstance(env, EnvBase):
+        return len(env.batch_size) > 0
+    try:
+        import gymnasium as gym
+    except ImportError:  # pragma: no cover - gymnasium is a dependency
+        return False
+    return isinstance(env, gym.vector.VectorEnv)
+
+
 def make_adapter(env, env_index: int | None = None):
     """Wraps whatever ``create_env_fn`` returned in the matching adapter."""
     if isinstance(env, EnvBase):
-        return TorchRLBatchedAdapter(env, env_index) if len(env.batch_size) == 1 else TorchRLEnvAdapter(env, env_index)
+        return TorchRLBatchedAdapter(env, env_index) if is_vector_env(env) else TorchRLEnvAdapter(env, env_index)
     try:
         import gymnasium as gym
     except ImportError:  # pragma: no cover - gymnasium is a dependency
