@@ -169,6 +169,11 @@ class _Run:
         return EpisodeResult(self.episodes[i].episode_id, status, float(self.ret[s]), int(self.length[s]),
                              seed=self.episodes[i].seed, env_index=s, **kw)
 
+    def _unstarted(self, i: int, error: str, s: Optional[int] = None) -> EpisodeResult:
+        """The failure of episode ``i`` before it took a step (slot ``s``, if it had one)."""
+        return EpisodeResult(self.episodes[i].episode_id, "failed", seed=self.episodes[i].seed, env_index=s,
+                             error=error)
+
     def drive(self, pool: AsyncEnvPool) -> None:
         """Runs until every slot has finished its episodes."""
         while any(c is not None for c in self.current) or any(self.queues):
@@ -232,11 +237,8 @@ class _Run:
         if len(running) != 1:
             return len(running) > 1
         s, i = running[0]
-        result = EpisodeResult(self.episodes[i].episode_id, "failed", seed=self.episodes[i].seed, env_index=s,
-                               error=f"its worker died: {exc}")
-        if self.current[s] == i:
-            result.episode_return, result.length = float(self.ret[s]), int(self.length[s])
-        self.finish(i, result)
+        error = f"its worker died: {exc}"
+        self.finish(i, self._result(s, "failed", error=error) if self.current[s] == i else self._unstarted(i, error, s))
         return False
 
     def fail(self, exc: EnvError, all_remaining: bool = False, todo=()) -> None:
@@ -246,13 +248,11 @@ class _Run:
         error = f"env raised during {exc.phase}:\n{exc.worker_traceback}"
         if all_remaining:
             for i in todo:
-                self.finish(i, EpisodeResult(self.episodes[i].episode_id, "failed", seed=self.episodes[i].seed,
-                                             error=error))
+                self.finish(i, self._unstarted(i, error))
             return
         if exc.phase == "step" and self.current[s] is not None:
             self.finish(self.current[s], self._result(s, "failed", error=error))
             self.current[s] = None
         elif self.queues[s]:  # the reset that starts the slot's next episode failed
             i = self.queues[s][0]
-            self.finish(i, EpisodeResult(self.episodes[i].episode_id, "failed", seed=self.episodes[i].seed,
-                                         env_index=s, error=error))
+            self.finish(i, self._unstarted(i, error, s))
