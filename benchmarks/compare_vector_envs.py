@@ -4,7 +4,8 @@ A factory may return a ``gymnasium.vector.VectorEnv`` of ``k`` envs; each worker
 vector env with one call once all ``k`` are answered. Two workloads, both measured as
 frames/s delivered to the learner (``frames_per_batch`` transitions per batch, TorchRL
 layout) against a single-process loop that steps the same vector envs and calls the same
-policy (no transitions stored: an upper bound for that loop):
+policy's MLP on the bare observations (no TensorDict, nothing stored: an upper bound for
+that loop):
 
 * ``cartpole_vec``  gymnasium's numpy-vectorized CartPole (``vectorization_mode=
                     "vector_entry_point"``), ``W`` workers x ``k`` envs; the loop steps one
@@ -28,8 +29,7 @@ import time
 import gymnasium as gym
 import numpy as np
 import torch
-from compare_collectors import make_policy
-from tensordict import TensorDict
+from compare_collectors import GymLoop, make_policy
 
 from torchrl_asyncpool import AsyncPoolCollector
 
@@ -102,17 +102,15 @@ def run_ours(name, workers, k, seconds, frames_per_batch):
 
 def run_loop(make, workers, k, seconds, name):
     """One process: the cheap workload as one vector env of workers * k envs, the slow one as
-    ``workers`` vector envs of ``k`` stepped in turn; the policy is called on each batch."""
+    ``workers`` vector envs of ``k`` stepped in turn; each batch goes through
+    ``compare_collectors.GymLoop`` (the bare MLP on the observations, as for the gymnasium
+    baselines there: both workloads have CartPole's 4-float observation and 2 actions)."""
     envs = [make(workers * k)] if name == "cartpole_vec" else [make(k) for _ in range(workers)]
-    policy = make_policy("observation", 4, 2)
-    obs = [e.reset(seed=0)[0] for e in envs]
+    loops = [GymLoop(env, "cartpole") for env in envs]
     n, t = 0, time.perf_counter()
-    with torch.no_grad():
-        while time.perf_counter() - t < seconds:
-            for i, env in enumerate(envs):
-                action = policy(TensorDict({"observation": torch.from_numpy(obs[i])}, [env.num_envs]))["action"]
-                obs[i] = env.step(action.numpy())[0]
-                n += env.num_envs
+    while time.perf_counter() - t < seconds:
+        for loop in loops:
+            n += loop.step()
     for env in envs:
         env.close()
     return n / (time.perf_counter() - t)
