@@ -75,7 +75,9 @@ def _bench(benchmark, driver, impl):
         return frames
 
     frames = benchmark.pedantic(round_trips, rounds=ROUNDS[impl], warmup_rounds=1, iterations=1)
-    timed = timed[1:]  # drop the warm-up round
+    # The last rounds are the timed ones: pedantic runs the warm-up round first, except under
+    # --benchmark-disable, where it makes a single call and no warm-up (nothing to drop then).
+    timed = timed[-ROUNDS[impl]:]
     total_frames = sum(f for f, _ in timed)
     benchmark.extra_info.update(
         {

@@ -1,4 +1,4 @@
-"""The ``torchrl-asyncpool`` command: ``demo`` (train IMPALA on CartPole), ``eval`` and ``bench``.
+"""The ``torchrl-asyncpool`` command: ``demo`` (train IMPALA on CartPole), ``eval``, ``bench`` and ``env-host``.
 
 ``torchrl-asyncpool demo`` is the package's main job in one command: it starts an
 :class:`~torchrl_asyncpool.AsyncPoolCollector` over CartPole-v1 envs in worker processes,
@@ -46,11 +46,19 @@ commands:
           short run; "torchrl-asyncpool bench -- --help" lists them). The full table takes
           several minutes; run it with nothing else busy.
 
+  env-host
+          Step a gymnasium env (--env-id) for a pool whose factories return
+          torchrl_asyncpool.remote.RemoteEnvSlot listening on --address HOST:PORT: the
+          host takes a free slot, sends records over a gRPC stream and answers the pool's
+          actions until the pool goes away (--reconnect: then waits for the next pool).
+          Needs grpcio (pip install 'torchrl-asyncpool[remote]').
+
 examples:
   torchrl-asyncpool demo
   torchrl-asyncpool demo --total-frames 50000 --num-envs 4
   torchrl-asyncpool eval --env-id CartPole-v1 --episodes 20 --max-steps 200 --output results.json
   torchrl-asyncpool bench --quick
+  TORCHRL_ASYNCPOOL_TOKEN=secret torchrl-asyncpool env-host --env-id CartPole-v1 --address pool-host:50051
 """
 
 
@@ -339,6 +347,36 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_env_host(args: argparse.Namespace) -> int:
+    import os
+
+    import gymnasium as gym
+
+    from torchrl_asyncpool.remote import EnvHost, RemoteHostError
+
+    token = args.token if args.token is not None else os.environ.get("TORCHRL_ASYNCPOOL_TOKEN")
+    try:
+        env = gym.make(args.env_id)
+    except gym.error.Error as exc:
+        print(f"torchrl-asyncpool env-host: {exc}", file=sys.stderr)
+        return 2
+    host = EnvHost(env, args.address, token=token, connect_timeout=args.connect_timeout)
+    try:
+        if args.reconnect:
+            host.run_forever()
+        else:
+            steps = host.run(max_steps=args.max_steps)
+            print(f"env host: {steps} steps of {args.env_id} served to slot {host.slot} of {args.address}")
+    except (ConnectionError, RemoteHostError) as exc:
+        print(f"torchrl-asyncpool env-host: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        env.close()
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -351,7 +389,7 @@ def _parser() -> argparse.ArgumentParser:
     except Exception:  # noqa: BLE001 - not installed (source tree on sys.path)
         __version__ = "unknown"
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,eval,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,eval,bench,env-host}")
 
     demo = sub.add_parser(
         "demo", help="train IMPALA on CartPole with AsyncPoolCollector; print frames/s and final return",
@@ -403,6 +441,23 @@ def _parser() -> argparse.ArgumentParser:
                             "'' for none)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark script")
     bench.set_defaults(func=_cmd_bench)
+
+    host = sub.add_parser(
+        "env-host", help="serve a gymnasium env to a pool's remote env slots over gRPC",
+        description="Connect to a pool whose factories return RemoteEnvSlot, take a free slot and step a "
+                    "gymnasium env for it until the pool goes away (see torchrl_asyncpool.remote).",
+    )
+    host.add_argument("--env-id", default="CartPole-v1", help="gymnasium env id (default: CartPole-v1)")
+    host.add_argument("--address", required=True, help="the pool's HOST:PORT")
+    host.add_argument("--token", default=None,
+                      help="the pool's token (default: $TORCHRL_ASYNCPOOL_TOKEN; prefer the variable, "
+                           "command lines are visible to other users)")
+    host.add_argument("--connect-timeout", type=float, default=30.0,
+                      help="seconds to wait for the pool (default: 30)")
+    host.add_argument("--max-steps", type=int, default=None, help="leave after this many env steps")
+    host.add_argument("--reconnect", action="store_true",
+                      help="serve pool after pool: reconnect when the pool goes away or has no free slot")
+    host.set_defaults(func=_cmd_env_host)
     return parser
 
 

@@ -20,7 +20,7 @@ from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout, as_key
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
 from torchrl_asyncpool.exchange.metrics import PoolMetrics
-from torchrl_asyncpool.workers.env_adapter import make_adapter
+from torchrl_asyncpool.workers.env_adapter import make_adapter, remote_listener
 from torchrl_asyncpool.workers.env_worker import worker_main
 
 __all__ = ["AsyncEnvPool"]
@@ -570,6 +570,8 @@ def _resolve_grouping(envs_per_worker, env_threads, adapter, n):
         raise ValueError(f"envs_per_worker must be a positive int or 'auto', got {envs_per_worker!r}.")
     if not (env_threads is True or env_threads is False or env_threads == "auto"):
         raise ValueError(f"env_threads must be True, False or 'auto', got {env_threads!r}.")
+    if remote_listener(adapter) is not None:
+        return _remote_grouping(envs_per_worker, env_threads, n)
     if envs_per_worker != "auto":
         k = min(envs_per_worker, n)
         return k, env_threads is True and k > 1
@@ -582,6 +584,19 @@ def _resolve_grouping(envs_per_worker, env_threads, adapter, n):
     # so that one process's GIL-held work (copies, the env's own Python) overlaps another's
     k = max(1, math.ceil(n / (cores * (_BLOCKING_WORKERS_PER_CORE if blocking else 1))))
     return k, threaded and k > 1
+
+
+def _remote_grouping(envs_per_worker, env_threads, n):
+    """``(envs per worker, threaded)`` for remote env slots: one worker listens for all of them
+    (one port), each slot waits for its host in its own thread. ``envs_per_worker`` may be left
+    at the pool's default (1), ``"auto"`` or ``n``: there is no other grouping to choose."""
+    if envs_per_worker not in ("auto", 1, n) or isinstance(envs_per_worker, bool) or env_threads is False:
+        raise ValueError(
+            f"envs_per_worker={envs_per_worker!r}, env_threads={env_threads!r}: remote env slots listen on one "
+            "address, so one worker hosts all of them, each in its own thread; leave envs_per_worker and "
+            "env_threads at their defaults (or 'auto')."
+        )
+    return n, True
 
 
 def _vector_grouping(envs_per_worker, env_threads, k):

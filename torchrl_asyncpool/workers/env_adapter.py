@@ -15,7 +15,7 @@ from torchrl.envs import EnvBase
 
 __all__ = [
     "RESERVED_KEYS", "EPISODE_PLAN_ATTR", "TorchRLEnvAdapter", "TorchRLBatchedAdapter", "GymnasiumEnvAdapter",
-    "GymnasiumVectorAdapter", "is_vector_env", "make_adapter",
+    "GymnasiumVectorAdapter", "is_vector_env", "make_adapter", "remote_listener",
 ]
 
 #: Request keys the exchange defines itself; an env observation may not use them.
@@ -391,6 +391,13 @@ def is_vector_env(env) -> bool:
     except ImportError:  # pragma: no cover - gymnasium is a dependency
         return False
     return isinstance(env, gym.vector.VectorEnv)
+
+
+def remote_listener(adapter):
+    """The ``listen(slot_index)`` hook of a remote env slot
+    (:class:`~torchrl_asyncpool.remote.RemoteEnvSlot`), or ``None`` for an env stepped here."""
+    env = getattr(adapter, "env", None)
+    return getattr(getattr(env, "unwrapped", env), "_pool_listen", None)
 
 
 def make_adapter(env, env_index: int | None = None):

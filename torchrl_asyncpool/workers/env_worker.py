@@ -43,7 +43,7 @@ from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, as_key
 from torchrl_asyncpool.exchange.doorbell import Doorbell
 from torchrl_asyncpool.step_type import StepType
-from torchrl_asyncpool.workers.env_adapter import make_adapter
+from torchrl_asyncpool.workers.env_adapter import make_adapter, remote_listener
 
 __all__ = ["worker_main"]
 
@@ -611,6 +611,10 @@ class _Worker:
         slot = None
         try:
             slot = self._build_slot(*spec)
+            listen = remote_listener(slot.adapter)
+            if listen is not None:  # a remote slot: its first record waits for a host to connect
+                listen(slot.index)
+                first.set()
             self._publish(slot, self._timed_reset(slot), None, _FIRST)
             self._ring()
             first.set()

@@ -1,0 +1,264 @@
+"""Remote env hosts over gRPC: exactly-once delivery, dropped and killed hosts, refusals, bad input."""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+grpc = pytest.importorskip("grpc")
+
+from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, EnvError, StepType  # noqa: E402
+from torchrl_asyncpool.remote import EnvHost, RemoteEnvSlot, RemoteHostError  # noqa: E402
+from torchrl_asyncpool.remote import protocol as P  # noqa: E402
+from torchrl_asyncpool.testing import OracleChecker, OracleGymEnv, oracle_action  # noqa: E402
+
+
+def _address():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return f"localhost:{s.getsockname()[1]}"
+
+
+def _slots(address, n, **kwargs):
+    return [functools.partial(RemoteEnvSlot.like, OracleGymEnv(0), address, **kwargs)] * n
+
+
+def _start_host(address, env_id, **kwargs):
+    """An in-process host for slot ``env_id`` (hosts are started one at a time, so the host for
+    env ``i`` takes the lowest free slot, ``i``); returns ``(host, thread, result)``."""
+    host = EnvHost(functools.partial(OracleGymEnv, env_id), address, **kwargs)
+    result = {}
+
+    def run():
+        try:
+            result["steps"] = host.run()
+        except BaseException as exc:  # noqa: BLE001 - checked by the test
+            result["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while host.slot is None and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return host, t, result
+
+
+def _answer(pool, td):
+    pool.send(TensorDict({"action": oracle_action(td["tag"])}, [td.shape[0]]), td.env_indices)
+
+
+def _drive(pool, checker, records, timeout=30.0):
+    n = 0
+    while n < records:
+        td = pool.recv(min_get=1, timeout=timeout)
+        checker.observe_batch(td)
+        _answer(pool, td)
+        n += td.shape[0]
+
+
+def test_remote_hosts_feed_a_pool_exactly_once_and_end_with_it(dev_shm_guard):
+    address = _address()
+    pool = AsyncEnvPool(_slots(address, 3, token="s3cret"))
+    try:
+        assert (pool.num_workers, pool.env_threads) == (1, True)  # one listener, a thread per slot
+        hosts = [_start_host(address, i, token="s3cret") for i in range(3)]
+        assert [h.slot for h, _, _ in hosts] == [0, 1, 2]
+        checker = OracleChecker()
+        _drive(pool, checker, 600)
+        assert checker.episodes_done > 50
+    finally:
+        pool.close()
+    for host, t, result in hosts:
+        t.join(10)
+        assert not t.is_alive(), "the host did not notice that the pool went away"
+        assert "error" not in result, result.get("error")
+        assert result["steps"] > 100
+
+
+def test_collector_over_remote_hosts_delivers_exact_transitions(dev_shm_guard):
+    address = _address()
+    c = AsyncPoolCollector(_slots(address, 2), policy=lambda td: td.set("action", oracle_action(td["tag"])),
+                           frames_per_batch=40, total_frames=200, transition_chunk_size=5)
+    hosts = [_start_host(address, i) for i in range(2)]
+    try:
+        checker = OracleChecker()
+        sizes = []
+        for batch in c:
+            sizes.append(batch.shape[0])
+            checker.observe_transitions(batch)
+        assert sizes == [40] * 5 and checker.records == 200
+    finally:
+        c.shutdown()
+    for _, t, _ in hosts:
+        t.join(10)
+
+
+def _until_mid(pool, checker):
+    """Answers records until env 0's latest one is MID (an episode in progress); returns it."""
+    while True:
+        td = pool.recv(min_get=1, timeout=30)
+        checker.observe_batch(td)
+        if td.shape[0] == 1 and int(td["step_type"][0]) == StepType.MID:
+            return td
+        _answer(pool, td)
+
+
+def _expect_truncation(pool, last_tag, td):
+    """Answers ``td``: the dropped host's episode must end as TRUNCATION on its last observation."""
+    _answer(pool, td)
+    nxt = pool.recv(min_get=1, timeout=20)
+    assert int(nxt["step_type"][0]) == StepType.TRUNCATION, nxt["step_type"]
+    assert nxt["tag"][0].tolist() == last_tag and bool(nxt["truncated"][0].all()) and float(nxt["reward"][0]) == 0
+    _answer(pool, nxt)  # discarded, as after any terminal record
+
+
+def test_dropped_host_truncates_its_episode_and_frees_the_slot(dev_shm_guard):
+    address = _address()
+    with AsyncEnvPool(_slots(address, 1)) as pool:
+        host, t, _ = _start_host(address, 0)
+        td = _until_mid(pool, OracleChecker())
+        last = td["tag"][0].tolist()
+        host.stop()  # the host goes away while its record is with the consumer
+        t.join(10)
+        _expect_truncation(pool, last, td)
+        host2, t2, _ = _start_host(address, 0)
+        assert host2.slot == 0
+        first = pool.recv(min_get=1, timeout=20)
+        assert int(first["step_type"][0]) == StepType.FIRST and first["tag"][0].tolist() == [0, 0, 0]
+        checker = OracleChecker()
+        checker.observe_batch(first)
+        _answer(pool, first)
+        _drive(pool, checker, 50)
+
+
+_HOST_SCRIPT = """
+import sys
+from torchrl_asyncpool.remote import EnvHost
+from torchrl_asyncpool.testing import OracleGymEnv
+EnvHost(OracleGymEnv(0), sys.argv[1]).run()
+"""
+
+
+def test_sigkilled_host_process_truncates_its_episode_and_the_pool_goes_on(dev_shm_guard):
+    address = _address()
+    with AsyncEnvPool(_slots(address, 1)) as pool:
+        proc = subprocess.Popen([sys.executable, "-c", _HOST_SCRIPT, address])
+        try:
+            td = _until_mid(pool, OracleChecker())
+            last = td["tag"][0].tolist()
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            t0 = time.monotonic()
+            _expect_truncation(pool, last, td)
+            assert time.monotonic() - t0 < 10, "the pool took too long to notice the dead host"
+        finally:
+            proc.kill()
+            proc.wait()
+        _, t, _ = _start_host(address, 0)  # the slot is free again
+        first = pool.recv(min_get=1, timeout=20)
+        assert int(first["step_type"][0]) == StepType.FIRST
+
+
+def test_pool_refuses_wrong_token_wrong_spec_and_hosts_beyond_its_slots():
+    address = _address()
+    with AsyncEnvPool(_slots(address, 1, token="right")) as pool:
+        with pytest.raises(RemoteHostError, match="UNAUTHENTICATED") as err:
+            EnvHost(OracleGymEnv(0), address, token="wrong").run()
+        assert err.value.code == "UNAUTHENTICATED"
+        with pytest.raises(RemoteHostError, match="INVALID_ARGUMENT.*observation keys"):
+            EnvHost(gym.make("CartPole-v1"), address, token="right").run()
+        _, t, result = _start_host(address, 0, token="right")
+        with pytest.raises(RemoteHostError, match="RESOURCE_EXHAUSTED.*taken") as err:
+            EnvHost(OracleGymEnv(0), address, token="right").run()
+        assert err.value.code == "RESOURCE_EXHAUSTED"
+        td = pool.recv(min_get=1, timeout=20)  # the accepted host is unaffected
+        assert td["tag"][0].tolist() == [0, 0, 0]
+    t.join(10)
+    assert "error" not in result
+
+
+def test_malformed_record_ends_the_host_stream_and_truncates_the_episode():
+    address = _address()
+    with AsyncEnvPool(_slots(address, 1)) as pool:
+        codec = P.RecordCodec(P.spec_of_spaces(OracleGymEnv(0).observation_space, OracleGymEnv(0).action_space))
+        env = OracleGymEnv(0)
+        channel = grpc.insecure_channel(address)
+        grpc.channel_ready_future(channel).result(timeout=20)
+        import queue
+
+        out = queue.SimpleQueue()
+        out.put(P.encode_hello(P.spec_of_spaces(env.observation_space, env.action_space)))
+        responses = channel.stream_stream(P.METHOD)(iter(out.get, None))
+        assert b'"slot": 0' in next(responses)
+        obs, _ = env.reset()
+        out.put(codec.pack_record(StepType.FIRST, 0.0, obs))
+        td = pool.recv(min_get=1, timeout=20)
+        _answer(pool, td)
+        assert codec.unpack_command(next(responses)) == int(oracle_action(td["tag"])[0])
+        out.put(b"\x01short")  # not a record of this layout
+        with pytest.raises(grpc.RpcError) as err:
+            next(responses)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "record of 6 bytes" in err.value.details()
+        nxt = pool.recv(min_get=1, timeout=20)
+        assert int(nxt["step_type"][0]) == StepType.TRUNCATION and nxt["tag"][0].tolist() == [0, 0, 0]
+        out.put(None)
+        channel.close()
+
+
+def test_bad_configurations_raise_clear_errors():
+    space = gym.spaces.Box(-1, 1, (3,), np.float32)
+    with pytest.raises(ValueError, match="host:port"):
+        RemoteEnvSlot("localhost", space, gym.spaces.Discrete(2))
+    with pytest.raises(ValueError, match="port must be a number"):
+        RemoteEnvSlot("localhost:0", space, gym.spaces.Discrete(2))
+    with pytest.raises(TypeError, match="unsupported gymnasium action space"):
+        RemoteEnvSlot("localhost:5000", space, gym.spaces.Tuple([gym.spaces.Discrete(2)]))
+    with pytest.raises(RuntimeError, match="stepped by a pool worker"):
+        RemoteEnvSlot("localhost:5000", space, gym.spaces.Discrete(2)).reset()
+    address = _address()
+    with pytest.raises(ValueError, match="one worker hosts all of them"):
+        AsyncEnvPool(_slots(address, 3), envs_per_worker=2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(EnvError, match="cannot listen on 127.0.0.1"):  # names the env and the cause
+            AsyncEnvPool(_slots(f"127.0.0.1:{port}", 2))
+
+
+def test_env_host_command_serves_a_gymnasium_env(dev_shm_guard):
+    address = _address()
+    fns = [functools.partial(RemoteEnvSlot.like, gym.make("CartPole-v1"), address)]
+    with AsyncEnvPool(fns) as pool:
+        env = dict(os.environ, TORCHRL_ASYNCPOOL_TOKEN="")
+        env.pop("TORCHRL_ASYNCPOOL_TOKEN")
+        proc = subprocess.Popen([sys.executable, "-m", "torchrl_asyncpool.cli", "env-host", "--env-id", "CartPole-v1",
+                                 "--address", address, "--max-steps", "30"], stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            steps = 0
+            while True:
+                td = pool.recv(min_get=1, timeout=60)
+                assert td["observation"].shape == (1, 4) and td["observation"].dtype == torch.float32
+                st = int(td["step_type"][0])
+                if st == StepType.TRUNCATION and steps == 30:
+                    break  # the host left after --max-steps (CartPole itself truncates at 500)
+                steps += st != StepType.FIRST
+                pool.send(TensorDict({"action": torch.ones(1, dtype=torch.int64)}, [1]), td.env_indices)
+            out, _ = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    assert "30 steps of CartPole-v1 served to slot 0" in out

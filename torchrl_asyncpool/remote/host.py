@@ -1,0 +1,190 @@
+"""Client side of the env-host protocol: serve a gymnasium env to a pool's remote slot."""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+
+from torchrl_asyncpool.remote import protocol as P
+from torchrl_asyncpool.step_type import StepType
+
+__all__ = ["EnvHost", "RemoteHostError"]
+
+_log = logging.getLogger("torchrl_asyncpool.remote")
+_FIRST, _MID, _TERM, _TRUNC = (int(s) for s in StepType)
+
+
+class RemoteHostError(RuntimeError):
+    """The pool refused the host or ended its stream with an error.
+
+    Attributes:
+        code (str): the gRPC status name (``"UNAUTHENTICATED"``, ``"INVALID_ARGUMENT"``,
+            ``"RESOURCE_EXHAUSTED"``, ...).
+        details (str): the pool's explanation.
+    """
+
+    def __init__(self, address: str, code: str, details: str):
+        super().__init__(f"{address}: {code}: {details}")
+        self.code, self.details = code, details
+
+    def __reduce__(self):
+        return _rebuild_error, (str(self), self.code, self.details)
+
+
+def _rebuild_error(msg, code, details):
+    err = RemoteHostError.__new__(RemoteHostError)
+    RuntimeError.__init__(err, msg)
+    err.code, err.details = code, details
+    return err
+
+
+class EnvHost:
+    """Steps one gymnasium env for a pool's :class:`~torchrl_asyncpool.remote.RemoteEnvSlot`.
+
+    The host connects to ``address``, sends its env's spec, takes a free slot and then answers
+    the pool's commands (an action, or a reset after a terminal record) with records, until the
+    pool goes away, :meth:`stop` is called or ``max_steps`` is reached. The env stays local:
+    only observations, rewards and step types travel, as raw bytes.
+
+    Args:
+        env (gymnasium.Env or callable): the env, or a zero-argument factory called once at
+            the first :meth:`run`.
+        address (str): the pool's ``"host:port"``.
+
+    Keyword Args:
+        token (str, optional): the pool's token. Defaults to ``None``.
+        connect_timeout (float): seconds to wait for the pool to accept connections.
+            Defaults to ``30``.
+
+    Attributes:
+        slot (int): the pool slot this host holds (``None`` before it is accepted).
+        steps (int): env steps taken (resets not counted).
+
+    Examples:
+        >>> import gymnasium as gym
+        >>> from torchrl_asyncpool.remote import EnvHost
+        >>> host = EnvHost(lambda: gym.make("CartPole-v1"), "localhost:50051", connect_timeout=0.5)
+        >>> host.run()  # nothing listens there: a clear error instead of a hang
+        Traceback (most recent call last):
+          ...
+        ConnectionError: no pool accepts connections on localhost:50051 (waited 0.5 s).
+    """
+
+    def __init__(self, env, address: str, *, token: str | None = None, connect_timeout: float = 30.0):
+        self._env = env
+        self.address = address
+        self.token = token
+        self.connect_timeout = float(connect_timeout)
+        self.slot = None
+        self.steps = 0
+        self._call = None
+        self._stopping = threading.Event()
+
+    @property
+    def env(self):
+        if callable(self._env) and not hasattr(self._env, "step"):
+            self._env = self._env()
+        return self._env
+
+    def stop(self) -> None:
+        """Ends the stream from another thread; :meth:`run` returns (the pool truncates the
+        episode in progress and frees the slot)."""
+        self._stopping.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    def run(self, max_steps: int | None = None) -> int:
+        """Serves the env until the pool ends the stream, :meth:`stop` or ``max_steps`` env
+        steps (then the host leaves, as if it dropped); returns the steps taken.
+
+        Raises:
+            ConnectionError: nothing accepts connections at ``address`` within ``connect_timeout``.
+            RemoteHostError: the pool refused the host (token, spec, no free slot) or ended its
+                stream with an error.
+        """
+        import grpc
+
+        env = self.env
+        spec = P.spec_of_spaces(env.observation_space, env.action_space)
+        codec = P.RecordCodec(spec)
+        dict_obs = type(env.observation_space).__name__ == "Dict"
+        channel = grpc.insecure_channel(self.address, options=[
+            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
+            ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000),
+        ])
+        try:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=self.connect_timeout)
+            except grpc.FutureTimeoutError:
+                raise ConnectionError(
+                    f"no pool accepts connections on {self.address} (waited {self.connect_timeout:g} s)."
+                ) from None
+            out = queue.SimpleQueue()
+
+            def requests():
+                while True:
+                    msg = out.get()
+                    if msg is None:
+                        return
+                    yield msg
+
+            out.put(P.encode_hello(spec))
+            metadata = ((P.TOKEN_METADATA, self.token),) if self.token is not None else None
+            self._call = responses = channel.stream_stream(P.METHOD)(requests(), metadata=metadata)
+            if self._stopping.is_set():
+                responses.cancel()
+
+            def record(st, reward, obs):
+                out.put(codec.pack_record(st, reward, obs if dict_obs else {"observation": obs}))
+
+            try:
+                accept = json.loads(next(responses).decode())
+                self.slot = int(accept["slot"])
+                _log.info("env host: holding slot %d of %s", self.slot, self.address)
+                obs, _ = env.reset()
+                record(_FIRST, 0.0, obs)
+                for cmd in responses:
+                    action = codec.unpack_command(cmd)
+                    if action is None:
+                        obs, _ = env.reset()
+                        record(_FIRST, 0.0, obs)
+                        continue
+                    if max_steps is not None and self.steps >= max_steps:
+                        break
+                    obs, reward, terminated, truncated, _ = env.step(action)
+                    self.steps += 1
+                    record(_TERM if terminated else (_TRUNC if truncated else _MID), reward, obs)
+            except StopIteration:  # the pool ended the stream before accepting
+                pass
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.CANCELLED and self._stopping.is_set():
+                    return self.steps
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and self.slot is not None:
+                    _log.info("env host: the pool at %s went away (%s)", self.address, code.name)
+                    return self.steps  # the pool closed: the normal end of a host's life
+                raise RemoteHostError(self.address, code.name, exc.details() or "") from None
+            finally:
+                out.put(None)
+                if self._call is not None:
+                    self._call.cancel()
+            return self.steps
+        finally:
+            channel.close()
+
+    def run_forever(self, retry_s: float = 1.0) -> None:
+        """:meth:`run` again whenever the pool goes away or refuses the host for lack of a free
+        slot, until :meth:`stop` (an env host that outlives pools)."""
+        while not self._stopping.is_set():
+            try:
+                self.run()
+            except ConnectionError:
+                pass
+            except RemoteHostError as exc:
+                if exc.code != "RESOURCE_EXHAUSTED":
+                    raise
+            self.slot = None
+            self._stopping.wait(retry_s)
+

@@ -1,0 +1,383 @@
+"""Server side of the env-host protocol: pool slots that remote env hosts claim over gRPC.
+
+A :class:`RemoteEnvSlot` is what a pool factory returns for an env that lives elsewhere. It is
+a :class:`gymnasium.Env` with declared spaces, so the pool lays out its slot like any other
+env's; the worker hosting it listens on the slot's address (one gRPC server per address and
+worker process, shared by the slots hosted there) and hands every host that connects to a
+free slot. From then on the slot's ``reset`` and ``step`` are the host's records: the consumer
+loop, the inference server and the collector see an ordinary env.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import queue
+import threading
+from concurrent import futures
+
+import gymnasium as gym
+
+from torchrl_asyncpool.remote import protocol as P
+from torchrl_asyncpool.step_type import StepType
+
+__all__ = ["RemoteEnvSlot"]
+
+_log = logging.getLogger("torchrl_asyncpool.remote")
+_FIRST, _TERM, _TRUNC = int(StepType.FIRST), int(StepType.TERMINATION), int(StepType.TRUNCATION)
+
+
+class RemoteEnvSlot(gym.Env):
+    """An env slot stepped by a remote env host that connects over gRPC.
+
+    Return one from each ``create_env_fn`` factory of an :class:`~torchrl_asyncpool.AsyncEnvPool`
+    (or :class:`~torchrl_asyncpool.AsyncPoolCollector`) to let env hosts anywhere (another
+    machine, a container, another language) feed the pool: the worker hosting the slots listens
+    on ``address``; each host that connects (:class:`~torchrl_asyncpool.remote.EnvHost`, or any
+    client of :mod:`torchrl_asyncpool.remote.protocol`) sends its spec, which must equal the
+    slot's, and takes the first free slot. The pool is built before any host connects; a slot
+    delivers its first record once a host has claimed it.
+
+    Episodes follow the pool's contract: the host owns its env and its resets and sends FIRST,
+    MID, TERMINATION and TRUNCATION records; after a terminal record the slot tells the host to
+    reset. A host that drops (or breaks the protocol) mid-episode ends that episode with a
+    TRUNCATION record carrying its last observation and reward 0, and the slot waits for the
+    next host: nothing the pool delivered is lost or duplicated, and the learner sees an
+    ordinary truncated episode. A host that hangs without dropping holds its slot until gRPC
+    keepalive (about 20 s) notices the dead connection.
+
+    All the slots of one address must be hosted by one worker process: build the pool with
+    ``envs_per_worker="auto"`` (the default grouping for remote slots puts them all in one
+    worker and steps each in its own thread). The listening port is not encrypted: use it on a
+    trusted network, or behind a TLS proxy; a ``token`` keeps stray clients out. Nothing
+    received is unpickled: records are raw bytes checked against the negotiated layout.
+
+    Args:
+        address (str): ``"host:port"`` to listen on, e.g. ``"0.0.0.0:50051"`` or
+            ``"localhost:50051"``.
+        observation_space (gymnasium.spaces.Space): ``Box``, ``Discrete``, ``MultiDiscrete``,
+            ``MultiBinary`` or a ``Dict`` of them: what every host's env must produce.
+        action_space (gymnasium.spaces.Space): ``Box``, ``Discrete``, ``MultiDiscrete`` or
+            ``MultiBinary``.
+
+    Keyword Args:
+        token (str, optional): hosts must send it (metadata ``x-torchrl-asyncpool-token``).
+            Defaults to ``None`` (no check).
+
+    Attributes:
+        index (int): the pool slot, once the hosting worker listens (``None`` before).
+        hosts_connected (int): hosts that claimed this slot so far (counted in the worker).
+        hosts_lost (int): hosts that dropped or broke the protocol while holding it.
+
+    Examples:
+        >>> import gymnasium as gym
+        >>> from torchrl_asyncpool.remote import RemoteEnvSlot
+        >>> slot = RemoteEnvSlot.like(gym.make("CartPole-v1"), "localhost:50051")
+        >>> slot.observation_space.shape, slot.action_space
+        ((4,), Discrete(2))
+
+        In a pool (the hosts run ``torchrl-asyncpool env-host --env-id CartPole-v1
+        --address POOL_MACHINE:50051`` anywhere)::
+
+            pool = AsyncEnvPool([functools.partial(RemoteEnvSlot, "0.0.0.0:50051", obs_space, act_space)] * 16)
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, address: str, observation_space, action_space, *, token: str | None = None):
+        _check_address(address)
+        if token is not None and not isinstance(token, str):
+            raise TypeError(f"token must be a str or None, got {type(token).__name__}.")
+        self.address = address
+        self.observation_space = observation_space
+        self.action_space = action_space
+        self._spec = P.spec_of_spaces(observation_space, action_space)  # refuses unsupported spaces
+        self._codec = P.RecordCodec(self._spec)
+        self._dict_obs = isinstance(observation_space, gym.spaces.Dict)
+        self._token = token
+        self.index = None
+        self.hosts_connected = self.hosts_lost = 0
+        self._cond = threading.Condition()
+        self._stream = None
+        self._ingress = None
+        self._closed = False
+        self._last_obs = None
+
+    @classmethod
+    def like(cls, env, address: str, *, token: str | None = None) -> "RemoteEnvSlot":
+        """A slot with the spaces of ``env`` (a gymnasium env built here only to read them)."""
+        return cls(address, env.observation_space, env.action_space, token=token)
+
+    # -- called by the pool worker hosting the slot ----------------------------------------------
+    def _pool_listen(self, index: int) -> None:
+        """Starts accepting hosts for pool slot ``index`` (the worker calls it after building the
+        slot and before the first reset, which waits for a host)."""
+        self.index = index
+        self._ingress = _Ingress.join(self)
+
+    # -- gymnasium API ----------------------------------------------------------------------------
+    def reset(self, *, seed=None, options=None):
+        """Waits for a host if none holds the slot, tells it to reset when it sent a record
+        before, and returns its FIRST record's observation."""
+        if seed is not None or options:
+            raise ValueError(
+                f"{self._where()}: a remote host owns its env and its resets; a seed or reset options cannot be "
+                "applied from the pool (fixed episode sets need local envs)."
+            )
+        if self._ingress is None:
+            raise RuntimeError(
+                f"{self._where()} is stepped by a pool worker, which listens on {self.address}; it cannot be reset "
+                "on its own. Return it from an AsyncEnvPool / AsyncPoolCollector factory."
+            )
+        while True:
+            stream = self._wait_host()
+            try:
+                if stream.sent_first:
+                    stream.send(P.RESET_COMMAND)
+                st, _, obs = self._read(stream)
+                if st != _FIRST:
+                    raise _ProtocolError(f"a record answering a reset has step type {st}; expected 0 (FIRST)")
+                stream.sent_first = True
+            except _HostLost as exc:
+                self._lose(stream, exc)
+                continue
+            self._last_obs = obs
+            return self._out(obs), {}
+
+    def step(self, action):
+        """Sends ``action`` to the host and returns its next record; a host lost meanwhile ends
+        the episode as truncated (last observation, reward 0; ``info["host_lost"]``)."""
+        stream = self._stream
+        try:
+            if stream is None:
+                raise _HostLost("no host holds the slot")
+            stream.send(self._codec.pack_action(action))
+            st, reward, obs = self._read(stream)
+            if st == _FIRST:
+                raise _ProtocolError("a record answering an action has step type 0 (FIRST); resets are the pool's")
+        except _HostLost as exc:
+            self._lose(stream, exc)
+            return self._out(self._last_obs), 0.0, False, True, {"host_lost": True}
+        self._last_obs = obs
+        return self._out(obs), reward, st == _TERM, st == _TRUNC, {}
+
+    def close(self):
+        with self._cond:
+            self._closed = True
+            stream, self._stream = self._stream, None
+            self._cond.notify_all()
+        if stream is not None:
+            stream.end()
+        if self._ingress is not None:
+            self._ingress.leave(self)
+            self._ingress = None
+
+    # -- internals --------------------------------------------------------------------------------
+    def _where(self) -> str:
+        return f"remote env slot {self.index}" if self.index is not None else "a remote env slot"
+
+    def _out(self, obs):
+        return obs if self._dict_obs else obs["observation"]
+
+    def _attach(self, stream) -> bool:
+        """Gives the slot to ``stream`` if it is free (the ingress calls it for each host)."""
+        with self._cond:
+            if self._stream is not None or self._closed:
+                return False
+            self._stream = stream
+            self.hosts_connected += 1
+            self._cond.notify_all()
+        _log.info("%s: host %s connected", self._where(), stream.peer)
+        return True
+
+    def _wait_host(self):
+        with self._cond:
+            while self._stream is None:
+                if self._closed:
+                    raise RuntimeError(f"{self._where()} was closed while waiting for a host.")
+                self._cond.wait()
+            return self._stream
+
+    def _read(self, stream):
+        try:
+            data = next(stream.requests)
+        except StopIteration:
+            raise _HostLost("the host ended its stream") from None
+        except Exception as exc:  # noqa: BLE001 - grpc raises its RpcError (cancelled, reset) here
+            raise _HostLost(f"the host's stream failed ({type(exc).__name__}: {exc})") from None
+        try:
+            return self._codec.unpack_record(data)
+        except ValueError as exc:
+            raise _ProtocolError(str(exc)) from None
+
+    def _lose(self, stream, exc):
+        """Frees the slot after its host dropped or broke the protocol."""
+        with self._cond:
+            if self._stream is stream:
+                self._stream = None
+        if stream is not None:
+            self.hosts_lost += 1
+            if isinstance(exc, _ProtocolError):
+                _log.warning("%s: host %s broke the protocol: %s", self._where(), stream.peer, exc)
+                stream.end(_grpc().StatusCode.INVALID_ARGUMENT, f"{self._where()}: {exc}")
+            else:
+                _log.warning("%s: host %s lost: %s", self._where(), stream.peer, exc)
+                stream.end()
+
+
+class _HostLost(Exception):
+    """The slot's host dropped; its episode ends truncated."""
+
+
+class _ProtocolError(_HostLost):
+    """The slot's host sent something the protocol does not allow; the stream is ended with
+    ``INVALID_ARGUMENT`` and its episode truncated."""
+
+
+class _HostStream:
+    """One connected host: the slot reads its records, the handler's generator yields commands."""
+
+    def __init__(self, requests, context):
+        self.requests, self.context = requests, context
+        self.peer = context.peer()
+        self.sent_first = False
+        self.ended = False
+        self._out = queue.SimpleQueue()
+
+    def send(self, msg: bytes) -> None:
+        if self.ended:
+            raise _HostLost("the host's call ended")
+        self._out.put(msg)
+
+    def end(self, code=None, details: str | None = None) -> None:
+        """Ends the call (with ``code`` and ``details`` when given)."""
+        if code is not None and not self.ended:
+            self.context.set_code(code)
+            self.context.set_details(details)
+        self.ended = True
+        self._out.put(None)
+
+    def responses(self):
+        while True:
+            msg = self._out.get()
+            if msg is None:
+                return
+            yield msg
+
+
+def _grpc():
+    try:
+        import grpc
+    except ImportError:
+        raise ImportError(
+            "remote env slots need grpcio: pip install 'torchrl-asyncpool[remote]' (or pip install grpcio)."
+        ) from None
+    return grpc
+
+
+def _check_address(address) -> None:
+    if not isinstance(address, str) or ":" not in address:
+        raise ValueError(f"address must be 'host:port', got {address!r}.")
+    port = address.rsplit(":", 1)[1]
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address {address!r}: the port must be a number in 1..65535 (0 is not accepted: "
+                         "hosts must know where to connect).")
+
+
+#: gRPC server options: keepalive pings find dead hosts (a host that vanished without closing
+#: its connection) within ~20 s; no SO_REUSEPORT, so a second listener on the port fails
+#: loudly instead of sharing the connections.
+_KEEPALIVE = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+class _Ingress:
+    """The gRPC server of one address in one process; hands each accepted host to a free slot."""
+
+    _by_address: dict = {}
+    _lock = threading.Lock()
+
+    @classmethod
+    def join(cls, slot: RemoteEnvSlot) -> "_Ingress":
+        with cls._lock:
+            ingress = cls._by_address.get(slot.address)
+            if ingress is None:
+                ingress = cls._by_address[slot.address] = cls(slot.address, slot._token, slot._codec)
+            elif ingress.token != slot._token:
+                raise ValueError(f"{slot._where()}: slots listening on {slot.address} must share one token.")
+            ingress.slots.append(slot)
+            return ingress
+
+    def __init__(self, address, token, codec):
+        grpc = _grpc()
+        self.address, self.token = address, token
+        self.slots = []
+        limit = max(4 << 20, 2 * max(codec.record_bytes, codec.action_bytes))
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=1024, thread_name_prefix="env-host-stream"),
+            options=_KEEPALIVE + [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+        )
+        service, method = P.METHOD.strip("/").split("/")
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            service, {method: grpc.stream_stream_rpc_method_handler(self._handle)}
+        ),))
+        try:
+            port = self.server.add_insecure_port(address)
+        except RuntimeError as exc:
+            port, why = 0, str(exc)
+        else:
+            why = ""
+        if not port:
+            raise OSError(f"remote env slots cannot listen on {address}: the port is taken or the address is not "
+                          f"local ({why or 'bind failed'}).")
+        self.server.start()
+        _log.info("remote env slots listening on %s", address)
+
+    def leave(self, slot) -> None:
+        with self._lock:
+            if slot in self.slots:
+                self.slots.remove(slot)
+            if self.slots:
+                return
+            self._by_address.pop(self.address, None)
+        self.server.stop(grace=None)
+
+    def _handle(self, requests, context):
+        grpc = _grpc()
+        if self.token is not None:
+            got = dict(context.invocation_metadata()).get(P.TOKEN_METADATA, "")
+            if not hmac.compare_digest(str(got).encode(), self.token.encode()):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                              f"wrong or missing token (metadata {P.TOKEN_METADATA!r}) for {self.address}.")
+        try:
+            hello = P.decode_hello(next(requests))
+        except StopIteration:
+            return
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.address}: {exc}")
+        with self._lock:
+            slots = sorted(self.slots, key=lambda s: s.index)
+        stream = _HostStream(requests, context)
+        mismatch, matched = None, 0
+        for slot in slots:
+            diff = P.spec_difference(slot._spec, hello)
+            if diff is not None:
+                mismatch = mismatch or f"{slot._where()}: {diff}"
+                continue
+            matched += 1
+            if slot._attach(stream):
+                break
+        else:
+            if not matched:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the host's spec does not fit: {mismatch}.")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"all {matched} remote env slots on {self.address} are taken; try again later.")
+        if not context.add_callback(stream.end):  # the call ended already
+            stream.end()
+        yield P.encode_accept(slot.index)
+        yield from stream.responses()
