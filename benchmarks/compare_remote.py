@@ -1,0 +1,140 @@
+"""Remote env hosts against local workers: records/s through the pool, same envs, one run.
+
+For each workload and env count, a consumer loop (``recv`` whatever is ready, answer it with
+random actions, nothing else) runs for ``--seconds`` against
+
+* ``local``   an AsyncEnvPool of the envs in its own worker processes (default grouping);
+* ``remote``  an AsyncEnvPool of :class:`~torchrl_asyncpool.remote.RemoteEnvSlot` slots fed by
+              env hosts over gRPC on this machine (``--host-procs`` processes, each running
+              ``num_envs / host_procs`` :class:`~torchrl_asyncpool.remote.EnvHost` threads).
+
+Workloads: CartPole-v1, and the 2 ms env of ``compare_collectors.py`` (84x84x3 uint8 pixels and a
+4-vector per record, 21 KB). Reports records/s, the percentage of N/latency for the 2 ms env and
+the mean cycle of one env (N / rate). Run with nothing else busy::
+
+    python benchmarks/compare_remote.py
+    python benchmarks/compare_remote.py --envs 4 16 --seconds 5 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import gymnasium as gym
+import torch
+from tensordict import TensorDict
+
+from compare_collectors import make_cartpole, make_sleep
+
+from torchrl_asyncpool import AsyncEnvPool
+from torchrl_asyncpool.remote import RemoteEnvSlot
+
+WORKLOADS = {"cartpole": (make_cartpole, None), "sleep2ms": (make_sleep, 0.002)}
+
+_HOST = """
+import sys, threading
+sys.path.insert(0, {here!r})
+from compare_collectors import make_cartpole, make_sleep
+from torchrl_asyncpool.remote import EnvHost
+make = {{"cartpole": make_cartpole, "sleep2ms": make_sleep}}[sys.argv[1]]
+hosts = [EnvHost(make(), sys.argv[2]) for _ in range(int(sys.argv[3]))]
+threads = [threading.Thread(target=h.run) for h in hosts]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+"""
+
+
+def _address():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _drive(pool, seconds, n):
+    """Answers everything ready for ``seconds`` after all ``n`` envs have published once."""
+    got = 0
+    while got < n:  # every env started (remote: every host connected)
+        td = pool.recv(min_get=1, timeout=120)
+        got += td.shape[0]
+        pool.send(TensorDict({"action": torch.randint(0, 2, (td.shape[0],))}, [td.shape[0]]), td.env_indices)
+    records, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        td = pool.recv(min_get=1, timeout=30)
+        b = td.shape[0]
+        records += b
+        pool.send(TensorDict({"action": torch.randint(0, 2, (b,))}, [b]), td.env_indices)
+    return records / (time.perf_counter() - t0)
+
+
+def run_local(workload, n, seconds):
+    make, _ = WORKLOADS[workload]
+    with AsyncEnvPool([make] * n, envs_per_worker="auto") as pool:
+        return _drive(pool, seconds, n)
+
+
+def run_remote(workload, n, seconds, host_procs):
+    make, _ = WORKLOADS[workload]
+    address = _address()
+    slot = functools.partial(RemoteEnvSlot.like, make(), address)
+    here = os.path.dirname(os.path.abspath(__file__))
+    procs = []
+    try:
+        with AsyncEnvPool([slot] * n) as pool:
+            per = [n // host_procs + (i < n % host_procs) for i in range(host_procs)]
+            for k in filter(None, per):
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-c", _HOST.format(here=here), workload, address, str(k)],
+                    stderr=subprocess.DEVNULL,
+                ))
+            rate = _drive(pool, seconds, n)
+    finally:
+        for p in procs:  # the pool closed: the hosts' streams end and they exit
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return rate
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--envs", nargs="+", type=int, default=[4, 16])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--host-procs", type=int, default=2, help="env host processes (default: 2)")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    print(f"{'workload':10} {'envs':>4} {'impl':7} {'records/s':>10} {'% N/lat':>8} {'cycle ms':>9}")
+    for workload in args.workloads:
+        latency = WORKLOADS[workload][1]
+        for n in args.envs:
+            for rep in range(args.repeats):
+                for impl in ("local", "remote"):
+                    rate = (run_local(workload, n, args.seconds) if impl == "local"
+                            else run_remote(workload, n, args.seconds, args.host_procs))
+                    pct = None if latency is None else 100 * rate / (n / latency)
+                    row = {"workload": workload, "envs": n, "impl": impl, "repeat": rep, "records_per_s": rate,
+                           "pct_n_over_latency": pct, "cycle_ms": 1e3 * n / rate,
+                           "host_procs": args.host_procs if impl == "remote" else None}
+                    rows.append(row)
+                    print(f"{workload:10} {n:>4} {impl:7} {rate:>10.0f} {'' if pct is None else f'{pct:.1f}':>8} "
+                          f"{row['cycle_ms']:>9.3f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "cores": os.cpu_count(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    gym.logger.min_level = 40
+    main()
