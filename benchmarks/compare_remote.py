@@ -10,7 +10,8 @@ random actions, nothing else) runs for ``--seconds`` against
 
 Workloads: CartPole-v1, and the 2 ms env of ``compare_collectors.py`` (84x84x3 uint8 pixels and a
 4-vector per record, 21 KB). Reports records/s, the percentage of N/latency for the 2 ms env and
-the mean cycle of one env (N / rate). Run with nothing else busy::
+the mean cycle of one env (N / rate) and the CPU each side spends per record (from /proc).
+Run with nothing else busy::
 
     python benchmarks/compare_remote.py
     python benchmarks/compare_remote.py --envs 4 16 --seconds 5 --json out.json
@@ -58,20 +59,38 @@ def _address():
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def _drive(pool, seconds, n):
-    """Answers everything ready for ``seconds`` after all ``n`` envs have published once."""
+def _cpu_s(pids):
+    """User + system CPU seconds of processes ``pids`` (from /proc; 0 for ones that are gone)."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def _drive(pool, seconds, n, host_pids=()):
+    """Answers everything ready for ``seconds`` after all ``n`` envs have published once;
+    returns ``(records/s, {who: CPU microseconds per record})``."""
     got = 0
     while got < n:  # every env started (remote: every host connected)
         td = pool.recv(min_get=1, timeout=120)
         got += td.shape[0]
         pool.send(TensorDict({"action": torch.randint(0, 2, (td.shape[0],))}, [td.shape[0]]), td.env_indices)
+    who = {"driver": None, "workers": pool.worker_pids, "hosts": list(host_pids)}
+    cpu0 = {k: time.process_time() if v is None else _cpu_s(v) for k, v in who.items()}
     records, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         td = pool.recv(min_get=1, timeout=30)
         b = td.shape[0]
         records += b
         pool.send(TensorDict({"action": torch.randint(0, 2, (b,))}, [b]), td.env_indices)
-    return records / (time.perf_counter() - t0)
+    elapsed = time.perf_counter() - t0
+    cpu = {k: 1e6 * ((time.process_time() if v is None else _cpu_s(v)) - cpu0[k]) / records for k, v in who.items()}
+    return records / elapsed, cpu
 
 
 def run_local(workload, n, seconds):
@@ -94,7 +113,7 @@ def run_remote(workload, n, seconds, host_procs):
                     [sys.executable, "-c", _HOST.format(here=here), workload, address, str(k)],
                     stderr=subprocess.DEVNULL,
                 ))
-            rate = _drive(pool, seconds, n)
+            rate = _drive(pool, seconds, n, [p.pid for p in procs])
     finally:
         for p in procs:  # the pool closed: the hosts' streams end and they exit
             try:
@@ -115,21 +134,24 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
-    print(f"{'workload':10} {'envs':>4} {'impl':7} {'records/s':>10} {'% N/lat':>8} {'cycle ms':>9}")
+    print(f"{'workload':10} {'envs':>4} {'impl':7} {'records/s':>10} {'% N/lat':>8} {'cycle ms':>9}   "
+          "CPU us per record: driver / pool workers / hosts")
     for workload in args.workloads:
         latency = WORKLOADS[workload][1]
         for n in args.envs:
             for rep in range(args.repeats):
                 for impl in ("local", "remote"):
-                    rate = (run_local(workload, n, args.seconds) if impl == "local"
-                            else run_remote(workload, n, args.seconds, args.host_procs))
+                    rate, cpu = (run_local(workload, n, args.seconds) if impl == "local"
+                                 else run_remote(workload, n, args.seconds, args.host_procs))
                     pct = None if latency is None else 100 * rate / (n / latency)
                     row = {"workload": workload, "envs": n, "impl": impl, "repeat": rep, "records_per_s": rate,
                            "pct_n_over_latency": pct, "cycle_ms": 1e3 * n / rate,
-                           "host_procs": args.host_procs if impl == "remote" else None}
+                           "host_procs": args.host_procs if impl == "remote" else None,
+                           "cpu_us_per_record": cpu}
                     rows.append(row)
                     print(f"{workload:10} {n:>4} {impl:7} {rate:>10.0f} {'' if pct is None else f'{pct:.1f}':>8} "
-                          f"{row['cycle_ms']:>9.3f}", flush=True)
+                          f"{row['cycle_ms']:>9.3f}   {cpu['driver']:.0f} / {cpu['workers']:.0f} / {cpu['hosts']:.0f}",
+                          flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "cores": os.cpu_count(), "rows": rows}, f, indent=1)

@@ -86,6 +86,17 @@ def test_remote_hosts_feed_a_pool_exactly_once_and_end_with_it(dev_shm_guard):
         assert result["steps"] > 100
 
 
+def test_each_address_gets_its_own_worker(dev_shm_guard):
+    a, b = _address(), _address()
+    with AsyncEnvPool(_slots(a, 2) + _slots(b, 1)) as pool:
+        assert pool.num_workers == 2 and pool.envs_per_worker == 2
+        hosts = [_start_host(a, 0), _start_host(a, 1), _start_host(b, 2)]
+        assert [h.slot for h, _, _ in hosts] == [0, 1, 2]  # slot indices are the pool's
+        checker = OracleChecker()
+        _drive(pool, checker, 200)
+        assert {e for e in range(3) if checker.last_step(e) is not None} == {0, 1, 2}
+
+
 def test_collector_over_remote_hosts_delivers_exact_transitions(dev_shm_guard):
     address = _address()
     c = AsyncPoolCollector(_slots(address, 2), policy=lambda td: td.set("action", oracle_action(td["tag"])),
@@ -228,8 +239,13 @@ def test_bad_configurations_raise_clear_errors():
     with pytest.raises(RuntimeError, match="stepped by a pool worker"):
         RemoteEnvSlot("localhost:5000", space, gym.spaces.Discrete(2)).reset()
     address = _address()
-    with pytest.raises(ValueError, match="one worker hosts all of them"):
+    with pytest.raises(ValueError, match="grouped by address"):
         AsyncEnvPool(_slots(address, 3), envs_per_worker=2)
+    with pytest.raises(ValueError, match="local envs, not both"):
+        AsyncEnvPool(_slots(address, 1) + [functools.partial(OracleGymEnv, 1)])
+    other = _address()
+    with pytest.raises(ValueError, match="consecutive factories"):
+        AsyncEnvPool(_slots(address, 1) + _slots(other, 1) + _slots(address, 1))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -182,8 +182,12 @@ class AsyncEnvPool:
             # a vector env hosts k envs, in k consecutive slots of one worker, stepped in lockstep
             self.envs_per_factory = k_vec = getattr(spec_adapter, "num_envs", 1)
             self.num_envs = n = len(fns) * k_vec
+            groups = None  # contiguous runs of envs_per_worker slots, unless set here
             if hasattr(spec_adapter, "num_envs"):
                 self.envs_per_worker, self.env_threads = _vector_grouping(envs_per_worker, env_threads, k_vec)
+            elif remote_listener(spec_adapter) is not None:
+                groups = _remote_groups(envs_per_worker, env_threads, spec_adapter, fns, kwargs)
+                self.envs_per_worker, self.env_threads = max(map(len, groups)), True
             else:
                 self.envs_per_worker, self.env_threads = _resolve_grouping(
                     envs_per_worker, env_threads, spec_adapter, n
@@ -212,8 +216,9 @@ class AsyncEnvPool:
             self._chunks = ChunkBuffers(self.layout, transition_chunk_size, chunks_per_env)
         self._consumer = Doorbell()
         self._life_r, self._life_w = os.pipe()
-        k = self.envs_per_worker
-        groups = [list(range(i, min(i + k, n))) for i in range(0, n, k)]
+        if groups is None:
+            k = self.envs_per_worker
+            groups = [list(range(i, min(i + k, n))) for i in range(0, n, k)]
         self.num_workers = len(groups)
         affinity = resolve_worker_affinity(worker_affinity, self.num_workers)
         self._slot_worker = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
@@ -570,8 +575,6 @@ def _resolve_grouping(envs_per_worker, env_threads, adapter, n):
         raise ValueError(f"envs_per_worker must be a positive int or 'auto', got {envs_per_worker!r}.")
     if not (env_threads is True or env_threads is False or env_threads == "auto"):
         raise ValueError(f"env_threads must be True, False or 'auto', got {env_threads!r}.")
-    if remote_listener(adapter) is not None:
-        return _remote_grouping(envs_per_worker, env_threads, n)
     if envs_per_worker != "auto":
         k = min(envs_per_worker, n)
         return k, env_threads is True and k > 1
@@ -586,17 +589,38 @@ def _resolve_grouping(envs_per_worker, env_threads, adapter, n):
     return k, threaded and k > 1
 
 
-def _remote_grouping(envs_per_worker, env_threads, n):
-    """``(envs per worker, threaded)`` for remote env slots: one worker listens for all of them
-    (one port), each slot waits for its host in its own thread. ``envs_per_worker`` may be left
-    at the pool's default (1), ``"auto"`` or ``n``: there is no other grouping to choose."""
-    if envs_per_worker not in ("auto", 1, n) or isinstance(envs_per_worker, bool) or env_threads is False:
+def _remote_groups(envs_per_worker, env_threads, first, fns, kwargs):
+    """The slots of each worker for remote env slots: one worker per listening address (one
+    port, one gRPC server), each slot waiting for its host in its own thread. ``first`` is the
+    spec adapter (factory 0); the other factories are called here to read their addresses (a
+    remote slot binds nothing until its worker listens). ``envs_per_worker`` may be left at
+    the pool's default (1) or ``"auto"``: the addresses decide."""
+    if envs_per_worker not in ("auto", 1) or isinstance(envs_per_worker, bool) or env_threads is False:
         raise ValueError(
-            f"envs_per_worker={envs_per_worker!r}, env_threads={env_threads!r}: remote env slots listen on one "
-            "address, so one worker hosts all of them, each in its own thread; leave envs_per_worker and "
-            "env_threads at their defaults (or 'auto')."
+            f"envs_per_worker={envs_per_worker!r}, env_threads={env_threads!r}: remote env slots are grouped by "
+            "address (one worker listens on each address and steps its slots in threads); leave envs_per_worker "
+            "and env_threads at their defaults (or 'auto'). Spread slots over several addresses to use more workers."
         )
-    return n, True
+    addresses = [first.env.unwrapped.address]
+    for i in range(1, len(fns)):
+        adapter = make_adapter(fns[i](**kwargs[i]), i)
+        try:
+            if remote_listener(adapter) is None:
+                raise ValueError(f"create_env_fn[{i}] returned a local env, but the first factory returned a remote "
+                                 "env slot; a pool hosts remote slots or local envs, not both.")
+            addresses.append(adapter.env.unwrapped.address)
+        finally:
+            adapter.close()
+    groups = []
+    for i, address in enumerate(addresses):
+        if groups and addresses[groups[-1][0]] == address:
+            groups[-1].append(i)
+        elif any(addresses[g[0]] == address for g in groups):
+            raise ValueError(f"the remote slots listening on {address} must come from consecutive factories "
+                             f"(slot {i} is apart from the others).")
+        else:
+            groups.append([i])
+    return groups
 
 
 def _vector_grouping(envs_per_worker, env_threads, k):

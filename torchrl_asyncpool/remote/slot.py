@@ -45,9 +45,11 @@ class RemoteEnvSlot(gym.Env):
     ordinary truncated episode. A host that hangs without dropping holds its slot until gRPC
     keepalive (about 20 s) notices the dead connection.
 
-    All the slots of one address must be hosted by one worker process: build the pool with
-    ``envs_per_worker="auto"`` (the default grouping for remote slots puts them all in one
-    worker and steps each in its own thread). The listening port is not encrypted: use it on a
+    The pool hosts the slots of each address in one worker process (one gRPC server), each slot
+    in its own thread; factories of one address must be consecutive, and ``envs_per_worker`` /
+    ``env_threads`` stay at their defaults. One worker ingests a few thousand records per
+    second (gRPC's Python stack costs ~0.25 ms of CPU per record): spread many slots over
+    several addresses to use more cores. The listening port is not encrypted: use it on a
     trusted network, or behind a TLS proxy; a ``token`` keeps stray clients out. Nothing
     received is unpickled: records are raw bytes checked against the negotiated layout.
 
