@@ -1,0 +1,146 @@
+"""What gRPC's Python stack costs per record, without the pool: the floor under remote env slots.
+
+Three probes, each ``--records`` round trips of 100-byte messages over 127.0.0.1:
+
+* ``pingpong``      a bare bidirectional stream, client and server in this process;
+* ``sync bridge``   the ingress design of ``torchrl_asyncpool.remote``: a threaded gRPC server
+                    whose stream handler yields commands from a queue while another thread
+                    reads the records (a client in another process); server CPU per record;
+* ``aio bridge``    the same with a ``grpc.aio`` server on an event loop thread, the waiting
+                    thread bridged through ``asyncio.run_coroutine_threadsafe``.
+
+Run with nothing else busy: ``python benchmarks/probe_grpc.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import queue
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+_CLIENT = r"""
+import grpc, queue, sys
+ch = grpc.insecure_channel(sys.argv[1]); grpc.channel_ready_future(ch).result(timeout=10)
+q = queue.SimpleQueue(); q.put(b"x" * 100)
+for cmd in ch.stream_stream("/s/m")(iter(q.get, None)):
+    q.put(b"y" * 100)
+"""
+
+
+def _handlers(fn):
+    return (grpc.method_handlers_generic_handler("s", {"m": grpc.stream_stream_rpc_method_handler(fn)}),)
+
+
+def _report(label, n, t0, c0, what):
+    dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    print(f"{label:12} {1e6 * dt / n:6.0f} us wall, {1e6 * dc / n:6.0f} us CPU per round trip ({what})", flush=True)
+
+
+def pingpong(n):
+    def echo(reqs, ctx):
+        yield from reqs
+
+    srv = grpc.server(futures.ThreadPoolExecutor(4))
+    srv.add_generic_rpc_handlers(_handlers(echo))
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    q = queue.SimpleQueue()
+    resp = ch.stream_stream("/s/m")(iter(q.get, None))
+    q.put(b"x" * 100)
+    next(resp)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        q.put(b"x" * 100)
+        next(resp)
+    _report("pingpong", n, t0, c0, "client and server")
+    q.put(None)
+    ch.close()
+    srv.stop(None)
+
+
+def sync_bridge(n):
+    got = queue.SimpleQueue()
+
+    def handler(reqs, ctx):
+        out = queue.SimpleQueue()
+        got.put((reqs, out))
+        yield from iter(out.get, None)
+
+    srv = grpc.server(futures.ThreadPoolExecutor(4))
+    srv.add_generic_rpc_handlers(_handlers(handler))
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    client = subprocess.Popen([sys.executable, "-c", _CLIENT, f"127.0.0.1:{port}"])
+    try:
+        reqs, out = got.get()
+        next(reqs)
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            out.put(b"c")
+            next(reqs)
+        _report("sync bridge", n, t0, c0, "server")
+        out.put(None)
+    finally:
+        client.kill()
+        client.wait()
+        srv.stop(None)
+
+
+def aio_bridge(n):
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    got = queue.SimpleQueue()
+
+    async def handler(reqs, ctx):
+        await ctx.read()
+        done = asyncio.Event()
+        got.put((ctx, done))
+        await done.wait()
+
+    async def exchange(ctx, cmd):
+        await ctx.write(cmd)
+        return await ctx.read()
+
+    async def start():
+        srv = grpc.aio.server()
+        srv.add_generic_rpc_handlers(_handlers(handler))
+        port = srv.add_insecure_port("127.0.0.1:0")
+        await srv.start()
+        return srv, port
+
+    srv, port = asyncio.run_coroutine_threadsafe(start(), loop).result()
+    client = subprocess.Popen([sys.executable, "-c", _CLIENT, f"127.0.0.1:{port}"])
+    try:
+        ctx, done = got.get()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            asyncio.run_coroutine_threadsafe(exchange(ctx, b"c"), loop).result()
+        _report("aio bridge", n, t0, c0, "server")
+        loop.call_soon_threadsafe(done.set)
+    finally:
+        client.kill()
+        client.wait()
+        asyncio.run_coroutine_threadsafe(srv.stop(None), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--records", type=int, default=4000)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    for _ in range(args.repeats):
+        pingpong(args.records)
+        sync_bridge(args.records)
+        aio_bridge(args.records)
+
+
+if __name__ == "__main__":
+    main()
