@@ -1,7 +1,6 @@
 """Client side of the env-host protocol: serve a gymnasium env to a pool's remote slot."""
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -140,8 +139,7 @@ class EnvHost:
                 out.put(codec.pack_record(st, reward, obs if dict_obs else {"observation": obs}))
 
             try:
-                accept = json.loads(next(responses).decode())
-                self.slot = int(accept["slot"])
+                self.slot = P.decode_accept(next(responses))
                 _log.info("env host: holding slot %d of %s", self.slot, self.address)
                 obs, _ = env.reset()
                 record(_FIRST, 0.0, obs)

@@ -1,28 +1,28 @@
-"""The env-host wire protocol: one bidirectional gRPC stream per remote env, raw bytes only.
+"""The env-host wire protocol: one bidirectional gRPC stream per remote env.
 
-An env host (any process, any machine, any language that speaks gRPC) calls the stream
-method :data:`METHOD` on the address a pool's :class:`~torchrl_asyncpool.remote.RemoteEnvSlot`
-listens on, with the pool's token in the ``x-torchrl-asyncpool-token`` metadata entry. Every
-message is a byte string (no protobuf schema, nothing pickled); the server refuses a message
-whose length differs from the negotiated layout.
+The messages are those of ``env_host.proto`` (shipped next to this module: generate a client in
+any language with ``protoc``). This module encodes and decodes them by hand, with nothing but
+the protobuf wire format, so the package needs no protobuf runtime and never unpickles anything:
+a message is a few tagged fields around raw tensor bytes, checked against the negotiated layout.
 
-1. **Hello** (host -> server): UTF-8 JSON ``{"protocol": 1, "observation": {key: [shape,
-   dtype]}, "action": [shape, dtype]}``, the host env's spec in the pool's terms (what
-   :func:`spec_of_spaces` computes from gymnasium spaces: a ``Box``/``Discrete`` observation is
-   ``"observation"``, a ``Dict`` one key per entry; a ``Discrete`` value is an ``int64``
-   scalar). Dtypes are numpy names (``"float32"``, ``"uint8"``, ...).
-2. **Accept** (server -> host): UTF-8 JSON ``{"protocol": 1, "slot": i}``: the host now owns
-   slot ``i`` of the pool. A refusal ends the call with a gRPC status instead:
+1. **Hello** (host -> pool, ``HostMessage.hello_json``): UTF-8 JSON ``{"protocol": 1,
+   "observation": {key: [shape, dtype]}, "action": [shape, dtype]}``, the host env's spec in
+   the pool's terms (what :func:`spec_of_spaces` computes from gymnasium spaces: a
+   ``Box``/``Discrete`` observation is ``"observation"``, a ``Dict`` one key per entry; a
+   ``Discrete`` value is an ``int64`` scalar). Dtypes are numpy names (``"float32"``, ...).
+   The pool's token goes in the ``x-torchrl-asyncpool-token`` metadata entry of the call.
+2. **Accept** (pool -> host, ``PoolMessage.accept_json``): ``{"protocol": 1, "slot": i}``: the
+   host now owns slot ``i``. A refusal ends the call with a gRPC status instead:
    ``UNAUTHENTICATED`` (token), ``INVALID_ARGUMENT`` (spec differs; the details say how),
    ``RESOURCE_EXHAUSTED`` (every slot is taken).
-3. **Records** (host -> server): one byte step type (:class:`~torchrl_asyncpool.StepType`:
-   0 FIRST, 1 MID, 2 TERMINATION, 3 TRUNCATION), the reward as a little-endian float64, then
-   each observation entry's raw bytes (C order, little-endian, negotiated shape and dtype)
-   in the order of the hello's keys. The first record, and every record answering a reset
-   command, is FIRST (reward 0); every other record is not.
-4. **Commands** (server -> host), one per record: ``b"\\x00"`` followed by the action's raw
-   bytes (step with it), or ``b"\\x01"`` (reset: the last record was terminal, or the pool
-   wants a new episode; the host resets its env and sends a FIRST record).
+3. **Records** (host -> pool, ``HostMessage.record``): the step type
+   (:class:`~torchrl_asyncpool.StepType`: 0 FIRST, 1 MID, 2 TERMINATION, 3 TRUNCATION), the
+   reward (double) and one ``bytes`` entry per observation key in the hello's order (raw
+   little-endian bytes, C order, the negotiated shape and dtype). The first record, and every
+   record answering a reset, is FIRST (reward 0); every other record is not.
+4. **Commands** (pool -> host), one per record: ``PoolMessage.action`` (the action's raw
+   bytes: step with it) or ``PoolMessage.reset`` (the last record was terminal: reset the env
+   and send a FIRST record).
 
 The host owns its env and its resets; the pool owns the episode contract: a host that drops
 mid-episode ends that episode with a TRUNCATION record (its last observation, reward 0) and
@@ -37,23 +37,96 @@ from typing import Dict, Tuple
 import numpy as np
 
 __all__ = [
-    "METHOD", "TOKEN_METADATA", "PROTOCOL_VERSION", "spec_of_spaces", "encode_hello", "decode_hello",
-    "RecordCodec",
+    "METHOD", "TOKEN_METADATA", "PROTOCOL_VERSION", "PROTO_FILE", "spec_of_spaces", "spec_difference",
+    "encode_hello", "decode_hello", "encode_accept", "decode_accept", "RecordCodec",
 ]
 
-#: the gRPC method an env host calls (a bidirectional stream of byte strings)
+#: the gRPC method an env host calls (``service EnvHost { rpc Stream }`` of ``env_host.proto``)
 METHOD = "/torchrl_asyncpool.EnvHost/Stream"
 #: the metadata key carrying the pool's token
 TOKEN_METADATA = "x-torchrl-asyncpool-token"
 PROTOCOL_VERSION = 1
-#: command bytes, server -> host
-STEP, RESET = 0, 1
+#: the protocol's .proto file, shipped with the package
+PROTO_FILE = __file__.rsplit("/", 1)[0] + "/env_host.proto"
 #: hello messages larger than this are refused (a spec is a few hundred bytes)
 MAX_HELLO_BYTES = 1 << 16
 
-_HEAD = struct.Struct("<Bd")  # step type, reward
+# field numbers of env_host.proto
+_HELLO, _RECORD = 1, 2  # HostMessage
+_STEP_TYPE, _REWARD, _OBS = 1, 2, 3  # Record
+_ACCEPT, _ACTION, _RESET = 1, 2, 3  # PoolMessage
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5  # wire types
+_DOUBLE = struct.Struct("<d")
 
 
+# -- protobuf wire format (just what env_host.proto uses) ---------------------------------------
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _tag(field: int, wire: int) -> bytes:
+    return _varint(field << 3 | wire)
+
+
+def _len_field(field: int, data) -> bytes:
+    return _tag(field, _LEN) + _varint(len(data)) + bytes(data)
+
+
+def _read_varint(buf, pos: int) -> Tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("truncated or oversized varint")
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(buf):
+    """Yields ``(field number, wire type, value)`` of a message: an int for varints, a
+    memoryview for fixed64 and length-delimited fields; fixed32 fields are skipped."""
+    buf = memoryview(buf)
+    pos, end = 0, len(buf)
+    while pos < end:
+        key, pos = _read_varint(buf, pos)
+        field, wire = key >> 3, key & 7
+        if wire == _VARINT:
+            value, pos = _read_varint(buf, pos)
+        elif wire == _I64:
+            value, pos = buf[pos:pos + 8], pos + 8
+        elif wire == _LEN:
+            n, pos = _read_varint(buf, pos)
+            value, pos = buf[pos:pos + n], pos + n
+        elif wire == _I32:
+            pos += 4
+            continue
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+        if pos > end:
+            raise ValueError("truncated message")
+        yield field, wire, value
+
+
+def _one_of(data, what: str, names: dict):
+    """The single set field of a ``oneof`` message: ``(field, wire, value)``."""
+    found = None
+    for field, wire, value in _fields(data):
+        if field in names:
+            found = (field, wire, value)  # protobuf: the last one wins
+    if found is None:
+        raise ValueError(f"{what} carries none of {sorted(names.values())}")
+    return found
+
+
+# -- spec ---------------------------------------------------------------------------------------
 def spec_of_spaces(observation_space, action_space) -> dict:
     """The wire spec ``{"observation": {key: [shape, dtype]}, "action": [shape, dtype]}`` of a
     gymnasium env's spaces, as the pool lays them out (see the module docstring).
@@ -80,25 +153,6 @@ def spec_of_spaces(observation_space, action_space) -> dict:
     return {"observation": obs, "action": one(action_space, "action")}
 
 
-def encode_hello(spec: dict) -> bytes:
-    return json.dumps({"protocol": PROTOCOL_VERSION, **spec}).encode()
-
-
-def decode_hello(data: bytes) -> dict:
-    """Parses a hello; raises ``ValueError`` saying what is wrong with it."""
-    if len(data) > MAX_HELLO_BYTES:
-        raise ValueError(f"hello of {len(data)} bytes; at most {MAX_HELLO_BYTES} are accepted.")
-    try:
-        msg = json.loads(data.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"hello is not UTF-8 JSON: {exc}") from None
-    if not isinstance(msg, dict) or msg.get("protocol") != PROTOCOL_VERSION:
-        raise ValueError(f"hello must be a JSON object with protocol={PROTOCOL_VERSION}, got {str(msg)[:200]}.")
-    if not isinstance(msg.get("observation"), dict) or "action" not in msg:
-        raise ValueError("hello must carry 'observation' (an object) and 'action'.")
-    return {"observation": msg["observation"], "action": msg["action"]}
-
-
 def spec_difference(expected: dict, got: dict) -> str | None:
     """``None`` when the specs match, else one line saying where they differ."""
     exp_obs, got_obs = expected["observation"], got["observation"]
@@ -112,6 +166,60 @@ def spec_difference(expected: dict, got: dict) -> str | None:
     return None
 
 
+def _check_entry(what, entry) -> None:
+    ok = (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
+          and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 31 for d in entry[0])
+          and isinstance(entry[1], str))
+    if ok:
+        try:
+            np.dtype(entry[1])
+        except TypeError:
+            ok = False
+    if not ok:
+        raise ValueError(f"{what} must be [shape (list of ints), numpy dtype name], got {str(entry)[:100]}.")
+
+
+# -- hello / accept -----------------------------------------------------------------------------
+def encode_hello(spec: dict) -> bytes:
+    return _len_field(_HELLO, json.dumps({"protocol": PROTOCOL_VERSION, **spec}).encode())
+
+
+def decode_hello(data: bytes) -> dict:
+    """Parses a hello; raises ``ValueError`` saying what is wrong with it."""
+    if len(data) > MAX_HELLO_BYTES:
+        raise ValueError(f"hello of {len(data)} bytes; at most {MAX_HELLO_BYTES} are accepted.")
+    field, wire, value = _one_of(data, "the first message", {_HELLO: "hello_json", _RECORD: "record"})
+    if field != _HELLO or wire != _LEN:
+        raise ValueError("the first message must be a hello (HostMessage.hello_json), not a record.")
+    try:
+        msg = json.loads(bytes(value).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"hello is not UTF-8 JSON: {exc}") from None
+    if not isinstance(msg, dict) or msg.get("protocol") != PROTOCOL_VERSION:
+        raise ValueError(f"hello must be a JSON object with protocol={PROTOCOL_VERSION}, got {str(msg)[:200]}.")
+    obs = msg.get("observation")
+    if not isinstance(obs, dict) or not obs or "action" not in msg:
+        raise ValueError("hello must carry 'observation' (a non-empty object) and 'action'.")
+    for k, entry in obs.items():
+        _check_entry(f"observation {k!r}", entry)
+    _check_entry("action", msg["action"])
+    return {"observation": obs, "action": msg["action"]}
+
+
+def encode_accept(slot: int) -> bytes:
+    return _len_field(_ACCEPT, json.dumps({"protocol": PROTOCOL_VERSION, "slot": int(slot)}).encode())
+
+
+def decode_accept(data: bytes) -> int:
+    """The slot index of an accept message."""
+    field, wire, value = _one_of(data, "the pool's first message", {_ACCEPT: "accept_json", _ACTION: "action",
+                                                                    _RESET: "reset"})
+    if field != _ACCEPT or wire != _LEN:
+        raise ValueError("the pool's first message is not an accept (PoolMessage.accept_json).")
+    return int(json.loads(bytes(value).decode())["slot"])
+
+
+# -- records and commands -----------------------------------------------------------------------
 class RecordCodec:
     """Packs and unpacks records and commands of one negotiated spec (both sides use it)."""
 
@@ -119,53 +227,68 @@ class RecordCodec:
         self.obs = [(k, tuple(shape), np.dtype(dtype).newbyteorder("<")) for k, (shape, dtype) in
                     spec["observation"].items()]
         self.obs_bytes = [int(np.prod(shape, dtype=np.int64)) * dt.itemsize for _, shape, dt in self.obs]
-        self.record_bytes = _HEAD.size + sum(self.obs_bytes)
-        shape, dtype = spec["action"]
-        self.action_shape, self.action_dtype = tuple(shape), np.dtype(dtype).newbyteorder("<")
-        self.action_bytes = 1 + int(np.prod(self.action_shape, dtype=np.int64)) * self.action_dtype.itemsize
+        self.action_shape = tuple(spec["action"][0])
+        self.action_dtype = np.dtype(spec["action"][1]).newbyteorder("<")
+        self.action_bytes = int(np.prod(self.action_shape, dtype=np.int64)) * self.action_dtype.itemsize
+        #: the largest message either side sends (for gRPC's message size limits)
+        self.max_message_bytes = 64 + sum(n + 16 for n in self.obs_bytes) + self.action_bytes
 
-    # -- records, host -> server ----------------------------------------------------------------
+    # -- records, host -> pool ------------------------------------------------------------------
     def pack_record(self, step_type: int, reward: float, obs: Dict) -> bytes:
-        parts = [_HEAD.pack(int(step_type), float(reward))]
+        parts = [_tag(_STEP_TYPE, _VARINT), _varint(int(step_type)), _tag(_REWARD, _I64), _DOUBLE.pack(reward)]
+        obs_tag = _tag(_OBS, _LEN)
         for (k, shape, dt), n in zip(self.obs, self.obs_bytes):
             a = np.ascontiguousarray(obs[k], dtype=dt)
             if a.shape != shape:  # a [1] scalar, as envs often return, fits a () entry
                 if a.size * dt.itemsize != n:
                     raise ValueError(f"observation {k!r} has shape {a.shape}; the negotiated spec says {shape}.")
                 a = a.reshape(shape)
-            parts.append(a.tobytes())
-        return b"".join(parts)
+            parts += [obs_tag, _varint(n), a.tobytes()]
+        record = b"".join(parts)
+        return _tag(_RECORD, _LEN) + _varint(len(record)) + record
 
     def unpack_record(self, data: bytes) -> Tuple[int, float, Dict]:
         """``(step_type, reward, {key: array})``; raises ``ValueError`` on a malformed record."""
-        if len(data) != self.record_bytes:
-            raise ValueError(f"record of {len(data)} bytes; the negotiated spec makes {self.record_bytes}.")
-        st, reward = _HEAD.unpack_from(data)
+        field, wire, record = _one_of(data, "a host message", {_HELLO: "hello_json", _RECORD: "record"})
+        if field != _RECORD or wire != _LEN:
+            raise ValueError("expected a record (HostMessage.record), got another hello.")
+        st, reward, entries = 0, 0.0, []
+        for field, wire, value in _fields(record):
+            if field == _STEP_TYPE and wire == _VARINT:
+                st = value
+            elif field == _REWARD and wire == _I64:
+                reward = _DOUBLE.unpack(value)[0]
+            elif field == _OBS and wire == _LEN:
+                entries.append(value)
         if st > 3:
             raise ValueError(f"record with step type {st}; expected 0 (FIRST) .. 3 (TRUNCATION).")
-        obs, off = {}, _HEAD.size
-        for (k, shape, dt), n in zip(self.obs, self.obs_bytes):
-            obs[k] = np.frombuffer(data, dt, count=n // dt.itemsize, offset=off).reshape(shape)
-            off += n
+        if len(entries) != len(self.obs):
+            raise ValueError(f"record with {len(entries)} observation entries; the negotiated spec has "
+                             f"{len(self.obs)} ({[k for k, _, _ in self.obs]}).")
+        obs = {}
+        for (k, shape, dt), n, value in zip(self.obs, self.obs_bytes, entries):
+            if len(value) != n:
+                raise ValueError(f"observation {k!r} of {len(value)} bytes; the negotiated {shape} {dt.name} "
+                                 f"makes {n}.")
+            obs[k] = np.frombuffer(value, dt).reshape(shape)
         return st, reward, obs
 
-    # -- commands, server -> host ---------------------------------------------------------------
+    # -- commands, pool -> host -----------------------------------------------------------------
     def pack_action(self, action) -> bytes:
         a = np.ascontiguousarray(action, dtype=self.action_dtype)
-        return b"\x00" + a.tobytes()
+        return _len_field(_ACTION, a.tobytes())
 
     def unpack_command(self, data: bytes):
-        """``None`` for a reset command, else the action (a numpy array, or an int for a scalar)."""
-        if data[:1] == b"\x01" and len(data) == 1:
+        """``None`` for a reset command, else the action (a numpy array, or an int for a
+        scalar integer action)."""
+        field, wire, value = _one_of(data, "a pool message", {_ACCEPT: "accept_json", _ACTION: "action",
+                                                              _RESET: "reset"})
+        if field == _RESET and wire == _VARINT and value:
             return None
-        if data[:1] != b"\x00" or len(data) != self.action_bytes:
-            raise ValueError(f"malformed command of {len(data)} bytes from the pool.")
-        a = np.frombuffer(data, self.action_dtype, offset=1).reshape(self.action_shape)
-        return a.item() if a.ndim == 0 and a.dtype.kind in "iu" else a
+        if field != _ACTION or wire != _LEN or len(value) != self.action_bytes:
+            raise ValueError(f"malformed command from the pool (field {field}, {len(value)} bytes).")
+        a = np.frombuffer(value, self.action_dtype).reshape(self.action_shape)
+        return a.item() if a.ndim == 0 and a.dtype.kind in "iu" else a.copy()
 
 
-RESET_COMMAND = b"\x01"
-
-
-def encode_accept(slot: int) -> bytes:
-    return json.dumps({"protocol": PROTOCOL_VERSION, "slot": int(slot)}).encode()
+RESET_COMMAND = _tag(_RESET, _VARINT) + _varint(1)

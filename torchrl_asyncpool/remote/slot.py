@@ -319,7 +319,7 @@ class _Ingress:
         grpc = _grpc()
         self.address, self.token = address, token
         self.slots = []
-        limit = max(4 << 20, 2 * max(codec.record_bytes, codec.action_bytes))
+        limit = max(4 << 20, 2 * codec.max_message_bytes)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=1024, thread_name_prefix="env-host-stream"),
             options=_KEEPALIVE + [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
