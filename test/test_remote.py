@@ -154,6 +154,42 @@ def test_dropped_host_truncates_its_episode_and_frees_the_slot(dev_shm_guard):
         _drive(pool, checker, 50)
 
 
+class _HangingOracle(OracleGymEnv):
+    """Hangs (for ``hang_s``) in its ``hang_at``-th step."""
+
+    def __init__(self, env_id, hang_at, hang_s):
+        super().__init__(env_id)
+        self.hang_at, self.hang_s = hang_at, hang_s
+
+    def step(self, action):
+        if self.total_steps + 1 == self.hang_at:
+            time.sleep(self.hang_s)
+        return super().step(action)
+
+
+def test_host_that_hangs_past_step_timeout_is_dropped_and_its_episode_truncated(dev_shm_guard):
+    address = _address()
+    slot = functools.partial(RemoteEnvSlot.like, OracleGymEnv(0), address, step_timeout=0.5)
+    with AsyncEnvPool([slot]) as pool:
+        host = EnvHost(_HangingOracle(0, hang_at=1, hang_s=3.0), address)
+        t = threading.Thread(target=host.run, daemon=True)
+        t.start()
+        first = pool.recv(min_get=1, timeout=30)
+        assert int(first["step_type"][0]) == StepType.FIRST
+        _answer(pool, first)  # the host hangs 3 s in this step
+        t0 = time.monotonic()
+        nxt = pool.recv(min_get=1, timeout=30)
+        waited = time.monotonic() - t0
+        assert int(nxt["step_type"][0]) == StepType.TRUNCATION and nxt["tag"][0].tolist() == [0, 0, 0]
+        assert waited < 2.5, f"a host past step_timeout=0.5 s was dropped after {waited:.2f} s"
+        _answer(pool, nxt)
+        _start_host(address, 0)  # the slot is free again
+        assert int(pool.recv(min_get=1, timeout=30)["step_type"][0]) == StepType.FIRST
+    t.join(10)
+    with pytest.raises(ValueError, match="step_timeout must be a positive"):
+        RemoteEnvSlot.like(OracleGymEnv(0), address, step_timeout=0)
+
+
 _HOST_SCRIPT = """
 import sys
 from torchrl_asyncpool.remote import EnvHost

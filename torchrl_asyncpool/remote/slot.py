@@ -13,6 +13,7 @@ import hmac
 import logging
 import queue
 import threading
+import time
 from concurrent import futures
 
 import gymnasium as gym
@@ -42,8 +43,9 @@ class RemoteEnvSlot(gym.Env):
     reset. A host that drops (or breaks the protocol) mid-episode ends that episode with a
     TRUNCATION record carrying its last observation and reward 0, and the slot waits for the
     next host: nothing the pool delivered is lost or duplicated, and the learner sees an
-    ordinary truncated episode. A host that hangs without dropping holds its slot until gRPC
-    keepalive (about 20 s) notices the dead connection.
+    ordinary truncated episode. A host whose machine vanished is noticed by gRPC keepalive
+    (about 20 s); a host that hangs with its connection open holds its slot unless
+    ``step_timeout`` is set.
 
     The pool hosts the slots of each address in one worker process (one gRPC server), each slot
     in its own thread; factories of one address must be consecutive, and ``envs_per_worker`` /
@@ -64,6 +66,10 @@ class RemoteEnvSlot(gym.Env):
     Keyword Args:
         token (str, optional): hosts must send it (metadata ``x-torchrl-asyncpool-token``).
             Defaults to ``None`` (no check).
+        step_timeout (float, optional): seconds a host may take to answer a command (and to
+            send its first record); a host that takes longer is dropped as if it had
+            disconnected (its call is cancelled, its episode truncated, the slot freed).
+            Defaults to ``None``: a host that hangs without dropping holds its slot.
 
     Attributes:
         index (int): the pool slot, once the hosting worker listens (``None`` before).
@@ -85,10 +91,14 @@ class RemoteEnvSlot(gym.Env):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, address: str, observation_space, action_space, *, token: str | None = None):
+    def __init__(self, address: str, observation_space, action_space, *, token: str | None = None,
+                 step_timeout: float | None = None):
         _check_address(address)
         if token is not None and not isinstance(token, str):
             raise TypeError(f"token must be a str or None, got {type(token).__name__}.")
+        if step_timeout is not None and (isinstance(step_timeout, bool) or not step_timeout > 0):
+            raise ValueError(f"step_timeout must be a positive number of seconds or None, got {step_timeout!r}.")
+        self.step_timeout = None if step_timeout is None else float(step_timeout)
         self.address = address
         self.observation_space = observation_space
         self.action_space = action_space
@@ -105,9 +115,10 @@ class RemoteEnvSlot(gym.Env):
         self._last_obs = None
 
     @classmethod
-    def like(cls, env, address: str, *, token: str | None = None) -> "RemoteEnvSlot":
-        """A slot with the spaces of ``env`` (a gymnasium env built here only to read them)."""
-        return cls(address, env.observation_space, env.action_space, token=token)
+    def like(cls, env, address: str, **kwargs) -> "RemoteEnvSlot":
+        """A slot with the spaces of ``env`` (a gymnasium env built here only to read them);
+        ``kwargs`` are the constructor's keyword arguments."""
+        return cls(address, env.observation_space, env.action_space, **kwargs)
 
     # -- called by the pool worker hosting the slot ----------------------------------------------
     def _pool_listen(self, index: int) -> None:
@@ -200,12 +211,18 @@ class RemoteEnvSlot(gym.Env):
             return self._stream
 
     def _read(self, stream):
+        if self.step_timeout is not None:  # the ingress's watchdog cancels the call past it
+            stream.deadline = time.monotonic() + self.step_timeout
         try:
             data = next(stream.requests)
         except StopIteration:
             raise _HostLost("the host ended its stream") from None
         except Exception as exc:  # noqa: BLE001 - grpc raises its RpcError (cancelled, reset) here
-            raise _HostLost(f"the host's stream failed ({type(exc).__name__}: {exc})") from None
+            why = (f"no answer within step_timeout={self.step_timeout:g}s" if stream.timed_out
+                   else f"the host's stream failed ({type(exc).__name__}: {exc})")
+            raise _HostLost(why) from None
+        finally:
+            stream.deadline = None
         try:
             return self._codec.unpack_record(data)
         except ValueError as exc:
@@ -243,7 +260,16 @@ class _HostStream:
         self.peer = context.peer()
         self.sent_first = False
         self.ended = False
+        self.deadline = None  # monotonic time by which the host must answer (step_timeout)
+        self.timed_out = False
         self._out = queue.SimpleQueue()
+
+    def check_deadline(self, now: float) -> None:
+        """Cancels the call of a host past its deadline (the ingress's watchdog calls it)."""
+        deadline = self.deadline
+        if deadline is not None and now > deadline and not self.timed_out:
+            self.timed_out = True
+            self.context.cancel()
 
     def send(self, msg: bytes) -> None:
         if self.ended:
@@ -339,6 +365,21 @@ class _Ingress:
                           f"local ({why or 'bind failed'}).")
         self.server.start()
         _log.info("remote env slots listening on %s", address)
+        self._stop = threading.Event()
+        threading.Thread(target=self._watchdog, name="env-host-watchdog", daemon=True).start()
+
+    def _watchdog(self):
+        """Drops hosts that exceed their slot's ``step_timeout`` (checked 10 times per timeout)."""
+        while True:
+            with self._lock:
+                timeouts = [s.step_timeout for s in self.slots if s.step_timeout is not None]
+            if self._stop.wait(min(timeouts, default=10.0) / 10):
+                return
+            now = time.monotonic()
+            for slot in list(self.slots):
+                stream = slot._stream
+                if stream is not None:
+                    stream.check_deadline(now)
 
     def leave(self, slot) -> None:
         with self._lock:
@@ -347,6 +388,7 @@ class _Ingress:
             if self.slots:
                 return
             self._by_address.pop(self.address, None)
+        self._stop.set()
         self.server.stop(grace=None)
 
     def _handle(self, requests, context):
