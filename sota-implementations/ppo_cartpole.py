@@ -13,6 +13,7 @@ Run::
     python sota-implementations/ppo_cartpole.py                      # defaults below
     python sota-implementations/ppo_cartpole.py --num-envs 16 --lr 5e-4 --log-dir /tmp/runs
     python sota-implementations/ppo_cartpole.py --num-envs 64 --vector-envs 32   # 2 vector envs of 32
+    python sota-implementations/ppo_cartpole.py --remote-address 127.0.0.1:50051 --spawn-hosts true  # gRPC hosts
 
 Result on the 2-core development machine (heavily loaded by other jobs, see
 ``sota-implementations/README.md``): mean return of the last 20 episodes >= 475 after
@@ -27,6 +28,8 @@ import copy
 import dataclasses
 import functools
 import os
+import subprocess
+import sys
 import time
 from collections import deque
 
@@ -39,6 +42,7 @@ from torchrl.objectives.value.functional import vec_generalized_advantage_estima
 from torchrl.record.loggers.csv import CSVLogger
 
 from torchrl_asyncpool import AsyncPoolCollector
+from torchrl_asyncpool.remote import RemoteEnvSlot
 
 
 # ----------------------------------------------------------------------------------------------
@@ -50,6 +54,9 @@ class Config:
     num_envs: int = 8
     vector_envs: int = 0                  # > 0: each factory is gymnasium.make_vec(env_id, num_envs=vector_envs),
                                           # num_envs / vector_envs of them, each stepped in lockstep by one worker
+    remote_address: str = ""              # "HOST:PORT": the envs run in env hosts that connect there over gRPC
+                                          # (`torchrl-asyncpool env-host --address HOST:PORT --num-envs N`)
+    spawn_hosts: bool = False             # with remote_address: start those hosts here, one process
     frames_per_batch: int = 1024          # transitions per collector batch (= per PPO iteration)
     total_frames: int = 500_000           # hard stop
     target_return: float = 475.0          # stop early when the mean of the last `window` episodes reaches it
@@ -189,7 +196,6 @@ def main(argv=None) -> dict:
 
     probe = gymnasium.make(cfg.env_id)
     obs_dim, n_actions = probe.observation_space.shape[0], int(probe.action_space.n)
-    probe.close()
     agent = Agent(obs_dim, n_actions, cfg.hidden)
     acting = copy.deepcopy(agent)  # runs in the collector's policy thread
     optim = torch.optim.Adam(agent.parameters(), lr=cfg.lr, eps=1e-5)
@@ -199,8 +205,17 @@ def main(argv=None) -> dict:
             raise SystemExit(f"--num-envs {cfg.num_envs} must be a multiple of --vector-envs {cfg.vector_envs}.")
         factories = [functools.partial(gymnasium.make_vec, cfg.env_id, num_envs=cfg.vector_envs)]
         factories *= cfg.num_envs // cfg.vector_envs
+    elif cfg.remote_address:  # slots fed by env hosts anywhere (torchrl_asyncpool.remote)
+        factories = [functools.partial(RemoteEnvSlot, cfg.remote_address, probe.observation_space,
+                                       probe.action_space)] * cfg.num_envs
     else:
         factories = [functools.partial(gymnasium.make, cfg.env_id)] * cfg.num_envs
+    hosts = None
+    if cfg.spawn_hosts:
+        if not cfg.remote_address:
+            raise SystemExit("--spawn-hosts true needs --remote-address HOST:PORT.")
+        hosts = subprocess.Popen([sys.executable, "-m", "torchrl_asyncpool.cli", "env-host", "--env-id", cfg.env_id,
+                                  "--num-envs", str(cfg.num_envs), "--address", cfg.remote_address])
     collector = AsyncPoolCollector(
         factories,
         policy=acting,
@@ -288,6 +303,11 @@ def main(argv=None) -> dict:
     finally:
         pbar.close()
         collector.shutdown()
+        if hosts is not None:  # the pool is gone: the hosts' streams end and they exit
+            try:
+                hosts.wait(10)
+            except subprocess.TimeoutExpired:
+                hosts.kill()
 
     elapsed = time.monotonic() - t0
     plot_curve(curve_frames, curve_returns, cfg.window, cfg.target_return, plot_path,

@@ -47,9 +47,9 @@ commands:
           several minutes; run it with nothing else busy.
 
   env-host
-          Step a gymnasium env (--env-id) for a pool whose factories return
-          torchrl_asyncpool.remote.RemoteEnvSlot listening on --address HOST:PORT: the
-          host takes a free slot, sends records over a gRPC stream and answers the pool's
+          Step gymnasium envs (--env-id, --num-envs) for a pool whose factories return
+          torchrl_asyncpool.remote.RemoteEnvSlot listening on --address HOST:PORT: each
+          env takes a free slot, sends records over a gRPC stream and answers the pool's
           actions until the pool goes away (--reconnect: then waits for the next pool).
           Needs grpcio (pip install 'torchrl-asyncpool[remote]').
 
@@ -354,26 +354,51 @@ def _cmd_env_host(args: argparse.Namespace) -> int:
 
     from torchrl_asyncpool.remote import EnvHost, RemoteHostError
 
+    import threading
+
     token = args.token if args.token is not None else os.environ.get("TORCHRL_ASYNCPOOL_TOKEN")
+    if args.num_envs < 1:
+        print(f"torchrl-asyncpool env-host: --num-envs must be >= 1, got {args.num_envs}.", file=sys.stderr)
+        return 2
     try:
-        env = gym.make(args.env_id)
+        envs = [gym.make(args.env_id) for _ in range(args.num_envs)]
     except gym.error.Error as exc:
         print(f"torchrl-asyncpool env-host: {exc}", file=sys.stderr)
         return 2
-    host = EnvHost(env, args.address, token=token, connect_timeout=args.connect_timeout)
+    hosts = [EnvHost(env, args.address, token=token, connect_timeout=args.connect_timeout) for env in envs]
+    errors = []
+
+    def serve(host):
+        try:
+            if args.reconnect:
+                host.run_forever()
+            else:
+                host.run(max_steps=args.max_steps)
+                print(f"env host: {host.steps} steps of {args.env_id} served to slot {host.slot} of {args.address}",
+                      flush=True)
+        except (ConnectionError, RemoteHostError) as exc:
+            errors.append(exc)
+            for other in hosts:  # one refusal (token, spec, no free slot) ends the command
+                other.stop()
+
+    # one env per thread, each with its own stream: their steps overlap while others wait
+    threads = [threading.Thread(target=serve, args=(h,), daemon=True) for h in hosts]
     try:
-        if args.reconnect:
-            host.run_forever()
-        else:
-            steps = host.run(max_steps=args.max_steps)
-            print(f"env host: {steps} steps of {args.env_id} served to slot {host.slot} of {args.address}")
-    except (ConnectionError, RemoteHostError) as exc:
-        print(f"torchrl-asyncpool env-host: {exc}", file=sys.stderr)
-        return 1
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.5)  # wakes for Ctrl-C
     except KeyboardInterrupt:
+        for h in hosts:
+            h.stop()
         return 130
     finally:
-        env.close()
+        for env in envs:
+            env.close()
+    if errors:
+        print(f"torchrl-asyncpool env-host: {errors[0]}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -448,6 +473,8 @@ def _parser() -> argparse.ArgumentParser:
                     "gymnasium env for it until the pool goes away (see torchrl_asyncpool.remote).",
     )
     host.add_argument("--env-id", default="CartPole-v1", help="gymnasium env id (default: CartPole-v1)")
+    host.add_argument("--num-envs", type=int, default=1,
+                      help="envs served by this process, each in its own thread and slot (default: 1)")
     host.add_argument("--address", required=True, help="the pool's HOST:PORT")
     host.add_argument("--token", default=None,
                       help="the pool's token (default: $TORCHRL_ASYNCPOOL_TOKEN; prefer the variable, "
