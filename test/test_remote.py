@@ -87,6 +87,23 @@ def test_remote_hosts_feed_a_pool_exactly_once_and_end_with_it(dev_shm_guard):
         assert result["steps"] > 100
 
 
+def test_pool_without_hosts_starts_and_closes_promptly(dev_shm_guard):
+    """Slots waiting for a host must not hold the pool's start-up (it returns once the worker
+    listens) or its shutdown (the waiting threads are woken, not waited out)."""
+    address = _address()
+    pool = AsyncEnvPool(_slots(address, 4))
+    pids = pool.worker_pids
+    with pytest.raises(TimeoutError):
+        pool.recv(min_get=1, timeout=0.2)
+    t0 = time.monotonic()
+    pool.close()
+    assert time.monotonic() - t0 < 0.75  # waiting threads were joined with a 1 s budget before the fix
+    deadline = time.monotonic() + 5
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids), "the listening worker outlived the pool"
+
+
 def test_each_address_gets_its_own_worker(dev_shm_guard):
     a, b = _address(), _address()
     with AsyncEnvPool(_slots(a, 2) + _slots(b, 1)) as pool:
@@ -399,7 +416,8 @@ def test_a_host_built_from_the_proto_file_drives_a_slot(tmp_path):
                     else:
                         obs, r, term, trunc, _ = env.step(int(np.frombuffer(cmd.action, np.int64)[0]))
                         record(2 if term else 3 if trunc else 1, r, obs)
-            except grpc.RpcError as exc:  # the pool closed
+                ended.append("stream ended")  # the pool closed its slots and ended the call
+            except grpc.RpcError as exc:  # the pool's process went away first
                 ended.append(exc.code())
 
         t = threading.Thread(target=serve, daemon=True)
@@ -408,6 +426,6 @@ def test_a_host_built_from_the_proto_file_drives_a_slot(tmp_path):
         _drive(pool, checker, 100)
         assert checker.episodes_done > 10
     t.join(10)
-    assert ended and ended[0] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    assert not t.is_alive() and ended[0] in ("stream ended", grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
     out.put(None)
     channel.close()

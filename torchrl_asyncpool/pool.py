@@ -58,7 +58,9 @@ class AsyncEnvPool:
             all of them with one call once every one of them is answered (lockstep), for
             simulators that step many envs at once. A TorchRL batched env is reset with
             partial resets (``"_reset"``), one pass after its envs end, and must not reset
-            itself.
+            itself. Factories may also return
+            :class:`~torchrl_asyncpool.remote.RemoteEnvSlot` slots, stepped by env hosts that
+            connect over gRPC (one listening worker per address; see :doc:`remote`).
 
     Keyword Args:
         create_env_kwargs (dict or list of dicts, optional): keyword arguments for the

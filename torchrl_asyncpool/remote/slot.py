@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 import logging
 import queue
+import select
 import threading
 import time
 from concurrent import futures
@@ -121,11 +122,13 @@ class RemoteEnvSlot(gym.Env):
         return cls(address, env.observation_space, env.action_space, **kwargs)
 
     # -- called by the pool worker hosting the slot ----------------------------------------------
-    def _pool_listen(self, index: int) -> None:
+    def _pool_listen(self, index: int, stop_fd: int | None = None) -> None:
         """Starts accepting hosts for pool slot ``index`` (the worker calls it after building the
-        slot and before the first reset, which waits for a host)."""
+        slot and before the first reset, which waits for a host). ``stop_fd``: a descriptor
+        that hangs up when the worker stops; the slots of the address are then closed at once
+        (a slot waiting for a host would otherwise hold the worker's shutdown)."""
         self.index = index
-        self._ingress = _Ingress.join(self)
+        self._ingress = _Ingress.join(self, stop_fd)
 
     # -- gymnasium API ----------------------------------------------------------------------------
     def reset(self, *, seed=None, options=None):
@@ -331,17 +334,17 @@ class _Ingress:
     _lock = threading.Lock()
 
     @classmethod
-    def join(cls, slot: RemoteEnvSlot) -> "_Ingress":
+    def join(cls, slot: RemoteEnvSlot, stop_fd: int | None = None) -> "_Ingress":
         with cls._lock:
             ingress = cls._by_address.get(slot.address)
             if ingress is None:
-                ingress = cls._by_address[slot.address] = cls(slot.address, slot._token, slot._codec)
+                ingress = cls._by_address[slot.address] = cls(slot.address, slot._token, slot._codec, stop_fd)
             elif ingress.token != slot._token:
                 raise ValueError(f"{slot._where()}: slots listening on {slot.address} must share one token.")
             ingress.slots.append(slot)
             return ingress
 
-    def __init__(self, address, token, codec):
+    def __init__(self, address, token, codec, stop_fd=None):
         grpc = _grpc()
         self.address, self.token = address, token
         self.slots = []
@@ -366,14 +369,20 @@ class _Ingress:
         self.server.start()
         _log.info("remote env slots listening on %s", address)
         self._stop = threading.Event()
-        threading.Thread(target=self._watchdog, name="env-host-watchdog", daemon=True).start()
+        threading.Thread(target=self._watchdog, args=(stop_fd,), name="env-host-watchdog", daemon=True).start()
 
-    def _watchdog(self):
-        """Drops hosts that exceed their slot's ``step_timeout`` (checked 10 times per timeout)."""
-        while True:
+    def _watchdog(self, stop_fd):
+        """Drops hosts that exceed their slot's ``step_timeout`` (checked 10 times per timeout,
+        at least once a second) and closes every slot when ``stop_fd`` hangs up."""
+        poller = select.poll()
+        if stop_fd is not None:
+            poller.register(stop_fd, select.POLLIN)
+        while not self._stop.is_set():
             with self._lock:
                 timeouts = [s.step_timeout for s in self.slots if s.step_timeout is not None]
-            if self._stop.wait(min(timeouts, default=10.0) / 10):
+            if poller.poll(1000 * min(timeouts, default=10.0) / 10):  # the worker is stopping
+                for slot in list(self.slots):
+                    slot.close()
                 return
             now = time.monotonic()
             for slot in list(self.slots):

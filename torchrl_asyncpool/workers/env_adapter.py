@@ -394,7 +394,7 @@ def is_vector_env(env) -> bool:
 
 
 def remote_listener(adapter):
-    """The ``listen(slot_index)`` hook of a remote env slot
+    """The ``listen(slot_index, stop_fd)`` hook of a remote env slot
     (:class:`~torchrl_asyncpool.remote.RemoteEnvSlot`), or ``None`` for an env stepped here."""
     env = getattr(adapter, "env", None)
     return getattr(getattr(env, "unwrapped", env), "_pool_listen", None)

@@ -613,7 +613,7 @@ class _Worker:
             slot = self._build_slot(*spec)
             listen = remote_listener(slot.adapter)
             if listen is not None:  # a remote slot: its first record waits for a host to connect
-                listen(slot.index)
+                listen(slot.index, stop_fd)
                 first.set()
             self._publish(slot, self._timed_reset(slot), None, _FIRST)
             self._ring()
