@@ -429,3 +429,11 @@ def test_a_host_built_from_the_proto_file_drives_a_slot(tmp_path):
     assert not t.is_alive() and ended[0] in ("stream ended", grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
     out.put(None)
     channel.close()
+
+
+def test_evaluate_refuses_remote_env_slots():
+    from torchrl_asyncpool.evaluation import Episode, evaluate
+
+    with pytest.raises(TypeError, match="fixed episode sets need local envs"):
+        evaluate(_slots(_address(), 1)[0], lambda td: td.set("action", oracle_action(td["tag"])),
+                 [Episode("a", seed=1, max_steps=10)], num_envs=1, progress=False)

@@ -187,7 +187,7 @@ class AsyncEnvPool:
             groups = None  # contiguous runs of envs_per_worker slots, unless set here
             if hasattr(spec_adapter, "num_envs"):
                 self.envs_per_worker, self.env_threads = _vector_grouping(envs_per_worker, env_threads, k_vec)
-            elif remote_listener(spec_adapter) is not None:
+            elif remote_listener(spec_adapter.env) is not None:
                 groups = _remote_groups(envs_per_worker, env_threads, spec_adapter, fns, kwargs)
                 self.envs_per_worker, self.env_threads = max(map(len, groups)), True
             else:
@@ -607,7 +607,7 @@ def _remote_groups(envs_per_worker, env_threads, first, fns, kwargs):
     for i in range(1, len(fns)):
         adapter = make_adapter(fns[i](**kwargs[i]), i)
         try:
-            if remote_listener(adapter) is None:
+            if remote_listener(adapter.env) is None:
                 raise ValueError(f"create_env_fn[{i}] returned a local env, but the first factory returned a remote "
                                  "env slot; a pool hosts remote slots or local envs, not both.")
             addresses.append(adapter.env.unwrapped.address)

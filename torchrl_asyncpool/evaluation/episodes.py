@@ -17,7 +17,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Sequence
 
-from torchrl_asyncpool.workers.env_adapter import EPISODE_PLAN_ATTR, is_vector_env
+from torchrl_asyncpool.workers.env_adapter import EPISODE_PLAN_ATTR, is_vector_env, remote_listener
 
 __all__ = ["Episode", "EpisodeResult", "STATUSES", "load_manifest", "summarize", "write_results"]
 
@@ -167,6 +167,12 @@ class PlannedEnvFactory:
             raise TypeError(
                 f"evaluate() runs one episode per env at a time and needs single envs; create_env_fn returned a "
                 f"{type(env).__name__} (a vector or batched env). Pass a factory of one env (e.g. gymnasium.make)."
+            )
+        if remote_listener(env) is not None:
+            env.close()
+            raise TypeError(
+                "evaluate() seeds and limits every episode in the workers; a remote env slot's host owns its env and "
+                "its resets, so fixed episode sets need local envs."
             )
         if os.getpid() != self._owner_pid:
             setattr(env, EPISODE_PLAN_ATTR, self.plan)

@@ -393,10 +393,10 @@ def is_vector_env(env) -> bool:
     return isinstance(env, gym.vector.VectorEnv)
 
 
-def remote_listener(adapter):
+def remote_listener(env):
     """The ``listen(slot_index, stop_fd)`` hook of a remote env slot
-    (:class:`~torchrl_asyncpool.remote.RemoteEnvSlot`), or ``None`` for an env stepped here."""
-    env = getattr(adapter, "env", None)
+    (:class:`~torchrl_asyncpool.remote.RemoteEnvSlot`, possibly wrapped), or ``None`` for an
+    env stepped here."""
     return getattr(getattr(env, "unwrapped", env), "_pool_listen", None)
 
 

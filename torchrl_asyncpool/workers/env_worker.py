@@ -611,7 +611,7 @@ class _Worker:
         slot = None
         try:
             slot = self._build_slot(*spec)
-            listen = remote_listener(slot.adapter)
+            listen = remote_listener(slot.adapter.env)
             if listen is not None:  # a remote slot: its first record waits for a host to connect
                 listen(slot.index, stop_fd)
                 first.set()
