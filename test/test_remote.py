@@ -437,3 +437,24 @@ def test_evaluate_refuses_remote_env_slots():
     with pytest.raises(TypeError, match="fixed episode sets need local envs"):
         evaluate(_slots(_address(), 1)[0], lambda td: td.set("action", oracle_action(td["tag"])),
                  [Episode("a", seed=1, max_steps=10)], num_envs=1, progress=False)
+
+
+@pytest.mark.slow
+def test_a_client_that_never_says_hello_is_dropped():
+    """A connection that sends nothing must not hold a server thread forever (10 s to say hello)."""
+    import queue
+
+    address = _address()
+    with AsyncEnvPool(_slots(address, 1)) as pool:
+        channel = grpc.insecure_channel(address)
+        out = queue.SimpleQueue()
+        responses = channel.stream_stream(P.METHOD)(iter(out.get, None))
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            next(responses)
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        assert 9 < time.monotonic() - t0 < 20
+        _, t, _ = _start_host(address, 0)  # the slot was never taken
+        assert int(pool.recv(min_get=1, timeout=20)["step_type"][0]) == StepType.FIRST
+        out.put(None)
+        channel.close()

@@ -314,6 +314,9 @@ def _check_address(address) -> None:
                          "hosts must know where to connect).")
 
 
+#: seconds a client has to send its hello once connected
+_HELLO_TIMEOUT_S = 10.0
+
 #: gRPC server options: keepalive pings find dead hosts (a host that vanished without closing
 #: its connection) within ~20 s; no SO_REUSEPORT, so a second listener on the port fails
 #: loudly instead of sharing the connections.
@@ -348,6 +351,7 @@ class _Ingress:
         grpc = _grpc()
         self.address, self.token = address, token
         self.slots = []
+        self._handshakes = set()  # streams that have not sent their hello yet
         limit = max(4 << 20, 2 * codec.max_message_bytes)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=1024, thread_name_prefix="env-host-stream"),
@@ -385,8 +389,9 @@ class _Ingress:
                     slot.close()
                 return
             now = time.monotonic()
-            for slot in list(self.slots):
-                stream = slot._stream
+            with self._lock:
+                streams = [slot._stream for slot in self.slots] + list(self._handshakes)
+            for stream in streams:
                 if stream is not None:
                     stream.check_deadline(now)
 
@@ -407,15 +412,22 @@ class _Ingress:
             if not hmac.compare_digest(str(got).encode(), self.token.encode()):
                 context.abort(grpc.StatusCode.UNAUTHENTICATED,
                               f"wrong or missing token (metadata {P.TOKEN_METADATA!r}) for {self.address}.")
+        stream = _HostStream(requests, context)
+        stream.deadline = time.monotonic() + _HELLO_TIMEOUT_S  # a silent client must not keep a thread
+        with self._lock:
+            self._handshakes.add(stream)
         try:
             hello = P.decode_hello(next(requests))
-        except StopIteration:
-            return
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.address}: {exc}")
+        except Exception:  # noqa: BLE001 - StopIteration, or the call was cancelled (hello timeout)
+            return
+        finally:
+            with self._lock:
+                self._handshakes.discard(stream)
+            stream.deadline = None
         with self._lock:
             slots = sorted(self.slots, key=lambda s: s.index)
-        stream = _HostStream(requests, context)
         mismatch, matched = None, 0
         for slot in slots:
             diff = P.spec_difference(slot._spec, hello)
