@@ -115,6 +115,49 @@ def test_each_address_gets_its_own_worker(dev_shm_guard):
         assert {e for e in range(3) if checker.last_step(e) is not None} == {0, 1, 2}
 
 
+def test_torchrl_envs_on_both_sides(dev_shm_guard):
+    """Slots laid out from a TorchRL env's specs, hosts serving TorchRL envs: the oracle holds."""
+    from torchrl_asyncpool.testing import OracleEnv
+
+    address = _address()
+    with AsyncEnvPool([functools.partial(RemoteEnvSlot.like, OracleEnv(0), address)] * 2) as pool:
+        fields = {f.key: (f.shape, f.dtype) for f in pool.layout.request + pool.layout.response}
+        assert fields[("tag",)] == ((3,), torch.int64) and fields[("action",)] == ((), torch.int64)
+        hosts = []
+        for i in range(2):
+            host = EnvHost(functools.partial(OracleEnv, i), address)
+            threading.Thread(target=host.run, daemon=True).start()
+            while host.slot is None:
+                time.sleep(0.01)
+            hosts.append(host)
+        checker = OracleChecker()
+        _drive(pool, checker, 300)
+        assert checker.episodes_done > 30
+
+
+def test_a_one_hot_torchrl_env_keeps_its_one_hot_action(dev_shm_guard):
+    from torchrl.envs import GymEnv
+
+    address = _address()
+    with AsyncEnvPool([functools.partial(RemoteEnvSlot.like, GymEnv("CartPole-v1"), address)]) as pool:
+        host = EnvHost(functools.partial(GymEnv, "CartPole-v1"), address)
+        t = threading.Thread(target=host.run, daemon=True)
+        t.start()
+        first = pool.recv(min_get=1, timeout=30)
+        assert first["observation"].shape == (1, 4)
+        for _ in range(40):
+            td = first if _ == 0 else pool.recv(min_get=1, timeout=30)
+            pool.send(TensorDict({"action": torch.tensor([[0, 1]])}, [1]), td.env_indices)  # always right
+        assert host.steps >= 30  # pushing right ends CartPole episodes after ~10 steps, and it resets
+    t.join(10)
+    with pytest.raises(ValueError, match="a remote env must have batch_size"):
+        from torchrl.envs import SerialEnv
+
+        from torchrl_asyncpool.testing import OracleEnv
+
+        RemoteEnvSlot.like(SerialEnv(2, OracleEnv), address)
+
+
 def test_collector_over_remote_hosts_delivers_exact_transitions(dev_shm_guard):
     address = _address()
     c = AsyncPoolCollector(_slots(address, 2), policy=lambda td: td.set("action", oracle_action(td["tag"])),

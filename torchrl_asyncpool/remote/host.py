@@ -47,8 +47,9 @@ class EnvHost:
     only observations, rewards and step types travel, as raw bytes.
 
     Args:
-        env (gymnasium.Env or callable): the env, or a zero-argument factory called once at
-            the first :meth:`run`.
+        env (gymnasium.Env, EnvBase or callable): the env (a gymnasium env, or a TorchRL env
+            with an empty batch size, flat observation keys and an ``"action"`` entry), or a
+            zero-argument factory called once at the first :meth:`run`.
         address (str): the pool's ``"host:port"``.
 
     Keyword Args:
@@ -82,8 +83,12 @@ class EnvHost:
 
     @property
     def env(self):
+        """The served env, seen through the gymnasium API (built on first use from a factory)."""
+        from torchrl_asyncpool.remote.torchrl_env import as_gymnasium
+
         if callable(self._env) and not hasattr(self._env, "step"):
             self._env = self._env()
+        self._env = as_gymnasium(self._env)
         return self._env
 
     def stop(self) -> None:

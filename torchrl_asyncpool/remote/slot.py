@@ -117,8 +117,12 @@ class RemoteEnvSlot(gym.Env):
 
     @classmethod
     def like(cls, env, address: str, **kwargs) -> "RemoteEnvSlot":
-        """A slot with the spaces of ``env`` (a gymnasium env built here only to read them);
-        ``kwargs`` are the constructor's keyword arguments."""
+        """A slot with the layout of ``env``: a gymnasium env (its spaces), or a TorchRL env with
+        an empty batch size (its specs, see :mod:`torchrl_asyncpool.remote.torchrl_env`); the
+        env is only read. ``kwargs`` are the constructor's keyword arguments."""
+        from torchrl_asyncpool.remote.torchrl_env import as_gymnasium
+
+        env = as_gymnasium(env)
         return cls(address, env.observation_space, env.action_space, **kwargs)
 
     # -- called by the pool worker hosting the slot ----------------------------------------------
