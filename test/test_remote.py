@@ -176,6 +176,22 @@ def test_collector_over_remote_hosts_delivers_exact_transitions(dev_shm_guard):
         t.join(10)
 
 
+def test_collector_start_over_remote_hosts_fills_a_replay_buffer_and_shuts_down(dev_shm_guard):
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    from conftest import start_and_check
+
+    address = _address()
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000))
+    c = AsyncPoolCollector(_slots(address, 2), policy=lambda td: td.set("action", oracle_action(td["tag"])),
+                           frames_per_batch=32, total_frames=320, replay_buffer=rb, transition_chunk_size=8)
+    hosts = [_start_host(address, i) for i in range(2)]
+    start_and_check(c, rb, 320)  # shuts the collector down
+    for _, t, result in hosts:
+        t.join(10)
+        assert not t.is_alive() and "error" not in result
+
+
 def _until_mid(pool, checker):
     """Answers records until env 0's latest one is MID (an episode in progress); returns it."""
     while True:
