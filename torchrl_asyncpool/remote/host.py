@@ -109,11 +109,12 @@ class EnvHost:
                 stream with an error.
         """
         import grpc
+        import gymnasium as gym
 
         env = self.env
         spec = P.spec_of_spaces(env.observation_space, env.action_space)
         codec = P.RecordCodec(spec)
-        dict_obs = type(env.observation_space).__name__ == "Dict"
+        dict_obs = isinstance(env.observation_space, gym.spaces.Dict)
         channel = grpc.insecure_channel(self.address, options=[
             ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
             ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000),
