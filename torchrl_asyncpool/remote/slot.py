@@ -242,7 +242,9 @@ class RemoteEnvSlot(gym.Env):
                 self._stream = None
         if stream is not None:
             self.hosts_lost += 1
-            if isinstance(exc, _ProtocolError):
+            if self._closed:  # the pool is shutting down: the host did nothing wrong
+                stream.end()
+            elif isinstance(exc, _ProtocolError):
                 _log.warning("%s: host %s broke the protocol: %s", self._where(), stream.peer, exc)
                 stream.end(_grpc().StatusCode.INVALID_ARGUMENT, f"{self._where()}: {exc}")
             else:
