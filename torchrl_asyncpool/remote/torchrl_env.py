@@ -16,6 +16,8 @@ import torch
 from torchrl.envs import EnvBase
 from torchrl.envs.utils import step_mdp
 
+from torchrl_asyncpool.workers.env_adapter import end_flags
+
 __all__ = ["TorchRLEnvView", "as_gymnasium"]
 
 
@@ -95,11 +97,7 @@ class TorchRLEnvView(gym.Env):
         td = self._td.set("action", torch.as_tensor(np.asarray(action), dtype=self._action_dtype))
         nxt = self.env.step(td).get("next")
         reward = float(nxt.get(self._reward_key).reshape(-1)[0])
-        done = bool(nxt.get("done").any())
-        term = nxt.get("terminated", None)
-        trunc = nxt.get("truncated", None)
-        terminated = done if term is None else bool(term.any())
-        truncated = (done and not terminated) if trunc is None else bool(trunc.any())
+        terminated, truncated = end_flags(nxt)
         self._td = step_mdp(td)
         return self._obs(nxt), reward, terminated, truncated, {}
 

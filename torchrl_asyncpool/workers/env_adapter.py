@@ -15,7 +15,7 @@ from torchrl.envs import EnvBase
 
 __all__ = [
     "RESERVED_KEYS", "EPISODE_PLAN_ATTR", "TorchRLEnvAdapter", "TorchRLBatchedAdapter", "GymnasiumEnvAdapter",
-    "GymnasiumVectorAdapter", "is_vector_env", "make_adapter", "remote_listener",
+    "GymnasiumVectorAdapter", "is_vector_env", "make_adapter", "remote_listener", "end_flags",
 ]
 
 #: Request keys the exchange defines itself; an env observation may not use them.
@@ -147,11 +147,7 @@ class TorchRLEnvAdapter:
         # ~45 us of per-call spec bookkeeping that the arena layout already fixed once.
         nxt = self.env._step(td)
         self._td = nxt
-        done = _flag(nxt, "done")
-        term = _flag(nxt, "terminated")
-        trunc = _flag(nxt, "truncated")
-        terminated = done if term is None else term
-        truncated = bool(done) and not terminated if trunc is None else trunc
+        terminated, truncated = end_flags(nxt)
         return nxt, nxt.get(self.reward_key), terminated, truncated
 
     def close(self) -> None:
@@ -164,6 +160,17 @@ class TorchRLEnvAdapter:
 def _flag(td, key):
     value = td.get(key, None)
     return None if value is None else bool(value.any())
+
+
+def end_flags(td) -> Tuple[bool, bool]:
+    """``(terminated, truncated)`` of a TorchRL step's output ``td``; an env that only writes
+    ``"done"`` counts as terminated, and ``done`` without ``terminated`` as truncated."""
+    done = _flag(td, "done")
+    term = _flag(td, "terminated")
+    trunc = _flag(td, "truncated")
+    terminated = done if term is None else term
+    truncated = bool(done) and not terminated if trunc is None else trunc
+    return terminated, truncated
 
 
 class TorchRLBatchedAdapter(TorchRLEnvAdapter):
