@@ -252,3 +252,35 @@ def test_a_batched_torchrl_env_factory_is_refused_with_a_clear_error():
     with pytest.raises(TypeError, match="needs single envs; create_env_fn returned a SerialEnv"):
         evaluate(make, lambda td: td.set("action", torch.zeros(td.shape[0], dtype=torch.int64)),
                  [Episode("a", seed=1, max_steps=10)], num_envs=1, progress=False)
+
+
+class _Counter(gym.Env):
+    """Reward = the action; episodes of ``seed % 4 + 3`` steps. A policy that acts with its step
+    count inside the episode earns 0 + 1 + ... + (length - 1)."""
+
+    observation_space = gym.spaces.Box(0, 1, (1,), np.float32)
+    action_space = gym.spaces.Discrete(100)
+
+    def reset(self, *, seed=None, options=None):
+        self.length, self.t = (seed or 0) % 4 + 3, 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.zeros(1, np.float32), float(action), self.t >= self.length, False, {}
+
+
+def test_a_recurrent_policy_carries_its_state_per_env_and_starts_each_episode_from_zeros():
+    def count_steps(td):  # hidden_out = hidden_in + 1: the action is the step count so far
+        hidden = td["hidden_in"]
+        return td.set("hidden_out", hidden + 1).set("action", hidden[:, 0].long())
+
+    episodes = [Episode(f"e{s}", seed=s) for s in range(10)]
+    results = evaluate(_Counter, count_steps, episodes, num_envs=3, envs_per_worker=2,
+                       recurrent_state={"hidden_in": "hidden_out"},
+                       policy_output_spec={"hidden_out": ((1,), torch.float32)})
+    for s, r in enumerate(results):
+        length = s % 4 + 3
+        assert (r.status, r.length, r.episode_return) == ("completed", length, float(sum(range(length)))), r
+    with pytest.raises(ValueError, match="not declared in policy_output_spec"):
+        evaluate(_Counter, count_steps, episodes[:1], recurrent_state={"hidden_in": "hidden_out"})

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -52,6 +52,8 @@ def evaluate(
     env_threads: bool | str = "auto",
     exploration_type: ExplorationType = ExplorationType.DETERMINISTIC,
     create_env_kwargs: Optional[dict] = None,
+    recurrent_state: Optional[Mapping] = None,
+    policy_output_spec: Optional[Mapping] = None,
     progress: bool = False,
 ) -> List[EpisodeResult]:
     """Runs every episode once and returns their results in the order given.
@@ -73,6 +75,14 @@ def evaluate(
         exploration_type (ExplorationType): under which the policy acts. Defaults to
             ``DETERMINISTIC``.
         create_env_kwargs (dict, optional): keyword arguments for ``create_env_fn``.
+        recurrent_state (mapping, optional): ``{hidden_in_key: hidden_out_key}`` for a
+            recurrent policy, as in :class:`~torchrl_asyncpool.AsyncEnvPool`: every record
+            carries ``hidden_in_key`` (zeros at the start of each episode, then the
+            ``hidden_out_key`` the policy wrote for the previous step of the same env), so the
+            policy stays a pure function of the batch. ``hidden_out_key`` must be declared in
+            ``policy_output_spec``.
+        policy_output_spec (mapping, optional): ``{key: (shape, dtype)}`` of the policy outputs
+            to carry besides the actions (the recurrent state out).
         progress (bool): show a progress bar of finished episodes.
 
     Returns:
@@ -132,7 +142,8 @@ def evaluate(
             try:
                 pool = AsyncEnvPool(fns, create_env_kwargs=create_env_kwargs,
                                     envs_per_worker=1 if isolate else envs_per_worker,
-                                    env_threads=False if isolate else env_threads)
+                                    env_threads=False if isolate else env_threads,
+                                    recurrent_state=recurrent_state, policy_output_spec=policy_output_spec)
             except EnvError as exc:
                 run.fail(exc, all_remaining=exc.phase == "construction", todo=todo)
             except WorkerDiedError as exc:
@@ -187,7 +198,7 @@ class _Run:
                 with torch.no_grad():
                     out = self.acting(td)
                 idx = torch.from_numpy(np.flatnonzero(answer))
-                actions = {k: out.get(k)[idx] for k in pool.action_keys}
+                actions = {k: out.get(k)[idx] for k in pool.action_keys + pool.policy_output_keys}
                 pool.send(actions, td.env_indices[idx])
 
     def _observe(self, td) -> np.ndarray:
