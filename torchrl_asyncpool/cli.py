@@ -356,6 +356,8 @@ def _cmd_env_host(args: argparse.Namespace) -> int:
 
     import threading
 
+    # gRPC's C core logs every connection the pool closes at INFO level; a host has nothing to do about it
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     token = args.token if args.token is not None else os.environ.get("TORCHRL_ASYNCPOOL_TOKEN")
     if args.num_envs < 1:
         print(f"torchrl-asyncpool env-host: --num-envs must be >= 1, got {args.num_envs}.", file=sys.stderr)
