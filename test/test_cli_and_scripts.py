@@ -271,3 +271,10 @@ def test_cli_eval_validate_only_and_bad_input(tmp_path, capsys):
     assert "NoSuchEnv" in capsys.readouterr().err
     assert cli.main(["eval", "--policy", "nomodule", "--validate-only"]) == 2
     assert "MODULE:FACTORY" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_cli_eval_capacity_smoke(capsys):
+    assert cli.main(["eval", "--episodes", "5", "--num-envs", "3", "--capacity-smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "capacity smoke: 3 envs of CartPole-v1 built and reset" in out and "nothing was stepped" in out

@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from torchrl_asyncpool.evaluation import Episode, EpisodeResult, evaluate, load_manifest, summarize, write_results
+from torchrl_asyncpool.evaluation import (
+    Episode,
+    EpisodeResult,
+    check_capacity,
+    evaluate,
+    load_manifest,
+    summarize,
+    write_results,
+)
 
 
 def _balance(td):
@@ -284,3 +292,40 @@ def test_a_recurrent_policy_carries_its_state_per_env_and_starts_each_episode_fr
         assert (r.status, r.length, r.episode_return) == ("completed", length, float(sum(range(length)))), r
     with pytest.raises(ValueError, match="not declared in policy_output_spec"):
         evaluate(_Counter, count_steps, episodes[:1], recurrent_state={"hidden_in": "hidden_out"})
+
+
+class _SeedRecorder(gym.Env):
+    """Records every reset seed and every step in files under ``log_dir`` (one line each)."""
+
+    observation_space = gym.spaces.Box(0, 1, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, log_dir):
+        self.log_dir = log_dir
+
+    def reset(self, *, seed=None, options=None):
+        with open(f"{self.log_dir}/resets", "a") as f:
+            f.write(f"{seed}\n")
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        with open(f"{self.log_dir}/steps", "a") as f:
+            f.write("step\n")
+        return np.zeros(1, np.float32), 0.0, True, False, {}
+
+
+def test_check_capacity_builds_and_resets_every_env_at_once_and_steps_none(tmp_path):
+    episodes = [Episode(f"e{s}", seed=100 + s) for s in range(6)]
+    report = check_capacity(functools.partial(_SeedRecorder, str(tmp_path)), episodes, num_envs=4,
+                            envs_per_worker=2)
+    assert (report["envs"], report["workers"]) == (4, 2)
+    assert report["start_s"] > 0 and report["close_s"] >= 0
+    # the spec env of the calling process resets unseeded; the four workers with their episodes' seeds
+    seeds = sorted((tmp_path / "resets").read_text().split())
+    assert [s for s in seeds if s != "None"] == ["100", "101", "102", "103"]
+    assert not (tmp_path / "steps").exists()  # nothing stepped (no probe either: envs_per_worker is explicit)
+    from torchrl_asyncpool import EnvError
+
+    with pytest.raises(EnvError, match="reset refused for seed 7"):
+        faulty = functools.partial(_Faulty, bad_reset_seed=7, bad_step_seed=-1, hang_seed=-1)
+        check_capacity(faulty, [Episode("bad", seed=7)], num_envs=1)

@@ -38,7 +38,8 @@ commands:
           returning a TensorDict -> TensorDict policy; default: uniform random actions) and
           write one result per episode, in manifest order, to --output (JSON: completed,
           timeout or failed, return, length). --validate-only checks the manifest and builds
-          one env without running anything. Exits with 1 when an episode failed.
+          one env without running anything; --capacity-smoke builds and resets --num-envs
+          envs at once and closes them, stepping nothing. Exits with 1 when an episode failed.
   bench   Run the side-by-side collector benchmark (benchmarks/compare_collectors.py in a
           source checkout): AsyncPoolCollector against TorchRL's stock collectors and
           gymnasium's vector envs; prints the table and writes a PNG plot (--plot, default
@@ -304,6 +305,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.validate_only:
         print(f"{len(episodes)} episodes of {args.env_id} are valid; nothing was run.")
         return 0
+    if args.capacity_smoke:
+        from torchrl_asyncpool.errors import EnvError, WorkerDiedError
+        from torchrl_asyncpool.evaluation import check_capacity
+
+        try:
+            r = check_capacity(make, episodes, num_envs=args.num_envs, timeout_s=args.episode_timeout_s)
+        except (EnvError, WorkerDiedError, TimeoutError) as exc:
+            print(f"torchrl-asyncpool eval --capacity-smoke: {exc}", file=sys.stderr)
+            return 1
+        print(f"capacity smoke: {r['envs']} envs of {args.env_id} built and reset (seeds of the first "
+              f"{r['envs']} episodes) in {r['workers']} worker processes in {r['start_s']:.2f} s, closed in "
+              f"{r['close_s']:.2f} s; nothing was stepped.")
+        return 0
     t0 = time.monotonic()
     results = evaluate(make, policy, episodes, num_envs=args.num_envs, max_steps=args.max_steps,
                        episode_timeout_s=args.episode_timeout_s, progress=not args.no_progress)
@@ -452,6 +466,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--episode-timeout-s", type=float, default=None, help="wall-clock limit per episode")
     ev.add_argument("--output", default="eval_results.json", help="results file (default: eval_results.json)")
     ev.add_argument("--validate-only", action="store_true", help="check the manifest and the env; run nothing")
+    ev.add_argument("--capacity-smoke", action="store_true",
+                    help="build and reset --num-envs envs at once (seeds of the first episodes), close them, report "
+                         "the times; step nothing (--episode-timeout-s bounds the start-up)")
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     ev.set_defaults(func=_cmd_eval)
 

@@ -10,6 +10,9 @@ from torchrl_asyncpool.evaluation.episodes import (
     summarize,
     write_results,
 )
+from torchrl_asyncpool.evaluation.capacity import check_capacity
 from torchrl_asyncpool.evaluation.runner import evaluate
 
-__all__ = ["Episode", "EpisodeResult", "STATUSES", "evaluate", "load_manifest", "summarize", "write_results"]
+__all__ = [
+    "Episode", "EpisodeResult", "STATUSES", "evaluate", "check_capacity", "load_manifest", "summarize", "write_results",
+]

@@ -1,0 +1,82 @@
+"""``check_capacity``: build and reset every env an evaluation would run at once, step none.
+
+Before spending policy calls (or moving a robot), it answers "can this machine hold ``num_envs``
+of these simulators at once, and how long do they take to come up and go away": each slot's env
+is built in its worker and reset with the seed and options of the episode it would run first,
+then the pool is closed. Nothing is stepped.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Sequence
+
+from torchrl_asyncpool.evaluation.episodes import Episode, PlannedEnvFactory, check_unique
+from torchrl_asyncpool.pool import AsyncEnvPool
+
+__all__ = ["check_capacity"]
+
+
+def check_capacity(
+    create_env_fn: Callable,
+    episodes: Sequence[Episode],
+    *,
+    num_envs: int = 8,
+    envs_per_worker: int | str = "auto",
+    env_threads: bool | str = "auto",
+    timeout_s: Optional[float] = None,
+    create_env_kwargs: Optional[dict] = None,
+) -> dict:
+    """Builds ``min(num_envs, len(episodes))`` envs in workers, resets each with the seed of the
+    episode its slot would run first, waits for every first record and closes the pool.
+
+    Args:
+        create_env_fn (callable): builds one env, as for :func:`~torchrl_asyncpool.evaluation.evaluate`.
+        episodes (sequence of Episode): the manifest; slot ``s`` is reset for ``episodes[s]``.
+
+    Keyword Args:
+        num_envs (int): envs at once. Defaults to 8.
+        envs_per_worker, env_threads: grouping, as in :class:`~torchrl_asyncpool.AsyncEnvPool`.
+        timeout_s (float, optional): limit for building and resetting them all
+            (:class:`TimeoutError` past it). Defaults to ``None``.
+        create_env_kwargs (dict, optional): keyword arguments for ``create_env_fn``.
+
+    Returns:
+        dict: ``{"envs", "workers", "start_s", "close_s"}``: how many envs were up at once, in how
+        many worker processes, the seconds from the start to the last first record, and the
+        seconds ``close()`` took.
+
+    Raises:
+        EnvError: an env raised while being built or reset (names the env, with its traceback).
+        WorkerDiedError: a worker died while building or resetting.
+
+    Examples:
+        >>> import gymnasium as gym
+        >>> from torchrl_asyncpool.evaluation import Episode, check_capacity
+        >>> report = check_capacity(lambda: gym.make("CartPole-v1"), [Episode(f"e{i}", seed=i) for i in range(4)],
+        ...                         num_envs=2)
+        >>> report["envs"]
+        2
+    """
+    episodes = list(episodes)
+    if not episodes:
+        raise ValueError("episodes is empty: nothing to check.")
+    check_unique(episodes)
+    if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
+        raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}.")
+    n = min(num_envs, len(episodes))
+    fns = [PlannedEnvFactory(create_env_fn, [(ep.seed, None, ep.options)]) for ep in episodes[:n]]
+    t0 = time.monotonic()
+    pool = AsyncEnvPool(fns, create_env_kwargs=create_env_kwargs, envs_per_worker=envs_per_worker,
+                        env_threads=env_threads, start_timeout=timeout_s)
+    try:
+        remaining = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - t0))
+        ready = pool.wait_ready(n, timeout=remaining)
+        if ready < n:
+            raise TimeoutError(f"{ready} of {n} envs had published their first record after timeout_s={timeout_s}s.")
+        start_s = time.monotonic() - t0
+        workers = pool.num_workers
+    finally:
+        t1 = time.monotonic()
+        pool.close()
+        close_s = time.monotonic() - t1
+    return {"envs": n, "workers": workers, "start_s": start_s, "close_s": close_s}
