@@ -278,3 +278,20 @@ def test_cli_eval_capacity_smoke(capsys):
     assert cli.main(["eval", "--episodes", "5", "--num-envs", "3", "--capacity-smoke"]) == 0
     out = capsys.readouterr().out
     assert "capacity smoke: 3 envs of CartPole-v1 built and reset" in out and "nothing was stepped" in out
+
+
+@pytest.mark.timeout(300)
+def test_cli_eval_ctrl_c_drains_and_writes_every_result(tmp_path, capsys):
+    """The first Ctrl-C lets the running episodes finish and writes one result per episode."""
+    import threading
+
+    out = tmp_path / "results.json"
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    code = cli.main(["eval", "--episodes", "3000", "--num-envs", "2", "--output", str(out), "--no-progress"])
+    assert code == 130
+    assert "stopping: the running episodes finish" in capsys.readouterr().err
+    episodes = json.loads(out.read_text())["episodes"]
+    assert len(episodes) == 3000
+    statuses = {e["status"] for e in episodes}
+    assert statuses <= {"completed", "failed", "timeout"}
+    assert any(e.get("error") == "not started: the evaluation was stopped" for e in episodes)

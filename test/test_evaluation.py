@@ -329,3 +329,42 @@ def test_check_capacity_builds_and_resets_every_env_at_once_and_steps_none(tmp_p
     with pytest.raises(EnvError, match="reset refused for seed 7"):
         faulty = functools.partial(_Faulty, bad_reset_seed=7, bad_step_seed=-1, hang_seed=-1)
         check_capacity(faulty, [Episode("bad", seed=7)], num_envs=1)
+
+
+class _Slow(gym.Env):
+    """Episodes of 10 steps of 20 ms each."""
+
+    observation_space = gym.spaces.Box(0, 1, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        time.sleep(0.02)
+        self.t += 1
+        return np.zeros(1, np.float32), 1.0, self.t >= 10, False, {}
+
+
+def test_stop_drains_running_episodes_and_starts_no_new_one():
+    import threading
+
+    stop = threading.Event()
+    calls = []
+
+    def policy(td):  # stops the evaluation once ~1.5 episodes per slot ran
+        calls.append(td.shape[0])
+        if sum(calls) >= 30:
+            stop.set()
+        return td.set("action", torch.zeros(td.shape[0], dtype=torch.int64))
+
+    episodes = [Episode(f"e{i}", seed=i) for i in range(40)]
+    results = evaluate(_Slow, policy, episodes, num_envs=2, envs_per_worker=1, stop=stop)
+    assert [r.episode_id for r in results] == [e.episode_id for e in episodes]
+    done = [r for r in results if r.status == "completed"]
+    skipped = [r for r in results if r.status == "failed"]
+    assert len(done) + len(skipped) == 40, [r.status for r in results]  # nothing cut half-way
+    assert all(r.length == 10 and r.episode_return == 10.0 for r in done)  # a running episode finished
+    assert all(r.error == "not started: the evaluation was stopped" for r in skipped)
+    assert 2 <= len(done) <= 6 and skipped

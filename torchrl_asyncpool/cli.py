@@ -40,6 +40,8 @@ commands:
           timeout or failed, return, length). --validate-only checks the manifest and builds
           one env without running anything; --capacity-smoke builds and resets --num-envs
           envs at once and closes them, stepping nothing. Exits with 1 when an episode failed.
+          Ctrl-C drains: running episodes finish, the others are reported failed ("not
+          started"), the results are written, exit status 130; a second Ctrl-C aborts.
   bench   Run the side-by-side collector benchmark (benchmarks/compare_collectors.py in a
           source checkout): AsyncPoolCollector against TorchRL's stock collectors and
           gymnasium's vector envs; prints the table and writes a PNG plot (--plot, default
@@ -318,15 +320,36 @@ def _cmd_eval(args: argparse.Namespace) -> int:
               f"{r['envs']} episodes) in {r['workers']} worker processes in {r['start_s']:.2f} s, closed in "
               f"{r['close_s']:.2f} s; nothing was stepped.")
         return 0
+    import signal
+    import threading
+
+    stop = threading.Event()
+
+    def drain(signum, frame):  # first Ctrl-C: running episodes finish, no new one starts
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        print("\ntorchrl-asyncpool eval: stopping: the running episodes finish, no new one starts "
+              "(Ctrl-C again to abort without writing results)", file=sys.stderr)
+
+    previous = signal.signal(signal.SIGINT, drain)
     t0 = time.monotonic()
-    results = evaluate(make, policy, episodes, num_envs=args.num_envs, max_steps=args.max_steps,
-                       episode_timeout_s=args.episode_timeout_s, progress=not args.no_progress)
+    try:
+        results = evaluate(make, policy, episodes, num_envs=args.num_envs, max_steps=args.max_steps,
+                           episode_timeout_s=args.episode_timeout_s, stop=stop, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print("torchrl-asyncpool eval: aborted; no results written.", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     write_results(results, args.output)
     summary = summarize(results)
     mean = "n/a" if summary["mean_return"] is None else f"{summary['mean_return']:.2f}"
     print(f"{summary['episodes']} episodes in {time.monotonic() - t0:.1f} s: {summary['completed']} completed, "
           f"{summary['timeout']} timeout, {summary['failed']} failed; mean return of the completed: {mean}; "
           f"results in {args.output}")
+    if stop.is_set():
+        return 130  # stopped by the user: the episodes that never started are reported failed
     return 1 if summary["failed"] else 0
 
 

@@ -15,6 +15,7 @@ again with one env per process from then on, so that a second death names the cu
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from typing import Callable, List, Mapping, Optional, Sequence
@@ -54,6 +55,7 @@ def evaluate(
     create_env_kwargs: Optional[dict] = None,
     recurrent_state: Optional[Mapping] = None,
     policy_output_spec: Optional[Mapping] = None,
+    stop: Optional[threading.Event] = None,
     progress: bool = False,
 ) -> List[EpisodeResult]:
     """Runs every episode once and returns their results in the order given.
@@ -83,6 +85,11 @@ def evaluate(
             ``policy_output_spec``.
         policy_output_spec (mapping, optional): ``{key: (shape, dtype)}`` of the policy outputs
             to carry besides the actions (the recurrent state out).
+        stop (threading.Event, optional): a graceful drain: once it is set, the episodes
+            already running finish, no new one starts, and every episode that did not start
+            is reported ``"failed"`` with the error ``"not started: the evaluation was stopped"``
+            (results stay one per episode, in order). Set it from another thread or a signal
+            handler (``torchrl-asyncpool eval`` sets it on the first Ctrl-C).
         progress (bool): show a progress bar of finished episodes.
 
     Returns:
@@ -133,12 +140,12 @@ def evaluate(
 
         todo = list(range(len(episodes)))
         isolate = False  # after a worker died hosting several running episodes: one env per process
-        while todo:
+        while todo and not (stop is not None and stop.is_set()):
             n = min(num_envs, len(todo))
             queues = [deque(todo[s::n]) for s in range(n)]
             fns = [PlannedEnvFactory(create_env_fn, [(episodes[i].seed, limits[i], episodes[i].options) for i in q])
                    for q in queues]
-            run = _Run(episodes, limits, queues, acting, finish, episode_timeout_s)
+            run = _Run(episodes, limits, queues, acting, finish, episode_timeout_s, stop)
             try:
                 pool = AsyncEnvPool(fns, create_env_kwargs=create_env_kwargs,
                                     envs_per_worker=1 if isolate else envs_per_worker,
@@ -160,15 +167,19 @@ def evaluate(
                 finally:
                     pool.close()
             todo = [i for i in todo if results[i] is None]
+        for i in todo:  # drained: these never started
+            finish(i, EpisodeResult(episodes[i].episode_id, "failed", seed=episodes[i].seed,
+                                    error="not started: the evaluation was stopped"))
     return results  # type: ignore[return-value]
 
 
 class _Run:
     """One pool's share of an evaluation: which episode each slot runs, and their sums."""
 
-    def __init__(self, episodes, limits, queues, acting, finish, timeout_s):
+    def __init__(self, episodes, limits, queues, acting, finish, timeout_s, stop=None):
         self.episodes, self.limits, self.queues = episodes, limits, queues
         self.acting, self.finish, self.timeout_s = acting, finish, timeout_s
+        self.stop = stop
         n = len(queues)
         self.current: List[Optional[int]] = [None] * n  # manifest index each slot is running
         self.ret = np.zeros(n)
@@ -185,10 +196,15 @@ class _Run:
         return EpisodeResult(self.episodes[i].episode_id, "failed", seed=self.episodes[i].seed, env_index=s,
                              error=error)
 
+    def _stopping(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
     def drive(self, pool: AsyncEnvPool) -> None:
-        """Runs until every slot has finished its episodes."""
-        while any(c is not None for c in self.current) or any(self.queues):
-            if pool.wait_ready(1, timeout=None if self.timeout_s is None else _POLL_S) == 0:
+        """Runs until every slot has finished its episodes (or, once ``stop`` is set, its
+        running episode)."""
+        poll = None if self.timeout_s is None and self.stop is None else _POLL_S
+        while any(c is not None for c in self.current) or (any(self.queues) and not self._stopping()):
+            if pool.wait_ready(1, timeout=poll) == 0:
                 self._check_clock()
                 continue
             td = pool.recv(min_get=1)  # everything ready now, at once
@@ -208,8 +224,11 @@ class _Run:
         rewards = td["reward"].reshape(len(slots), -1).sum(-1).tolist()
         answer = np.zeros(len(slots), dtype=bool)
         now = time.monotonic()
+        stopping = self._stopping()
         for row, (s, st, r) in enumerate(zip(slots, step_types, rewards)):
             if st == _FIRST:
+                if stopping:  # drained: the slot's next episode does not start
+                    continue
                 self.current[s] = self.queues[s].popleft()
                 self.ret[s], self.length[s], self.started[s] = 0.0, 0, now
             elif self.current[s] is not None:
@@ -224,7 +243,7 @@ class _Run:
                         truncated=st == _TRUNC and not cut, error=error))
                     self.current[s] = None
             # a terminal record is answered only to start the slot's next episode
-            answer[row] = self.current[s] is not None or bool(self.queues[s])
+            answer[row] = self.current[s] is not None or (bool(self.queues[s]) and not stopping)
         return answer
 
     def _check_clock(self) -> None:
