@@ -108,9 +108,9 @@ class EnvHost:
             RemoteHostError: the pool refused the host (token, spec, no free slot) or ended its
                 stream with an error.
         """
-        import grpc
         import gymnasium as gym
 
+        grpc = P.import_grpc()
         env = self.env
         spec = P.spec_of_spaces(env.observation_space, env.action_space)
         codec = P.RecordCodec(spec)

@@ -38,7 +38,7 @@ import numpy as np
 
 __all__ = [
     "METHOD", "TOKEN_METADATA", "PROTOCOL_VERSION", "PROTO_FILE", "spec_of_spaces", "spec_difference",
-    "encode_hello", "decode_hello", "encode_accept", "decode_accept", "RecordCodec",
+    "encode_hello", "decode_hello", "encode_accept", "decode_accept", "RecordCodec", "import_grpc",
 ]
 
 #: the gRPC method an env host calls (``service EnvHost { rpc Stream }`` of ``env_host.proto``)
@@ -124,6 +124,17 @@ def _one_of(data, what: str, names: dict):
     if found is None:
         raise ValueError(f"{what} carries none of {sorted(names.values())}")
     return found
+
+
+def import_grpc():
+    """``grpc``, or an ImportError that says how to install it (an optional dependency)."""
+    try:
+        import grpc
+    except ImportError:
+        raise ImportError(
+            "remote env hosts need grpcio: pip install 'torchrl-asyncpool[remote]' (or pip install grpcio)."
+        ) from None
+    return grpc
 
 
 # -- spec ---------------------------------------------------------------------------------------

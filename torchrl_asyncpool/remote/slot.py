@@ -246,7 +246,7 @@ class RemoteEnvSlot(gym.Env):
                 stream.end()
             elif isinstance(exc, _ProtocolError):
                 _log.warning("%s: host %s broke the protocol: %s", self._where(), stream.peer, exc)
-                stream.end(_grpc().StatusCode.INVALID_ARGUMENT, f"{self._where()}: {exc}")
+                stream.end(P.import_grpc().StatusCode.INVALID_ARGUMENT, f"{self._where()}: {exc}")
             else:
                 _log.warning("%s: host %s lost: %s", self._where(), stream.peer, exc)
                 stream.end()
@@ -301,16 +301,6 @@ class _HostStream:
             yield msg
 
 
-def _grpc():
-    try:
-        import grpc
-    except ImportError:
-        raise ImportError(
-            "remote env slots need grpcio: pip install 'torchrl-asyncpool[remote]' (or pip install grpcio)."
-        ) from None
-    return grpc
-
-
 def _check_address(address) -> None:
     if not isinstance(address, str) or ":" not in address:
         raise ValueError(f"address must be 'host:port', got {address!r}.")
@@ -354,7 +344,7 @@ class _Ingress:
             return ingress
 
     def __init__(self, address, token, codec, stop_fd=None):
-        grpc = _grpc()
+        grpc = P.import_grpc()
         self.address, self.token = address, token
         self.slots = []
         self._handshakes = set()  # streams that have not sent their hello yet
@@ -412,7 +402,7 @@ class _Ingress:
         self.server.stop(grace=None)
 
     def _handle(self, requests, context):
-        grpc = _grpc()
+        grpc = P.import_grpc()
         if self.token is not None:
             got = dict(context.invocation_metadata()).get(P.TOKEN_METADATA, "")
             if not hmac.compare_digest(str(got).encode(), self.token.encode()):
