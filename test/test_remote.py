@@ -294,6 +294,27 @@ def test_sigkilled_host_process_truncates_its_episode_and_the_pool_goes_on(dev_s
         assert int(first["step_type"][0]) == StepType.FIRST
 
 
+def test_run_forever_serves_pool_after_pool_on_the_same_address(dev_shm_guard):
+    address = _address()
+    host = EnvHost(functools.partial(OracleGymEnv, 0), address)
+    t = threading.Thread(target=host.run_forever, kwargs={"retry_s": 0.1}, daemon=True)
+    t.start()
+    try:
+        with AsyncEnvPool(_slots(address, 1)) as pool:
+            _drive(pool, OracleChecker(), 30)
+        with AsyncEnvPool(_slots(address, 1)) as pool:  # listens where the first pool did
+            td = pool.recv(min_get=1, timeout=30)
+            # the host's env lives on: a new episode of it, reset for this pool
+            assert int(td["step_type"][0]) == StepType.FIRST and td["tag"][0, 1] > 0 and td["tag"][0, 2] == 0
+            for _ in range(20):
+                _answer(pool, td)
+                td = pool.recv(min_get=1, timeout=30)
+    finally:
+        host.stop()
+        t.join(10)
+    assert not t.is_alive()
+
+
 def test_pool_refuses_wrong_token_wrong_spec_and_hosts_beyond_its_slots():
     address = _address()
     with AsyncEnvPool(_slots(address, 1, token="right")) as pool:
