@@ -74,8 +74,10 @@ class RemoteEnvSlot(gym.Env):
 
     Attributes:
         index (int): the pool slot, once the hosting worker listens (``None`` before).
-        hosts_connected (int): hosts that claimed this slot so far (counted in the worker).
-        hosts_lost (int): hosts that dropped or broke the protocol while holding it.
+        hosts_connected (int): hosts that claimed this slot so far.
+        hosts_lost (int): hosts that dropped, hung or broke the protocol while holding it.
+            Both are kept by the slot object in the worker process hosting it (each change is
+            also logged there, on the ``torchrl_asyncpool.remote`` logger).
 
     Examples:
         >>> import gymnasium as gym
