@@ -19,6 +19,7 @@ Run with nothing else busy::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -72,34 +73,47 @@ def _cpu_s(pids):
     return total
 
 
+def round_trip(pool, timeout=30.0) -> int:
+    """One consumer round trip: ``recv`` whatever is ready, answer it with random actions;
+    returns the records answered."""
+    td = pool.recv(min_get=1, timeout=timeout)
+    b = td.shape[0]
+    pool.send(TensorDict({"action": torch.randint(0, 2, (b,))}, [b]), td.env_indices)
+    return b
+
+
+def wait_all_started(pool, n):
+    """Answers records until all ``n`` envs have published once (remote: every host connected)."""
+    got = 0
+    while got < n:
+        got += round_trip(pool, timeout=120)
+
+
 def _drive(pool, seconds, n, host_pids=()):
     """Answers everything ready for ``seconds`` after all ``n`` envs have published once;
     returns ``(records/s, {who: CPU microseconds per record})``."""
-    got = 0
-    while got < n:  # every env started (remote: every host connected)
-        td = pool.recv(min_get=1, timeout=120)
-        got += td.shape[0]
-        pool.send(TensorDict({"action": torch.randint(0, 2, (td.shape[0],))}, [td.shape[0]]), td.env_indices)
+    wait_all_started(pool, n)
     who = {"driver": None, "workers": pool.worker_pids, "hosts": list(host_pids)}
     cpu0 = {k: time.process_time() if v is None else _cpu_s(v) for k, v in who.items()}
     records, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        td = pool.recv(min_get=1, timeout=30)
-        b = td.shape[0]
-        records += b
-        pool.send(TensorDict({"action": torch.randint(0, 2, (b,))}, [b]), td.env_indices)
+        records += round_trip(pool)
     elapsed = time.perf_counter() - t0
     cpu = {k: 1e6 * ((time.process_time() if v is None else _cpu_s(v)) - cpu0[k]) / records for k, v in who.items()}
     return records / elapsed, cpu
 
 
-def run_local(workload, n, seconds):
+@contextlib.contextmanager
+def local_pool(workload, n):
     make, _ = WORKLOADS[workload]
     with AsyncEnvPool([make] * n, envs_per_worker="auto") as pool:
-        return _drive(pool, seconds, n)
+        yield pool, []
 
 
-def run_remote(workload, n, seconds, host_procs):
+@contextlib.contextmanager
+def remote_pool(workload, n, host_procs):
+    """A pool of ``n`` remote slots fed by ``host_procs`` env-host processes; yields
+    ``(pool, host processes)``; the hosts exit after the pool closes."""
     make, _ = WORKLOADS[workload]
     address = _address()
     slot = functools.partial(RemoteEnvSlot.like, make(), address)
@@ -113,14 +127,23 @@ def run_remote(workload, n, seconds, host_procs):
                     [sys.executable, "-c", _HOST.format(here=here), workload, address, str(k)],
                     stderr=subprocess.DEVNULL,
                 ))
-            rate = _drive(pool, seconds, n, [p.pid for p in procs])
+            yield pool, procs
     finally:
         for p in procs:  # the pool closed: the hosts' streams end and they exit
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
-    return rate
+
+
+def run_local(workload, n, seconds):
+    with local_pool(workload, n) as (pool, _):
+        return _drive(pool, seconds, n)
+
+
+def run_remote(workload, n, seconds, host_procs):
+    with remote_pool(workload, n, host_procs) as (pool, procs):
+        return _drive(pool, seconds, n, [p.pid for p in procs])
 
 
 def main():
