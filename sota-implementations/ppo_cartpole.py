@@ -215,7 +215,7 @@ def main(argv=None) -> dict:
         if not cfg.remote_address:
             raise SystemExit("--spawn-hosts true needs --remote-address HOST:PORT.")
         hosts = subprocess.Popen([sys.executable, "-m", "torchrl_asyncpool.cli", "env-host", "--env-id", cfg.env_id,
-                                  "--num-envs", str(cfg.num_envs), "--address", cfg.remote_address])
+                                  "--num-envs", str(cfg.num_envs), "--address", cfg.remote_address, "--no-progress"])
     collector = AsyncPoolCollector(
         factories,
         policy=acting,

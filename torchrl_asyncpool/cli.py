@@ -386,12 +386,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_env_host(args: argparse.Namespace) -> int:
     import os
+    import threading
 
     import gymnasium as gym
+    import tqdm
 
     from torchrl_asyncpool.remote import EnvHost, RemoteHostError
-
-    import threading
 
     # gRPC's C core logs every connection the pool closes at INFO level; a host has nothing to do about it
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -413,8 +413,8 @@ def _cmd_env_host(args: argparse.Namespace) -> int:
                 host.run_forever()
             else:
                 host.run(max_steps=args.max_steps)
-                print(f"env host: {host.steps} steps of {args.env_id} served to slot {host.slot} of {args.address}",
-                      flush=True)
+                tqdm.tqdm.write(f"env host: {host.steps} steps of {args.env_id} served to slot {host.slot} of "
+                                f"{args.address}", file=sys.stdout)
         except (ConnectionError, RemoteHostError) as exc:
             errors.append(exc)
             for other in hosts:  # one refusal (token, spec, no free slot) ends the command
@@ -422,17 +422,22 @@ def _cmd_env_host(args: argparse.Namespace) -> int:
 
     # one env per thread, each with its own stream: their steps overlap while others wait
     threads = [threading.Thread(target=serve, args=(h,), daemon=True) for h in hosts]
+    bar = tqdm.tqdm(unit=" steps", disable=args.no_progress, dynamic_ncols=True,
+                    desc=f"{args.env_id} -> {args.address}")
     try:
         for t in threads:
             t.start()
         for t in threads:
             while t.is_alive():
-                t.join(0.5)  # wakes for Ctrl-C
+                t.join(0.5)  # wakes for Ctrl-C, and for the progress bar
+                bar.update(sum(h.steps for h in hosts) - bar.n)
+                bar.set_postfix(slots=sum(h.slot is not None for h in hosts), refresh=False)
     except KeyboardInterrupt:
         for h in hosts:
             h.stop()
         return 130
     finally:
+        bar.close()
         for env in envs:
             env.close()
     if errors:
@@ -524,6 +529,7 @@ def _parser() -> argparse.ArgumentParser:
     host.add_argument("--connect-timeout", type=float, default=30.0,
                       help="seconds to wait for the pool (default: 30)")
     host.add_argument("--max-steps", type=int, default=None, help="leave after this many env steps")
+    host.add_argument("--no-progress", action="store_true", help="no progress bar (steps served, slots held)")
     host.add_argument("--reconnect", action="store_true",
                       help="serve pool after pool: reconnect when the pool goes away or has no free slot")
     host.set_defaults(func=_cmd_env_host)
