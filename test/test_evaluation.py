@@ -57,9 +57,10 @@ class _Faulty(gym.Env):
 
     def step(self, action):
         self.t += 1
-        if self.seed == self.bad_step_seed and self.t == 3:
+        seeded = self.seed is not None  # the pool's unseeded spec env (timed in the driver) behaves
+        if seeded and self.seed == self.bad_step_seed and self.t == 3:
             raise RuntimeError(f"step 3 of seed {self.seed} failed")
-        if self.seed == self.hang_seed and self.t == 2:
+        if seeded and self.seed == self.hang_seed and self.t == 2:
             time.sleep(60)
         return self.env.step(action)
 
@@ -327,8 +328,7 @@ def test_check_capacity_builds_and_resets_every_env_at_once_and_steps_none(tmp_p
     from torchrl_asyncpool import EnvError
 
     with pytest.raises(EnvError, match="reset refused for seed 7"):
-        faulty = functools.partial(_Faulty, bad_reset_seed=7, bad_step_seed=-1, hang_seed=-1)
-        check_capacity(faulty, [Episode("bad", seed=7)], num_envs=1)
+        check_capacity(functools.partial(_Faulty, bad_reset_seed=7), [Episode("bad", seed=7)], num_envs=1)
 
 
 class _Slow(gym.Env):
