@@ -35,6 +35,28 @@ def test_is_an_async_batched_collector_and_iterates_exactly(env_threads, dev_shm
         c.shutdown()
 
 
+class _OracleModule(torch.nn.Module):
+    def forward(self, tag):
+        return oracle_action(tag)
+
+
+def test_a_policy_reading_only_its_in_keys_still_delivers_whole_transitions():
+    """The serving thread stages only the policy's in_keys; the transitions come from the
+    workers' chunks and keep every entry."""
+    from tensordict.nn import TensorDictModule
+
+    policy = TensorDictModule(_OracleModule(), in_keys=["tag"], out_keys=["action"])
+    checker = OracleChecker()
+    c = AsyncPoolCollector(oracle_factories(4), policy=policy, frames_per_batch=40, total_frames=200)
+    try:
+        for batch in c:
+            checker.observe_transitions(batch)  # reads tag, echo, reward, flags, ("next", ...)
+            assert batch["observation"].shape == (40, 2) and batch["next", "observation"].shape == (40, 2)
+        assert checker.records == 200
+    finally:
+        c.shutdown()
+
+
 @pytest.mark.parametrize("envs_per_worker,env_threads", [("auto", "auto"), (2, True)])
 def test_replay_buffer_iteration_yields_none_and_writes_everything(envs_per_worker, env_threads):
     checker = OracleChecker()

@@ -216,6 +216,38 @@ def test_double_buffered_loop_on_cpu():
     assert checker.records >= 300
 
 
+class _KeySpy(torch.nn.Module):
+    """Answers the oracle's action and notes which keys each batch carried."""
+
+    def __init__(self, in_keys=None):
+        super().__init__()
+        if in_keys is not None:
+            self.in_keys = in_keys
+        self.seen = []
+
+    def forward(self, td):
+        self.seen.append(set(td.keys()))
+        return td.set("action", oracle_action(td["tag"]))
+
+
+def test_batches_carry_only_what_the_policies_declare_they_read():
+    """A policy with ``in_keys`` gets those entries (plus env_index and valid_mask): the rest of
+    each record is never copied out of its slot; without ``in_keys``, or with an ``on_batch``
+    hook that may read anything, batches carry every entry."""
+    everything = {"tag", "echo", "observation", "reward", "step_type", "done", "terminated", "truncated"}
+    with AsyncEnvPool(oracle_factories(4), envs_per_worker=2) as pool:
+        for in_keys, on_batch, want in ((["tag"], None, {"tag"}), (None, None, everything),
+                                        (["tag"], Recorder(), everything)):
+            spy = _KeySpy(in_keys)
+            with InferenceServer(spy, on_batch=on_batch).start(pool) as server:
+                _serve_until(server, 100)
+            assert spy.seen[1:] and all(keys == want | {"env_index", "valid_mask"} for keys in spy.seen[1:]), (
+                in_keys, spy.seen[-1])
+    with AsyncEnvPool(oracle_factories(2)) as pool:  # process mode: the server process restricts too
+        with InferenceServer(policy_factory=OracleTagPolicy, mode="process").start(pool) as server:
+            _serve_until(server, 50)
+
+
 # -- flush rule ---------------------------------------------------------------------------------
 def test_deadline_flushes_partial_batches_and_self_sizing():
     """One very slow env must not hold the others back (full OR deadline), in both sizing modes."""

@@ -48,6 +48,12 @@ class ActingPolicy(torch.nn.Module):
     def _target(self):
         return self.policy if "policy" in self._modules else self._callable
 
+    @property
+    def in_keys(self):
+        """The wrapped policy's ``in_keys`` (``AttributeError`` when it declares none): the
+        inference server then stages only those entries of each record."""
+        return self._target().in_keys
+
     def forward(self, td):
         with self._gate:
             while self._paused:

@@ -58,7 +58,7 @@ class SlotConsumer:
     """
 
     def __init__(self, handle: ConsumerHandle, *, pin_memory: bool = False, arena: Optional[Arena] = None,
-                 death_info: Optional[Callable[[int], str]] = None):
+                 death_info: Optional[Callable[[int], str]] = None, keys: Optional[Sequence[tuple]] = None):
         self.handle = handle
         self.arena = arena if arena is not None else Arena.attach(handle.layout, handle.arena_fd.fd)
         n = self.num_envs = handle.layout.num_slots
@@ -79,13 +79,14 @@ class SlotConsumer:
             self._poller.register(s.fd, select.POLLIN)
             self._sentinel_poller.register(s.fd, select.POLLIN)
             self._sentinels[s.fd] = w
+        # keys: the request entries batches carry (all by default); a serving loop whose policies
+        # declare what they read leaves the others in the slots instead of copying them per batch
+        request = self.arena.request if keys is None else self.arena.request.select(*keys)
         staging = TensorDict(
-            {**self.arena.request.clone().to_dict(), "env_index": torch.zeros(n, dtype=torch.int64)}, batch_size=[n]
+            {**request.clone().to_dict(), "env_index": torch.zeros(n, dtype=torch.int64)}, batch_size=[n]
         )
         self._staging = staging.pin_memory() if pin_memory else staging
-        self._gather = [
-            RowGather(self.arena.request.get(k), self._staging.get(k)) for k in self.arena.request.keys(True, True)
-        ]
+        self._gather = [RowGather(self.arena.request.get(k), self._staging.get(k)) for k in request.keys(True, True)]
         self._staging_env_index_np = self._staging.get("env_index").numpy()
         self._batch_rows = {}  # (b, extras given) -> nested dict of the staging rows [:b] (and extras)
         self._response = [(k, self.arena.response.get(k)) for k in self.response_keys]

@@ -11,7 +11,7 @@ import torch
 from torchrl_asyncpool.exchange.consumer import SlotConsumer
 from torchrl_asyncpool.inference._loop import ServingLoop
 from torchrl_asyncpool.inference._runner import PolicyFailure, named_tensors
-from torchrl_asyncpool.inference._setup import build_runners
+from torchrl_asyncpool.inference._setup import build_runners, policy_reads
 from torchrl_asyncpool.inference._shared import STATE_FAILED, STATE_SERVING, STATE_STOPPED, SharedWeights, StatsBlock
 
 __all__ = ["server_main"]
@@ -38,8 +38,9 @@ def server_main(handle, spec, weights_fd, stats_fd, life_fd, conn):
             policies = {}
             for name, factory in spec.factories.items():
                 policies[name] = factory()
-            consumer = SlotConsumer(handle)
-            runners = build_runners(spec, policies, handle.layout, consumer.arena.request)
+            keys = policy_reads(policies.values(), handle.layout, spec.on_batch)
+            consumer = SlotConsumer(handle, keys=keys)
+            runners = build_runners(spec, policies, handle.layout, consumer.arena.request, keys)
             weights = SharedWeights.create(
                 weights_fd.fd,
                 {r.plan.name: {k: v.detach().cpu() for k, v in named_tensors(r.policy).items()} for r in runners},

@@ -20,9 +20,29 @@ from torchrl_asyncpool.inference._runner import CudaContext, KeyRunner
 __all__ = ["make_plans", "build_runners", "layout_fields"]
 
 
-def layout_fields(layout, version_key, stamp_version):
-    """``(request fields, response fields the policy must write, recurrent map)`` of a pool layout."""
-    request = [(f.key, tuple(f.shape), f.dtype) for f in layout.request]
+def policy_reads(policies, layout, on_batch=None) -> Optional[List[tuple]]:
+    """The request keys the policies read, when every one of them declares its ``in_keys``
+    (TorchRL modules do), the union of those present in the layout; ``None`` (every key) when
+    one does not, or when an ``on_batch`` hook sees the batches. Batches then carry only these
+    keys: the rest is never copied out of the slots (nor to the policy's device)."""
+    if on_batch is not None:
+        return None
+    present = [f.key for f in layout.request]
+    wanted = set()
+    for policy in policies:
+        try:
+            in_keys = policy.in_keys
+            keys = {k if isinstance(k, tuple) else (k,) for k in in_keys}
+        except Exception:  # noqa: BLE001 - no (or an unusable) in_keys: the policy may read anything
+            return None
+        wanted |= keys
+    return [k for k in present if k in wanted]
+
+
+def layout_fields(layout, version_key, stamp_version, keys=None):
+    """``(request fields, response fields the policy must write, recurrent map)`` of a pool
+    layout; ``keys`` restricts the request fields (see :func:`policy_reads`)."""
+    request = [(f.key, tuple(f.shape), f.dtype) for f in layout.request if keys is None or f.key in keys]
     vkey = as_key(version_key) if stamp_version else None
     response = [(f.key, tuple(f.shape), f.dtype) for f in layout.response if f.key != vkey]
     recurrent = dict(layout.recurrent)
@@ -89,14 +109,15 @@ def make_plans(layout, *, names, targets: Mapping, configs: Optional[Mapping], s
     return plans, slot_key, hashes
 
 
-def build_runners(spec: ServerSpec, policies: Dict[str, object], layout, arena_request=None) -> List[KeyRunner]:
+def build_runners(spec: ServerSpec, policies: Dict[str, object], layout, arena_request=None,
+                  keys=None) -> List[KeyRunner]:
     """Moves policies to the device, builds one runner per key, dry-runs and captures graphs."""
     device = torch.device(spec.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={spec.device!r} but CUDA is not available in this process.")
     if spec.cuda_graphs and device.type != "cuda":
         raise ValueError("cuda_graphs=True needs a CUDA device.")
-    request, response, recurrent = layout_fields(layout, spec.policy_version_key, spec.stamp_version)
+    request, response, recurrent = layout_fields(layout, spec.policy_version_key, spec.stamp_version, keys)
     ctx = CudaContext(device) if device.type == "cuda" else None
     runners = []
     for plan in spec.plans:

@@ -21,7 +21,7 @@ from torchrl_asyncpool.inference._common import (
 )
 from torchrl_asyncpool.inference._loop import ServingLoop
 from torchrl_asyncpool.inference._runner import PolicyFailure, check_weights, flatten_weights, named_tensors
-from torchrl_asyncpool.inference._setup import build_runners, make_plans, version_stamping
+from torchrl_asyncpool.inference._setup import build_runners, make_plans, policy_reads, version_stamping
 from torchrl_asyncpool.inference._shared import (
     STATE_FAILED,
     STATE_SERVING,
@@ -508,8 +508,9 @@ class _ThreadBackend:
         for name, factory in self.factories.items():
             policies[name] = factory()
         self.policies = policies
-        consumer = SlotConsumer(self.handle, death_info=self.death_info)
-        self.runners = build_runners(self.spec, policies, self.handle.layout, consumer.arena.request)
+        keys = policy_reads(policies.values(), self.handle.layout, self.spec.on_batch)
+        consumer = SlotConsumer(self.handle, death_info=self.death_info, keys=keys)
+        self.runners = build_runners(self.spec, policies, self.handle.layout, consumer.arena.request, keys)
         self.stats_block = StatsBlock(self.spec.names)
         self.weights = LocalWeights(self.spec.names)
         self._stop = Doorbell()
