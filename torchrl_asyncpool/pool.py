@@ -1,6 +1,7 @@
 """AsyncEnvPool v2: env worker processes around one shared-memory slot arena."""
 from __future__ import annotations
 
+import itertools
 import math
 import multiprocessing as mp
 import os
@@ -613,15 +614,14 @@ def _remote_groups(envs_per_worker, env_threads, first, fns, kwargs):
             addresses.append(adapter.env.unwrapped.address)
         finally:
             adapter.close()
-    groups = []
-    for i, address in enumerate(addresses):
-        if groups and addresses[groups[-1][0]] == address:
-            groups[-1].append(i)
-        elif any(addresses[g[0]] == address for g in groups):
+    groups, seen = [], set()
+    for address, run in itertools.groupby(range(len(addresses)), key=addresses.__getitem__):
+        run = list(run)
+        if address in seen:
             raise ValueError(f"the remote slots listening on {address} must come from consecutive factories "
-                             f"(slot {i} is apart from the others).")
-        else:
-            groups.append([i])
+                             f"(slot {run[0]} is apart from the others).")
+        seen.add(address)
+        groups.append(run)
     return groups
 
 
