@@ -126,18 +126,10 @@ class EnvHost:
                 raise ConnectionError(
                     f"no pool accepts connections on {self.address} (waited {self.connect_timeout:g} s)."
                 ) from None
-            out = queue.SimpleQueue()
-
-            def requests():
-                while True:
-                    msg = out.get()
-                    if msg is None:
-                        return
-                    yield msg
-
+            out = queue.SimpleQueue()  # the request stream: messages until a None ends it
             out.put(P.encode_hello(spec))
             metadata = ((P.TOKEN_METADATA, self.token),) if self.token is not None else None
-            self._call = responses = channel.stream_stream(P.METHOD)(requests(), metadata=metadata)
+            self._call = responses = channel.stream_stream(P.METHOD)(iter(out.get, None), metadata=metadata)
             if self._stopping.is_set():
                 responses.cancel()
 
