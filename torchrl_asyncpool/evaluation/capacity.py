@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional, Sequence
 
-from torchrl_asyncpool.evaluation.episodes import Episode, PlannedEnvFactory, check_unique
+from torchrl_asyncpool.evaluation.episodes import Episode, PlannedEnvFactory, check_episode_set
 from torchrl_asyncpool.pool import AsyncEnvPool
 
 __all__ = ["check_capacity"]
@@ -57,12 +57,7 @@ def check_capacity(
         >>> report["envs"]
         2
     """
-    episodes = list(episodes)
-    if not episodes:
-        raise ValueError("episodes is empty: nothing to check.")
-    check_unique(episodes)
-    if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
-        raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}.")
+    episodes = check_episode_set(episodes, num_envs, "check")
     n = min(num_envs, len(episodes))
     fns = [PlannedEnvFactory(create_env_fn, [(ep.seed, None, ep.options)]) for ep in episodes[:n]]
     t0 = time.monotonic()

@@ -125,6 +125,21 @@ def check_unique(episodes: Sequence[Episode]) -> None:
         seen.add(ep.episode_id)
 
 
+def check_episode_set(episodes, num_envs: int, what: str) -> List[Episode]:
+    """The episodes as a list, after checking that they are Episodes with unique ids (at least
+    one) and that ``num_envs`` is an int >= 1; ``what`` ends the empty-set message."""
+    episodes = list(episodes)
+    if not episodes:
+        raise ValueError(f"episodes is empty: nothing to {what}.")
+    for i, ep in enumerate(episodes):
+        if not isinstance(ep, Episode):
+            raise TypeError(f"episodes[{i}] must be an Episode, got {type(ep).__name__}.")
+    check_unique(episodes)
+    if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
+        raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}.")
+    return episodes
+
+
 def write_results(results: Sequence[EpisodeResult], path) -> None:
     """Writes results (manifest order) and a summary as JSON: ``{"summary": ..., "episodes": [...]}``."""
     with open(path, "w") as f:

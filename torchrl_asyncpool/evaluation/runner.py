@@ -26,7 +26,13 @@ from torchrl.envs.utils import ExplorationType
 
 from torchrl_asyncpool.acting_policy import ActingPolicy
 from torchrl_asyncpool.errors import EnvError, WorkerDiedError
-from torchrl_asyncpool.evaluation.episodes import Episode, EpisodeResult, PlannedEnvFactory, check_unique, summarize
+from torchrl_asyncpool.evaluation.episodes import (
+    Episode,
+    EpisodeResult,
+    PlannedEnvFactory,
+    check_episode_set,
+    summarize,
+)
 from torchrl_asyncpool.pool import AsyncEnvPool
 from torchrl_asyncpool.step_type import StepType
 
@@ -111,15 +117,7 @@ def evaluate(
         raise TypeError(f"create_env_fn must be callable, got {type(create_env_fn).__name__}.")
     if not callable(policy):
         raise TypeError(f"policy must be callable (TensorDict -> TensorDict), got {type(policy).__name__}.")
-    episodes = list(episodes)
-    if not episodes:
-        raise ValueError("episodes is empty: nothing to evaluate.")
-    for i, ep in enumerate(episodes):
-        if not isinstance(ep, Episode):
-            raise TypeError(f"episodes[{i}] must be an Episode, got {type(ep).__name__}.")
-    check_unique(episodes)
-    if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
-        raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}.")
+    episodes = check_episode_set(episodes, num_envs, "evaluate")
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
         raise ValueError(f"max_steps must be None or an int >= 1, got {max_steps!r}.")
     if episode_timeout_s is not None and not episode_timeout_s > 0:
