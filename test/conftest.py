@@ -13,6 +13,15 @@ def oracle_factories(n, **kwargs):
     return [functools.partial(OracleEnv, env_id=i, **kwargs) for i in range(n)]
 
 
+def free_address(host: str = "localhost") -> str:
+    """``"host:port"`` with a port nothing listens on right now (for remote env slots)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
 def start_and_check(collector, rb, frames, timeout=60.0):
     """``collector.start()``, waits until ``rb`` holds ``frames`` transitions, checks them with
     the oracle and shuts the collector down."""

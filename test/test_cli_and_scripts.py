@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_address
 from torchrl_asyncpool import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,21 +73,13 @@ def test_ppo_script_smoke_with_vector_envs(tmp_path):
     _check_outputs(tmp_path, "ppo_cartpole.png")
 
 
-def _free_address() -> str:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
-
-
 @pytest.mark.timeout(300)
 def test_ppo_script_smoke_with_remote_env_hosts(tmp_path):
     """The envs run in one spawned ``torchrl-asyncpool env-host --num-envs 4`` process that
     feeds the collector's RemoteEnvSlot slots over gRPC."""
     pytest.importorskip("grpc")
     proc = _run_script("ppo_cartpole.py", tmp_path, "--total-frames", "1024", "--frames-per-batch", "512",
-                       "--num-envs", "4", "--epochs", "1", "--remote-address", _free_address(),
+                       "--num-envs", "4", "--epochs", "1", "--remote-address", free_address("127.0.0.1"),
                        "--spawn-hosts", "true")
     assert "not reached" in proc.stdout
     assert proc.stdout.count("steps of CartPole-v1 served to slot") == 4  # each host left when the pool closed
@@ -232,8 +225,8 @@ def test_script_reaches_target(script, tmp_path):
 @pytest.mark.timeout(1800)
 def test_ppo_reaches_target_with_remote_env_hosts(tmp_path):
     pytest.importorskip("grpc")
-    proc = _run_script("ppo_cartpole.py", tmp_path, "--remote-address", _free_address(), "--spawn-hosts", "true",
-                       timeout=1700)
+    proc = _run_script("ppo_cartpole.py", tmp_path, "--remote-address", free_address("127.0.0.1"),
+                       "--spawn-hosts", "true", timeout=1700)
     assert "Target 475 reached" in proc.stdout, proc.stdout[-2000:]
 
 

@@ -19,26 +19,22 @@ from tensordict import TensorDict
 
 grpc = pytest.importorskip("grpc")
 
+from conftest import free_address  # noqa: E402
 from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, EnvError, StepType  # noqa: E402
 from torchrl_asyncpool.remote import EnvHost, RemoteEnvSlot, RemoteHostError  # noqa: E402
 from torchrl_asyncpool.remote import protocol as P  # noqa: E402
 from torchrl_asyncpool.testing import OracleChecker, OracleGymEnv, oracle_action  # noqa: E402
 
 
-def _address():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return f"localhost:{s.getsockname()[1]}"
-
-
 def _slots(address, n, **kwargs):
     return [functools.partial(RemoteEnvSlot.like, OracleGymEnv(0), address, **kwargs)] * n
 
 
-def _start_host(address, env_id, **kwargs):
-    """An in-process host for slot ``env_id`` (hosts are started one at a time, so the host for
-    env ``i`` takes the lowest free slot, ``i``); returns ``(host, thread, result)``."""
-    host = EnvHost(functools.partial(OracleGymEnv, env_id), address, **kwargs)
+def _start_host(address, env_id, make=OracleGymEnv, **kwargs):
+    """An in-process host of ``make(env_id)`` for slot ``env_id`` (hosts are started one at a
+    time, so the host for env ``i`` takes the lowest free slot, ``i``); returns ``(host,
+    thread, result)`` once the host holds its slot."""
+    host = EnvHost(functools.partial(make, env_id), address, **kwargs)
     result = {}
 
     def run():
@@ -69,7 +65,7 @@ def _drive(pool, checker, records, timeout=30.0):
 
 
 def test_remote_hosts_feed_a_pool_exactly_once_and_end_with_it(dev_shm_guard):
-    address = _address()
+    address = free_address()
     pool = AsyncEnvPool(_slots(address, 3, token="s3cret"))
     try:
         assert (pool.num_workers, pool.env_threads) == (1, True)  # one listener, a thread per slot
@@ -90,7 +86,7 @@ def test_remote_hosts_feed_a_pool_exactly_once_and_end_with_it(dev_shm_guard):
 def test_pool_without_hosts_starts_and_closes_promptly(dev_shm_guard):
     """Slots waiting for a host must not hold the pool's start-up (it returns once the worker
     listens) or its shutdown (the waiting threads are woken, not waited out)."""
-    address = _address()
+    address = free_address()
     pool = AsyncEnvPool(_slots(address, 4))
     pids = pool.worker_pids
     with pytest.raises(TimeoutError):
@@ -105,7 +101,7 @@ def test_pool_without_hosts_starts_and_closes_promptly(dev_shm_guard):
 
 
 def test_each_address_gets_its_own_worker(dev_shm_guard):
-    a, b = _address(), _address()
+    a, b = free_address(), free_address()
     with AsyncEnvPool(_slots(a, 2) + _slots(b, 1)) as pool:
         assert pool.num_workers == 2 and pool.envs_per_worker == 2
         hosts = [_start_host(a, 0), _start_host(a, 1), _start_host(b, 2)]
@@ -119,17 +115,12 @@ def test_torchrl_envs_on_both_sides(dev_shm_guard):
     """Slots laid out from a TorchRL env's specs, hosts serving TorchRL envs: the oracle holds."""
     from torchrl_asyncpool.testing import OracleEnv
 
-    address = _address()
+    address = free_address()
     with AsyncEnvPool([functools.partial(RemoteEnvSlot.like, OracleEnv(0), address)] * 2) as pool:
         fields = {f.key: (f.shape, f.dtype) for f in pool.layout.request + pool.layout.response}
         assert fields[("tag",)] == ((3,), torch.int64) and fields[("action",)] == ((), torch.int64)
-        hosts = []
         for i in range(2):
-            host = EnvHost(functools.partial(OracleEnv, i), address)
-            threading.Thread(target=host.run, daemon=True).start()
-            while host.slot is None:
-                time.sleep(0.01)
-            hosts.append(host)
+            _start_host(address, i, make=OracleEnv)
         checker = OracleChecker()
         _drive(pool, checker, 300)
         assert checker.episodes_done > 30
@@ -138,7 +129,7 @@ def test_torchrl_envs_on_both_sides(dev_shm_guard):
 def test_a_one_hot_torchrl_env_keeps_its_one_hot_action(dev_shm_guard):
     from torchrl.envs import GymEnv
 
-    address = _address()
+    address = free_address()
     with AsyncEnvPool([functools.partial(RemoteEnvSlot.like, GymEnv("CartPole-v1"), address)]) as pool:
         host = EnvHost(functools.partial(GymEnv, "CartPole-v1"), address)
         t = threading.Thread(target=host.run, daemon=True)
@@ -159,7 +150,7 @@ def test_a_one_hot_torchrl_env_keeps_its_one_hot_action(dev_shm_guard):
 
 
 def test_collector_over_remote_hosts_delivers_exact_transitions(dev_shm_guard):
-    address = _address()
+    address = free_address()
     c = AsyncPoolCollector(_slots(address, 2), policy=lambda td: td.set("action", oracle_action(td["tag"])),
                            frames_per_batch=40, total_frames=200, transition_chunk_size=5)
     hosts = [_start_host(address, i) for i in range(2)]
@@ -181,7 +172,7 @@ def test_collector_start_over_remote_hosts_fills_a_replay_buffer_and_shuts_down(
 
     from conftest import start_and_check
 
-    address = _address()
+    address = free_address()
     rb = ReplayBuffer(storage=LazyTensorStorage(1000))
     c = AsyncPoolCollector(_slots(address, 2), policy=lambda td: td.set("action", oracle_action(td["tag"])),
                            frames_per_batch=32, total_frames=320, replay_buffer=rb, transition_chunk_size=8)
@@ -212,7 +203,7 @@ def _expect_truncation(pool, last_tag, td):
 
 
 def test_dropped_host_truncates_its_episode_and_frees_the_slot(dev_shm_guard):
-    address = _address()
+    address = free_address()
     with AsyncEnvPool(_slots(address, 1)) as pool:
         host, t, _ = _start_host(address, 0)
         td = _until_mid(pool, OracleChecker())
@@ -244,7 +235,7 @@ class _HangingOracle(OracleGymEnv):
 
 
 def test_host_that_hangs_past_step_timeout_is_dropped_and_its_episode_truncated(dev_shm_guard):
-    address = _address()
+    address = free_address()
     slot = functools.partial(RemoteEnvSlot.like, OracleGymEnv(0), address, step_timeout=0.5)
     with AsyncEnvPool([slot]) as pool:
         host = EnvHost(_HangingOracle(0, hang_at=1, hang_s=3.0), address)
@@ -275,7 +266,7 @@ EnvHost(OracleGymEnv(0), sys.argv[1]).run()
 
 
 def test_sigkilled_host_process_truncates_its_episode_and_the_pool_goes_on(dev_shm_guard):
-    address = _address()
+    address = free_address()
     with AsyncEnvPool(_slots(address, 1)) as pool:
         proc = subprocess.Popen([sys.executable, "-c", _HOST_SCRIPT, address])
         try:
@@ -295,7 +286,7 @@ def test_sigkilled_host_process_truncates_its_episode_and_the_pool_goes_on(dev_s
 
 
 def test_run_forever_serves_pool_after_pool_on_the_same_address(dev_shm_guard):
-    address = _address()
+    address = free_address()
     host = EnvHost(functools.partial(OracleGymEnv, 0), address)
     t = threading.Thread(target=host.run_forever, kwargs={"retry_s": 0.1}, daemon=True)
     t.start()
@@ -316,7 +307,7 @@ def test_run_forever_serves_pool_after_pool_on_the_same_address(dev_shm_guard):
 
 
 def test_pool_refuses_wrong_token_wrong_spec_and_hosts_beyond_its_slots():
-    address = _address()
+    address = free_address()
     with AsyncEnvPool(_slots(address, 1, token="right")) as pool:
         with pytest.raises(RemoteHostError, match="UNAUTHENTICATED") as err:
             EnvHost(OracleGymEnv(0), address, token="wrong").run()
@@ -334,7 +325,7 @@ def test_pool_refuses_wrong_token_wrong_spec_and_hosts_beyond_its_slots():
 
 
 def test_malformed_record_ends_the_host_stream_and_truncates_the_episode():
-    address = _address()
+    address = free_address()
     with AsyncEnvPool(_slots(address, 1)) as pool:
         codec = P.RecordCodec(P.spec_of_spaces(OracleGymEnv(0).observation_space, OracleGymEnv(0).action_space))
         env = OracleGymEnv(0)
@@ -374,12 +365,12 @@ def test_bad_configurations_raise_clear_errors():
         RemoteEnvSlot("localhost:5000", space, gym.spaces.Tuple([gym.spaces.Discrete(2)]))
     with pytest.raises(RuntimeError, match="stepped by a pool worker"):
         RemoteEnvSlot("localhost:5000", space, gym.spaces.Discrete(2)).reset()
-    address = _address()
+    address = free_address()
     with pytest.raises(ValueError, match="grouped by address"):
         AsyncEnvPool(_slots(address, 3), envs_per_worker=2)
     with pytest.raises(ValueError, match="local envs, not both"):
         AsyncEnvPool(_slots(address, 1) + [functools.partial(OracleGymEnv, 1)])
-    other = _address()
+    other = free_address()
     with pytest.raises(ValueError, match="consecutive factories"):
         AsyncEnvPool(_slots(address, 1) + _slots(other, 1) + _slots(address, 1))
     with socket.socket() as taken:
@@ -391,7 +382,7 @@ def test_bad_configurations_raise_clear_errors():
 
 
 def test_env_host_command_serves_a_gymnasium_env(dev_shm_guard):
-    address = _address()
+    address = free_address()
     fns = [functools.partial(RemoteEnvSlot.like, gym.make("CartPole-v1"), address)]
     with AsyncEnvPool(fns) as pool:
         env = dict(os.environ, TORCHRL_ASYNCPOOL_TOKEN="")
@@ -466,7 +457,7 @@ def test_a_host_built_from_the_proto_file_drives_a_slot(tmp_path):
     pb = _compiled_proto(tmp_path)
     import queue
 
-    address = _address()
+    address = free_address()
     with AsyncEnvPool(_slots(address, 1, token="t")) as pool:
         env = OracleGymEnv(0)
         keys = list(env.observation_space.spaces)
@@ -515,7 +506,7 @@ def test_evaluate_refuses_remote_env_slots():
     from torchrl_asyncpool.evaluation import Episode, evaluate
 
     with pytest.raises(TypeError, match="fixed episode sets need local envs"):
-        evaluate(_slots(_address(), 1)[0], lambda td: td.set("action", oracle_action(td["tag"])),
+        evaluate(_slots(free_address(), 1)[0], lambda td: td.set("action", oracle_action(td["tag"])),
                  [Episode("a", seed=1, max_steps=10)], num_envs=1, progress=False)
 
 
@@ -524,7 +515,7 @@ def test_a_client_that_never_says_hello_is_dropped():
     """A connection that sends nothing must not hold a server thread forever (10 s to say hello)."""
     import queue
 
-    address = _address()
+    address = free_address()
     with AsyncEnvPool(_slots(address, 1)) as pool:
         channel = grpc.insecure_channel(address)
         out = queue.SimpleQueue()
