@@ -16,7 +16,7 @@ from torchrl.envs.utils import ExplorationType
 from torchrl.modules.inference_server import ProcessSlotTransport as TorchRLProcessSlotTransport
 
 from torchrl_asyncpool.acting_policy import WEIGHT_PREFIX, ActingPolicy, ActingPolicyFactory, derive_policy_outputs
-from torchrl_asyncpool.inference import InferenceServer
+from torchrl_asyncpool.inference import InferenceServer, InferenceServerError
 from torchrl_asyncpool.inference._runner import flatten_weights
 from torchrl_asyncpool.errors import PoolClosedError
 from torchrl_asyncpool.exchange.arena import as_key
@@ -181,6 +181,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             mask. A ``policy_factory=`` server process is not covered. Defaults to ``None``.
             See :mod:`torchrl_asyncpool.affinity` for what was measured; nothing is pinned
             unless asked.
+        exchange (str, optional): ``"auto"`` (default), ``"native"`` or ``"python"``: who
+            leases and answers the slots in the policy server, the C engine built with the
+            package or the pure-Python reference (see :class:`~torchrl_asyncpool.AsyncEnvPool`).
         post_collect_hook (callable, optional): called with each batch before it is yielded.
         verbose (bool, optional): print start-up and shutdown timings.
 
@@ -240,6 +243,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         policy_num_threads: int | None = 1,
         worker_affinity: Sequence[Sequence[int]] | Callable[[int], Sequence[int]] | None = None,
         driver_affinity: Sequence[int] | None = None,
+        exchange: str = "auto",
         **torchrl_kwargs,
     ):
         BaseCollector.__init__(self, post_collect_hook=post_collect_hook)
@@ -321,6 +325,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             transition_chunk_size=lambda layout: _auto_chunk(transition_chunk_size, layout, frames_per_batch),
             chunks_per_env=chunks_per_env,
             worker_affinity=worker_affinity,
+            exchange=exchange,
         )
         self._num_envs = self._pool.num_envs  # a vector env factory contributes several envs
         try:
@@ -439,7 +444,12 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         # env and worker failures first, by their own names; the server reports them too
         # (it stops serving), but wrapped as the reason it stopped.
         self._pool.check_workers()
-        self._server.check()
+        try:
+            self._server.check()
+        except InferenceServerError:
+            # the server may have seen a worker die after the check above: name that first
+            self._pool.check_workers()
+            raise
 
     def _take(self, frames: int) -> TensorDictBase:
         while True:

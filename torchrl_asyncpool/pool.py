@@ -21,6 +21,7 @@ from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout, as_key
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
 from torchrl_asyncpool.exchange.metrics import PoolMetrics
+from torchrl_asyncpool.exchange.native import resolve_exchange
 from torchrl_asyncpool.workers.env_adapter import make_adapter, remote_listener
 from torchrl_asyncpool.workers.env_worker import worker_main
 
@@ -118,6 +119,12 @@ class AsyncEnvPool:
         start_timeout (float, optional): seconds to wait for every worker to build its envs
             and publish its first record. Defaults to ``None`` (no limit; a worker that dies
             or raises still ends the wait at once).
+        exchange (str, optional): who does the consumer's lease and answer (here, in
+            :meth:`recv`/:meth:`send`, and in an inference server): ``"native"``, the C
+            engine built with the package (one call each, see
+            :mod:`torchrl_asyncpool.exchange.native`); ``"python"``, the pure-Python
+            reference; ``"auto"`` (default), the C engine where it is built and can copy
+            every field, else Python. Both give the same records and errors.
 
     Attributes:
         num_envs (int): slots, i.e. envs: ``len(create_env_fn)`` times ``envs_per_factory``.
@@ -169,9 +176,11 @@ class AsyncEnvPool:
         transition_chunk_size: int | None = None,
         chunks_per_env: int = 2,
         worker_affinity: Sequence[Sequence[int]] | Callable[[int], Sequence[int]] | None = None,
+        exchange: str = "auto",
     ):
         self._closed = True  # until start-up completes, close() has little to undo
         self._procs = []
+        self.exchange = resolve_exchange(exchange)  # before anything starts: a bad name costs nothing
         fns = _check_factories(create_env_fn)
         kwargs = _check_kwargs(create_env_kwargs, len(fns))
         if mp_start_method not in _START_METHODS:
@@ -251,6 +260,7 @@ class AsyncEnvPool:
             slot_worker=self._slot_worker.tolist(),
             worker_pids=[p.pid for p in self._procs],
             action_keys=self.action_keys,
+            exchange=self.exchange,
         )
         self._pin_memory = pin_memory
         self._consumer_obj = None

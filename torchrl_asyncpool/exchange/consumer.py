@@ -23,11 +23,13 @@ from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd, poll_for
 from torchrl_asyncpool.exchange.gather import RowGather, numpy_or_none
 from torchrl_asyncpool.exchange.metrics import record_recv, record_send, record_wait
+from torchrl_asyncpool.exchange.native import build_engine
 
 __all__ = ["ConsumerHandle", "SlotConsumer"]
 
 #: how often a consumer that does not block looks for dead workers (see ``_check_sentinels``)
 _SENTINEL_PERIOD_S = 0.005
+_NUM_STATES = max(S.NAMES) + 1
 
 
 @dataclass
@@ -43,6 +45,7 @@ class ConsumerHandle:
     slot_worker: List[int]
     worker_pids: List[int]
     action_keys: list = field(default_factory=list)
+    exchange: str = "python"  # resolved by the pool: "auto", "native" or "python" (see exchange.native)
 
 
 class SlotConsumer:
@@ -86,13 +89,22 @@ class SlotConsumer:
             {**request.clone().to_dict(), "env_index": torch.zeros(n, dtype=torch.int64)}, batch_size=[n]
         )
         self._staging = staging.pin_memory() if pin_memory else staging
-        self._gather = [RowGather(self.arena.request.get(k), self._staging.get(k)) for k in request.keys(True, True)]
+        keys = list(request.keys(True, True))
+        self._gather = [RowGather(self.arena.request.get(k), self._staging.get(k)) for k in keys]
         self._staging_env_index_np = self._staging.get("env_index").numpy()
         self._batch_rows = {}  # (b, extras given) -> nested dict of the staging rows [:b] (and extras)
         self._response = [(k, self.arena.response.get(k)) for k in self.response_keys]
         # numpy views of the response fields (None for dtypes numpy lacks): a fancy-index store
         # costs a few us less than torch's index_copy_ dispatch, once per key and batch
         self._response_np = [numpy_or_none(dst) for _, dst in self._response]
+        self._fills = {}  # response field -> (int value, one row of it), for the C engine
+        # the C engine (exchange.native), or None: the Python exchange below does the same work
+        self._engine = build_engine(
+            handle.exchange, self.arena, self._staging_env_index_np,
+            [(k, numpy_or_none(self.arena.request.get(k)), numpy_or_none(self._staging.get(k))) for k in keys],
+            list(zip(self.response_keys, self._response_np)),
+            [b.fd for b in handle.bells], self._slot_bell,
+        )
         # a memoryview adds a Python float to an element in half the time numpy's scalar += takes
         self._stats = memoryview(self.arena.consumer_stats)
         self._last_exit = None
@@ -136,9 +148,9 @@ class SlotConsumer:
             for fd, _ in events:
                 if fd != self._bell.fd:
                     self.raise_worker_errors()
-        if max_get is not None:
+        if max_get is not None and self._engine is None:
             ready = self._oldest(ready, max_get)
-        return self._lease(ready, max_get, waited)
+        return self._lease(ready, cap, waited)
 
     def lease_ready(self, cap: int, extras: Optional[dict] = None) -> Optional[TensorDictBase]:
         """Leases what is ready now (oldest first, at most ``cap``) for a serving loop that has
@@ -151,10 +163,25 @@ class SlotConsumer:
         if self.error is not None:
             raise self.error
         self._check_sentinels(time.monotonic())
+        if self._engine is not None:
+            return self._lease(None, cap, 0.0, extras)
         ready = np.flatnonzero(self.arena.state == S.OBS_READY)
         if ready.size == 0:
             return None
         return self._lease(self._oldest(ready, cap), cap, 0.0, extras)
+
+    def scan_states(self, oldest: bool = False):
+        """``(obs_ready, action_ready, errors, oldest_ready_time)``: slots in ``OBS_READY``,
+        ``ACTION_READY`` and ``ERROR``, and the earliest ``ready_time`` of the ready ones
+        (``inf`` when none; only computed when ``oldest`` is set, on the Python exchange)."""
+        if self._engine is not None:
+            return self._engine.scan()
+        state = self.arena.state
+        counts = np.bincount(state, minlength=_NUM_STATES)
+        first = float("inf")
+        if oldest and counts[S.OBS_READY]:
+            first = float(self.arena.ready_time[state == S.OBS_READY].min())
+        return int(counts[S.OBS_READY]), int(counts[S.ACTION_READY]), int(counts[S.ERROR]), first
 
     def _oldest(self, ready: np.ndarray, cap: int) -> np.ndarray:
         """The ``cap`` longest-waiting of the ``ready`` slots (all of them if fewer), in slot order."""
@@ -199,16 +226,25 @@ class SlotConsumer:
                 if fd != self._bell.fd:
                     self.raise_worker_errors()
 
-    def _lease(self, ready: np.ndarray, max_get, waited: float, extras: Optional[dict] = None) -> TensorDictBase:
-        b = int(ready.size)
+    def _lease(self, ready: Optional[np.ndarray], cap: int, waited: float,
+               extras: Optional[dict] = None) -> Optional[TensorDictBase]:
+        """Leases ``ready`` (the Python exchange), or up to ``cap`` of the oldest ready slots
+        (the C engine, which scans for itself); ``None`` if the engine found none."""
         now = time.monotonic()
-        self.arena.state[ready] = S.LEASED
-        self.arena.lease_time[ready] = now
-        dwell = float(now * b - self.arena.ready_time[ready].sum())
+        if self._engine is not None:
+            b, dwell = self._engine.lease(cap, now, waited)  # and adds the batch to the stats
+            if b == 0:
+                return None
+        else:
+            b = int(ready.size)
+            self.arena.state[ready] = S.LEASED
+            self.arena.lease_time[ready] = now
+            dwell = float(now * b - self.arena.ready_time[ready].sum())
+            for gather in self._gather:
+                gather(ready)
+            self._staging_env_index_np[:b] = ready
+            record_recv(self._stats, b, cap, dwell, waited)
         self.last_lease_time, self.last_dwell = now, dwell  # a serving loop's stats reuse them
-        for gather in self._gather:
-            gather(ready)
-        self._staging_env_index_np[:b] = ready
         rows = self._batch_rows.get((b, extras is not None))
         if rows is None:
             rows = _leaf_tree(self._staging[:b])
@@ -216,8 +252,6 @@ class SlotConsumer:
             self._batch_rows[(b, extras is not None)] = rows
         out = _fresh_td(rows, b)  # a new TensorDict each batch: a policy may add keys to it
         out.env_indices = rows["env_index"]
-        cap = min(max_get, self.num_envs) if max_get is not None else self.num_envs
-        record_recv(self._stats, b, cap, dwell, waited)
         return out
 
     # -- answers ----------------------------------------------------------------------------
@@ -249,26 +283,39 @@ class SlotConsumer:
             values.append(value)
         self._write(values, idx, idx_np, None)
 
-    def send_rows(self, values: Sequence[torch.Tensor], idx: torch.Tensor, lease_time: Optional[float] = None) -> None:
+    def send_rows(self, values: Sequence, idx, lease_time: Optional[float] = None) -> None:
         """:meth:`send` for the caller that leased ``idx`` itself (a serving loop).
 
         ``values`` are the response leaves in :attr:`response_keys` order (a Python ``int``
         fills every row, e.g. a policy version), ``idx`` the ``env_indices`` of a batch this
-        consumer leased and has not answered: the indices and slot states are trusted, only
-        shapes and dtypes are checked (``ValueError`` naming the key, before anything is
-        written). ``lease_time``: when every row was leased, if that was one lease (saves
-        reading the slots' lease times back).
+        consumer leased and has not answered (a ``LongTensor`` or an int64 numpy array): the
+        indices and slot states are trusted, only shapes and dtypes are checked
+        (``ValueError`` naming the key, before anything is written). ``lease_time``: when
+        every row was leased, if that was one lease (saves reading the slots' lease times back).
         """
         if self.error is not None:
             raise self.error
-        idx_np = idx.numpy()
-        for (key, dst), value in zip(self._response, values):
-            if value.__class__ is not int:
-                _check_rows(key, dst, value, idx_np.size)
+        idx_np = idx if idx.__class__ is np.ndarray else idx.numpy()
+        if idx_np.dtype != np.int64 or not idx_np.flags.c_contiguous:
+            idx_np = np.ascontiguousarray(idx_np, np.int64)
+        if self._engine is None:
+            for (key, dst), value in zip(self._response, values):
+                if value.__class__ is not int:
+                    _check_rows(key, dst, value, idx_np.size)
         self._write(values, idx, idx_np, lease_time)
 
-    def _write(self, values, idx: torch.Tensor, idx_np: np.ndarray, lease_time: Optional[float]) -> None:
-        """Writes checked answers into their slots, hands the slots back and rings their workers."""
+    def _write(self, values, idx, idx_np: np.ndarray, lease_time: Optional[float]) -> None:
+        """Writes answers into their slots, hands the slots back and rings their workers.
+        The Python exchange takes checked values; the C engine's path checks its own."""
+        if self._engine is not None:
+            b = idx_np.size
+            rows = [self._fill_row(k, v) if v.__class__ is int else self._row_array(k, v, b)
+                    for k, v in enumerate(values)]
+            # copies, marks ACTION_READY, rings each worker once and adds the answers to the stats
+            self._engine.answer(idx_np, rows, time.monotonic(), -1.0 if lease_time is None else lease_time)
+            return
+        if idx.__class__ is np.ndarray:
+            idx = torch.from_numpy(idx)
         for (_, dst), dst_np, value in zip(self._response, self._response_np, values):
             if value.__class__ is int:  # one value for every row (send_rows only)
                 if dst_np is not None:
@@ -290,6 +337,29 @@ class SlotConsumer:
         record_send(self._stats, b, dwell)
         self.arena.state[idx_np] = S.ACTION_READY  # after the data
         self._ring_workers(idx_np)
+
+    def _row_array(self, k: int, value, b: int) -> np.ndarray:
+        """``value`` as ``b`` C-contiguous numpy rows of response field ``k`` (for the C engine);
+        ``ValueError`` naming the key unless it is a tensor of the field's row shape and dtype."""
+        try:
+            arr = value.numpy()  # fails for non-tensors, device tensors and tensors that need grad
+        except (AttributeError, TypeError, RuntimeError):
+            arr = None
+        dst = self._response_np[k]
+        if (arr is None or arr.dtype != dst.dtype or arr.ndim != dst.ndim or arr.shape[0] != b
+                or arr.shape[1:] != dst.shape[1:] or not arr.flags.c_contiguous):
+            key, dst_t = self._response[k]
+            _check_rows(key, dst_t, value, b)  # raises on a wrong shape or dtype
+            arr = value.detach().cpu().contiguous().numpy()
+        return arr
+
+    def _fill_row(self, k: int, value: int) -> bytes:
+        """One row of response field ``k`` filled with ``value`` (cached for the last value)."""
+        cached = self._fills.get(k)
+        if cached is None or cached[0] != value:
+            dst = self._response_np[k]
+            cached = self._fills[k] = (value, np.full(dst.shape[1:], value, dst.dtype).tobytes())
+        return cached[1]
 
     def _ring_workers(self, idx_np: np.ndarray) -> None:
         """One ring per doorbell (worker, or slot of a threaded worker) of the answered slots."""
@@ -324,6 +394,7 @@ class SlotConsumer:
     def close(self) -> None:
         """Drops this process's mapping (descriptors belong to the handle's owner)."""
         self._batch_rows.clear()
+        self._engine = None  # lets go of the arena buffers it holds; later calls take the Python path
 
 
 def _leaf_tree(td: TensorDictBase) -> dict:

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-__all__ = ["PoolMetrics", "METRIC_KEYS", "record_recv", "record_send", "record_wait"]
+__all__ = ["PoolMetrics", "METRIC_KEYS", "STAT_SLOTS", "record_recv", "record_send", "record_wait"]
 
 #: Keys of :meth:`AsyncEnvPool.metrics` and what they mean.
 METRIC_KEYS = {
@@ -31,6 +31,8 @@ METRIC_KEYS = {
 
 # Positions in the arena's consumer_stats vector.
 _FRAMES, _BATCHES, _PARTIAL, _FILL, _OBS_DWELL, _ACT_DWELL, _ACTIONS, _WAIT = range(8)
+#: the positions, in the order the C engine (``exchange.native``) takes them
+STAT_SLOTS = (_FRAMES, _BATCHES, _PARTIAL, _FILL, _OBS_DWELL, _ACT_DWELL, _ACTIONS, _WAIT)
 
 
 def record_recv(stats: np.ndarray, batch: int, cap: int, obs_dwell_sum: float, waited_s: float) -> None:

@@ -20,7 +20,6 @@ from typing import List
 import numpy as np
 import torch
 
-from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import as_key
 from torchrl_asyncpool.exchange.doorbell import Doorbell, poll_for
 from torchrl_asyncpool.exchange.metrics import record_wait
@@ -29,7 +28,6 @@ from torchrl_asyncpool.inference._runner import VALID_MASK, KeyRunner, PolicyFai
 
 __all__ = ["ServingLoop"]
 
-_NUM_STATES = max(S.NAMES) + 1
 #: a busy loop (a batch due at every pass) looks at its stop descriptors at most this often;
 #: a waiting one sees them in its poll at once
 _STOP_CHECK_S = 0.001
@@ -38,10 +36,11 @@ _STOP_CHECK_S = 0.001
 class _Flight:
     # queue: summed ready->lease wait of its rows when the flight is a whole lease (else None),
     # lease_t: when its rows were leased
-    __slots__ = ("runner", "pending", "env_idx", "whole", "queue", "lease_t")
+    __slots__ = ("runner", "pending", "env_idx", "env_idx_np", "whole", "queue", "lease_t")
 
-    def __init__(self, runner, pending, env_idx, whole, queue=None, lease_t=None):
+    def __init__(self, runner, pending, env_idx, env_idx_np, whole, queue=None, lease_t=None):
         self.runner, self.pending, self.env_idx, self.whole = runner, pending, env_idx, whole
+        self.env_idx_np = env_idx_np  # the same indices as a numpy array (what send_rows reads)
         self.queue, self.lease_t = queue, lease_t
 
 
@@ -101,29 +100,22 @@ class ServingLoop:
             stats.set_version(k, runner.version)
 
     # -- flush rule -------------------------------------------------------------------------
-    def _scan(self):
-        """``(records ready, flush size)``: one counting pass over the state words."""
-        counts = np.bincount(self.state, minlength=_NUM_STATES)
-        if counts[S.ERROR]:
+    def _due(self, now):
+        """``(flush now?, seconds until the deadline or None)``: one counting pass over the state words."""
+        n, answered, errors, oldest = self.consumer.scan_states(oldest=self.timeout > 0.0)
+        if errors:
             self.consumer.raise_worker_errors()
-        n = int(counts[S.OBS_READY])
+        if n < self.min_get:
+            return False, None
         if self.max_get is not None:
             threshold = self.max_get
         else:
-            live = n + int(counts[S.ACTION_READY])
-            threshold = auto_threshold(live, self.min_get, self.spec.flush_fraction)
-        return n, threshold
-
-    def _due(self, now):
-        """``(flush now?, seconds until the deadline or None)``."""
-        n, threshold = self._scan()
-        if n < self.min_get:
-            return False, None
+            threshold = auto_threshold(n + answered, self.min_get, self.spec.flush_fraction)
         if n >= threshold or self.timeout <= 0.0:
             return True, 0.0
         # only this loop takes slots out of OBS_READY, so the ready set seen now holds at
         # least the n counted above (workers may have added some: their deadline is later)
-        due = float(self.ready_time[self.state == S.OBS_READY].min()) + self.timeout
+        due = oldest + self.timeout
         return (now >= due), max(0.0, due - now)
 
     def wait_flush(self) -> bool:
@@ -210,15 +202,19 @@ class ServingLoop:
         self.stats.record_recv(self._waited, queue)
         idx_t = torch.from_numpy(idx)
         if self.single_key:
-            groups = [(0, idx_t)]
+            groups = [(0, idx_t, idx)]
         else:
             keys = self.slot_key[idx]
-            groups = [(int(k), idx_t[torch.from_numpy(np.flatnonzero(keys == k))]) for k in np.unique(keys)]
-        for k, env_idx in groups:
+            groups = []
+            for k in np.unique(keys):
+                sel = np.flatnonzero(keys == k)
+                groups.append((int(k), idx_t[torch.from_numpy(sel)], idx[sel]))
+        for k, env_idx, env_idx_np in groups:
             runner = self.runners[k]
             total, step = int(env_idx.numel()), runner.plan.max_rows
             for start in range(0, total, step):
                 chunk = env_idx[start:start + step] if total > step else env_idx
+                chunk_np = env_idx_np[start:start + step] if total > step else env_idx_np
                 # the received batch itself feeds the policy (no copy) when it holds exactly these
                 # records and the next recv cannot overwrite it before it is answered (see _extras)
                 whole = td if (self._extras is not None and total <= step) else None
@@ -234,7 +230,7 @@ class ServingLoop:
                 except Exception as exc:  # noqa: BLE001 - reported with the key
                     raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
                 one = chunk is idx_t
-                flight = _Flight(runner, pending, chunk, whole, queue if one else None, lease_t)
+                flight = _Flight(runner, pending, chunk, chunk_np, whole, queue if one else None, lease_t)
                 if self.overlap:
                     inflight.append(flight)
                 else:
@@ -285,14 +281,14 @@ class ServingLoop:
         if flight.queue is not None:
             service = flight.queue + b * (now - flight.lease_t)
         else:
-            service = float(now * b - self.ready_time[env_idx.numpy()].sum())  # read before send frees the slot
+            service = float(now * b - self.ready_time[flight.env_idx_np].sum())  # read before send frees the slot
         try:
             values = self._in_send_order(outputs, pending.version)
             if values is None:  # a key is missing: send() names it
                 self._stamp(outputs, k, b, pending.version)
                 self.consumer.send(_nest(outputs), env_idx)
             else:
-                self.consumer.send_rows(values, env_idx, flight.lease_t)
+                self.consumer.send_rows(values, flight.env_idx_np, flight.lease_t)
         except ValueError as exc:
             raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
         self.stats.record_batch(k, b, pending.bucket, policy_s, service)

@@ -1,0 +1,264 @@
+"""The C engine of the exchange against the pure-Python reference.
+
+The differential tests drive two consumers over two identical arenas (no processes: the
+test plays the workers) through the same leases and answers, and require the same batches,
+slot states, response rows, doorbell rings and metric sums. The oracle tests run real pools
+on each exchange.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from conftest import oracle_factories
+from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector
+from torchrl_asyncpool.exchange import Arena, ArenaLayout, Doorbell, InheritedFd
+from torchrl_asyncpool.exchange import slot_states as S
+from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
+from torchrl_asyncpool.exchange.native import native_available, resolve_exchange
+from torchrl_asyncpool.testing import OracleChecker, oracle_action
+
+needs_native = pytest.mark.skipif(not native_available(), reason="the C engine is not built in this install")
+
+N = 6
+REQUEST = {
+    "obs": ((3,), torch.float32),
+    ("nested", "pixels"): ((2, 2, 3), torch.uint8),
+    "reward": ((1,), torch.float32),
+    "step_type": ((), torch.int8),
+    "done": ((1,), torch.bool),
+}
+RESPONSE = {"action": ((2,), torch.int64), "policy_version": ((), torch.int64), "flag": ((1,), torch.bool)}
+#: slot -> doorbell: slots 0-2 share worker bell 0, slots 3-5 bell 1
+SLOT_BELL = [0, 0, 0, 1, 1, 1]
+
+
+class _Side:
+    """One arena, its doorbells and a consumer on the given exchange; the test is the worker."""
+
+    def __init__(self, exchange):
+        self.layout = ArenaLayout(N, REQUEST, RESPONSE, action_keys=["action"])
+        self.arena = Arena.create(self.layout)
+        self.bells = [Doorbell(), Doorbell()]
+        self.consumer_bell = Doorbell()
+        # sentinels that never become readable: pipes whose write ends stay open
+        self.pipes = [os.pipe(), os.pipe()]
+        handle = ConsumerHandle(
+            layout=self.layout, arena_fd=InheritedFd(self.arena.fd), consumer_bell=self.consumer_bell.inheritable(),
+            bells=[b.inheritable() for b in self.bells], slot_bell=SLOT_BELL,
+            worker_sentinels=[InheritedFd(r) for r, _ in self.pipes], slot_worker=SLOT_BELL,
+            worker_pids=[0, 0], action_keys=["action"], exchange=exchange,
+        )
+        self.consumer = SlotConsumer(handle, arena=self.arena)
+
+    def publish(self, slot, value, ready_time):
+        a = self.arena
+        a.request["obs"][slot] = float(value)
+        a.request["nested", "pixels"][slot] = value % 256
+        a.request["reward"][slot] = value / 2
+        a.request["step_type"][slot] = value % 4
+        a.request["done"][slot] = bool(value % 2)
+        a.ready_time[slot] = ready_time
+        a.state[slot] = S.OBS_READY
+
+    def rings(self):
+        return [b.drain() for b in self.bells]
+
+    def close(self):
+        self.consumer.close()
+        for b in [*self.bells, self.consumer_bell]:
+            b.close()
+        for r, w in self.pipes:
+            os.close(r)
+            os.close(w)
+        self.arena.close()
+
+
+@pytest.fixture
+def sides():
+    pair = [_Side("python"), _Side("native")]
+    yield pair
+    for side in pair:
+        side.close()
+
+
+@needs_native
+def test_the_engine_runs_where_asked(sides):
+    py, nat = sides
+    assert py.consumer._engine is None
+    assert nat.consumer._engine is not None
+
+
+@needs_native
+def test_lease_and_answer_match_the_python_reference(sides):
+    checks = 0
+    for rnd in range(5):
+        for side in sides:
+            # slots 1, 2, 4, 5 ready, slot 4 the oldest, then 2, then 5, then 1; slot 3 busy in its worker
+            for slot, age in [(1, 1.0), (2, 3.0), (4, 9.0), (5, 2.0)]:
+                side.publish(slot, 10 * rnd + slot, ready_time=100.0 * rnd - age)
+            side.arena.state[3] = S.FREE if rnd == 0 else S.ACTION_READY
+        batches = [side.consumer.lease_ready(3) for side in sides]  # cap 3 of 4 ready: the 3 oldest
+        for td in batches:
+            assert td.env_indices.tolist() == [2, 4, 5]  # oldest three, in slot order
+        a, b = batches
+        for key in a.keys(True, True):
+            assert torch.equal(a[key], b[key]), key
+        assert a["obs"][:, 0].tolist() == [10 * rnd + 2, 10 * rnd + 4, 10 * rnd + 5]
+        for side in sides:
+            assert side.arena.state.tolist()[1:] == [S.OBS_READY, S.LEASED, 3 * (rnd > 0), S.LEASED, S.LEASED]
+            assert side.arena.lease_time[2] == side.consumer.last_lease_time
+        # answer: a tensor action, an int policy version (one row for all), a bool flag
+        action = torch.tensor([[1, 2], [3, 4], [5, 6]]) + rnd
+        flag = torch.tensor([[True], [False], [True]])
+        for side in sides:
+            side.consumer.send_rows([action, 7 + rnd, flag], np.array([2, 4, 5]), side.consumer.last_lease_time)
+            assert side.rings() == [1, 1]  # slot 2 rings bell 0, slots 4 and 5 ring bell 1 once
+            assert side.arena.state.tolist()[2] == S.ACTION_READY
+            assert side.arena.response["action"][[2, 4, 5]].tolist() == action.tolist()
+            assert side.arena.response["policy_version"][[2, 4, 5]].tolist() == [7 + rnd] * 3
+            assert side.arena.response["flag"][[2, 4, 5]].tolist() == flag.tolist()
+        # the last ready slot, through recv/send (the validated path)
+        got = [side.consumer.recv(min_get=1, timeout=0) for side in sides]
+        assert [td.env_indices.tolist() for td in got] == [[1], [1]]
+        for side, td in zip(sides, got):
+            side.consumer.send({"action": torch.tensor([[9, 9]]), "policy_version": torch.tensor([1]),
+                                "flag": torch.tensor([[False]])}, td.env_indices)
+            assert side.rings() == [1, 0]
+        for key in RESPONSE:
+            assert torch.equal(sides[0].arena.response[key], sides[1].arena.response[key]), key
+        checks += 1
+    s_py, s_nat = (side.arena.consumer_stats for side in sides)
+    # frames, batches, partial batches, fill, actions: exactly equal; dwell sums: same order
+    for i in (0, 1, 2, 3, 6):
+        assert s_py[i] == s_nat[i], i
+    assert s_py[0] == 5 * 4 and s_py[1] == 10 and s_py[6] == 5 * 4
+    np.testing.assert_allclose(s_py[4], s_nat[4], rtol=0.05)  # obs dwell: ready_time is the test's
+    assert checks == 5
+
+
+@needs_native
+def test_bad_answers_raise_before_anything_is_written(sides):
+    for side in sides:
+        for slot in range(N):
+            side.publish(slot, slot, ready_time=0.0)
+        assert side.consumer.lease_ready(N).env_indices.tolist() == list(range(N))
+        before = side.arena.response.clone()
+        idx = np.arange(2)
+        bad = [
+            ([torch.zeros(2, 3, dtype=torch.int64), 0, torch.zeros(2, 1, dtype=torch.bool)], "'action' must be"),
+            ([torch.zeros(2, 2, dtype=torch.int32), 0, torch.zeros(2, 1, dtype=torch.bool)], "dtype torch.int64"),
+            ([torch.zeros(3, 2, dtype=torch.int64), 0, torch.zeros(2, 1, dtype=torch.bool)], "shape"),
+            ([torch.zeros(2, 2, dtype=torch.int64), 0, [[True], [False]]], "'flag' must be a tensor"),
+        ]
+        for values, match in bad:
+            with pytest.raises(ValueError, match=match):
+                side.consumer.send_rows(values, idx)
+        assert (side.arena.response == before).all()
+        assert side.arena.state.tolist() == [S.LEASED] * N
+        assert side.rings() == [0, 0]
+        # a non-contiguous tensor is taken (copied contiguous first)
+        action = torch.zeros(2, 2, dtype=torch.int64)
+        flag = torch.tensor([[True], [True], [False], [False]])[::2]  # a non-contiguous [2, 1] view
+        assert not flag.is_contiguous()
+        side.consumer.send_rows([action, 3, flag], idx)
+        assert side.arena.response["flag"][:2].tolist() == [[True], [False]]
+        assert side.arena.state.tolist()[:2] == [S.ACTION_READY] * 2
+
+
+@needs_native
+def test_engine_refuses_out_of_range_slots_and_bad_buffers(sides):
+    engine = sides[1].consumer._engine
+    with pytest.raises(IndexError, match="out of"):
+        engine.answer(np.array([N], dtype=np.int64), [None, None, None], 0.0)
+    with pytest.raises(TypeError, match="int64"):
+        engine.answer(np.array([0], dtype=np.int32), [None, None, None], 0.0)
+    with pytest.raises(ValueError, match="3 response fields"):
+        engine.answer(np.array([0], dtype=np.int64), [None], 0.0)
+    with pytest.raises(ValueError, match="bytes given"):
+        engine.answer(np.array([0, 1], dtype=np.int64), [np.zeros(3, np.int64), b"\0" * 8, b"\0"], 0.0)
+    with pytest.raises(ValueError, match="cap must be"):
+        engine.lease(0, 0.0, 0.0)
+    assert sides[1].arena.state.tolist() == [S.FREE] * N
+
+
+def test_exchange_names_are_checked(monkeypatch):
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        AsyncEnvPool(oracle_factories(1), exchange="shm")
+    monkeypatch.setenv("TORCHRL_ASYNCPOOL_EXCHANGE", "python")
+    assert resolve_exchange("auto") == "python"
+    assert resolve_exchange("native" if native_available() else "python") in ("native", "python")
+    monkeypatch.setenv("TORCHRL_ASYNCPOOL_EXCHANGE", "fast")
+    with pytest.raises(ValueError, match="TORCHRL_ASYNCPOOL_EXCHANGE must be one of"):
+        resolve_exchange("auto")
+
+
+def test_native_without_the_extension_says_how_to_get_it(monkeypatch):
+    from torchrl_asyncpool.exchange import native
+
+    monkeypatch.delenv("TORCHRL_ASYNCPOOL_EXCHANGE", raising=False)
+    monkeypatch.setattr(native, "_native", None)
+    monkeypatch.setattr(native, "_IMPORT_ERROR", "No module named 'torchrl_asyncpool.exchange._native'")
+    with pytest.raises(ImportError, match="C compiler and the Python headers"):
+        resolve_exchange("native")
+    assert resolve_exchange("auto") == "auto"
+
+
+@pytest.mark.skipif(os.environ.get("TORCHRL_ASYNCPOOL_REQUIRE_NATIVE") != "1",
+                    reason="set TORCHRL_ASYNCPOOL_REQUIRE_NATIVE=1 (CI does) to require the C engine")
+def test_the_c_engine_was_built():
+    assert native_available(), "the package was installed without its C engine (see setup.py)"
+
+
+def test_bfloat16_fields_fall_back_to_python_or_are_refused():
+    layout = ArenaLayout(2, {"obs": ((2,), torch.bfloat16)}, {"action": ((), torch.int64)})
+    arena = Arena.create(layout)
+    bell, cbell = Doorbell(), Doorbell()
+    r, w = os.pipe()
+    try:
+        def handle(exchange):
+            return ConsumerHandle(layout=layout, arena_fd=InheritedFd(arena.fd), consumer_bell=cbell.inheritable(),
+                                  bells=[bell.inheritable()], slot_bell=[0, 0], worker_sentinels=[InheritedFd(r)],
+                                  slot_worker=[0, 0], worker_pids=[0], exchange=exchange)
+
+        assert SlotConsumer(handle("auto"), arena=arena)._engine is None
+        if native_available():
+            with pytest.raises(ValueError, match=r"\['obs'\]"):
+                SlotConsumer(handle("native"), arena=arena)
+    finally:
+        bell.close(), cbell.close(), os.close(r), os.close(w), arena.close()
+
+
+@pytest.mark.parametrize("exchange", ["python", pytest.param("native", marks=needs_native)])
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (4, False), (4, True)])
+def test_oracle_through_each_exchange(exchange, envs_per_worker, env_threads, dev_shm_guard):
+    checker = OracleChecker()
+    with AsyncEnvPool(oracle_factories(8), envs_per_worker=envs_per_worker, env_threads=env_threads,
+                      exchange=exchange) as pool:
+        assert (pool._local_consumer()._engine is not None) == (exchange == "native")
+        for i in range(200):
+            td = pool.recv(min_get=1, max_get=None if i % 2 else 3)
+            checker.observe_batch(td)
+            pool.send(TensorDict({"action": oracle_action(td["tag"])}, td.batch_size), td.env_indices)
+        m = pool.metrics()
+        assert m["frames"] == checker.records and m["batches"] == 200
+    assert checker.episodes_done > 8
+
+
+@pytest.mark.parametrize("exchange", ["python", pytest.param("native", marks=needs_native)])
+def test_collector_transitions_through_each_exchange(exchange):
+    collector = AsyncPoolCollector(oracle_factories(8), policy=_oracle_policy, frames_per_batch=200,
+                                   total_frames=1000, envs_per_worker=4, exchange=exchange)
+    checker = OracleChecker()
+    frames = 0
+    for batch in collector:
+        checker.observe_transitions(batch)
+        frames += batch.numel()
+    collector.shutdown()
+    assert frames == 1000
+
+
+def _oracle_policy(td):
+    return td.set("action", oracle_action(td["tag"]))

@@ -1,0 +1,136 @@
+"""Which exchange a consumer runs: the pure-Python reference or the optional C engine.
+
+The C engine (``torchrl_asyncpool/exchange/_native.c``, built with the package when a C
+compiler and the Python headers are there) does the consumer's two hot operations in one
+call each: ``lease`` (scan the state words, take the oldest ready slots up to the cap, copy
+their records into the staging buffer, mark them leased) and ``answer`` (copy the actions
+into the response fields, mark the slots answered, ring each worker once). Everything around
+them (argument checks, TensorDicts, errors, metrics) stays in Python, in
+:class:`~torchrl_asyncpool.exchange.consumer.SlotConsumer`, and behaves the same with either.
+
+The names, as :class:`~torchrl_asyncpool.AsyncEnvPool`'s ``exchange`` argument takes them:
+
+* ``"auto"`` (default): the C engine when it is built and every field of the slot layout is
+  one numpy can view (bfloat16 fields, say, are not), else Python;
+* ``"native"``: the C engine, or a clear error saying why it cannot run;
+* ``"python"``: the pure-Python exchange (the reference implementation).
+
+The environment variable ``TORCHRL_ASYNCPOOL_EXCHANGE`` overrides ``"auto"`` (not an explicit
+choice), e.g. to compare the two on the same script.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+
+from torchrl_asyncpool.exchange.metrics import STAT_SLOTS
+
+__all__ = ["EXCHANGES", "native_available", "resolve_exchange", "build_engine"]
+
+EXCHANGES = ("auto", "native", "python")
+
+try:
+    from torchrl_asyncpool.exchange import _native
+except ImportError as exc:  # not built (no compiler at install time) or built for another Python
+    _native = None
+    _IMPORT_ERROR: Optional[str] = str(exc)
+else:
+    _IMPORT_ERROR = None
+
+_ENV_VAR = "TORCHRL_ASYNCPOOL_EXCHANGE"
+
+
+def native_available() -> bool:
+    """Whether the C engine was built for this interpreter.
+
+    Examples:
+        >>> from torchrl_asyncpool.exchange.native import native_available
+        >>> isinstance(native_available(), bool)
+        True
+    """
+    return _native is not None
+
+
+def resolve_exchange(exchange: str) -> str:
+    """Validates an ``exchange`` argument; ``"auto"`` may be overridden by the environment.
+
+    Returns ``"auto"``, ``"native"`` or ``"python"``. ``"native"`` without the built engine
+    raises :class:`ImportError` with the reason and the fix.
+
+    Examples:
+        >>> from torchrl_asyncpool.exchange.native import resolve_exchange
+        >>> resolve_exchange("python")
+        'python'
+        >>> resolve_exchange("shm")
+        Traceback (most recent call last):
+        ...
+        ValueError: exchange must be one of ('auto', 'native', 'python'), got 'shm'.
+    """
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}.")
+    if exchange == "auto":
+        override = os.environ.get(_ENV_VAR, "").strip()
+        if override:
+            if override not in EXCHANGES:
+                raise ValueError(f"${_ENV_VAR} must be one of {EXCHANGES}, got {override!r}.")
+            exchange = override
+    if exchange == "native" and _native is None:
+        raise ImportError(
+            "exchange='native' needs the C extension torchrl_asyncpool.exchange._native, which is not "
+            f"importable here ({_IMPORT_ERROR}). It is built when the package is installed on a machine "
+            "with a C compiler and the Python headers (pip install -e . again after installing them); "
+            "exchange='auto' falls back to the pure-Python exchange."
+        )
+    return exchange
+
+
+def build_engine(exchange: str, arena, staging_env_index: np.ndarray, gathers: Sequence, responses: Sequence,
+                 bell_fds: Sequence[int], slot_bell: np.ndarray):
+    """The C engine over these buffers, or ``None`` for the Python exchange.
+
+    Args:
+        exchange (str): a resolved name (see :func:`resolve_exchange`).
+        arena (Arena): the mapped arena (state, ready and lease times).
+        staging_env_index (np.ndarray): the staging buffer's int64 ``[n]`` env index.
+        gathers (sequence): ``(key, src, dst)`` per request field a batch carries; ``src`` and
+            ``dst`` are numpy views (``None`` where numpy cannot view the field).
+        responses (sequence): ``(key, dst)`` per response field, ``dst`` a numpy view or ``None``.
+        bell_fds (sequence of int): the workers' doorbell descriptors.
+        slot_bell (np.ndarray): slot -> index in ``bell_fds``.
+
+    Raises:
+        ValueError: ``exchange="native"`` and a field the engine cannot copy (named).
+    """
+    if exchange == "python" or _native is None:
+        return None
+    unfit = [key for key, src, dst in gathers if not (_plain(src) and _plain(dst))]
+    unfit += [key for key, dst in responses if not _plain(dst)]
+    if unfit:
+        if exchange == "native":
+            raise ValueError(
+                f"exchange='native' copies raw rows of numpy-viewable CPU buffers; the fields {unfit} are not "
+                "(a dtype numpy lacks, such as bfloat16). Use exchange='auto' or 'python'."
+            )
+        return None
+    return _native.Engine(
+        arena.state,
+        arena.ready_time,
+        arena.lease_time,
+        staging_env_index,
+        [(src, dst, _row_bytes(src)) for _, src, dst in gathers],
+        [(dst, _row_bytes(dst)) for _, dst in responses],
+        [int(fd) for fd in bell_fds],
+        np.ascontiguousarray(slot_bell, dtype=np.int64),
+        arena.consumer_stats,
+        STAT_SLOTS,
+    )
+
+
+def _plain(a) -> bool:
+    return a is not None and a.flags.c_contiguous and a.flags.writeable
+
+
+def _row_bytes(a: np.ndarray) -> int:
+    return a.nbytes // a.shape[0]
