@@ -2,7 +2,9 @@
 
 Implementations (each fed the same env factory and the same small MLP policy):
 
-* ``asyncpool``     torchrl_asyncpool.AsyncPoolCollector, default settings (no hand tuning)
+* ``asyncpool``     torchrl_asyncpool.AsyncPoolCollector, default settings (no hand tuning; the
+                    exchange's C engine where it is built)
+* ``asyncpool_py``  the same with ``exchange="python"`` (the pure-Python exchange)
 * ``torchrl_async`` TorchRL 0.14.1 AsyncBatchedCollector in its documented fastest configuration
                     (process env workers, transport="auto", policy_factory, chunked delivery)
 * ``torchrl_sync``  TorchRL's synchronous Collector over ParallelEnv
@@ -30,7 +32,7 @@ import torch
 import torch.nn as nn
 from tensordict.nn import TensorDictModule
 
-IMPLS = ("asyncpool", "torchrl_async", "torchrl_sync", "gym_async", "gym_sync")
+IMPLS = ("asyncpool", "asyncpool_py", "torchrl_async", "torchrl_sync", "gym_async", "gym_sync")
 
 
 # -- workloads ------------------------------------------------------------------------------
@@ -153,11 +155,15 @@ def _timed_collector(build, seconds, fpb):
 
 
 # -- builders: one per implementation, shared with test_bench_collectors.py -----------------------
-def build_asyncpool(w, n, fpb):
+def build_asyncpool(w, n, fpb, **kwargs):
     from torchrl_asyncpool import AsyncPoolCollector
 
     gym_fn, _, key, dim, na, _ = WORKLOADS[w]
-    return AsyncPoolCollector([gym_fn] * n, policy=make_policy(key, dim, na), frames_per_batch=fpb)
+    return AsyncPoolCollector([gym_fn] * n, policy=make_policy(key, dim, na), frames_per_batch=fpb, **kwargs)
+
+
+def build_asyncpool_py(w, n, fpb):
+    return build_asyncpool(w, n, fpb, exchange="python")
 
 
 def build_torchrl_async(w, n, fpb):
@@ -218,6 +224,10 @@ def run_asyncpool(w, n, fpb, seconds):
     return _timed_collector(lambda: build_asyncpool(w, n, fpb), seconds, fpb)
 
 
+def run_asyncpool_py(w, n, fpb, seconds):
+    return _timed_collector(lambda: build_asyncpool_py(w, n, fpb), seconds, fpb)
+
+
 def run_torchrl_async(w, n, fpb, seconds):
     return _timed_collector(lambda: build_torchrl_async(w, n, fpb), seconds, fpb)
 
@@ -254,6 +264,7 @@ def run_gym_sync(w, n, fpb, seconds):
 
 RUNNERS = {
     "asyncpool": run_asyncpool,
+    "asyncpool_py": run_asyncpool_py,
     "torchrl_async": run_torchrl_async,
     "torchrl_sync": run_torchrl_sync,
     "gym_async": run_gym_async,

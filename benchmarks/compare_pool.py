@@ -7,6 +7,8 @@ Construction and closing are timed separately and never count towards throughput
 Implementations
     ours          torchrl_asyncpool.AsyncEnvPool(fns)                       (envs_per_worker=1)
     ours-auto     torchrl_asyncpool.AsyncEnvPool(fns, envs_per_worker="auto")
+    ours-auto-py  the same with exchange="python" (the pure-Python exchange; the two above use
+                  the exchange's C engine where it is built)
     torchrl-shm   torchrl.envs.AsyncEnvPool(fns, backend="multiprocessing", exchange="shm")
     torchrl-queue torchrl.envs.AsyncEnvPool(fns, backend="multiprocessing", exchange="queue")
     env-only      no pool: N forked processes step their env in a loop with random actions and
@@ -63,7 +65,7 @@ import warnings
 import torch
 from tensordict import TensorDict
 
-IMPLS = ("ours", "ours-auto", "torchrl-shm", "torchrl-queue", "env-only")
+IMPLS = ("ours", "ours-auto", "ours-auto-py", "torchrl-shm", "torchrl-queue", "env-only")
 WORKLOADS = ("zero", "sleep2ms")
 SLEEP_STEP_S = 0.002
 
@@ -104,14 +106,15 @@ def action_sampler(factory):
 class OursDriver:
     """torchrl_asyncpool.AsyncEnvPool: ``recv(min_get=1)`` then ``send`` the whole batch."""
 
-    def __init__(self, factories, sample, envs_per_worker=1):
+    def __init__(self, factories, sample, envs_per_worker=1, exchange="auto"):
         self.factories, self.sample, self.envs_per_worker = factories, sample, envs_per_worker
+        self.exchange = exchange
         self.pool, self.pids, self.info = None, [], {}
 
     def start(self):
         from torchrl_asyncpool import AsyncEnvPool
 
-        self.pool = AsyncEnvPool(self.factories, envs_per_worker=self.envs_per_worker)
+        self.pool = AsyncEnvPool(self.factories, envs_per_worker=self.envs_per_worker, exchange=self.exchange)
         self.pids = list(self.pool.worker_pids)
         self.info = {"num_workers": self.pool.num_workers, "envs_per_worker": self.pool.envs_per_worker}
 
@@ -224,6 +227,8 @@ def make_driver(impl: str, factories, sample, torchrl_stack: str = "dense"):
         return OursDriver(factories, sample, envs_per_worker=1)
     if impl == "ours-auto":
         return OursDriver(factories, sample, envs_per_worker="auto")
+    if impl == "ours-auto-py":
+        return OursDriver(factories, sample, envs_per_worker="auto", exchange="python")
     if impl == "torchrl-shm":
         return TorchRLDriver(factories, sample, "shm", torchrl_stack)
     if impl == "torchrl-queue":

@@ -94,6 +94,12 @@ def test_asyncpool(benchmark, w, n):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("w,n", CELLS)
+def test_asyncpool_python_exchange(benchmark, w, n):
+    _bench_collector(benchmark, cc.build_asyncpool_py, "asyncpool_py", w, n)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("w,n", CELLS)
 def test_gym_async_fork(benchmark, w, n):
     _bench_gym(benchmark, cc.build_gym_async, "gym_async", w, n)
 

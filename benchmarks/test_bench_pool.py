@@ -26,7 +26,7 @@ import compare_pool as cp  # noqa: E402  (benchmarks/ is put on sys.path by conf
 NUM_ENVS = 8
 ROUND_TRIPS = int(os.environ.get("TORCHRL_ASYNCPOOL_BENCH_TRIPS", "200"))
 # TorchRL's queue exchange does ~20 round trips/s here: fewer rounds keep the suite short.
-ROUNDS = {"ours": 5, "ours-auto": 5, "torchrl-shm": 5, "torchrl-queue": 2}
+ROUNDS = {"ours": 5, "ours-auto": 5, "ours-auto-py": 5, "torchrl-shm": 5, "torchrl-queue": 2}
 
 
 def _driver(impl):
@@ -51,6 +51,11 @@ def ours_pool():
 @pytest.fixture(scope="module")
 def ours_auto_pool():
     yield from _driver("ours-auto")
+
+
+@pytest.fixture(scope="module")
+def ours_auto_py_pool():
+    yield from _driver("ours-auto-py")
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +107,12 @@ def test_ours_zero_latency_8(benchmark, ours_pool):
 def test_ours_auto_zero_latency_8(benchmark, ours_auto_pool):
     benchmark.group = "zero-latency env, 8 envs"
     _bench(benchmark, ours_auto_pool, "ours-auto")
+
+
+@pytest.mark.timeout(600)
+def test_ours_auto_python_exchange_zero_latency_8(benchmark, ours_auto_py_pool):
+    benchmark.group = "zero-latency env, 8 envs"
+    _bench(benchmark, ours_auto_py_pool, "ours-auto-py")
 
 
 @pytest.mark.timeout(600)
