@@ -264,6 +264,8 @@ def test_cli_eval_validate_only_and_bad_input(tmp_path, capsys):
     assert "NoSuchEnv" in capsys.readouterr().err
     assert cli.main(["eval", "--policy", "nomodule", "--validate-only"]) == 2
     assert "MODULE:FACTORY" in capsys.readouterr().err
+    assert cli.main(["eval", "--device", "meta", "--validate-only"]) == 2
+    assert "CPU or CUDA device, got 'meta'" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(300)

@@ -368,3 +368,51 @@ def test_stop_drains_running_episodes_and_starts_no_new_one():
     assert all(r.length == 10 and r.episode_return == 10.0 for r in done)  # a running episode finished
     assert all(r.error == "not started: the evaluation was stopped" for r in skipped)
     assert 2 <= len(done) <= 6 and skipped
+
+
+class _BalanceNet(torch.nn.Module):
+    """The ``_balance`` controller as a module with a parameter, recording where it ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.devices = set()
+
+    def forward(self, td):
+        self.devices.add(td["observation"].device.type)
+        return td.set("action", (self.scale * td["observation"][:, 2] > 0).long())
+
+
+def test_the_policy_runs_on_its_device_and_results_do_not_depend_on_it():
+    episodes = [Episode(f"e{s}", seed=s) for s in range(4)]
+    make = functools.partial(gym.make, "CartPole-v1")
+    net = _BalanceNet()
+    auto = evaluate(make, net, episodes, num_envs=2)  # device=None: the parameter's device, the CPU
+    explicit = evaluate(make, net, episodes, num_envs=2, device="cpu")
+    assert net.devices == {"cpu"}
+    assert [(r.episode_id, r.length, r.episode_return) for r in auto] == \
+        [(r.episode_id, r.length, r.episode_return) for r in explicit] == \
+        [(f"e{s}", _alone(s)[1], _alone(s)[0]) for s in range(4)]
+
+
+def test_bad_devices_are_refused_before_anything_starts():
+    episodes = [Episode("e0", seed=0)]
+    make = functools.partial(gym.make, "CartPole-v1")
+    with pytest.raises(ValueError, match="must name a torch device"):
+        evaluate(make, _balance, episodes, device="gpu0")
+    with pytest.raises(ValueError, match="CPU or CUDA"):
+        evaluate(make, _balance, episodes, device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            evaluate(make, _balance, episodes, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_policy_gets_cuda_batches_and_the_same_results():
+    episodes = [Episode(f"e{s}", seed=s) for s in range(4)]
+    make = functools.partial(gym.make, "CartPole-v1")
+    net = _BalanceNet().cuda()
+    results = evaluate(make, net, episodes, num_envs=2)  # device=None: the parameter's, CUDA
+    assert net.devices == {"cuda"}
+    assert [(r.length, r.episode_return) for r in results] == [(_alone(s)[1], _alone(s)[0]) for s in range(4)]

@@ -290,6 +290,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import gymnasium as gym
 
     from torchrl_asyncpool.evaluation import Episode, evaluate, load_manifest, summarize, write_results
+    from torchrl_asyncpool.evaluation.runner import resolve_policy_device
 
     try:
         if args.manifest:
@@ -301,6 +302,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         make = functools.partial(gym.make, args.env_id)
         make().close()  # an unknown id fails here, with gymnasium's message
         policy = _load_policy(args.policy, args.env_id)
+        device = resolve_policy_device(policy, args.device)
     except (ValueError, OSError, gym.error.Error, ImportError, AttributeError) as exc:
         print(f"torchrl-asyncpool eval: {exc}", file=sys.stderr)
         return 2
@@ -336,7 +338,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
         results = evaluate(make, policy, episodes, num_envs=args.num_envs, max_steps=args.max_steps,
-                           episode_timeout_s=args.episode_timeout_s, stop=stop, progress=not args.no_progress)
+                           episode_timeout_s=args.episode_timeout_s, stop=stop, progress=not args.no_progress,
+                           device=device)
     except KeyboardInterrupt:
         print("torchrl-asyncpool eval: aborted; no results written.", file=sys.stderr)
         return 130
@@ -490,6 +493,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--policy", default="random",
                     help="'random' (default) or MODULE:FACTORY, a function returning a TensorDict -> TensorDict policy")
     ev.add_argument("--num-envs", type=int, default=8, help="episodes run at once (default: 8)")
+    ev.add_argument("--device", default=None,
+                    help="where the policy runs, e.g. cuda:0 (default: its parameters' device, else cpu)")
     ev.add_argument("--max-steps", type=int, default=None, help="step limit of episodes that set none")
     ev.add_argument("--episode-timeout-s", type=float, default=None, help="wall-clock limit per episode")
     ev.add_argument("--output", default="eval_results.json", help="results file (default: eval_results.json)")

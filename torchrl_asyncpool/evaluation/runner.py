@@ -36,7 +36,7 @@ from torchrl_asyncpool.evaluation.episodes import (
 from torchrl_asyncpool.pool import AsyncEnvPool
 from torchrl_asyncpool.step_type import StepType
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "resolve_policy_device"]
 
 _FIRST, _TERM, _TRUNC = int(StepType.FIRST), int(StepType.TERMINATION), int(StepType.TRUNCATION)
 #: how long one wait for records lasts before wall-clock limits are looked at again
@@ -63,6 +63,7 @@ def evaluate(
     policy_output_spec: Optional[Mapping] = None,
     stop: Optional[threading.Event] = None,
     progress: bool = False,
+    device: torch.device | str | None = None,
 ) -> List[EpisodeResult]:
     """Runs every episode once and returns their results in the order given.
 
@@ -70,7 +71,7 @@ def evaluate(
         create_env_fn (callable): builds one env (a TorchRL ``EnvBase`` with an empty batch
             size, or a ``gymnasium.Env``); called once per slot, in the workers.
         policy (callable): ``TensorDict -> TensorDict`` writing the action keys, called in this
-            process on batches of ready records (CPU tensors), under ``torch.no_grad()``.
+            process on batches of ready records (on ``device``), under ``torch.no_grad()``.
         episodes (sequence of Episode): the set to run; ids must be unique.
 
     Keyword Args:
@@ -97,6 +98,10 @@ def evaluate(
             (results stay one per episode, in order). Set it from another thread or a signal
             handler (``torchrl-asyncpool eval`` sets it on the first Ctrl-C).
         progress (bool): show a progress bar of finished episodes.
+        device (str or torch.device, optional): where the policy runs: each batch is copied
+            there (from pinned memory, without blocking, when it is a CUDA device) and the
+            policy's outputs are copied back. Defaults to ``None``: the device of the policy's
+            parameters when it is a ``torch.nn.Module`` that has any, else the CPU.
 
     Returns:
         list of :class:`~torchrl_asyncpool.evaluation.EpisodeResult`, one per episode, in order.
@@ -122,6 +127,7 @@ def evaluate(
         raise ValueError(f"max_steps must be None or an int >= 1, got {max_steps!r}.")
     if episode_timeout_s is not None and not episode_timeout_s > 0:
         raise ValueError(f"episode_timeout_s must be None or > 0, got {episode_timeout_s!r}.")
+    device = resolve_policy_device(policy, device)
     import tqdm
 
     acting = ActingPolicy(policy, exploration_type)
@@ -143,12 +149,13 @@ def evaluate(
             queues = [deque(todo[s::n]) for s in range(n)]
             fns = [PlannedEnvFactory(create_env_fn, [(episodes[i].seed, limits[i], episodes[i].options) for i in q])
                    for q in queues]
-            run = _Run(episodes, limits, queues, acting, finish, episode_timeout_s, stop)
+            run = _Run(episodes, limits, queues, acting, finish, episode_timeout_s, stop, device)
             try:
                 pool = AsyncEnvPool(fns, create_env_kwargs=create_env_kwargs,
                                     envs_per_worker=1 if isolate else envs_per_worker,
                                     env_threads=False if isolate else env_threads,
-                                    recurrent_state=recurrent_state, policy_output_spec=policy_output_spec)
+                                    recurrent_state=recurrent_state, policy_output_spec=policy_output_spec,
+                                    pin_memory=device.type == "cuda")
             except EnvError as exc:
                 run.fail(exc, all_remaining=exc.phase == "construction", todo=todo)
             except WorkerDiedError as exc:
@@ -171,13 +178,41 @@ def evaluate(
     return results  # type: ignore[return-value]
 
 
+def resolve_policy_device(policy, device=None) -> torch.device:
+    """The device :func:`evaluate` runs ``policy`` on: ``device`` checked (``ValueError`` for
+    a bad name, a device other than CPU or CUDA, or CUDA where there is none), or when ``None``
+    the device of the policy's first parameter (the CPU when it has none).
+
+    Examples:
+        >>> import torch
+        >>> from torchrl_asyncpool.evaluation.runner import resolve_policy_device
+        >>> resolve_policy_device(torch.nn.Linear(4, 2))
+        device(type='cpu')
+        >>> resolve_policy_device(lambda td: td, "cpu")
+        device(type='cpu')
+    """
+    if device is None:
+        first = next(policy.parameters(), None) if isinstance(policy, torch.nn.Module) else None
+        return first.device if first is not None else torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must name a torch device (e.g. 'cpu', 'cuda:0'), got {device!r}.") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}, but CUDA is not available in this process.")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be a CPU or CUDA device, got {str(device)!r}.")
+    return device
+
+
 class _Run:
     """One pool's share of an evaluation: which episode each slot runs, and their sums."""
 
-    def __init__(self, episodes, limits, queues, acting, finish, timeout_s, stop=None):
+    def __init__(self, episodes, limits, queues, acting, finish, timeout_s, stop=None, device=None):
         self.episodes, self.limits, self.queues = episodes, limits, queues
         self.acting, self.finish, self.timeout_s = acting, finish, timeout_s
         self.stop = stop
+        self.device = None if device is None or device.type == "cpu" else device
         n = len(queues)
         self.current: List[Optional[int]] = [None] * n  # manifest index each slot is running
         self.ret = np.zeros(n)
@@ -210,9 +245,14 @@ class _Run:
             self._check_clock()
             if answer.any():
                 with torch.no_grad():
-                    out = self.acting(td)
+                    out = self.acting(td if self.device is None else td.to(self.device, non_blocking=True))
                 idx = torch.from_numpy(np.flatnonzero(answer))
-                actions = {k: out.get(k)[idx] for k in pool.action_keys + pool.policy_output_keys}
+                keys = pool.action_keys + pool.policy_output_keys
+                if self.device is None:
+                    actions = {k: out.get(k)[idx] for k in keys}
+                else:  # one copy back per key, of the rows that are answered
+                    rows = idx.to(self.device)
+                    actions = {k: out.get(k)[rows].cpu() for k in keys}
                 pool.send(actions, td.env_indices[idx])
 
     def _observe(self, td) -> np.ndarray:
