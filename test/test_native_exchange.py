@@ -17,8 +17,8 @@ from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector
 from torchrl_asyncpool.exchange import Arena, ArenaLayout, Doorbell, InheritedFd
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
-from torchrl_asyncpool.exchange.native import native_available, resolve_exchange
-from torchrl_asyncpool.testing import OracleChecker, oracle_action
+from torchrl_asyncpool.exchange.native import native_available, pass_stores, resolve_exchange, row_copier
+from torchrl_asyncpool.testing import OracleChecker, OracleGymEnv, oracle_action
 
 needs_native = pytest.mark.skipif(not native_available(), reason="the C engine is not built in this install")
 
@@ -231,11 +231,23 @@ def test_bfloat16_fields_fall_back_to_python_or_are_refused():
         bell.close(), cbell.close(), os.close(r), os.close(w), arena.close()
 
 
+def _gym_oracles(n):
+    # gymnasium envs return Python float rewards: the workers' C stores take them (TorchRL envs'
+    # tensors take numpy's path)
+    import functools
+
+    return [functools.partial(OracleGymEnv, env_id=i) for i in range(n)]
+
+
+FACTORIES = {"torchrl": oracle_factories, "gymnasium": _gym_oracles}
+
+
 @pytest.mark.parametrize("exchange", ["python", pytest.param("native", marks=needs_native)])
+@pytest.mark.parametrize("kind", ["torchrl", "gymnasium"])
 @pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (4, False), (4, True)])
-def test_oracle_through_each_exchange(exchange, envs_per_worker, env_threads, dev_shm_guard):
+def test_oracle_through_each_exchange(exchange, kind, envs_per_worker, env_threads, dev_shm_guard):
     checker = OracleChecker()
-    with AsyncEnvPool(oracle_factories(8), envs_per_worker=envs_per_worker, env_threads=env_threads,
+    with AsyncEnvPool(FACTORIES[kind](8), envs_per_worker=envs_per_worker, env_threads=env_threads,
                       exchange=exchange) as pool:
         assert (pool._local_consumer()._engine is not None) == (exchange == "native")
         for i in range(200):
@@ -248,8 +260,9 @@ def test_oracle_through_each_exchange(exchange, envs_per_worker, env_threads, de
 
 
 @pytest.mark.parametrize("exchange", ["python", pytest.param("native", marks=needs_native)])
-def test_collector_transitions_through_each_exchange(exchange):
-    collector = AsyncPoolCollector(oracle_factories(8), policy=_oracle_policy, frames_per_batch=200,
+@pytest.mark.parametrize("kind", ["torchrl", "gymnasium"])
+def test_collector_transitions_through_each_exchange(exchange, kind):
+    collector = AsyncPoolCollector(FACTORIES[kind](8), policy=_oracle_policy, frames_per_batch=200,
                                    total_frames=1000, envs_per_worker=4, exchange=exchange)
     checker = OracleChecker()
     frames = 0
@@ -262,3 +275,75 @@ def test_collector_transitions_through_each_exchange(exchange):
 
 def _oracle_policy(td):
     return td.set("action", oracle_action(td["tag"]))
+
+
+@needs_native
+def test_row_copies_match_numpy_stores():
+    rng = np.random.default_rng(0)
+    src = [rng.integers(0, 100, (5, 3)).astype(np.int64), rng.random((5,)).astype(np.float32),
+           rng.integers(0, 2, (5, 2, 2)).astype(bool)]
+    dst = [np.zeros((3, 4, 3), np.int64), np.zeros((3, 4), np.float32), np.zeros((3, 4, 2, 2), bool)]
+    ref = [d.copy() for d in dst]
+    rows = row_copier("native", list(zip(src, dst)))
+    s_idx, chunk, pos = np.array([4, 0, 2]), np.array([2, 0, 1]), np.array([3, 1, 0])
+    rows.copy(s_idx, chunk * 4 + pos)
+    rows.copy_one(1, 2 * 4 + 0)
+    for a, r in zip(src, ref):
+        r[chunk, pos] = a[s_idx]
+        r[2, 0] = a[1]
+    for d, r in zip(dst, ref):
+        np.testing.assert_array_equal(d, r)
+    with pytest.raises(IndexError, match="outside"):
+        rows.copy(np.array([0, 5]), np.array([0, 1]))  # slot 5 of 5: nothing is copied
+    with pytest.raises(IndexError, match="outside"):
+        rows.copy_one(0, 12)
+    with pytest.raises(TypeError, match="int64"):
+        rows.copy(np.array([0], np.int32), np.array([0]))
+    for d, r in zip(dst, ref):
+        np.testing.assert_array_equal(d, r)
+    assert row_copier("python", list(zip(src, dst))) is None
+    assert row_copier("native", [(src[0], np.zeros((3, 4, 3), np.int32))]) is None  # dtypes differ: numpy's path
+
+
+@needs_native
+def test_pass_stores_and_publish_match_the_workers_numpy_path():
+    layout = ArenaLayout(4, {"obs": ((2,), torch.float32), "reward": ((1,), torch.float32),
+                             "step_type": ((), torch.int8), "done": ((1,), torch.bool),
+                             "terminated": ((1,), torch.bool), "truncated": ((1,), torch.bool)},
+                         {"action": ((), torch.int64)})
+    arena = Arena.create(layout)
+    bell = Doorbell()
+    try:
+        req = {k: arena.request.get(k).numpy() for k in ("reward", "step_type", "done", "terminated", "truncated")}
+        p = pass_stores("native", arena, req["reward"], req["step_type"], req["done"], req["terminated"],
+                        req["truncated"], bell.fd)
+        assert p is not None
+        slots = np.array([3, 1, 2])
+        assert p.store(slots, [1, 2, 3], [0.5, 2.0, np.float64(-1.0)], [0.001, 0.002, 0.003]) is True
+        assert req["step_type"].tolist() == [0, 2, 3, 1]
+        assert req["terminated"][:, 0].tolist() == [False, True, False, False]
+        assert req["truncated"][:, 0].tolist() == [False, False, True, False]
+        assert req["done"][:, 0].tolist() == [False, True, True, False]
+        assert req["reward"][:, 0].tolist() == [0.0, 2.0, -1.0, 0.5]
+        np.testing.assert_allclose(arena.step_time, [0, 0.002, 0.003, 0.001])
+        assert arena.step_count.tolist() == [0, 1, 1, 1]
+        assert arena.state.tolist() == [S.FREE] * 4  # stored, not published yet
+        # a reward numpy's path must store (an array): nothing written, False
+        before = req["step_type"].copy()
+        assert p.store(np.array([0]), [2], [np.zeros(1, np.float32)], [0.0]) is False
+        assert req["step_type"].tolist() == before.tolist() and arena.step_count[0] == 0
+        with pytest.raises(IndexError):
+            p.store(np.array([4]), [1], [1.0], [0.0])
+        with pytest.raises(ValueError, match="3 step types"):
+            p.store(np.array([0]), [1, 1, 1], [1.0], [0.0])
+        p.publish([3, 1], 12.5)
+        assert arena.state.tolist() == [S.FREE, S.OBS_READY, S.FREE, S.OBS_READY]
+        assert arena.ready_time[[1, 3]].tolist() == [12.5, 12.5]
+        assert bell.drain() == 2  # one ring, by the count
+        with pytest.raises(IndexError):
+            p.publish([9], 0.0)
+        assert pass_stores("python", arena, req["reward"], req["step_type"], req["done"], req["terminated"],
+                           req["truncated"], bell.fd) is None
+    finally:
+        bell.close()
+        arena.close()

@@ -291,7 +291,7 @@ class AsyncEnvPool:
                     arena_fd, [self._bells[b].inheritable() for b in sorted(set(self._slot_bell[slots].tolist()))],
                     consumer_fd, life_fd, child_conn, num_threads,
                     self._chunks.handle() if self._chunks is not None else None, self.env_threads,
-                    None if affinity is None else affinity[w],
+                    None if affinity is None else affinity[w], self.exchange,
                 ),
                 name=f"torchrl_asyncpool-worker-{w}",
                 daemon=True,

@@ -1,7 +1,8 @@
 /*
  * The consumer's hot path in C: lease the ready slots of the arena (state scan, oldest-first
  * selection, row gathers into the staging buffer) and answer them (row scatters into the
- * response fields, state stores, doorbell rings), one call each.
+ * response fields, state stores, doorbell rings), one call each (Engine); and the workers'
+ * row copies into their transition chunks (Rows) and per-pass stores and publish (Pass).
  *
  * Python keeps everything else (the policy, TensorDicts, argument checks, errors): this
  * module only moves bytes between buffers that SlotConsumer hands it once, at start-up, and
@@ -467,6 +468,416 @@ static PyTypeObject EngineType = {
     .tp_methods = Engine_methods,
 };
 
+/* ---- Rows: row copies between two sets of buffers (a worker's chunk writes) ---------------- */
+
+typedef struct {
+    PyObject_HEAD
+    Gather *pairs; /* src, dst, row bytes */
+    Py_ssize_t npairs;
+    Py_ssize_t nsrc, ndst; /* rows every pair's src / dst holds at least */
+    Py_buffer *views;
+    Py_ssize_t nviews;
+} Rows;
+
+static void
+Rows_dealloc(Rows *self)
+{
+    for (Py_ssize_t i = 0; i < self->nviews; i++) {
+        PyBuffer_Release(&self->views[i]);
+    }
+    PyMem_Free(self->views);
+    PyMem_Free(self->pairs);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+Rows_init(Rows *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"pairs", NULL};
+    PyObject *pairs;
+    if (self->views != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Rows.__init__ may run once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &pairs)) {
+        return -1;
+    }
+    PyObject *fast = PySequence_Fast(pairs, "pairs must be a sequence of (src, dst, row_bytes)");
+    if (fast == NULL) {
+        return -1;
+    }
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    self->pairs = PyMem_Calloc(k > 0 ? k : 1, sizeof(Gather));
+    self->views = PyMem_Calloc(2 * (k > 0 ? k : 1), sizeof(Py_buffer));
+    self->nsrc = self->ndst = PY_SSIZE_T_MAX;
+    int rc = -1;
+    if (self->pairs == NULL || self->views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+        PyObject *src, *dst;
+        Py_ssize_t row;
+        if (!PyArg_ParseTuple(items[j], "OOn", &src, &dst, &row)) goto done;
+        if (row <= 0) {
+            PyErr_Format(PyExc_ValueError, "pair %zd: row_bytes must be > 0, got %zd", j, row);
+            goto done;
+        }
+        Py_buffer *sv = &self->views[self->nviews], *dv = &self->views[self->nviews + 1];
+        if (PyObject_GetBuffer(src, sv, PyBUF_C_CONTIGUOUS) < 0) goto done;
+        self->nviews++;
+        if (PyObject_GetBuffer(dst, dv, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+        self->nviews++;
+        if (sv->len % row != 0 || dv->len % row != 0) {
+            PyErr_Format(PyExc_ValueError, "pair %zd: buffers of %zd and %zd bytes are not rows of %zd bytes", j,
+                         sv->len, dv->len, row);
+            goto done;
+        }
+        self->pairs[j].src = sv->buf;
+        self->pairs[j].dst = dv->buf;
+        self->pairs[j].row = row;
+        if (sv->len / row < self->nsrc) self->nsrc = sv->len / row;
+        if (dv->len / row < self->ndst) self->ndst = dv->len / row;
+    }
+    self->npairs = k;
+    rc = 0;
+done:
+    Py_DECREF(fast);
+    return rc;
+}
+
+static int
+rows_check(const Rows *self, int64_t s, int64_t d)
+{
+    if (s < 0 || s >= self->nsrc || d < 0 || d >= self->ndst) {
+        PyErr_Format(PyExc_IndexError, "row %lld -> %lld outside [0, %zd) -> [0, %zd)", (long long)s, (long long)d,
+                     self->nsrc, self->ndst);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(Rows_copy_doc,
+             "copy(src_rows, dst_rows)\n\n"
+             "For every pair, copies row src_rows[r] of src to row dst_rows[r] of dst (two int64\n"
+             "buffers of the same length; every index is checked before anything is copied).");
+
+static PyObject *
+Rows_copy(Rows *self, PyObject *args)
+{
+    PyObject *so, *dobj;
+    if (!PyArg_ParseTuple(args, "OO", &so, &dobj)) {
+        return NULL;
+    }
+    Py_buffer sv, dv;
+    if (PyObject_GetBuffer(so, &sv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(dobj, &dv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&sv);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (sv.itemsize != 8 || dv.itemsize != 8 || sv.len != dv.len || sv.format == NULL || dv.format == NULL ||
+        (strcmp(sv.format, "l") != 0 && strcmp(sv.format, "q") != 0) ||
+        (strcmp(dv.format, "l") != 0 && strcmp(dv.format, "q") != 0)) {
+        PyErr_SetString(PyExc_TypeError, "src_rows and dst_rows must be contiguous int64 buffers of one length");
+        goto done;
+    }
+    const int64_t *s = sv.buf, *d = dv.buf;
+    Py_ssize_t b = sv.len / 8;
+    for (Py_ssize_t r = 0; r < b; r++) {
+        if (rows_check(self, s[r], d[r]) < 0) goto done;
+    }
+    for (Py_ssize_t j = 0; j < self->npairs; j++) {
+        const Gather *g = &self->pairs[j];
+        for (Py_ssize_t r = 0; r < b; r++) {
+            memcpy(g->dst + d[r] * g->row, g->src + s[r] * g->row, (size_t)g->row);
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&sv);
+    PyBuffer_Release(&dv);
+    return result;
+}
+
+PyDoc_STRVAR(Rows_copy_one_doc, "copy_one(src_row, dst_row)\n\nFor every pair, copies one row of src to one row of dst.");
+
+static PyObject *
+Rows_copy_one(Rows *self, PyObject *args)
+{
+    Py_ssize_t s, d;
+    if (!PyArg_ParseTuple(args, "nn", &s, &d)) {
+        return NULL;
+    }
+    if (rows_check(self, s, d) < 0) {
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; j < self->npairs; j++) {
+        const Gather *g = &self->pairs[j];
+        memcpy(g->dst + d * g->row, g->src + s * g->row, (size_t)g->row);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Rows_methods[] = {
+    {"copy", (PyCFunction)Rows_copy, METH_VARARGS, Rows_copy_doc},
+    {"copy_one", (PyCFunction)Rows_copy_one, METH_VARARGS, Rows_copy_one_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(Rows_doc,
+             "Rows(pairs)\n\n"
+             "Row copies between buffers held from construction on: pairs of (src, dst, row_bytes),\n"
+             "each a C-contiguous buffer of whole rows (a worker's slot fields and the matching\n"
+             "fields of its chunk buffers, viewed as [chunks * T] rows).");
+
+static PyTypeObject RowsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "torchrl_asyncpool.exchange._native.Rows",
+    .tp_basicsize = sizeof(Rows),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = Rows_doc,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Rows_init,
+    .tp_dealloc = (destructor)Rows_dealloc,
+    .tp_methods = Rows_methods,
+};
+
+/* ---- Pass: a worker's per-pass stores and its publish --------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n;
+    int32_t *state;
+    double *ready_time;
+    float *reward;
+    int8_t *step_type;
+    char *done, *terminated, *truncated;
+    Py_ssize_t flag_bytes; /* bytes of one slot's flag row */
+    double *step_time;
+    int64_t *step_count;
+    int consumer_fd;
+    Py_buffer views[9];
+    Py_ssize_t nviews;
+} Pass;
+
+static void
+Pass_dealloc(Pass *self)
+{
+    for (Py_ssize_t i = 0; i < self->nviews; i++) {
+        PyBuffer_Release(&self->views[i]);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+pass_buffer(Pass *self, PyObject *obj, Py_ssize_t nbytes, const char *what, void **out)
+{
+    Py_buffer *view = &self->views[self->nviews];
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        return -1;
+    }
+    self->nviews++;
+    if (view->len != nbytes) {
+        PyErr_Format(PyExc_ValueError, "%s: a buffer of %zd bytes was expected, got %zd", what, nbytes, view->len);
+        return -1;
+    }
+    *out = view->buf;
+    return 0;
+}
+
+static int
+Pass_init(Pass *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"state", "ready_time", "reward", "step_type", "done", "terminated", "truncated",
+                             "step_time", "step_count", "consumer_fd", NULL};
+    PyObject *o[9];
+    int fd;
+    if (self->nviews != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "Pass.__init__ may run once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOOi", kwlist, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5],
+                                     &o[6], &o[7], &o[8], &fd)) {
+        return -1;
+    }
+    Py_buffer probe;
+    if (PyObject_GetBuffer(o[0], &probe, PyBUF_SIMPLE) < 0) return -1;
+    Py_ssize_t n = self->n = probe.len / 4;
+    Py_ssize_t flag_len;
+    PyBuffer_Release(&probe);
+    if (PyObject_GetBuffer(o[4], &probe, PyBUF_SIMPLE) < 0) return -1;
+    flag_len = probe.len;
+    PyBuffer_Release(&probe);
+    if (n < 1 || flag_len % n != 0 || flag_len == 0) {
+        PyErr_SetString(PyExc_ValueError, "state and done must hold rows of at least one slot");
+        return -1;
+    }
+    self->flag_bytes = flag_len / n;
+    void *p;
+    if (pass_buffer(self, o[0], n * 4, "state", &p) < 0) return -1;
+    self->state = p;
+    if (pass_buffer(self, o[1], n * 8, "ready_time", &p) < 0) return -1;
+    self->ready_time = p;
+    if (pass_buffer(self, o[2], n * 4, "reward (float32, one per slot)", &p) < 0) return -1;
+    self->reward = p;
+    if (pass_buffer(self, o[3], n, "step_type (int8)", &p) < 0) return -1;
+    self->step_type = p;
+    if (pass_buffer(self, o[4], flag_len, "done", &p) < 0) return -1;
+    self->done = p;
+    if (pass_buffer(self, o[5], flag_len, "terminated", &p) < 0) return -1;
+    self->terminated = p;
+    if (pass_buffer(self, o[6], flag_len, "truncated", &p) < 0) return -1;
+    self->truncated = p;
+    if (pass_buffer(self, o[7], n * 8, "step_time", &p) < 0) return -1;
+    self->step_time = p;
+    if (pass_buffer(self, o[8], n * 8, "step_count", &p) < 0) return -1;
+    self->step_count = p;
+    self->consumer_fd = fd;
+    return 0;
+}
+
+PyDoc_STRVAR(Pass_store_doc,
+             "store(slots, step_types, rewards, times) -> bool\n\n"
+             "The records of one group of a pass: for slot slots[j] (int64 buffer), its step type\n"
+             "and done/terminated/truncated flags from step_types[j], its reward, and its step timer\n"
+             "and counter. The lists are checked before anything is written; False (nothing\n"
+             "written) when a reward is not a Python float or int (a numpy array, say): the caller\n"
+             "stores that group itself.");
+
+static PyObject *
+Pass_store(Pass *self, PyObject *args)
+{
+    PyObject *slots_obj, *sts, *rewards, *times;
+    if (!PyArg_ParseTuple(args, "OO!O!O!", &slots_obj, &PyList_Type, &sts, &PyList_Type, &rewards, &PyList_Type,
+                          &times)) {
+        return NULL;
+    }
+    Py_buffer iv;
+    if (PyObject_GetBuffer(slots_obj, &iv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    double *vals = NULL;
+    if (iv.itemsize != 8 || iv.format == NULL || (strcmp(iv.format, "l") != 0 && strcmp(iv.format, "q") != 0)) {
+        PyErr_SetString(PyExc_TypeError, "slots must be a contiguous int64 buffer");
+        goto done;
+    }
+    const int64_t *idx = iv.buf;
+    Py_ssize_t k = iv.len / 8;
+    if (PyList_GET_SIZE(sts) != k || PyList_GET_SIZE(rewards) != k || PyList_GET_SIZE(times) != k) {
+        PyErr_Format(PyExc_ValueError, "store got %zd slots but %zd step types, %zd rewards and %zd times", k,
+                     PyList_GET_SIZE(sts), PyList_GET_SIZE(rewards), PyList_GET_SIZE(times));
+        goto done;
+    }
+    vals = PyMem_Malloc(sizeof(double) * 3 * (k > 0 ? k : 1));
+    if (vals == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+        if (idx[j] < 0 || idx[j] >= self->n) {
+            PyErr_Format(PyExc_IndexError, "slot %lld out of [0, %zd)", (long long)idx[j], self->n);
+            goto done;
+        }
+        PyObject *ro = PyList_GET_ITEM(rewards, j);
+        if (!PyFloat_Check(ro) && !PyLong_Check(ro)) { /* numpy float64 is a float; arrays are not */
+            result = Py_NewRef(Py_False);
+            goto done;
+        }
+        long st = PyLong_AsLong(PyList_GET_ITEM(sts, j));
+        double r = PyFloat_AsDouble(ro);
+        double t = PyFloat_AsDouble(PyList_GET_ITEM(times, j));
+        if (PyErr_Occurred()) goto done;
+        if (st < S_FREE || st > 3) {
+            PyErr_Format(PyExc_ValueError, "step type %ld is not one of 0..3", st);
+            goto done;
+        }
+        vals[3 * j] = (double)st;
+        vals[3 * j + 1] = r;
+        vals[3 * j + 2] = t;
+    }
+    const Py_ssize_t fb = self->flag_bytes;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        int64_t i = idx[j];
+        int st = (int)vals[3 * j];
+        self->step_type[i] = (int8_t)st;
+        memset(self->terminated + i * fb, st == 2, (size_t)fb); /* TERMINATION */
+        memset(self->truncated + i * fb, st == 3, (size_t)fb);  /* TRUNCATION */
+        memset(self->done + i * fb, st >= 2, (size_t)fb);
+        self->reward[i] = (float)vals[3 * j + 1];
+        self->step_time[i] += vals[3 * j + 2];
+        self->step_count[i] += 1;
+    }
+    result = Py_NewRef(Py_True);
+done:
+    PyMem_Free(vals);
+    PyBuffer_Release(&iv);
+    return result;
+}
+
+PyDoc_STRVAR(Pass_publish_doc,
+             "publish(slots, now)\n\n"
+             "Publishes the records of the slots (a list of ints): ready_time = now, then OBS_READY\n"
+             "(release ordering, after the data), then one ring of the consumer's doorbell by their count.");
+
+static PyObject *
+Pass_publish(Pass *self, PyObject *args)
+{
+    PyObject *slots;
+    double now;
+    if (!PyArg_ParseTuple(args, "O!d", &PyList_Type, &slots, &now)) {
+        return NULL;
+    }
+    Py_ssize_t k = PyList_GET_SIZE(slots);
+    for (Py_ssize_t j = 0; j < k; j++) {
+        Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(slots, j));
+        if (i == -1 && PyErr_Occurred()) return NULL;
+        if (i < 0 || i >= self->n) {
+            PyErr_Format(PyExc_IndexError, "slot %zd out of [0, %zd)", i, self->n);
+            return NULL;
+        }
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+        Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(slots, j));
+        self->ready_time[i] = now;
+        __atomic_store_n(&self->state[i], S_OBS_READY, __ATOMIC_RELEASE);
+    }
+    if (k > 0) {
+        uint64_t count = (uint64_t)k;
+        if (write(self->consumer_fd, &count, sizeof(count)) != (ssize_t)sizeof(count) && errno != EAGAIN) {
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Pass_methods[] = {
+    {"store", (PyCFunction)Pass_store, METH_VARARGS, Pass_store_doc},
+    {"publish", (PyCFunction)Pass_publish, METH_VARARGS, Pass_publish_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(Pass_doc,
+             "Pass(state, ready_time, reward, step_type, done, terminated, truncated, step_time,\n"
+             "     step_count, consumer_fd)\n\n"
+             "A worker's stores for a pass over its slots, over the arena's buffers: state (int32),\n"
+             "ready_time, step_time (float64), reward (float32, one per slot), step_type (int8), the\n"
+             "three flag fields (bool rows), step_count (int64), and the consumer's eventfd.");
+
+static PyTypeObject PassType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "torchrl_asyncpool.exchange._native.Pass",
+    .tp_basicsize = sizeof(Pass),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = Pass_doc,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Pass_init,
+    .tp_dealloc = (destructor)Pass_dealloc,
+    .tp_methods = Pass_methods,
+};
+
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "torchrl_asyncpool.exchange._native",
@@ -477,7 +888,7 @@ static struct PyModuleDef native_module = {
 PyMODINIT_FUNC
 PyInit__native(void)
 {
-    if (PyType_Ready(&EngineType) < 0) {
+    if (PyType_Ready(&EngineType) < 0 || PyType_Ready(&RowsType) < 0 || PyType_Ready(&PassType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&native_module);
@@ -487,6 +898,18 @@ PyInit__native(void)
     Py_INCREF(&EngineType);
     if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {
         Py_DECREF(&EngineType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&RowsType);
+    if (PyModule_AddObject(m, "Rows", (PyObject *)&RowsType) < 0) {
+        Py_DECREF(&RowsType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&PassType);
+    if (PyModule_AddObject(m, "Pass", (PyObject *)&PassType) < 0) {
+        Py_DECREF(&PassType);
         Py_DECREF(m);
         return NULL;
     }

@@ -27,7 +27,7 @@ import numpy as np
 
 from torchrl_asyncpool.exchange.metrics import STAT_SLOTS
 
-__all__ = ["EXCHANGES", "native_available", "resolve_exchange", "build_engine"]
+__all__ = ["EXCHANGES", "native_available", "resolve_exchange", "build_engine", "row_copier", "pass_stores"]
 
 EXCHANGES = ("auto", "native", "python")
 
@@ -126,6 +126,64 @@ def build_engine(exchange: str, arena, staging_env_index: np.ndarray, gathers: S
         arena.consumer_stats,
         STAT_SLOTS,
     )
+
+
+def row_copier(exchange: str, pairs: Sequence):
+    """A C copier of rows from ``src[i]`` to ``dst.reshape(-1, *row)[j]`` for every ``(src, dst)``
+    pair at once, or ``None`` for numpy's own stores (``exchange="python"``, the engine not
+    built, or a pair it cannot copy as raw rows).
+
+    Args:
+        exchange (str): a resolved name (see :func:`resolve_exchange`).
+        pairs (sequence): ``(src, dst)`` numpy arrays: ``src`` ``[n, *row]`` (a slot field),
+            ``dst`` ``[..., *row]`` of the same dtype (the matching chunk field).
+
+    Examples:
+        >>> import numpy as np
+        >>> from torchrl_asyncpool.exchange.native import native_available, row_copier
+        >>> src, dst = np.arange(6.0).reshape(3, 2), np.zeros((2, 2, 2))
+        >>> rows = row_copier("auto", [(src, dst)])
+        >>> if rows is not None:  # chunk 1, position 0 is flat row 2 of dst
+        ...     rows.copy(np.array([2, 0]), np.array([2, 1]))
+        ... else:
+        ...     dst.reshape(-1, 2)[[2, 1]] = src[[2, 0]]
+        >>> dst[1, 0].tolist(), dst[0, 1].tolist()
+        ([4.0, 5.0], [0.0, 1.0])
+    """
+    if exchange == "python" or _native is None:
+        return None
+    rows = []
+    for src, dst in pairs:
+        row_shape = src.shape[1:]
+        if (not (_plain(src) and _plain(dst)) or src.dtype != dst.dtype
+                or dst.shape[dst.ndim - len(row_shape):] != row_shape or src.nbytes == 0):
+            return None
+        rows.append((src, dst, _row_bytes(src)))
+    return _native.Rows(rows)
+
+
+def pass_stores(exchange: str, arena, reward: np.ndarray, step_type: np.ndarray, done: np.ndarray,
+                terminated: np.ndarray, truncated: np.ndarray, consumer_fd: int):
+    """A worker's per-pass stores (rewards, step types and end flags, step timers) and its
+    publish (ready times, ``OBS_READY``, one ring of the consumer) in C, or ``None`` for numpy's
+    stores (``exchange="python"``, the engine not built, or a reward that is not one float32
+    per slot).
+
+    Args:
+        exchange (str): a resolved name (see :func:`resolve_exchange`).
+        arena (Arena): the worker's mapping (state, ready and step times, step counts).
+        reward, step_type, done, terminated, truncated (np.ndarray): the request fields.
+        consumer_fd (int): the consumer's doorbell.
+    """
+    if exchange == "python" or _native is None:
+        return None
+    flags = (done, terminated, truncated)
+    if (reward.dtype != np.float32 or reward.size != reward.shape[0] or step_type.dtype != np.int8
+            or any(f.dtype != np.bool_ or f.shape != done.shape for f in flags)
+            or not all(_plain(a) for a in (reward, step_type, *flags))):
+        return None
+    return _native.Pass(arena.state, arena.ready_time, reward, step_type, done, terminated, truncated,
+                        arena.step_time, arena.step_count, int(consumer_fd))
 
 
 def _plain(a) -> bool:

@@ -42,6 +42,7 @@ from torchrl_asyncpool.delivery import chunks as C
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, as_key
 from torchrl_asyncpool.exchange.doorbell import Doorbell
+from torchrl_asyncpool.exchange.native import pass_stores, row_copier
 from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.workers.env_adapter import make_adapter, remote_listener
 
@@ -96,7 +97,7 @@ class _Slot:
 class _Delivery:
     """The worker's side of the chunk buffers: copies of (record, answer, next record) rows."""
 
-    def __init__(self, handle, arena):
+    def __init__(self, handle, arena, exchange="python"):
         self.T = handle.chunk_size
         self.per_env = handle.chunks_per_env
         self.chunks = Arena.attach(handle.layout, handle.fd.fd)
@@ -117,6 +118,9 @@ class _Delivery:
                 self.root.append((_np(req.get(k)), _np(c.get(k))))
                 self.next.append((_np(req.get(k)), _np(c.get(("next",) + k))))
         self.root += [(_np(resp.get(f.key)), _np(c.get(f.key))) for f in arena.layout.response]
+        # the same copies in one C call per group of slots (None: numpy's stores above)
+        self._root_rows = row_copier(exchange, self.root)
+        self._next_rows = row_copier(exchange, self.next)
 
     def claim(self, slot) -> bool:
         """Makes sure ``slot`` has a chunk to write into; False means back-pressure."""
@@ -134,6 +138,9 @@ class _Delivery:
     def write_root(self, slot):
         """Row ``pos``: the record the action answered, and the answer (before publishing)."""
         i, c, p = slot.index, slot.chunk, slot.pos
+        if self._root_rows is not None:
+            self._root_rows.copy_one(i, c * self.T + p)
+            return
         for src, dst in self.root:
             dst[c, p] = src[i]
 
@@ -142,14 +149,20 @@ class _Delivery:
         returns their ``(chunk, pos)`` arrays for :meth:`write_next_rows`."""
         chunk = np.fromiter((s.chunk for s in slots), np.int64, len(slots))
         pos = np.fromiter((s.pos for s in slots), np.int64, len(slots))
-        for src, dst in self.root:
-            dst[chunk, pos] = src[idx]
+        if self._root_rows is not None:
+            self._root_rows.copy(idx, chunk * self.T + pos)
+        else:
+            for src, dst in self.root:
+                dst[chunk, pos] = src[idx]
         return chunk, pos
 
     def write_next_rows(self, slots, idx, chunk, pos):
         """:meth:`write_next` for several slots at once."""
-        for src, dst in self.next:
-            dst[chunk, pos] = src[idx]
+        if self._next_rows is not None:
+            self._next_rows.copy(np.ascontiguousarray(idx), chunk * self.T + pos)
+        else:
+            for src, dst in self.next:
+                dst[chunk, pos] = src[idx]
         T = self.T
         for slot in slots:
             slot.pos += 1
@@ -164,8 +177,11 @@ class _Delivery:
     def write_next(self, slot):
         """Row ``pos``: the record the step produced (after publishing); closes full chunks."""
         i, c, p = slot.index, slot.chunk, slot.pos
-        for src, dst in self.next:
-            dst[c, p] = src[i]
+        if self._next_rows is not None:
+            self._next_rows.copy_one(i, c * self.T + p)
+        else:
+            for src, dst in self.next:
+                dst[c, p] = src[i]
         slot.pos = p + 1
         if slot.pos == self.T:
             self.chunks.length[c] = self.T
@@ -176,7 +192,8 @@ class _Delivery:
 
 
 class _Worker:
-    def __init__(self, worker_id, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn, delivery, threaded=False):
+    def __init__(self, worker_id, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn, delivery, threaded=False,
+                 exchange="python"):
         self.worker_id = worker_id
         self.threaded = threaded
         self.layout = layout
@@ -196,7 +213,10 @@ class _Worker:
         self.reward = _np(a.request.get("reward"))
         # one (k, 1, ...) reshape per pass broadcasts a step type over each slot's flag row
         self._flag_dims = (1,) * (self.done.ndim - 1)
-        self.delivery = _Delivery(delivery, a) if delivery is not None else None
+        self.delivery = _Delivery(delivery, a, exchange) if delivery is not None else None
+        # a pass's stores and its publish in C (None: the numpy stores of _store_group/_publish_held)
+        self._pass = pass_stores(exchange, a, self.reward, self.step_type, self.done, self.terminated,
+                                 self.truncated, consumer_fd)
         self.slots = []  # hosted slots (empty when threaded: each thread holds its own)
         self._threads = []
         self._stop_w = -1
@@ -318,6 +338,10 @@ class _Worker:
     def _publish_held(self):
         """Publishes the records held back this pass: one store per array, one ring."""
         held = self.held
+        if self._pass is not None:
+            self._pass.publish(held, time.monotonic())
+            held.clear()
+            return
         target = held[0] if len(held) == 1 else held  # a scalar store costs less than a fancy one
         self.ready_time[target] = time.monotonic()
         self.state[target] = S.OBS_READY  # after the data
@@ -472,6 +496,8 @@ class _Worker:
             self.delivery.write_next(slot)
 
     def _store_group(self, group, gidx, sts, rewards, times):
+        if self._pass is not None and self._pass.store(gidx, sts, rewards, times):
+            return
         k = len(group)
         try:
             self.reward[gidx] = np.asarray(rewards, self.reward.dtype).reshape((k, *self.reward.shape[1:]))
@@ -687,7 +713,7 @@ def _batch_scheduling():
 
 
 def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn,
-                num_threads, delivery=None, threaded=False, affinity=None):
+                num_threads, delivery=None, threaded=False, affinity=None, exchange="python"):
     """Entry point of a worker process (see the module docstring)."""
     if affinity is not None:  # before any thread starts: env threads inherit it
         os.sched_setaffinity(0, affinity)
@@ -698,7 +724,7 @@ def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell
     try:
         env_fns = [getattr(fn, "fn", fn) for fn in env_fns]
         worker = _Worker(worker_id, layout, arena_fd.fd, [b.fd for b in bell_fds], consumer_fd.fd, life_fd.fd, conn,
-                         delivery, threaded)
+                         delivery, threaded, exchange)
         worker.build(slot_ids, env_fns, env_kwargs)
         worker.run()
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the consumer, then we exit
