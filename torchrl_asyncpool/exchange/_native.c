@@ -833,7 +833,7 @@ Pass_publish(Pass *self, PyObject *args)
     }
     Py_ssize_t k = PyList_GET_SIZE(slots);
     for (Py_ssize_t j = 0; j < k; j++) {
-        Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(slots, j));
+        Py_ssize_t i = PyNumber_AsSsize_t(PyList_GET_ITEM(slots, j), PyExc_OverflowError);
         if (i == -1 && PyErr_Occurred()) return NULL;
         if (i < 0 || i >= self->n) {
             PyErr_Format(PyExc_IndexError, "slot %zd out of [0, %zd)", i, self->n);
@@ -841,7 +841,7 @@ Pass_publish(Pass *self, PyObject *args)
         }
     }
     for (Py_ssize_t j = 0; j < k; j++) {
-        Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(slots, j));
+        Py_ssize_t i = PyNumber_AsSsize_t(PyList_GET_ITEM(slots, j), PyExc_OverflowError);
         self->ready_time[i] = now;
         __atomic_store_n(&self->state[i], S_OBS_READY, __ATOMIC_RELEASE);
     }
