@@ -342,6 +342,18 @@ def test_pass_stores_and_publish_match_the_workers_numpy_path():
         assert bell.drain() == 2  # one ring, by the count
         with pytest.raises(IndexError):
             p.publish([9], 0.0)
+        # one slot, stored and published at once (the per-slot path of threaded workers)
+        assert p.record(0, 3, 1.5, 0.25, 20.0) is True
+        assert (req["step_type"][0], req["truncated"][0, 0], req["done"][0, 0], req["terminated"][0, 0]) == \
+            (3, True, True, False)
+        assert (req["reward"][0, 0], arena.step_time[0], arena.step_count[0]) == (1.5, 0.25, 1)
+        assert (arena.state[0], arena.ready_time[0], bell.drain()) == (S.OBS_READY, 20.0, 1)
+        assert p.record(2, 0, 0, -1.0, 21.0) is True  # a FIRST record: reward 0, timers untouched
+        assert (req["reward"][2, 0], arena.step_count[2], req["done"][2, 0]) == (0.0, 1, False)
+        assert p.record(1, 1, np.ones(1, np.float32), 0.1, 22.0) is False  # an array reward: numpy's path
+        assert arena.ready_time[1] == 12.5 and bell.drain() == 1
+        with pytest.raises(ValueError, match="step type 7"):
+            p.record(0, 7, 0.0, -1.0, 0.0)
         assert pass_stores("python", arena, req["reward"], req["step_type"], req["done"], req["terminated"],
                            req["truncated"], bell.fd) is None
     finally:

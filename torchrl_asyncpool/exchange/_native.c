@@ -854,7 +854,59 @@ Pass_publish(Pass *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(Pass_record_doc,
+             "record(slot, step_type, reward, dt, now) -> bool\n\n"
+             "One slot's record, stored and published: its step type and end flags, its reward (a\n"
+             "Python float or int, else False and nothing written), dt added to its step timer and\n"
+             "1 to its step count when dt >= 0, ready_time = now, then OBS_READY (release ordering)\n"
+             "and one ring of the consumer's doorbell.");
+
+static PyObject *
+Pass_record(Pass *self, PyObject *args)
+{
+    Py_ssize_t i;
+    int st;
+    PyObject *ro;
+    double dt, now;
+    if (!PyArg_ParseTuple(args, "niOdd", &i, &st, &ro, &dt, &now)) {
+        return NULL;
+    }
+    if (i < 0 || i >= self->n) {
+        PyErr_Format(PyExc_IndexError, "slot %zd out of [0, %zd)", i, self->n);
+        return NULL;
+    }
+    if (st < S_FREE || st > 3) {
+        PyErr_Format(PyExc_ValueError, "step type %d is not one of 0..3", st);
+        return NULL;
+    }
+    if (!PyFloat_Check(ro) && !PyLong_Check(ro)) {
+        Py_RETURN_FALSE;
+    }
+    double r = PyFloat_AsDouble(ro);
+    if (r == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    const Py_ssize_t fb = self->flag_bytes;
+    self->step_type[i] = (int8_t)st;
+    memset(self->terminated + i * fb, st == 2, (size_t)fb);
+    memset(self->truncated + i * fb, st == 3, (size_t)fb);
+    memset(self->done + i * fb, st >= 2, (size_t)fb);
+    self->reward[i] = (float)r;
+    if (dt >= 0.0) {
+        self->step_time[i] += dt;
+        self->step_count[i] += 1;
+    }
+    self->ready_time[i] = now;
+    __atomic_store_n(&self->state[i], S_OBS_READY, __ATOMIC_RELEASE);
+    const uint64_t one = 1;
+    if (write(self->consumer_fd, &one, sizeof(one)) != (ssize_t)sizeof(one) && errno != EAGAIN) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef Pass_methods[] = {
+    {"record", (PyCFunction)Pass_record, METH_VARARGS, Pass_record_doc},
     {"store", (PyCFunction)Pass_store, METH_VARARGS, Pass_store_doc},
     {"publish", (PyCFunction)Pass_publish, METH_VARARGS, Pass_publish_doc},
     {NULL, NULL, 0, NULL},

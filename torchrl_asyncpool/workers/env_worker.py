@@ -304,20 +304,30 @@ class _Worker:
             t.join(max(0.0, deadline - time.monotonic()))
 
     # -- publishing ---------------------------------------------------------------------------
-    def _publish(self, slot, obs, reward, step_type):
+    def _publish(self, slot, obs, reward, step_type, dt=None):
+        """Writes one record into its slot and publishes it (or holds it for the pass);
+        ``dt``: the step's seconds, added to the slot's step timer and count."""
         i = slot.index
         as_np = slot.adapter.as_numpy
         for key, view in slot.obs:
             view[...] = as_np(obs.get(key))
-        if reward is None:
-            slot.reward[...] = 0
-        else:
-            slot.reward[...] = as_np(reward)
         for hidden_in, hidden_out in slot.recurrent:
             if step_type == _FIRST:
                 hidden_in[...] = 0
             else:
                 hidden_in[...] = hidden_out
+        if self._pass is not None and self.held is None:
+            # the flags, reward, timers, publish and ring in one call (False: a reward numpy stores)
+            if self._pass.record(i, step_type, 0 if reward is None else reward, -1.0 if dt is None else dt,
+                                 time.monotonic()):
+                return
+        if dt is not None:
+            self.step_time[i] += dt
+            self.step_count[i] += 1
+        if reward is None:
+            slot.reward[...] = 0
+        else:
+            slot.reward[...] = as_np(reward)
         self._store_step_types(i, step_type)
         if self.held is not None:  # published with the rest of the pass (see _HOLD_S)
             self.held.append(i)
@@ -376,10 +386,9 @@ class _Worker:
         self._phase, self._current = "step", slot.index
         t = time.perf_counter()
         obs, reward, terminated, truncated = slot.adapter.step(slot.actions)
-        self.step_time[slot.index] += time.perf_counter() - t
-        self.step_count[slot.index] += 1
+        dt = time.perf_counter() - t
         st = _TERM if terminated else (_TRUNC if truncated else _MID)
-        self._publish(slot, obs, reward, st)
+        self._publish(slot, obs, reward, st, dt)
         if delivery is not None:
             delivery.write_next(slot)
         slot.ended = st != _MID
