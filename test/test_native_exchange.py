@@ -328,9 +328,9 @@ def test_pass_stores_and_publish_match_the_workers_numpy_path():
         np.testing.assert_allclose(arena.step_time, [0, 0.002, 0.003, 0.001])
         assert arena.step_count.tolist() == [0, 1, 1, 1]
         assert arena.state.tolist() == [S.FREE] * 4  # stored, not published yet
-        # a reward numpy's path must store (an array): nothing written, False
+        # a reward numpy's path must store (not one number): nothing written, False
         before = req["step_type"].copy()
-        assert p.store(np.array([0]), [2], [np.zeros(1, np.float32)], [0.0]) is False
+        assert p.store(np.array([0]), [2], [np.zeros(2, np.float32)], [0.0]) is False
         assert req["step_type"].tolist() == before.tolist() and arena.step_count[0] == 0
         with pytest.raises(IndexError):
             p.store(np.array([4]), [1], [1.0], [0.0])
@@ -350,8 +350,10 @@ def test_pass_stores_and_publish_match_the_workers_numpy_path():
         assert (arena.state[0], arena.ready_time[0], bell.drain()) == (S.OBS_READY, 20.0, 1)
         assert p.record(2, 0, 0, -1.0, 21.0) is True  # a FIRST record: reward 0, timers untouched
         assert (req["reward"][2, 0], arena.step_count[2], req["done"][2, 0]) == (0.0, 1, False)
-        assert p.record(1, 1, np.ones(1, np.float32), 0.1, 22.0) is False  # an array reward: numpy's path
-        assert arena.ready_time[1] == 12.5 and bell.drain() == 1
+        assert p.record(1, 1, np.full(1, 4.0, np.float32), 0.1, 22.0) is True  # one float32 (a TorchRL env's)
+        assert req["reward"][1, 0] == 4.0 and bell.drain() == 2  # this ring and the FIRST record's
+        assert p.record(1, 1, np.ones(2, np.float32), 0.1, 22.0) is False  # two numbers: numpy's path
+        assert arena.ready_time[1] == 22.0 and bell.drain() == 0
         with pytest.raises(ValueError, match="step type 7"):
             p.record(0, 7, 0.0, -1.0, 0.0)
         assert pass_stores("python", arena, req["reward"], req["step_type"], req["done"], req["terminated"],

@@ -739,13 +739,42 @@ Pass_init(Pass *self, PyObject *args, PyObject *kwds)
     return 0;
 }
 
+/* A reward as a double: a Python float or int, or a buffer holding one float32 or float64
+   (a numpy array of one element). 1: *out set; 0: another kind of reward (no error set). */
+static int
+reward_value(PyObject *ro, double *out)
+{
+    if (PyFloat_Check(ro) || PyLong_Check(ro)) {
+        *out = PyFloat_AsDouble(ro);
+        return (*out == -1.0 && PyErr_Occurred()) ? -1 : 1;
+    }
+    if (!PyObject_CheckBuffer(ro)) {
+        return 0;
+    }
+    Py_buffer v;
+    if (PyObject_GetBuffer(ro, &v, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    int ok = 0;
+    if (v.format != NULL && v.len == 4 && strcmp(v.format, "f") == 0) {
+        *out = (double)*(const float *)v.buf;
+        ok = 1;
+    } else if (v.format != NULL && v.len == 8 && strcmp(v.format, "d") == 0) {
+        *out = *(const double *)v.buf;
+        ok = 1;
+    }
+    PyBuffer_Release(&v);
+    return ok;
+}
+
 PyDoc_STRVAR(Pass_store_doc,
              "store(slots, step_types, rewards, times) -> bool\n\n"
              "The records of one group of a pass: for slot slots[j] (int64 buffer), its step type\n"
              "and done/terminated/truncated flags from step_types[j], its reward, and its step timer\n"
              "and counter. The lists are checked before anything is written; False (nothing\n"
-             "written) when a reward is not a Python float or int (a numpy array, say): the caller\n"
-             "stores that group itself.");
+             "written) when a reward is not one number (a Python float or int, or a buffer of one\n"
+             "float32 or float64): the caller stores that group itself.");
 
 static PyObject *
 Pass_store(Pass *self, PyObject *args)
@@ -782,13 +811,14 @@ Pass_store(Pass *self, PyObject *args)
             PyErr_Format(PyExc_IndexError, "slot %lld out of [0, %zd)", (long long)idx[j], self->n);
             goto done;
         }
-        PyObject *ro = PyList_GET_ITEM(rewards, j);
-        if (!PyFloat_Check(ro) && !PyLong_Check(ro)) { /* numpy float64 is a float; arrays are not */
+        double r;
+        int kind = reward_value(PyList_GET_ITEM(rewards, j), &r);
+        if (kind < 0) goto done;
+        if (kind == 0) { /* not one float: the caller's numpy stores take this group */
             result = Py_NewRef(Py_False);
             goto done;
         }
         long st = PyLong_AsLong(PyList_GET_ITEM(sts, j));
-        double r = PyFloat_AsDouble(ro);
         double t = PyFloat_AsDouble(PyList_GET_ITEM(times, j));
         if (PyErr_Occurred()) goto done;
         if (st < S_FREE || st > 3) {
@@ -856,8 +886,8 @@ Pass_publish(Pass *self, PyObject *args)
 
 PyDoc_STRVAR(Pass_record_doc,
              "record(slot, step_type, reward, dt, now) -> bool\n\n"
-             "One slot's record, stored and published: its step type and end flags, its reward (a\n"
-             "Python float or int, else False and nothing written), dt added to its step timer and\n"
+             "One slot's record, stored and published: its step type and end flags, its reward (one\n"
+             "number, as store() takes it, else False and nothing written), dt added to its step timer and\n"
              "1 to its step count when dt >= 0, ready_time = now, then OBS_READY (release ordering)\n"
              "and one ring of the consumer's doorbell.");
 
@@ -879,12 +909,13 @@ Pass_record(Pass *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "step type %d is not one of 0..3", st);
         return NULL;
     }
-    if (!PyFloat_Check(ro) && !PyLong_Check(ro)) {
-        Py_RETURN_FALSE;
-    }
-    double r = PyFloat_AsDouble(ro);
-    if (r == -1.0 && PyErr_Occurred()) {
+    double r;
+    int kind = reward_value(ro, &r);
+    if (kind < 0) {
         return NULL;
+    }
+    if (kind == 0) {
+        Py_RETURN_FALSE;
     }
     const Py_ssize_t fb = self->flag_bytes;
     self->step_type[i] = (int8_t)st;

@@ -318,7 +318,7 @@ class _Worker:
                 hidden_in[...] = hidden_out
         if self._pass is not None and self.held is None:
             # the flags, reward, timers, publish and ring in one call (False: a reward numpy stores)
-            if self._pass.record(i, step_type, 0 if reward is None else reward, -1.0 if dt is None else dt,
+            if self._pass.record(i, step_type, 0 if reward is None else as_np(reward), -1.0 if dt is None else dt,
                                  time.monotonic()):
                 return
         if dt is not None:
