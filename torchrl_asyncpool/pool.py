@@ -532,7 +532,8 @@ class AsyncEnvPool:
         self._error = WorkerDiedError(
             f"worker {w} (pid {self._procs[w].pid}, hosting envs {slots}) died during start-up ({self.death_info(w)}). "
             "Workers start from a fork server that re-imports the main module: a script that builds a pool "
-            "outside an `if __name__ == \"__main__\":` guard fails this way.",
+            "outside an `if __name__ == \"__main__\":` guard fails this way, and so does one read from standard "
+            "input (`python - <<EOF`), which cannot be re-imported: save it to a file.",
             slots,
         )
         return self._error

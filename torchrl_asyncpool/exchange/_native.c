@@ -30,6 +30,15 @@ enum { S_FREE = 0, S_OBS_READY = 1, S_LEASED = 2, S_ACTION_READY = 3, S_ERROR = 
 /* above this many bytes a gather runs without the GIL (pixel batches) */
 #define NOGIL_BYTES (256 * 1024)
 
+/* The type object of a class of this module: Name, Name_init, Name_dealloc, Name_methods, Name_doc. */
+#define NATIVE_TYPE(Name)                                                                            \
+    {                                                                                                \
+        PyVarObject_HEAD_INIT(NULL, 0).tp_name = "torchrl_asyncpool.exchange._native." #Name,        \
+        .tp_basicsize = sizeof(Name), .tp_flags = Py_TPFLAGS_DEFAULT, .tp_doc = Name##_doc,           \
+        .tp_new = PyType_GenericNew, .tp_init = (initproc)Name##_init,                                \
+        .tp_dealloc = (destructor)Name##_dealloc, .tp_methods = Name##_methods,                       \
+    }
+
 typedef struct {
     char *src;
     char *dst;
@@ -66,19 +75,38 @@ typedef struct {
     Py_ssize_t nviews;
 } Engine;
 
+/* Takes a writable C-contiguous buffer of exactly nbytes into views[*nviews] (released by the
+   owner's dealloc) and points *out at its memory. */
 static int
-take_buffer(Engine *self, PyObject *obj, Py_ssize_t nbytes, const char *what, char **out)
+hold_buffer(Py_buffer *views, Py_ssize_t *nviews, PyObject *obj, Py_ssize_t nbytes, const char *what, void *out)
 {
-    Py_buffer *view = &self->views[self->nviews];
+    Py_buffer *view = &views[*nviews];
     if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         return -1;
     }
-    self->nviews++;
+    (*nviews)++;
     if (view->len != nbytes) {
         PyErr_Format(PyExc_ValueError, "%s: a buffer of %zd bytes was expected, got %zd", what, nbytes, view->len);
         return -1;
     }
-    *out = (char *)view->buf;
+    *(void **)out = view->buf;
+    return 0;
+}
+
+#define take_buffer(self, obj, nbytes, what, out) hold_buffer((self)->views, &(self)->nviews, obj, nbytes, what, out)
+
+/* Takes a contiguous int64 buffer (a numpy int64 array) into *v; TypeError naming it otherwise. */
+static int
+index_buffer(PyObject *obj, Py_buffer *v, const char *what)
+{
+    if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    if (v->itemsize != 8 || v->format == NULL || (strcmp(v->format, "l") != 0 && strcmp(v->format, "q") != 0)) {
+        PyBuffer_Release(v);
+        PyErr_Format(PyExc_TypeError, "%s must be a contiguous int64 buffer", what);
+        return -1;
+    }
     return 0;
 }
 
@@ -358,15 +386,11 @@ Engine_answer(Engine *self, PyObject *args)
         return NULL;
     }
     Py_buffer iv;
-    if (PyObject_GetBuffer(idx_obj, &iv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    if (index_buffer(idx_obj, &iv, "idx") < 0) {
         return NULL;
     }
     PyObject *fast = NULL, *result = NULL;
     Py_buffer *vals = NULL; /* zeroed: .obj stays NULL until taken */
-    if (iv.itemsize != 8 || iv.format == NULL || (strcmp(iv.format, "l") != 0 && strcmp(iv.format, "q") != 0)) {
-        PyErr_SetString(PyExc_TypeError, "idx must be a contiguous int64 buffer");
-        goto done;
-    }
     const int64_t *idx = (const int64_t *)iv.buf;
     Py_ssize_t b = iv.len / 8;
     for (Py_ssize_t r = 0; r < b; r++) {
@@ -450,23 +474,17 @@ static PyMethodDef Engine_methods[] = {
 };
 
 PyDoc_STRVAR(Engine_doc,
-             "Engine(state, ready_time, lease_time, env_index, gathers, responses, bell_fds, slot_bell)\n\n"
+             "Engine(state, ready_time, lease_time, env_index, gathers, responses, bell_fds, slot_bell,\n"
+             "       stats, stat_slots)\n\n"
              "The consumer's lease and answer over buffers it holds from construction on: the arena's\n"
              "state (int32 [n]), ready_time and lease_time (float64 [n]); the staging env index\n"
              "(int64 [n]); gathers, (src, dst, row_bytes) of the request fields the batches carry;\n"
              "responses, (dst, row_bytes) of the response fields; the doorbell descriptors and\n"
-             "slot_bell (int64 [n]), the doorbell of each slot. Every buffer is C-contiguous with n rows.");
+             "slot_bell (int64 [n]), the doorbell of each slot; the arena's consumer_stats (float64)\n"
+             "and the 8 positions in it of exchange.metrics.STAT_SLOTS. Every per-slot buffer is\n"
+             "C-contiguous with n rows.");
 
-static PyTypeObject EngineType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "torchrl_asyncpool.exchange._native.Engine",
-    .tp_basicsize = sizeof(Engine),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = Engine_doc,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Engine_init,
-    .tp_dealloc = (destructor)Engine_dealloc,
-    .tp_methods = Engine_methods,
-};
+static PyTypeObject EngineType = NATIVE_TYPE(Engine);
 
 /* ---- Rows: row copies between two sets of buffers (a worker's chunk writes) ---------------- */
 
@@ -571,18 +589,16 @@ Rows_copy(Rows *self, PyObject *args)
         return NULL;
     }
     Py_buffer sv, dv;
-    if (PyObject_GetBuffer(so, &sv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    if (index_buffer(so, &sv, "src_rows") < 0) {
         return NULL;
     }
-    if (PyObject_GetBuffer(dobj, &dv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    if (index_buffer(dobj, &dv, "dst_rows") < 0) {
         PyBuffer_Release(&sv);
         return NULL;
     }
     PyObject *result = NULL;
-    if (sv.itemsize != 8 || dv.itemsize != 8 || sv.len != dv.len || sv.format == NULL || dv.format == NULL ||
-        (strcmp(sv.format, "l") != 0 && strcmp(sv.format, "q") != 0) ||
-        (strcmp(dv.format, "l") != 0 && strcmp(dv.format, "q") != 0)) {
-        PyErr_SetString(PyExc_TypeError, "src_rows and dst_rows must be contiguous int64 buffers of one length");
+    if (sv.len != dv.len) {
+        PyErr_Format(PyExc_ValueError, "src_rows and dst_rows differ in length (%zd, %zd)", sv.len / 8, dv.len / 8);
         goto done;
     }
     const int64_t *s = sv.buf, *d = dv.buf;
@@ -634,16 +650,7 @@ PyDoc_STRVAR(Rows_doc,
              "each a C-contiguous buffer of whole rows (a worker's slot fields and the matching\n"
              "fields of its chunk buffers, viewed as [chunks * T] rows).");
 
-static PyTypeObject RowsType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "torchrl_asyncpool.exchange._native.Rows",
-    .tp_basicsize = sizeof(Rows),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = Rows_doc,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Rows_init,
-    .tp_dealloc = (destructor)Rows_dealloc,
-    .tp_methods = Rows_methods,
-};
+static PyTypeObject RowsType = NATIVE_TYPE(Rows);
 
 /* ---- Pass: a worker's per-pass stores and its publish --------------------------------------- */
 
@@ -672,21 +679,6 @@ Pass_dealloc(Pass *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static int
-pass_buffer(Pass *self, PyObject *obj, Py_ssize_t nbytes, const char *what, void **out)
-{
-    Py_buffer *view = &self->views[self->nviews];
-    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-        return -1;
-    }
-    self->nviews++;
-    if (view->len != nbytes) {
-        PyErr_Format(PyExc_ValueError, "%s: a buffer of %zd bytes was expected, got %zd", what, nbytes, view->len);
-        return -1;
-    }
-    *out = view->buf;
-    return 0;
-}
 
 static int
 Pass_init(Pass *self, PyObject *args, PyObject *kwds)
@@ -717,23 +709,23 @@ Pass_init(Pass *self, PyObject *args, PyObject *kwds)
     }
     self->flag_bytes = flag_len / n;
     void *p;
-    if (pass_buffer(self, o[0], n * 4, "state", &p) < 0) return -1;
+    if (take_buffer(self, o[0], n * 4, "state", &p) < 0) return -1;
     self->state = p;
-    if (pass_buffer(self, o[1], n * 8, "ready_time", &p) < 0) return -1;
+    if (take_buffer(self, o[1], n * 8, "ready_time", &p) < 0) return -1;
     self->ready_time = p;
-    if (pass_buffer(self, o[2], n * 4, "reward (float32, one per slot)", &p) < 0) return -1;
+    if (take_buffer(self, o[2], n * 4, "reward (float32, one per slot)", &p) < 0) return -1;
     self->reward = p;
-    if (pass_buffer(self, o[3], n, "step_type (int8)", &p) < 0) return -1;
+    if (take_buffer(self, o[3], n, "step_type (int8)", &p) < 0) return -1;
     self->step_type = p;
-    if (pass_buffer(self, o[4], flag_len, "done", &p) < 0) return -1;
+    if (take_buffer(self, o[4], flag_len, "done", &p) < 0) return -1;
     self->done = p;
-    if (pass_buffer(self, o[5], flag_len, "terminated", &p) < 0) return -1;
+    if (take_buffer(self, o[5], flag_len, "terminated", &p) < 0) return -1;
     self->terminated = p;
-    if (pass_buffer(self, o[6], flag_len, "truncated", &p) < 0) return -1;
+    if (take_buffer(self, o[6], flag_len, "truncated", &p) < 0) return -1;
     self->truncated = p;
-    if (pass_buffer(self, o[7], n * 8, "step_time", &p) < 0) return -1;
+    if (take_buffer(self, o[7], n * 8, "step_time", &p) < 0) return -1;
     self->step_time = p;
-    if (pass_buffer(self, o[8], n * 8, "step_count", &p) < 0) return -1;
+    if (take_buffer(self, o[8], n * 8, "step_count", &p) < 0) return -1;
     self->step_count = p;
     self->consumer_fd = fd;
     return 0;
@@ -785,15 +777,11 @@ Pass_store(Pass *self, PyObject *args)
         return NULL;
     }
     Py_buffer iv;
-    if (PyObject_GetBuffer(slots_obj, &iv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    if (index_buffer(slots_obj, &iv, "slots") < 0) {
         return NULL;
     }
     PyObject *result = NULL;
     double *vals = NULL;
-    if (iv.itemsize != 8 || iv.format == NULL || (strcmp(iv.format, "l") != 0 && strcmp(iv.format, "q") != 0)) {
-        PyErr_SetString(PyExc_TypeError, "slots must be a contiguous int64 buffer");
-        goto done;
-    }
     const int64_t *idx = iv.buf;
     Py_ssize_t k = iv.len / 8;
     if (PyList_GET_SIZE(sts) != k || PyList_GET_SIZE(rewards) != k || PyList_GET_SIZE(times) != k) {
@@ -950,16 +938,7 @@ PyDoc_STRVAR(Pass_doc,
              "ready_time, step_time (float64), reward (float32, one per slot), step_type (int8), the\n"
              "three flag fields (bool rows), step_count (int64), and the consumer's eventfd.");
 
-static PyTypeObject PassType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "torchrl_asyncpool.exchange._native.Pass",
-    .tp_basicsize = sizeof(Pass),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = Pass_doc,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Pass_init,
-    .tp_dealloc = (destructor)Pass_dealloc,
-    .tp_methods = Pass_methods,
-};
+static PyTypeObject PassType = NATIVE_TYPE(Pass);
 
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT,
@@ -971,30 +950,19 @@ static struct PyModuleDef native_module = {
 PyMODINIT_FUNC
 PyInit__native(void)
 {
-    if (PyType_Ready(&EngineType) < 0 || PyType_Ready(&RowsType) < 0 || PyType_Ready(&PassType) < 0) {
-        return NULL;
-    }
+    static struct {
+        const char *name;
+        PyTypeObject *type;
+    } types[] = {{"Engine", &EngineType}, {"Rows", &RowsType}, {"Pass", &PassType}};
     PyObject *m = PyModule_Create(&native_module);
     if (m == NULL) {
         return NULL;
     }
-    Py_INCREF(&EngineType);
-    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {
-        Py_DECREF(&EngineType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&RowsType);
-    if (PyModule_AddObject(m, "Rows", (PyObject *)&RowsType) < 0) {
-        Py_DECREF(&RowsType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&PassType);
-    if (PyModule_AddObject(m, "Pass", (PyObject *)&PassType) < 0) {
-        Py_DECREF(&PassType);
-        Py_DECREF(m);
-        return NULL;
+    for (size_t j = 0; j < sizeof(types) / sizeof(types[0]); j++) {
+        if (PyType_Ready(types[j].type) < 0 || PyModule_AddObjectRef(m, types[j].name, (PyObject *)types[j].type) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
     }
     return m;
 }
