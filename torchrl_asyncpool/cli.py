@@ -223,10 +223,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)  # env workers are processes; the learner and policy share few cores
-    from torchrl_asyncpool.exchange.native import native_available, resolve_exchange
+    from torchrl_asyncpool.exchange.native import describe_exchange
 
-    exchange = resolve_exchange("auto")
-    engine = "python" if exchange == "python" or not native_available() else "C engine"
+    engine = describe_exchange()
     print(f"Training IMPALA on {args.env_id} with AsyncPoolCollector ({args.num_envs} envs, "
           f"up to {args.total_frames} frames, target return {args.target_return:g}; exchange: {engine})...",
           flush=True)
@@ -465,10 +464,10 @@ def _parser() -> argparse.ArgumentParser:
         __version__ = version("torchrl-asyncpool")
     except Exception:  # noqa: BLE001 - not installed (source tree on sys.path)
         __version__ = "unknown"
-    from torchrl_asyncpool.exchange.native import native_available
+    from torchrl_asyncpool.exchange.native import describe_exchange
 
-    engine = "C engine" if native_available() else "pure Python: the C engine was not built"
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__} (exchange: {engine})")
+    version_line = f"%(prog)s {__version__} (exchange: {describe_exchange()})"
+    parser.add_argument("--version", action="version", version=version_line)
     sub = parser.add_subparsers(dest="command", metavar="{demo,eval,bench,env-host}")
 
     demo = sub.add_parser(

@@ -90,7 +90,6 @@ class SlotConsumer:
         )
         self._staging = staging.pin_memory() if pin_memory else staging
         keys = list(request.keys(True, True))
-        self._gather = [RowGather(self.arena.request.get(k), self._staging.get(k)) for k in keys]
         self._staging_env_index_np = self._staging.get("env_index").numpy()
         self._batch_rows = {}  # (b, extras given) -> nested dict of the staging rows [:b] (and extras)
         self._response = [(k, self.arena.response.get(k)) for k in self.response_keys]
@@ -105,6 +104,10 @@ class SlotConsumer:
             list(zip(self.response_keys, self._response_np)),
             [b.fd for b in handle.bells], self._slot_bell,
         )
+        # the Python exchange's row gathers (the engine gathers for itself)
+        self._gather = [] if self._engine is not None else [
+            RowGather(self.arena.request.get(k), self._staging.get(k)) for k in keys
+        ]
         # a memoryview adds a Python float to an element in half the time numpy's scalar += takes
         self._stats = memoryview(self.arena.consumer_stats)
         self._last_exit = None

@@ -27,7 +27,8 @@ import numpy as np
 
 from torchrl_asyncpool.exchange.metrics import STAT_SLOTS
 
-__all__ = ["EXCHANGES", "native_available", "resolve_exchange", "build_engine", "row_copier", "pass_stores"]
+__all__ = ["EXCHANGES", "native_available", "resolve_exchange", "describe_exchange", "build_engine", "row_copier",
+           "pass_stores"]
 
 EXCHANGES = ("auto", "native", "python")
 
@@ -86,6 +87,29 @@ def resolve_exchange(exchange: str) -> str:
     return exchange
 
 
+def describe_exchange(exchange: str = "auto") -> str:
+    """What ``exchange`` (resolved here) runs on this install, in words, for logs and ``--version``;
+    never raises (a bad name or ``$TORCHRL_ASYNCPOOL_EXCHANGE`` is described, not raised).
+
+    Examples:
+        >>> from torchrl_asyncpool.exchange.native import describe_exchange
+        >>> describe_exchange("python")
+        'pure Python'
+    """
+    try:
+        exchange = resolve_exchange(exchange)
+    except (ValueError, ImportError) as exc:
+        return f"none: {exc}"
+    if _enabled(exchange):
+        return "C engine"
+    return "pure Python" if _native is not None else "pure Python: the C engine was not built"
+
+
+def _enabled(exchange: str) -> bool:
+    """Whether a resolved ``exchange`` may use the C engine here."""
+    return exchange != "python" and _native is not None
+
+
 def build_engine(exchange: str, arena, staging_env_index: np.ndarray, gathers: Sequence, responses: Sequence,
                  bell_fds: Sequence[int], slot_bell: np.ndarray):
     """The C engine over these buffers, or ``None`` for the Python exchange.
@@ -103,7 +127,7 @@ def build_engine(exchange: str, arena, staging_env_index: np.ndarray, gathers: S
     Raises:
         ValueError: ``exchange="native"`` and a field the engine cannot copy (named).
     """
-    if exchange == "python" or _native is None:
+    if not _enabled(exchange):
         return None
     unfit = [key for key, src, dst in gathers if not (_plain(src) and _plain(dst))]
     unfit += [key for key, dst in responses if not _plain(dst)]
@@ -150,7 +174,7 @@ def row_copier(exchange: str, pairs: Sequence):
         >>> dst[1, 0].tolist(), dst[0, 1].tolist()
         ([4.0, 5.0], [0.0, 1.0])
     """
-    if exchange == "python" or _native is None:
+    if not _enabled(exchange):
         return None
     rows = []
     for src, dst in pairs:
@@ -175,7 +199,7 @@ def pass_stores(exchange: str, arena, reward: np.ndarray, step_type: np.ndarray,
         reward, step_type, done, terminated, truncated (np.ndarray): the request fields.
         consumer_fd (int): the consumer's doorbell.
     """
-    if exchange == "python" or _native is None:
+    if not _enabled(exchange):
         return None
     flags = (done, terminated, truncated)
     if (reward.dtype != np.float32 or reward.size != reward.shape[0] or step_type.dtype != np.int8

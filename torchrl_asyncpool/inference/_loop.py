@@ -34,13 +34,12 @@ _STOP_CHECK_S = 0.001
 
 
 class _Flight:
-    # queue: summed ready->lease wait of its rows when the flight is a whole lease (else None),
-    # lease_t: when its rows were leased
-    __slots__ = ("runner", "pending", "env_idx", "env_idx_np", "whole", "queue", "lease_t")
+    # env_idx: the slots, an int64 numpy array; queue: summed ready->lease wait of its rows when
+    # the flight is a whole lease (else None); lease_t: when its rows were leased
+    __slots__ = ("runner", "pending", "env_idx", "whole", "queue", "lease_t")
 
-    def __init__(self, runner, pending, env_idx, env_idx_np, whole, queue=None, lease_t=None):
+    def __init__(self, runner, pending, env_idx, whole, queue=None, lease_t=None):
         self.runner, self.pending, self.env_idx, self.whole = runner, pending, env_idx, whole
-        self.env_idx_np = env_idx_np  # the same indices as a numpy array (what send_rows reads)
         self.queue, self.lease_t = queue, lease_t
 
 
@@ -66,7 +65,7 @@ class ServingLoop:
         self.weights = weights
         self.on_batch = on_batch
         arena = consumer.arena
-        self.state, self.ready_time, self.lease_time = arena.state, arena.ready_time, arena.lease_time
+        self.ready_time = arena.ready_time
         self.num_envs = n = consumer.num_envs
         self.slot_key = np.asarray(spec.slot_key, dtype=np.int64)
         self.single_key = len(runners) == 1
@@ -200,21 +199,16 @@ class ServingLoop:
         idx = td.env_indices.numpy().copy()  # the staging buffer is reused by the next recv
         queue, lease_t = self.consumer.last_dwell, self.consumer.last_lease_time
         self.stats.record_recv(self._waited, queue)
-        idx_t = torch.from_numpy(idx)
         if self.single_key:
-            groups = [(0, idx_t, idx)]
+            groups = [(0, idx)]
         else:
             keys = self.slot_key[idx]
-            groups = []
-            for k in np.unique(keys):
-                sel = np.flatnonzero(keys == k)
-                groups.append((int(k), idx_t[torch.from_numpy(sel)], idx[sel]))
-        for k, env_idx, env_idx_np in groups:
+            groups = [(int(k), idx[keys == k]) for k in np.unique(keys)]
+        for k, env_idx in groups:
             runner = self.runners[k]
-            total, step = int(env_idx.numel()), runner.plan.max_rows
+            total, step = env_idx.size, runner.plan.max_rows
             for start in range(0, total, step):
                 chunk = env_idx[start:start + step] if total > step else env_idx
-                chunk_np = env_idx_np[start:start + step] if total > step else env_idx_np
                 # the received batch itself feeds the policy (no copy) when it holds exactly these
                 # records and the next recv cannot overwrite it before it is answered (see _extras)
                 whole = td if (self._extras is not None and total <= step) else None
@@ -226,11 +220,11 @@ class ServingLoop:
                     self._finish(oldest)
                 self.current_key = runner.key
                 try:
-                    pending = runner.launch(chunk, whole)
+                    pending = runner.launch(torch.from_numpy(chunk), whole)
                 except Exception as exc:  # noqa: BLE001 - reported with the key
                     raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
-                one = chunk is idx_t
-                flight = _Flight(runner, pending, chunk, chunk_np, whole, queue if one else None, lease_t)
+                one = chunk is idx
+                flight = _Flight(runner, pending, chunk, whole, queue if one else None, lease_t)
                 if self.overlap:
                     inflight.append(flight)
                 else:
@@ -281,14 +275,14 @@ class ServingLoop:
         if flight.queue is not None:
             service = flight.queue + b * (now - flight.lease_t)
         else:
-            service = float(now * b - self.ready_time[flight.env_idx_np].sum())  # read before send frees the slot
+            service = float(now * b - self.ready_time[env_idx].sum())  # read before send frees the slot
         try:
             values = self._in_send_order(outputs, pending.version)
             if values is None:  # a key is missing: send() names it
                 self._stamp(outputs, k, b, pending.version)
-                self.consumer.send(_nest(outputs), env_idx)
+                self.consumer.send(_nest(outputs), torch.from_numpy(env_idx))
             else:
-                self.consumer.send_rows(values, flight.env_idx_np, flight.lease_t)
+                self.consumer.send_rows(values, env_idx, flight.lease_t)
         except ValueError as exc:
             raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
         self.stats.record_batch(k, b, pending.bucket, policy_s, service)
