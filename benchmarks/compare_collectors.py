@@ -5,6 +5,8 @@ Implementations (each fed the same env factory and the same small MLP policy):
 * ``asyncpool``     torchrl_asyncpool.AsyncPoolCollector, default settings (no hand tuning; the
                     exchange's C engine where it is built)
 * ``asyncpool_py``  the same with ``exchange="python"`` (the pure-Python exchange)
+* ``asyncpool_unpinned`` the default with ``worker_affinity=None, driver_affinity=None``
+                    (nothing pinned: TorchRL's default, against the collector's CPU partition)
 * ``torchrl_async`` TorchRL 0.14.1 AsyncBatchedCollector in its documented fastest configuration
                     (process env workers, transport="auto", policy_factory, chunked delivery)
 * ``torchrl_sync``  TorchRL's synchronous Collector over ParallelEnv
@@ -32,7 +34,7 @@ import torch
 import torch.nn as nn
 from tensordict.nn import TensorDictModule
 
-IMPLS = ("asyncpool", "asyncpool_py", "torchrl_async", "torchrl_sync", "gym_async", "gym_sync")
+IMPLS = ("asyncpool", "asyncpool_py", "asyncpool_unpinned", "torchrl_async", "torchrl_sync", "gym_async", "gym_sync")
 
 
 # -- workloads ------------------------------------------------------------------------------
@@ -166,6 +168,10 @@ def build_asyncpool_py(w, n, fpb):
     return build_asyncpool(w, n, fpb, exchange="python")
 
 
+def build_asyncpool_unpinned(w, n, fpb):
+    return build_asyncpool(w, n, fpb, worker_affinity=None, driver_affinity=None)
+
+
 def build_torchrl_async(w, n, fpb):
     from torchrl.collectors import AsyncBatchedCollector
 
@@ -228,6 +234,10 @@ def run_asyncpool_py(w, n, fpb, seconds):
     return _timed_collector(lambda: build_asyncpool_py(w, n, fpb), seconds, fpb)
 
 
+def run_asyncpool_unpinned(w, n, fpb, seconds):
+    return _timed_collector(lambda: build_asyncpool_unpinned(w, n, fpb), seconds, fpb)
+
+
 def run_torchrl_async(w, n, fpb, seconds):
     return _timed_collector(lambda: build_torchrl_async(w, n, fpb), seconds, fpb)
 
@@ -265,6 +275,7 @@ def run_gym_sync(w, n, fpb, seconds):
 RUNNERS = {
     "asyncpool": run_asyncpool,
     "asyncpool_py": run_asyncpool_py,
+    "asyncpool_unpinned": run_asyncpool_unpinned,
     "torchrl_async": run_torchrl_async,
     "torchrl_sync": run_torchrl_sync,
     "gym_async": run_gym_async,

@@ -71,3 +71,72 @@ def test_collector_pins_its_threads_not_the_caller():
         c.shutdown()
     with pytest.raises(ValueError, match="driver_affinity.*names CPUs"):
         AsyncPoolCollector(oracle_factories(1), policy=policy, frames_per_batch=4, driver_affinity=[4096])
+
+
+def _oracle_policy(td):
+    return td.set("action", oracle_action(td["tag"]))
+
+
+def _serving_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("torchrl_asyncpool-inference")]
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="the default partition needs two CPUs")
+def test_collector_default_partition_policy_first_cpu_workers_the_rest():
+    before = os.sched_getaffinity(0)
+    c = AsyncPoolCollector(oracle_factories(4), policy=_oracle_policy, frames_per_batch=8, total_frames=32,
+                           envs_per_worker=2)
+    try:
+        assert os.sched_getaffinity(0) == before
+        serving = _serving_threads()
+        assert serving and all(os.sched_getaffinity(t.native_id) == {FIRST} for t in serving)
+        for pid in c.env.worker_pids:
+            assert all(m == set(CPUS[1:]) for m in _task_masks(pid).values())
+        assert sum(b.numel() for b in c) == 32
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.parametrize("kwargs", [dict(worker_affinity=None, driver_affinity=None), dict(policy_num_threads=2)])
+def test_collector_partition_is_off_when_asked_or_the_policy_wants_threads(kwargs):
+    c = AsyncPoolCollector(oracle_factories(2), policy=_oracle_policy, frames_per_batch=8, total_frames=8,
+                           envs_per_worker=1, **kwargs)
+    try:
+        assert all(os.sched_getaffinity(t.native_id) == set(CPUS) for t in _serving_threads())
+        for pid in c.env.worker_pids:
+            assert all(m == set(CPUS) for m in _task_masks(pid).values())
+        assert sum(b.numel() for b in c) == 8
+    finally:
+        c.shutdown()
+
+
+def test_bad_affinity_strings_are_refused():
+    with pytest.raises(ValueError, match="worker_affinity must be 'auto', None or CPU indices, got 'all'"):
+        AsyncPoolCollector(oracle_factories(1), policy=_oracle_policy, frames_per_batch=4, worker_affinity="all")
+    with pytest.raises(ValueError, match="driver_affinity must be 'auto', None or CPU indices"):
+        AsyncPoolCollector(oracle_factories(1), policy=_oracle_policy, frames_per_batch=4, driver_affinity="first")
+
+
+def test_process_server_runs_on_driver_affinity():
+    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+
+    c = AsyncPoolCollector(oracle_factories(2), policy_factory=OracleTagPolicy, frames_per_batch=8, total_frames=16,
+                           envs_per_worker=1, driver_affinity=[LAST], worker_affinity=None)
+    try:
+        pid = c._server.pid
+        assert pid is not None
+        assert all(m == {LAST} for m in _task_masks(pid).values())
+        assert sum(b.numel() for b in c) == 16
+    finally:
+        c.shutdown()
+
+
+def test_inference_server_cpu_affinity_is_validated_and_applied():
+    from torchrl_asyncpool import InferenceServer
+
+    with pytest.raises(ValueError, match=r"cpu_affinity=\[4096\] names CPUs"):
+        InferenceServer(_oracle_policy, cpu_affinity=[4096])
+    with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:
+        with InferenceServer(_oracle_policy, cpu_affinity=[LAST], timeout=0.0).start(pool) as server:
+            assert all(os.sched_getaffinity(t.native_id) == {LAST} for t in _serving_threads())
+            server.check()

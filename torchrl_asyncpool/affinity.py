@@ -1,11 +1,19 @@
-"""CPU affinity masks: TorchRL's ``worker_affinity`` / ``driver_affinity`` options.
+"""CPU affinity masks: TorchRL's ``worker_affinity`` / ``driver_affinity`` options, and the
+collector's default partition.
 
-A library cannot pick a CPU partition for its users (it does not know what else runs on the
-machine), so nothing is pinned by default. When the user knows, pinning can pay on few cores:
-with 32 CartPole envs on 2 cores, the policy thread pinned to one core and the env workers to
-the other (by hand, fourth session) measured 68.5-68.9k frames/s against 59-66k unpinned in
-two interleaved pairs; with these options on a noisier day the pairs were inconclusive
-(``benchmarks/README.md``). Measure on your machine.
+:class:`~torchrl_asyncpool.AsyncPoolCollector` pins by default (``"auto"``, as Sample Factory
+pins its rollout workers and EnvPool its threads): the policy-serving thread (or server
+process) runs on the first CPU this process may use and the env worker processes share the
+others (:func:`auto_partition`). On few cores this keeps the policy's code and weights hot in
+one core's caches and the envs' in the other's, instead of every thread migrating across both.
+Measured on 2 cores (tenth session, interleaved pairs in one sitting): 32 CartPole envs
+46.9-48.7k frames/s pinned against 40.6-43.4k unpinned (+12-15 %), 8 CartPole envs +4-7 %,
+the 2 ms pixel env with 16 and 64 envs unchanged within noise; ``benchmarks/README.md`` has the
+runs. Nothing is pinned with fewer than two CPUs, with ``policy_num_threads`` other than ``1``
+(a multi-threaded policy wants several cores) or where Linux masks are unavailable. Pass
+``worker_affinity=None, driver_affinity=None`` (or set ``TORCHRL_ASYNCPOOL_AFFINITY=none``)
+when something else shares the machine's cores (another collector, a learner with its own
+pinning): the masks are then left as they are.
 On Linux an affinity mask belongs to a thread and is inherited by the threads and processes
 it starts; worker processes fork from the fork server, so they set theirs themselves.
 """
@@ -15,13 +23,42 @@ import contextlib
 import os
 from collections.abc import Callable, Sequence
 
-__all__ = ["check_cpu_mask", "resolve_worker_affinity", "pinned"]
+__all__ = [
+    "AUTO", "auto_partition", "check_cpu_mask", "resolve_worker_affinity", "resolve_collector_affinity", "pinned",
+]
+
+#: the collector's default for ``worker_affinity`` / ``driver_affinity`` (see the module docstring)
+AUTO = "auto"
 
 
 def _available() -> set:
     if not hasattr(os, "sched_getaffinity"):
         raise OSError("CPU affinity masks need os.sched_setaffinity (Linux).")
     return os.sched_getaffinity(0)
+
+
+def auto_partition() -> tuple:
+    """``(policy mask, worker mask)`` of the default partition: the first CPU the calling thread
+    may run on for the policy, the others for the env workers; ``(None, None)`` (leave
+    everything unpinned) with fewer than two CPUs, without Linux affinity masks, or with the
+    environment variable ``TORCHRL_ASYNCPOOL_AFFINITY=none`` (for scripts you do not edit).
+
+    Examples:
+        >>> import os
+        >>> from torchrl_asyncpool.affinity import auto_partition
+        >>> policy, workers = auto_partition()
+        >>> policy is None or (len(policy) == 1 and set(policy) | set(workers) == os.sched_getaffinity(0))
+        True
+    """
+    setting = os.environ.get("TORCHRL_ASYNCPOOL_AFFINITY", "auto").strip().lower()
+    if setting not in ("auto", "none", ""):
+        raise ValueError(f"TORCHRL_ASYNCPOOL_AFFINITY must be 'auto' or 'none', got {setting!r}.")
+    if setting == "none" or not hasattr(os, "sched_getaffinity"):
+        return None, None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None, None
+    return (cpus[0],), tuple(cpus[1:])
 
 
 def check_cpu_mask(mask, name: str) -> tuple:
@@ -78,3 +115,23 @@ def pinned(mask: tuple | None):
         yield
     finally:
         os.sched_setaffinity(0, previous)
+
+
+def resolve_collector_affinity(worker_affinity, driver_affinity, policy_num_threads) -> tuple:
+    """The collector's masks from its ``worker_affinity`` / ``driver_affinity`` arguments.
+
+    Returns ``(worker_affinity for the pool, mask of the policy's thread or process, mask of
+    the collector's other threads)``. ``"auto"`` takes its side of :func:`auto_partition` (none
+    unless ``policy_num_threads == 1``) and pins only the policy, not :meth:`start`'s thread;
+    an explicit ``driver_affinity`` pins both; ``None`` pins nothing.
+    """
+    policy_mask, worker_mask = auto_partition() if policy_num_threads == 1 else (None, None)
+    for name, value in (("worker_affinity", worker_affinity), ("driver_affinity", driver_affinity)):
+        if isinstance(value, str) and value != AUTO:
+            raise ValueError(f"{name} must be {AUTO!r}, None or CPU indices, got {value!r}.")
+    if worker_affinity == AUTO:
+        worker_affinity = None if worker_mask is None else (lambda worker: worker_mask)
+    if driver_affinity == AUTO:
+        return worker_affinity, policy_mask, None
+    driver = None if driver_affinity is None else check_cpu_mask(driver_affinity, "driver_affinity")
+    return worker_affinity, driver, driver

@@ -21,7 +21,7 @@ from torchrl_asyncpool.inference._runner import flatten_weights
 from torchrl_asyncpool.errors import PoolClosedError
 from torchrl_asyncpool.exchange.arena import as_key
 from torchrl_asyncpool.pool import AsyncEnvPool
-from torchrl_asyncpool.affinity import check_cpu_mask, pinned
+from torchrl_asyncpool.affinity import pinned, resolve_collector_affinity
 from torchrl_asyncpool.threads import start_daemon_thread
 
 __all__ = ["AsyncPoolCollector"]
@@ -171,16 +171,19 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             Defaults to ``1``: an acting policy's batches are small and the cores step envs;
             ``None`` keeps your thread's count (``policy=``) or torch's default. Your own
             thread's count is not changed. See the tuning guide's "Torch threads".
-        worker_affinity (sequence of CPU index sequences, or callable, optional): TorchRL's
-            option: Linux CPU masks for the env worker processes, one per worker or a callable
-            ``worker_index -> mask`` (see :class:`~torchrl_asyncpool.AsyncEnvPool`). Defaults to
-            ``None`` (not pinned).
-        driver_affinity (sequence of int, optional): TorchRL's option: a Linux CPU mask for the
-            collector's threads in this process (the policy-serving thread with ``policy=``,
-            the background thread of :meth:`start`); the constructing thread keeps its own
-            mask. A ``policy_factory=`` server process is not covered. Defaults to ``None``.
-            See :mod:`torchrl_asyncpool.affinity` for what was measured; nothing is pinned
-            unless asked.
+        worker_affinity (sequence of CPU index sequences, callable, "auto" or None, optional):
+            TorchRL's option: Linux CPU masks for the env worker processes, one per worker or a
+            callable ``worker_index -> mask`` (see :class:`~torchrl_asyncpool.AsyncEnvPool`).
+            ``"auto"`` (default): every worker on the CPUs after the first one this process may
+            use (none pinned with fewer than two CPUs or ``policy_num_threads`` other than
+            ``1``); ``None``: not pinned (TorchRL's default).
+        driver_affinity (sequence of int, "auto" or None, optional): TorchRL's option: a Linux CPU
+            mask for where the policy runs (the serving thread with ``policy=``, the server
+            process with ``policy_factory=``) and for the background thread of :meth:`start`;
+            the constructing thread keeps its own mask. ``"auto"`` (default): the policy alone,
+            on the first CPU this process may use (the same conditions as above); ``None``:
+            nothing pinned. See :mod:`torchrl_asyncpool.affinity` for the partition and what it
+            measured; pass ``None`` to both when other work shares these cores.
         exchange (str, optional): ``"auto"`` (default), ``"native"`` or ``"python"``: who
             leases and answers the slots in the policy server, the C engine built with the
             package or the pure-Python reference (see :class:`~torchrl_asyncpool.AsyncEnvPool`).
@@ -241,8 +244,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         transition_chunk_size: int | str = "auto",
         chunks_per_env: int = 2,
         policy_num_threads: int | None = 1,
-        worker_affinity: Sequence[Sequence[int]] | Callable[[int], Sequence[int]] | None = None,
-        driver_affinity: Sequence[int] | None = None,
+        worker_affinity: Sequence[Sequence[int]] | Callable[[int], Sequence[int]] | str | None = "auto",
+        driver_affinity: Sequence[int] | str | None = "auto",
         exchange: str = "auto",
         **torchrl_kwargs,
     ):
@@ -267,7 +270,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 )
         if (policy is None) == (policy_factory is None):
             raise ValueError("Pass exactly one of policy= or policy_factory=.")
-        self._driver_affinity = None if driver_affinity is None else check_cpu_mask(driver_affinity, "driver_affinity")
+        worker_affinity, policy_affinity, self._driver_affinity = resolve_collector_affinity(
+            worker_affinity, driver_affinity, policy_num_threads
+        )
         if not isinstance(frames_per_batch, int) or isinstance(frames_per_batch, bool) or frames_per_batch < 1:
             raise ValueError(f"frames_per_batch must be a positive int, got {frames_per_batch!r}.")
         if not isinstance(total_frames, int) or (total_frames < 1 and total_frames != -1):
@@ -342,6 +347,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 # padding buys fixed shapes for CUDA graphs; on CPU it only costs compute and a copy
                 bucket_sizes="auto" if self._policy_device.type == "cuda" else None,
                 num_threads=policy_num_threads,
+                cpu_affinity=policy_affinity,
             )
             if policy is not None:
                 probe.action_dtypes = dtypes
@@ -352,8 +358,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 self._server = InferenceServer(policy_factory=factory, mode="process", **server_kwargs)
             if policy_version:
                 self._server.update_policy_weights_(None, version=int(policy_version))
-            with pinned(self._driver_affinity):  # the serving thread inherits the mask
-                self._server.start(self._pool)
+            self._server.start(self._pool)
         except BaseException:
             self._pool.close()
             raise

@@ -110,7 +110,8 @@ class AsyncEnvPool:
         worker_affinity (sequence of CPU index sequences, or callable, optional): Linux CPU
             masks for the worker processes, one per worker (``num_workers`` follows
             ``envs_per_worker``) or a callable ``worker_index -> mask``; each worker pins
-            itself before building its envs (its env threads inherit the mask). Defaults to
+            itself (and each of its env threads) once its envs are built, so that building
+            them uses every core. Defaults to
             ``None`` (not pinned): see :mod:`torchrl_asyncpool.affinity` for when it pays.
         chunks_per_env (int, optional): chunks per env (see
             :mod:`torchrl_asyncpool.delivery.chunks`). Defaults to ``2``.

@@ -185,6 +185,7 @@ class ServerSpec:
     on_batch: Optional[Callable] = None
     flush_fraction: float = 0.5
     initial_versions: Dict[str, int] = field(default_factory=dict)
+    cpu_affinity: Optional[Tuple[int, ...]] = None  # where the policies run (thread or process)
 
 
 

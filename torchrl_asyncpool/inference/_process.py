@@ -21,6 +21,8 @@ def server_main(handle, spec, weights_fd, stats_fd, life_fd, conn):
     """Builds the policies, validates them, reports ``ready`` and serves until the life pipe closes."""
     # The owner decides when this process ends (life pipe); a terminal's Ctrl-C is for the owner.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if spec.cpu_affinity is not None:  # before torch starts its intra-op threads: they inherit it
+        os.sched_setaffinity(0, spec.cpu_affinity)
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
 

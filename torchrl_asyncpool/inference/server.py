@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import traceback
 import warnings
@@ -10,6 +11,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+from torchrl_asyncpool.affinity import check_cpu_mask
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell
 from torchrl_asyncpool.inference._common import (
@@ -119,6 +121,9 @@ class InferenceServer:
             the stamped version). It runs where the server runs (the server process in
             process mode, so it must be picklable); the tensors are reused afterwards.
         flush_fraction (float, optional): the self-sizing fraction. Defaults to ``0.5``.
+        cpu_affinity (sequence of int, optional): a Linux CPU mask for where the policies run:
+            the serving thread (thread mode; the caller's threads keep theirs) or the server
+            process. ``None`` (default) leaves the mask inherited.
 
     Errors:
         Start-up validates everything it can before serving: unknown keys in
@@ -169,6 +174,7 @@ class InferenceServer:
         start_timeout: Optional[float] = 120.0,
         on_batch: Optional[Callable] = None,
         flush_fraction: float = 0.5,
+        cpu_affinity: Optional[Sequence[int]] = None,
     ):
         objects: Dict[str, Callable] = {}
         factories: Dict[str, Callable] = {}
@@ -223,6 +229,7 @@ class InferenceServer:
         if not 0.0 < float(flush_fraction) <= 1.0:
             raise ValueError(f"flush_fraction must lie in (0, 1], got {flush_fraction!r}.")
         self.flush_fraction = float(flush_fraction)
+        self.cpu_affinity = None if cpu_affinity is None else check_cpu_mask(cpu_affinity, "cpu_affinity")
         self.device = torch.device(device)
         self.cuda_graphs = bool(cuda_graphs)
         if self.cuda_graphs and self.device.type != "cuda":
@@ -279,7 +286,7 @@ class InferenceServer:
             timeout=self.timeout, device=str(self.device), cuda_graphs=self.cuda_graphs,
             policy_version_key=self.policy_version_key, stamp_version=stamp, overlap=self.double_buffer,
             num_threads=self.num_threads, factories=dict(self._factories), on_batch=self.on_batch,
-            flush_fraction=self.flush_fraction,
+            flush_fraction=self.flush_fraction, cpu_affinity=self.cpu_affinity,
             # weights already in the policy objects carry their version; pending ones are sent after start
             initial_versions={n: v for n, v in self._versions.items() if n not in self._pending_weights},
         )
@@ -523,6 +530,8 @@ class _ThreadBackend:
 
     def _main(self):
         try:
+            if self.spec.cpu_affinity is not None:  # pid 0: this thread only
+                os.sched_setaffinity(0, self.spec.cpu_affinity)
             if self.spec.num_threads is not None:
                 torch.set_num_threads(self.spec.num_threads)
             self.loop.serve()

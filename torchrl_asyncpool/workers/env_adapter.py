@@ -321,6 +321,26 @@ class GymnasiumEnvAdapter:
         obs, reward, terminated, truncated, _ = self.env.step(a)
         return self._obs(obs), reward, bool(terminated), bool(truncated)
 
+    def step_into(self, actions: Dict, views):
+        """:meth:`step` that writes the observation into ``views`` (the slot's
+        ``[(key, numpy row)]``) and returns ``(reward, terminated, truncated)``: the worker's
+        per-step path, with no dict built and no lookup per step."""
+        if self._plan is not None:
+            obs, reward, terminated, truncated = self._planned_step(actions)
+            for key, view in views:
+                view[...] = obs[key]
+            return reward, terminated, truncated
+        a = actions["action"]
+        if isinstance(a, torch.Tensor):
+            a = a.numpy()
+        obs, reward, terminated, truncated, _ = self.env.step(int(a) if self._discrete else a.copy())
+        if self._dict_obs:
+            for key, view in views:
+                view[...] = obs[key]
+        else:
+            views[0][1][...] = obs
+        return reward, bool(terminated), bool(truncated)
+
     def close(self) -> None:
         try:
             self.env.close()

@@ -29,6 +29,7 @@ what the thread is doing (phase, current slot, unrung records) is its own.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import select
 import threading
@@ -71,8 +72,8 @@ def _np(t: torch.Tensor) -> np.ndarray:
 class _Slot:
     """Everything one hosted env needs on the hot path, resolved once."""
 
-    __slots__ = ("index", "adapter", "obs", "reward", "actions", "recurrent", "ended", "pending_first",
-                 "pending_error", "chunks", "chunk", "pos", "seq")
+    __slots__ = ("index", "adapter", "obs", "reward", "actions", "step_into", "recurrent", "ended",
+                 "pending_first", "pending_error", "chunks", "chunk", "pos", "seq")
 
     def __init__(self, index, adapter, arena, recurrent):
         self.index = index
@@ -83,6 +84,8 @@ class _Slot:
         self.actions = {k: resp.get(k)[index] for k in adapter.action_keys}
         if getattr(adapter, "takes_numpy", False):
             self.actions = {k: _np(v) for k, v in self.actions.items()}
+        # step_into(actions, obs views) -> (reward, terminated, truncated), the observation written
+        self.step_into = getattr(adapter, "step_into", None) or functools.partial(_step_into, adapter)
         # (hidden_in view, hidden_out view): the last answered state is fed back as input
         self.recurrent = [(_np(req.get(i)[index]), _np(resp.get(o)[index])) for i, o in recurrent.items()]
         self.ended = False
@@ -92,6 +95,15 @@ class _Slot:
         self.chunk = -1  # chunk being filled, -1 when none
         self.pos = 0
         self.seq = 0
+
+
+def _step_into(adapter, actions, views):
+    """``step_into`` of an adapter that only has ``step``: the same contract, generically."""
+    obs, reward, terminated, truncated = adapter.step(actions)
+    as_np = adapter.as_numpy
+    for key, view in views:
+        view[...] = as_np(obs.get(key))
+    return as_np(reward), terminated, truncated
 
 
 class _Delivery:
@@ -146,24 +158,27 @@ class _Delivery:
 
     def write_root_rows(self, slots, idx):
         """:meth:`write_root` for several claimed ``slots`` at once (``idx``: their indices);
-        returns their ``(chunk, pos)`` arrays for :meth:`write_next_rows`."""
-        chunk = np.fromiter((s.chunk for s in slots), np.int64, len(slots))
-        pos = np.fromiter((s.pos for s in slots), np.int64, len(slots))
+        returns their chunk rows (``chunk * T + pos``, flat) for :meth:`write_next_rows`."""
+        T = self.T
+        rows = np.array([s.chunk * T + s.pos for s in slots], np.int64)
         if self._root_rows is not None:
-            self._root_rows.copy(idx, chunk * self.T + pos)
+            self._root_rows.copy(idx, rows)
         else:
+            chunk, pos = np.divmod(rows, T)
             for src, dst in self.root:
                 dst[chunk, pos] = src[idx]
-        return chunk, pos
+        return rows
 
-    def write_next_rows(self, slots, idx, chunk, pos):
-        """:meth:`write_next` for several slots at once."""
+    def write_next_rows(self, slots, idx, rows):
+        """:meth:`write_next` for several slots at once (``rows``: from :meth:`write_root_rows`)."""
+        T = self.T
         if self._next_rows is not None:
-            self._next_rows.copy(np.ascontiguousarray(idx), chunk * self.T + pos)
+            self._next_rows.copy(np.ascontiguousarray(idx), rows)
         else:
+            chunk, pos = np.divmod(rows, T)
             for src, dst in self.next:
                 dst[chunk, pos] = src[idx]
-        T = self.T
+        full = 0
         for slot in slots:
             slot.pos += 1
             if slot.pos == T:
@@ -171,8 +186,10 @@ class _Delivery:
                 self.chunks.length[c] = T
                 self.chunks.ready_time[c] = time.monotonic()
                 self.state[c] = C.FULL  # after the data
-                self.driver.ring()
                 slot.chunk = -1
+                full += 1
+        if full:
+            self.driver.ring(full)
 
     def write_next(self, slot):
         """Row ``pos``: the record the step produced (after publishing); closes full chunks."""
@@ -193,9 +210,10 @@ class _Delivery:
 
 class _Worker:
     def __init__(self, worker_id, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn, delivery, threaded=False,
-                 exchange="python"):
+                 exchange="python", affinity=None):
         self.worker_id = worker_id
         self.threaded = threaded
+        self.affinity = affinity
         self.layout = layout
         self._phase, self._current = "construction", None
         self.started = False
@@ -451,25 +469,25 @@ class _Worker:
         group of slots, published together; a group closes early after a slow step or once
         its first record has waited :data:`_HOLD_S` (see there)."""
         delivery = self.delivery
-        idx = np.fromiter((s.index for s in stepping), np.int64, len(stepping))
+        n = len(stepping)
+        idx = np.array([s.index for s in stepping], np.int64)
         if delivery is not None:  # the answered records, before any step overwrites them
-            chunk, pos = delivery.write_root_rows(stepping, idx)
+            rows = delivery.write_root_rows(stepping, idx)
         ended = []
         start = 0
-        while start < len(stepping):
+        clock = time.perf_counter
+        self._phase = "step"
+        while start < n:
             group, sts, rewards, times = [], [], [], []
-            t_group = t = time.perf_counter()
+            t_group = t = clock()
             for slot in stepping[start:]:
-                self._phase, self._current = "step", slot.index
-                obs, reward, terminated, truncated = slot.adapter.step(slot.actions)
-                t_end = time.perf_counter()
+                self._current = slot.index
+                reward, terminated, truncated = slot.step_into(slot.actions, slot.obs)
+                t_end = clock()
                 dt = t_end - t
                 times.append(dt)
                 t = t_end
-                as_np = slot.adapter.as_numpy
-                for key, view in slot.obs:
-                    view[...] = as_np(obs.get(key))
-                rewards.append(as_np(reward))
+                rewards.append(reward)
                 st = _TERM if terminated else (_TRUNC if truncated else _MID)
                 if slot.recurrent:
                     for hidden_in, hidden_out in slot.recurrent:
@@ -482,16 +500,16 @@ class _Worker:
                 if dt > _SLOW_STEP_S or t_end - t_group > _HOLD_S:
                     break
             k = len(group)
+            gidx = idx[start:start + k]
             if k == 1:  # slow envs publish one by one: scalar stores cost less than fancy indexing
                 self._store_one(group[0], sts[0], rewards[0], times[0])
             else:
-                gidx = idx[start:start + k]
                 self._store_group(group, gidx, sts, rewards, times)
                 if delivery is not None:
-                    delivery.write_next_rows(group, gidx, chunk[start:start + k], pos[start:start + k])
-            self.held.extend(s.index for s in group)
+                    delivery.write_next_rows(group, gidx, rows[start:start + k])
+            self.held.extend(gidx.tolist())
             start += k
-            if start < len(stepping):
+            if start < n:
                 self._publish_held()
         return ended
 
@@ -592,7 +610,7 @@ class _Worker:
                 if not all([delivery.claim(slots[j]) for j in stepping]):
                     continue  # back-pressure: the driver frees a chunk and rings this worker
                 moving = [slots[j] for j in stepping]
-                chunk, pos = delivery.write_root_rows(moving, idx[stepping])
+                rows = delivery.write_root_rows(moving, idx[stepping])
             self._phase, self._current = "step", lo
             t = time.perf_counter()
             obs, rew, term, trunc = vec.step(actions)
@@ -603,7 +621,7 @@ class _Worker:
             rew[ended] = 0
             publish(obs, rew, st, dt)
             if delivery is not None and len(stepping):  # copied from the request rows, which are ours
-                delivery.write_next_rows(moving, idx[stepping], chunk, pos)
+                delivery.write_next_rows(moving, idx[stepping], rows)
             ended = (st == _TERM) | (st == _TRUNC)
             self.consumer.ring(k)
 
@@ -624,6 +642,7 @@ class _Worker:
             firsts.append(first)
         for first in firsts:
             first.wait()
+        self.pin()
         self._raise_thread_failure(failures)
         self.conn.send(("ready", self.worker_id, None, None))
         self.started = True
@@ -636,6 +655,15 @@ class _Worker:
                     return
                 self._raise_thread_failure(failures)
 
+    def pin(self):
+        """Applies the worker's CPU mask to the calling thread (pid 0: this thread only).
+
+        Called once the envs are built, not at process start: building envs (imports,
+        simulators loading assets) then runs on every core, which matters when the default
+        partition puts every worker on one core of two."""
+        if self.affinity is not None:
+            os.sched_setaffinity(0, self.affinity)
+
     def _raise_thread_failure(self, failures):
         if failures:
             self._phase, self._current, tb = failures[0]
@@ -646,6 +674,7 @@ class _Worker:
         slot = None
         try:
             slot = self._build_slot(*spec)
+            self.pin()
             listen = remote_listener(slot.adapter.env)
             if listen is not None:  # a remote slot: its first record waits for a host to connect
                 listen(slot.index, stop_fd)
@@ -724,8 +753,6 @@ def _batch_scheduling():
 def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn,
                 num_threads, delivery=None, threaded=False, affinity=None, exchange="python"):
     """Entry point of a worker process (see the module docstring)."""
-    if affinity is not None:  # before any thread starts: env threads inherit it
-        os.sched_setaffinity(0, affinity)
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     _batch_scheduling()
@@ -733,8 +760,10 @@ def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell
     try:
         env_fns = [getattr(fn, "fn", fn) for fn in env_fns]
         worker = _Worker(worker_id, layout, arena_fd.fd, [b.fd for b in bell_fds], consumer_fd.fd, life_fd.fd, conn,
-                         delivery, threaded, exchange)
+                         delivery, threaded, exchange, affinity)
         worker.build(slot_ids, env_fns, env_kwargs)
+        if not threaded:  # a threaded worker's env threads pin themselves once built
+            worker.pin()
         worker.run()
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the consumer, then we exit
         tb = exc.tb if isinstance(exc, _DeferredEnvError) else traceback.format_exc()
