@@ -97,10 +97,15 @@ def test_collector_default_partition_policy_first_cpu_workers_the_rest():
         c.shutdown()
 
 
-@pytest.mark.parametrize("kwargs", [dict(worker_affinity=None, driver_affinity=None), dict(policy_num_threads=2)])
+@pytest.mark.parametrize("kwargs", [
+    dict(worker_affinity=None, driver_affinity=None),
+    dict(policy_num_threads=2),
+    dict(envs_per_worker=2, env_threads=True),  # env threads (blocking envs) want every core
+    dict(worker_affinity=lambda w: CPUS),  # explicit worker masks: the policy's CPU is not reserved
+])
 def test_collector_partition_is_off_when_asked_or_the_policy_wants_threads(kwargs):
-    c = AsyncPoolCollector(oracle_factories(2), policy=_oracle_policy, frames_per_batch=8, total_frames=8,
-                           envs_per_worker=1, **kwargs)
+    kwargs.setdefault("envs_per_worker", 1)
+    c = AsyncPoolCollector(oracle_factories(2), policy=_oracle_policy, frames_per_batch=8, total_frames=8, **kwargs)
     try:
         assert all(os.sched_getaffinity(t.native_id) == set(CPUS) for t in _serving_threads())
         for pid in c.env.worker_pids:
@@ -140,3 +145,35 @@ def test_inference_server_cpu_affinity_is_validated_and_applied():
         with InferenceServer(_oracle_policy, cpu_affinity=[LAST], timeout=0.0).start(pool) as server:
             assert all(os.sched_getaffinity(t.native_id) == {LAST} for t in _serving_threads())
             server.check()
+
+
+def test_auto_partition_follows_the_environment_variable(monkeypatch):
+    from torchrl_asyncpool.affinity import auto_partition, resolve_collector_affinity
+
+    monkeypatch.setenv("TORCHRL_ASYNCPOOL_AFFINITY", "none")
+    assert auto_partition() == (None, None)
+    assert resolve_collector_affinity("auto", "auto", 1) == (None, None, None)
+    monkeypatch.setenv("TORCHRL_ASYNCPOOL_AFFINITY", "auto")
+    policy, workers = auto_partition()
+    if len(CPUS) >= 2:
+        assert policy == (FIRST,) and workers == tuple(CPUS[1:])
+        assert resolve_collector_affinity("auto", "auto", 1) == ("auto", None, (FIRST,))
+    assert resolve_collector_affinity("auto", "auto", 2) == (None, None, None)
+    assert resolve_collector_affinity(None, "auto", 1) == (None, None, None)
+    assert resolve_collector_affinity(None, [LAST], 1) == (None, (LAST,), None)
+    monkeypatch.setenv("TORCHRL_ASYNCPOOL_AFFINITY", "first")
+    with pytest.raises(ValueError, match="TORCHRL_ASYNCPOOL_AFFINITY must be 'auto' or 'none', got 'first'"):
+        auto_partition()
+
+
+def test_pool_auto_affinity_partitions_only_workers_without_threads():
+    with AsyncEnvPool(oracle_factories(4), envs_per_worker=2, worker_affinity="auto") as pool:
+        expected = [tuple(CPUS[1:])] * 2 if len(CPUS) >= 2 else None
+        assert pool.worker_affinity == expected
+        if expected is not None:
+            for pid in pool.worker_pids:
+                assert all(m == set(CPUS[1:]) for m in _task_masks(pid).values())
+    with AsyncEnvPool(oracle_factories(4), envs_per_worker=2, env_threads=True, worker_affinity="auto") as pool:
+        assert pool.worker_affinity is None
+    with pytest.raises(ValueError, match="worker_affinity must be 'auto', None or CPU masks, got 'all'"):
+        AsyncEnvPool(oracle_factories(2), worker_affinity="all")

@@ -2,18 +2,21 @@
 collector's default partition.
 
 :class:`~torchrl_asyncpool.AsyncPoolCollector` pins by default (``"auto"``, as Sample Factory
-pins its rollout workers and EnvPool its threads): the policy-serving thread (or server
-process) runs on the first CPU this process may use and the env worker processes share the
-others (:func:`auto_partition`). On few cores this keeps the policy's code and weights hot in
-one core's caches and the envs' in the other's, instead of every thread migrating across both.
-Measured on 2 cores (tenth session, interleaved pairs in one sitting): 32 CartPole envs
-46.9-48.7k frames/s pinned against 40.6-43.4k unpinned (+12-15 %), 8 CartPole envs +4-7 %,
-the 2 ms pixel env with 16 and 64 envs unchanged within noise; ``benchmarks/README.md`` has the
-runs. Nothing is pinned with fewer than two CPUs, with ``policy_num_threads`` other than ``1``
-(a multi-threaded policy wants several cores) or where Linux masks are unavailable. Pass
-``worker_affinity=None, driver_affinity=None`` (or set ``TORCHRL_ASYNCPOOL_AFFINITY=none``)
-when something else shares the machine's cores (another collector, a learner with its own
-pinning): the masks are then left as they are.
+pins its rollout workers and EnvPool its threads) when its env workers are CPU-bound (they step
+their envs without threads): the policy-serving thread (or server process) runs on the first
+CPU this process may use and the env workers share the others (:func:`auto_partition`). On few
+cores this keeps the policy's code and weights hot in one core's caches and the envs' in the
+other's, and keeps the workers from preempting the policy. Measured on 2 cores (tenth session,
+interleaved in one sitting): 32 CartPole envs 46.9-48.7k frames/s partitioned against
+40.6-43.4k unpinned in three pairs, 44.5k against 43.8k in a fourth; 8 CartPole envs +4-7 %;
+pinning only the policy and not the workers was worse than nothing (33-34k). Workers that run
+their envs in threads (blocking envs: sleep, I/O) are left unpinned: for the 2 ms pixel env the
+partition measured 74 / 48 % of N/latency with 16 / 64 envs against 77 / 52 % unpinned, since
+those workers' copies want whichever core is free. Nothing is pinned with fewer than two CPUs,
+with ``policy_num_threads`` other than ``1`` (a multi-threaded policy wants several cores), or
+where Linux masks are unavailable. Pass ``worker_affinity=None, driver_affinity=None`` (or set
+``TORCHRL_ASYNCPOOL_AFFINITY=none``) when something else shares the machine's cores (another
+collector, a learner with its own pinning): the masks are then left as they are.
 On Linux an affinity mask belongs to a thread and is inherited by the threads and processes
 it starts; worker processes fork from the fork server, so they set theirs themselves.
 """
@@ -120,18 +123,22 @@ def pinned(mask: tuple | None):
 def resolve_collector_affinity(worker_affinity, driver_affinity, policy_num_threads) -> tuple:
     """The collector's masks from its ``worker_affinity`` / ``driver_affinity`` arguments.
 
-    Returns ``(worker_affinity for the pool, mask of the policy's thread or process, mask of
-    the collector's other threads)``. ``"auto"`` takes its side of :func:`auto_partition` (none
-    unless ``policy_num_threads == 1``) and pins only the policy, not :meth:`start`'s thread;
-    an explicit ``driver_affinity`` pins both; ``None`` pins nothing.
+    Returns ``(worker_affinity for the pool, explicit driver mask, auto policy mask)``. The
+    pool resolves ``"auto"`` itself (it partitions only workers that step without threads);
+    the auto policy mask (the first CPU, only with ``"auto"`` on both sides and
+    ``policy_num_threads == 1``) applies when the pool did partition its workers. An explicit
+    ``driver_affinity`` pins the policy and :meth:`start`'s thread; ``None`` pins nothing.
     """
-    policy_mask, worker_mask = auto_partition() if policy_num_threads == 1 else (None, None)
     for name, value in (("worker_affinity", worker_affinity), ("driver_affinity", driver_affinity)):
         if isinstance(value, str) and value != AUTO:
             raise ValueError(f"{name} must be {AUTO!r}, None or CPU indices, got {value!r}.")
-    if worker_affinity == AUTO:
-        worker_affinity = None if worker_mask is None else (lambda worker: worker_mask)
-    if driver_affinity == AUTO:
-        return worker_affinity, policy_mask, None
+    policy_mask, worker_mask = auto_partition() if policy_num_threads == 1 else (None, None)
+    auto_workers = isinstance(worker_affinity, str)
+    if auto_workers and worker_mask is None:
+        worker_affinity, auto_workers = None, False
+    if not auto_workers:
+        policy_mask = None  # the policy's CPU is kept for it only when the workers stay off it
+    if isinstance(driver_affinity, str):
+        return worker_affinity, None, policy_mask
     driver = None if driver_affinity is None else check_cpu_mask(driver_affinity, "driver_affinity")
-    return worker_affinity, driver, driver
+    return worker_affinity, driver, None

@@ -174,16 +174,18 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         worker_affinity (sequence of CPU index sequences, callable, "auto" or None, optional):
             TorchRL's option: Linux CPU masks for the env worker processes, one per worker or a
             callable ``worker_index -> mask`` (see :class:`~torchrl_asyncpool.AsyncEnvPool`).
-            ``"auto"`` (default): every worker on the CPUs after the first one this process may
-            use (none pinned with fewer than two CPUs or ``policy_num_threads`` other than
-            ``1``); ``None``: not pinned (TorchRL's default).
+            ``"auto"`` (default): when the workers step their envs without threads (cheap,
+            CPU-bound envs), every worker on the CPUs after the first one this process may use;
+            none pinned with env threads (blocking envs), fewer than two CPUs or
+            ``policy_num_threads`` other than ``1``. ``None``: not pinned (TorchRL's default).
         driver_affinity (sequence of int, "auto" or None, optional): TorchRL's option: a Linux CPU
             mask for where the policy runs (the serving thread with ``policy=``, the server
             process with ``policy_factory=``) and for the background thread of :meth:`start`;
             the constructing thread keeps its own mask. ``"auto"`` (default): the policy alone,
-            on the first CPU this process may use (the same conditions as above); ``None``:
-            nothing pinned. See :mod:`torchrl_asyncpool.affinity` for the partition and what it
-            measured; pass ``None`` to both when other work shares these cores.
+            on the first CPU this process may use, when the workers took the ``"auto"``
+            partition above; ``None``: nothing pinned. See :mod:`torchrl_asyncpool.affinity`
+            for the partition and what it measured; pass ``None`` to both when other work
+            shares these cores.
         exchange (str, optional): ``"auto"`` (default), ``"native"`` or ``"python"``: who
             leases and answers the slots in the policy server, the C engine built with the
             package or the pure-Python reference (see :class:`~torchrl_asyncpool.AsyncEnvPool`).
@@ -270,7 +272,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 )
         if (policy is None) == (policy_factory is None):
             raise ValueError("Pass exactly one of policy= or policy_factory=.")
-        worker_affinity, policy_affinity, self._driver_affinity = resolve_collector_affinity(
+        worker_affinity, self._driver_affinity, auto_policy_affinity = resolve_collector_affinity(
             worker_affinity, driver_affinity, policy_num_threads
         )
         if not isinstance(frames_per_batch, int) or isinstance(frames_per_batch, bool) or frames_per_batch < 1:
@@ -333,6 +335,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             exchange=exchange,
         )
         self._num_envs = self._pool.num_envs  # a vector env factory contributes several envs
+        policy_affinity = self._driver_affinity
+        if auto_policy_affinity is not None and self._pool.worker_affinity is not None:
+            policy_affinity = auto_policy_affinity  # the workers were partitioned off this CPU
         try:
             if slot_transport is not None:
                 _check_slot_transport(slot_transport, policy_factory, self._num_envs)

@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.data.utils import CloudpickleWrapper
 
-from torchrl_asyncpool.affinity import resolve_worker_affinity
+from torchrl_asyncpool.affinity import AUTO, auto_partition, resolve_worker_affinity
 from torchrl_asyncpool.delivery.chunks import ChunkBuffers, ChunkReader
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout, as_key
@@ -107,12 +107,15 @@ class AsyncEnvPool:
             this many consecutive steps in shared memory; read them with
             :meth:`take_transitions`; a callable ``layout -> int`` may choose it from the
             slot layout. Defaults to ``None`` (no transition delivery).
-        worker_affinity (sequence of CPU index sequences, or callable, optional): Linux CPU
-            masks for the worker processes, one per worker (``num_workers`` follows
+        worker_affinity (sequence of CPU index sequences, callable or "auto", optional): Linux
+            CPU masks for the worker processes, one per worker (``num_workers`` follows
             ``envs_per_worker``) or a callable ``worker_index -> mask``; each worker pins
             itself (and each of its env threads) once its envs are built, so that building
-            them uses every core. Defaults to
+            them uses every core. ``"auto"``: every worker on the CPUs after the first
+            (:func:`~torchrl_asyncpool.affinity.auto_partition`) when the workers step their
+            envs without threads, unpinned otherwise (the collector's default). Defaults to
             ``None`` (not pinned): see :mod:`torchrl_asyncpool.affinity` for when it pays.
+            The resolved masks are in :attr:`worker_affinity`.
         chunks_per_env (int, optional): chunks per env (see
             :mod:`torchrl_asyncpool.delivery.chunks`). Defaults to ``2``.
         pin_memory (bool, optional): allocate the receive staging buffer in pinned memory
@@ -176,7 +179,7 @@ class AsyncEnvPool:
         recurrent_state: Mapping | None = None,
         transition_chunk_size: int | None = None,
         chunks_per_env: int = 2,
-        worker_affinity: Sequence[Sequence[int]] | Callable[[int], Sequence[int]] | None = None,
+        worker_affinity: Sequence[Sequence[int]] | Callable[[int], Sequence[int]] | str | None = None,
         exchange: str = "auto",
     ):
         self._closed = True  # until start-up completes, close() has little to undo
@@ -188,6 +191,8 @@ class AsyncEnvPool:
             raise ValueError(f"mp_start_method must be one of {_START_METHODS}, got {mp_start_method!r}.")
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA, which is not available in this process.")
+        if isinstance(worker_affinity, str) and worker_affinity != AUTO:
+            raise ValueError(f"worker_affinity must be {AUTO!r}, None or CPU masks, got {worker_affinity!r}.")
 
         spec_adapter = make_adapter(fns[0](**kwargs[0]), 0)
         try:
@@ -233,7 +238,13 @@ class AsyncEnvPool:
             k = self.envs_per_worker
             groups = [list(range(i, min(i + k, n))) for i in range(0, n, k)]
         self.num_workers = len(groups)
+        if isinstance(worker_affinity, str):  # "auto", checked above
+            # the partition pays for CPU-bound workers; env threads waiting on I/O want every core
+            mask = None if self.env_threads else auto_partition()[1]
+            worker_affinity = None if mask is None else (lambda worker: mask)
         affinity = resolve_worker_affinity(worker_affinity, self.num_workers)
+        #: the CPU mask of each worker process (``None``: not pinned)
+        self.worker_affinity = affinity
         self._slot_worker = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
         # a threaded worker's slots each wait on their own doorbell; otherwise one per worker
         self._slot_bell = np.arange(n) if self.env_threads else self._slot_worker
