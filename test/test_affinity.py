@@ -177,3 +177,25 @@ def test_pool_auto_affinity_partitions_only_workers_without_threads():
         assert pool.worker_affinity is None
     with pytest.raises(ValueError, match="worker_affinity must be 'auto', None or CPU masks, got 'all'"):
         AsyncEnvPool(oracle_factories(2), worker_affinity="all")
+
+
+def _env_recording_its_build_mask(path, env_id):
+    from torchrl_asyncpool.testing import OracleEnv
+
+    with open(path, "w") as f:
+        f.write(",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    return OracleEnv(env_id=env_id)
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs to tell the masks apart")
+@pytest.mark.parametrize("env_threads", [False, True])
+def test_envs_are_built_on_every_cpu_and_stepped_on_the_mask(tmp_path, env_threads):
+    import functools
+
+    paths = [tmp_path / f"env{i}.txt" for i in range(2)]
+    fns = [functools.partial(_env_recording_its_build_mask, str(p), i) for i, p in enumerate(paths)]
+    with AsyncEnvPool(fns, envs_per_worker=2, env_threads=env_threads, worker_affinity=[[FIRST]]) as pool:
+        for p in paths:  # built before the worker pinned itself
+            assert set(map(int, p.read_text().split(","))) == set(CPUS)
+        for tid, got in _task_masks(pool.worker_pids[0]).items():
+            assert got == {FIRST}, f"thread {tid}: {sorted(got)}"
