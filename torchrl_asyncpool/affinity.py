@@ -87,10 +87,17 @@ def check_cpu_mask(mask, name: str) -> tuple:
     return tuple(sorted(set(cpus)))
 
 
-def resolve_worker_affinity(spec: Sequence[Sequence[int]] | Callable[[int], Sequence[int]] | None,
-                            num_workers: int) -> list | None:
+def resolve_worker_affinity(spec: Sequence[Sequence[int]] | Callable[[int], Sequence[int]] | str | None,
+                            num_workers: int, threaded: bool = False) -> list | None:
     """One mask per worker process from ``worker_affinity`` (a sequence of masks, or a callable
-    ``worker_index -> mask``); ``None`` leaves the workers unpinned."""
+    ``worker_index -> mask``); ``None`` leaves the workers unpinned. ``"auto"``: the worker side
+    of :func:`auto_partition` for every worker, unless the workers step their envs in threads
+    (``threaded``: env threads waiting on I/O want every core) or there is no partition."""
+    if isinstance(spec, str):
+        if spec != AUTO:
+            raise ValueError(f"worker_affinity must be {AUTO!r}, None or CPU masks, got {spec!r}.")
+        mask = None if threaded else auto_partition()[1]
+        spec = None if mask is None else (lambda worker: mask)
     if spec is None:
         return None
     if callable(spec):

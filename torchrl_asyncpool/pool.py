@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.data.utils import CloudpickleWrapper
 
-from torchrl_asyncpool.affinity import AUTO, auto_partition, resolve_worker_affinity
+from torchrl_asyncpool.affinity import resolve_worker_affinity
 from torchrl_asyncpool.delivery.chunks import ChunkBuffers, ChunkReader
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout, as_key
@@ -191,8 +191,8 @@ class AsyncEnvPool:
             raise ValueError(f"mp_start_method must be one of {_START_METHODS}, got {mp_start_method!r}.")
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA, which is not available in this process.")
-        if isinstance(worker_affinity, str) and worker_affinity != AUTO:
-            raise ValueError(f"worker_affinity must be {AUTO!r}, None or CPU masks, got {worker_affinity!r}.")
+        if isinstance(worker_affinity, str):  # a bad name fails before any env is built
+            resolve_worker_affinity(worker_affinity, 0)
 
         spec_adapter = make_adapter(fns[0](**kwargs[0]), 0)
         try:
@@ -238,11 +238,7 @@ class AsyncEnvPool:
             k = self.envs_per_worker
             groups = [list(range(i, min(i + k, n))) for i in range(0, n, k)]
         self.num_workers = len(groups)
-        if isinstance(worker_affinity, str):  # "auto", checked above
-            # the partition pays for CPU-bound workers; env threads waiting on I/O want every core
-            mask = None if self.env_threads else auto_partition()[1]
-            worker_affinity = None if mask is None else (lambda worker: mask)
-        affinity = resolve_worker_affinity(worker_affinity, self.num_workers)
+        affinity = resolve_worker_affinity(worker_affinity, self.num_workers, threaded=self.env_threads)
         #: the CPU mask of each worker process (``None``: not pinned)
         self.worker_affinity = affinity
         self._slot_worker = np.repeat(np.arange(len(groups)), [len(g) for g in groups])

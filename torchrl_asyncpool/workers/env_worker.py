@@ -182,11 +182,7 @@ class _Delivery:
         for slot in slots:
             slot.pos += 1
             if slot.pos == T:
-                c = slot.chunk
-                self.chunks.length[c] = T
-                self.chunks.ready_time[c] = time.monotonic()
-                self.state[c] = C.FULL  # after the data
-                slot.chunk = -1
+                self._close(slot)
                 full += 1
         if full:
             self.driver.ring(full)
@@ -201,11 +197,16 @@ class _Delivery:
                 dst[c, p] = src[i]
         slot.pos = p + 1
         if slot.pos == self.T:
-            self.chunks.length[c] = self.T
-            self.chunks.ready_time[c] = time.monotonic()
-            self.state[c] = C.FULL  # after the data
+            self._close(slot)
             self.driver.ring()
-            slot.chunk = -1
+
+    def _close(self, slot):
+        """Hands ``slot``'s filled chunk to the driver (``FULL``, after its data); the caller rings."""
+        c = slot.chunk
+        self.chunks.length[c] = self.T
+        self.chunks.ready_time[c] = time.monotonic()
+        self.state[c] = C.FULL  # after the data
+        slot.chunk = -1
 
 
 class _Worker:
