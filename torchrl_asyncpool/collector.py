@@ -18,7 +18,7 @@ from torchrl.modules.inference_server import ProcessSlotTransport as TorchRLProc
 from torchrl_asyncpool.acting_policy import WEIGHT_PREFIX, ActingPolicy, ActingPolicyFactory, derive_policy_outputs
 from torchrl_asyncpool.inference import InferenceServer, InferenceServerError
 from torchrl_asyncpool.inference._runner import flatten_weights
-from torchrl_asyncpool.errors import PoolClosedError
+from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange.arena import as_key
 from torchrl_asyncpool.pool import AsyncEnvPool
 from torchrl_asyncpool.affinity import pinned, resolve_collector_affinity
@@ -456,9 +456,13 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self._pool.check_workers()
         try:
             self._server.check()
-        except InferenceServerError:
+        except InferenceServerError as exc:
             # the server may have seen a worker die after the check above: name that first
             self._pool.check_workers()
+            if isinstance(exc.__cause__, (EnvError, WorkerDiedError)):
+                # the pool's own error as the serving thread met it (the pool's check above can
+                # still miss a death the serving thread saw a moment earlier)
+                raise exc.__cause__ from None
             raise
 
     def _take(self, frames: int) -> TensorDictBase:
