@@ -46,7 +46,8 @@ class _EchoDiscrete(gym.Env):
         return {"last": np.full(1, -1, np.int64), "t": np.zeros(1, np.int64)}, {}
 
     def step(self, action):
-        assert isinstance(action, int), type(action)  # Discrete actions arrive as Python ints
+        # Discrete actions arrive as numpy integer scalars, as in gymnasium's vector envs
+        assert isinstance(action, np.int64), type(action)
         self.t += 1
         return {"last": np.full(1, action, np.int64), "t": np.full(1, self.t, np.int64)}, 1.0, self.t >= 4, False, {}
 
@@ -105,6 +106,39 @@ def test_discrete_actions_and_dict_observations():
                 sent[env] = int(actions[row])
             pool.send(TensorDict({"action": actions}, td.batch_size), td.env_indices)
     assert ends >= n
+
+
+class _CheckedDiscrete(gym.Env):
+    """Asserts ``action_space.contains(action)`` as gymnasium's own envs do; ``int32`` actions
+    from 5 to 7; observation = the last action."""
+
+    observation_space = gym.spaces.Box(-1, 100, (1,), np.int64)
+    action_space = gym.spaces.Discrete(3, start=5, dtype=np.int32)
+
+    def reset(self, *, seed=None, options=None):
+        return np.full(1, -1, np.int64), {}
+
+    def step(self, action):
+        assert self.action_space.contains(action), (action, type(action))
+        assert isinstance(action, np.int32), type(action)
+        return np.full(1, action, np.int64), 0.0, False, False, {}
+
+
+@pytest.mark.parametrize("envs_per_worker", [1, 3])
+def test_discrete_actions_have_their_space_dtype(envs_per_worker):
+    """An env whose step asserts ``contains`` (``np.int64`` would fail an ``int32`` space)
+    gets every action, through the per-slot path (1 env per worker) and the pass (3)."""
+    with AsyncEnvPool([_CheckedDiscrete] * 3, envs_per_worker=envs_per_worker) as pool:
+        sent = {}
+        for _ in range(30):
+            td = pool.recv(min_get=1)
+            for row, env in enumerate(td.env_indices.tolist()):
+                if env in sent:
+                    assert int(td["observation"][row]) == sent[env]
+            actions = torch.randint(5, 8, (td.batch_size[0],))
+            sent.update(zip(td.env_indices.tolist(), actions.tolist()))
+            pool.send(TensorDict({"action": actions}, td.batch_size), td.env_indices)
+        assert len(sent) == 3
 
 
 def test_box_action_with_the_wrong_shape_is_refused_before_anything_is_written():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 from torchrl.envs import EnvBase
@@ -264,6 +265,10 @@ class GymnasiumEnvAdapter:
         if isinstance(a, gym.spaces.Discrete):
             self._action = ((), torch.int64)
             self._discrete = True
+            # A numpy scalar of the space's dtype, as gymnasium's vector envs and
+            # ``Discrete.sample()`` hand out: ``Discrete.contains`` (asserted by most envs' step)
+            # checks one 2-3 us faster than a Python int, ~15 % of a CartPole step.
+            self._discrete_scalar = None if a.dtype == np.int64 else a.dtype.type
         elif isinstance(a, (gym.spaces.Box, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)):
             self._action = (tuple(a.shape), _torch_dtype(a.dtype))
             self._discrete = False
@@ -313,12 +318,18 @@ class GymnasiumEnvAdapter:
             truncated = True
         return obs, reward, terminated, truncated
 
+    def _action_value(self, a):
+        """What ``env.step`` gets for the action row ``a`` (numpy): a copy of a ``Box`` row, or a
+        numpy integer scalar of the ``Discrete`` space's dtype."""
+        if not self._discrete:
+            return a.copy()
+        return a[()] if self._discrete_scalar is None else self._discrete_scalar(a)
+
     def step(self, actions: Dict):
         a = actions["action"]
         if isinstance(a, torch.Tensor):
             a = a.numpy()
-        a = int(a) if self._discrete else a.copy()
-        obs, reward, terminated, truncated, _ = self.env.step(a)
+        obs, reward, terminated, truncated, _ = self.env.step(self._action_value(a))
         return self._obs(obs), reward, bool(terminated), bool(truncated)
 
     def step_into(self, actions: Dict, views):
@@ -333,7 +344,7 @@ class GymnasiumEnvAdapter:
         a = actions["action"]
         if isinstance(a, torch.Tensor):
             a = a.numpy()
-        obs, reward, terminated, truncated, _ = self.env.step(int(a) if self._discrete else a.copy())
+        obs, reward, terminated, truncated, _ = self.env.step(self._action_value(a))
         if self._dict_obs:
             for key, view in views:
                 view[...] = obs[key]
