@@ -237,7 +237,8 @@ class GymnasiumEnvAdapter:
     Spaces map to keys as TorchRL's ``GymEnv`` does: a ``Box``/``Discrete`` observation is
     ``"observation"``, a ``Dict`` space gives one key per entry; the action is ``"action"``
     (``int64`` scalar for ``Discrete``, the ``Box`` shape and dtype otherwise); the reward is
-    ``float32 [1]``.
+    ``float32 [1]``. ``env.step`` receives what gymnasium's vector envs hand their sub-envs: a
+    numpy integer scalar of the space's dtype for ``Discrete``, a fresh array for ``Box``.
     """
 
     def __init__(self, env, env_index: int | None = None):
