@@ -211,6 +211,38 @@ def test_cli_bench_default_script_gets_a_plot_path(tmp_path, capsys, monkeypatch
     assert "ARGS ['--plot', 'mine.png']" in capsys.readouterr().out
 
 
+def test_profile_collector_script(tmp_path):
+    """``benchmarks/profile_collector.py`` on a tiny cell: the cycle parts add up to the cycle, and
+    the CPU table names the serving thread and each env worker."""
+    out = tmp_path / "profile.json"
+    script = ROOT / "benchmarks" / "profile_collector.py"
+    proc = _run([sys.executable, str(script), "--workload", "cartpole", "--envs", "4", "--seconds", "0.5",
+                 "--policy", "zero", "--set", "envs_per_worker=2", "--json", str(out)], timeout=240)
+    assert "frames/s" in proc.stdout and "CPU per frame" in proc.stdout
+    r = json.loads(out.read_text())
+    assert r["frames_per_s"] > 0 and r["collector_kwargs"] == {"envs_per_worker": "2"}
+    parts = r["cycle_us"]
+    assert abs(sum(v for k, v in parts.items() if k != "total") - parts["total"]) < 1e-6 * parts["total"] + 1e-3
+    what = [c["what"] for c in r["cpu"]]
+    assert any("torchrl_asyncpool-inference" in w for w in what), what
+    assert sum("env worker" in w for w in what) == 2, what
+
+
+def test_profile_collector_rejects_a_bad_set(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_collector", ROOT / "benchmarks" / "profile_collector.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module._kwarg("envs_per_worker=8") == ("envs_per_worker", 8)
+    assert module._kwarg("exchange=python") == ("exchange", "python")
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--set", "not a kwarg"])
+    assert exit_info.value.code == 2 and "NAME=VALUE" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="policy must be"):
+        module.profile("cartpole", 2, 0.1, policy="random")
+
+
 # -- full runs (opt-in): each reaches the 475 target ----------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(1800)

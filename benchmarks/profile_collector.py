@@ -1,0 +1,220 @@
+"""Where one collector cell's time goes: a single ``AsyncPoolCollector`` workload, measured from the
+inside (Linux only: it reads ``/proc``).
+
+``compare_collectors.py`` says how fast each implementation is; this script says why ours is as
+fast as it is, on the same workloads and builders. For one workload and env count it reports:
+
+* frames/s delivered to the learner and, for the 2 ms env, the share of the N/latency limit;
+* one env's cycle split into the step itself (timed in the workers), ready -> leased by the
+  serving loop, leased -> answered, and the rest (the worker's wake-up and copies), whose sum is
+  ``envs / frames_per_s``;
+* the serving loop's batch size, policy time and service time (``server_stats``);
+* CPU per frame of each thread of this process (serving thread, learner, ...) and of each child
+  process (env workers, a server process), user and system apart, and minor page faults.
+
+``--policy zero`` swaps the benchmark MLP for a policy that only writes a zero action: the
+serving loop's own cost per batch, with the policy taken out. Earlier sessions rebuilt these
+probes by hand each time; the numbers in ``benchmarks/README.md`` ("Run bT") came from them::
+
+    python benchmarks/profile_collector.py --workload sleep2ms --envs 16
+    python benchmarks/profile_collector.py --workload sleep2ms --envs 16 --policy zero
+    python benchmarks/profile_collector.py --workload cartpole --envs 32 --set worker_affinity=None
+
+Run it with nothing else busy on the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare_collectors import WORKLOADS, build_asyncpool  # noqa: E402
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat(path):
+    """``(ppid, user s, system s, minor faults)`` from a ``/proc/.../stat`` file, or ``None``."""
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:  # gone meanwhile
+        return None
+    # fields[0] is the state (field 3 of proc(5)): ppid is field 4, minflt 10, utime 14, stime 15
+    return int(fields[1]), int(fields[11]) / _TICK, int(fields[12]) / _TICK, int(fields[7])
+
+
+def _descendants(root: int) -> dict:
+    """``{pid: name}`` of every process below ``root``."""
+    parent, names = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(f"/proc/{entry}/stat")
+            if st is not None:
+                parent[int(entry)] = st[0]
+                try:
+                    with open(f"/proc/{entry}/comm") as f:
+                        names[int(entry)] = f.read().strip()
+                except OSError:
+                    pass
+    out, frontier = {}, [root]
+    while frontier:
+        p = frontier.pop()
+        for child, pp in parent.items():
+            if pp == p and child not in out:
+                out[child] = names.get(child, "?")
+                frontier.append(child)
+    return out
+
+
+def _cpu_snapshot(pids) -> dict:
+    """CPU seconds (user, system) and minor faults of this process's threads and of ``pids``."""
+    me = os.getpid()
+    snap = {}
+    for tid in os.listdir(f"/proc/{me}/task"):
+        st = _stat(f"/proc/{me}/task/{tid}/stat")
+        if st is not None:
+            snap[("thread", int(tid))] = st[1:]
+    for pid in pids:
+        st = _stat(f"/proc/{pid}/stat")
+        if st is not None:
+            snap[("process", pid)] = st[1:]
+    return snap
+
+
+def _zero_policy(n):
+    zeros = torch.zeros(n, dtype=torch.int64)
+
+    def act(td):
+        return td.set("action", zeros[: td.batch_size[0]])
+
+    return act
+
+
+def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frames_per_batch: int = 1024,
+            warmup_batches: int = 5, **collector_kwargs) -> dict:
+    """Runs one cell and returns the measurements described in the module docstring."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {workload!r}.")
+    if policy not in ("mlp", "zero"):
+        raise ValueError(f"policy must be 'mlp' or 'zero', got {policy!r}.")
+    if policy == "zero":
+        from torchrl_asyncpool import AsyncPoolCollector
+
+        collector = AsyncPoolCollector([WORKLOADS[workload][0]] * envs, policy=_zero_policy(envs),
+                                       frames_per_batch=frames_per_batch, **collector_kwargs)
+    else:
+        collector = build_asyncpool(workload, envs, frames_per_batch, **collector_kwargs)
+    try:
+        it = iter(collector)
+        for _ in range(warmup_batches):
+            next(it)
+        children = _descendants(os.getpid())
+        collector.pool_metrics(reset=True)
+        collector.server_stats(reset=True)
+        before = _cpu_snapshot(children)
+        t0 = time.perf_counter()
+        frames = 0
+        while time.perf_counter() - t0 < seconds:
+            batch = next(it)
+            frames += frames_per_batch if batch is None else batch.numel()
+        elapsed = time.perf_counter() - t0
+        after = _cpu_snapshot(children)
+        pool = collector.pool_metrics()
+        server = collector.server_stats()
+        # labels, read while the threads and processes still exist
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        names[os.getpid()] = "main thread"
+        for w, pid in enumerate(collector.env.worker_pids):
+            children[pid] = f"env worker {w}"
+        if collector.server.pid is not None:
+            children[collector.server.pid] = "inference server"
+    finally:
+        collector.shutdown()
+    cpu = []
+    for key, (user1, sys1, flt1) in after.items():
+        user0, sys0, flt0 = before.get(key, (0.0, 0.0, 0))
+        kind, ident = key
+        label = names.get(ident, f"thread {ident}") if kind == "thread" else f"{children.get(ident, '?')} (pid {ident})"
+        cpu.append({
+            "what": f"{kind}: {label}",
+            "user_us_per_frame": 1e6 * (user1 - user0) / frames,
+            "system_us_per_frame": 1e6 * (sys1 - sys0) / frames,
+            "minor_faults_per_frame": (flt1 - flt0) / frames if kind == "process" else None,
+        })
+    cpu = [c for c in cpu if c["user_us_per_frame"] + c["system_us_per_frame"] > 0.05]
+    cpu.sort(key=lambda c: -(c["user_us_per_frame"] + c["system_us_per_frame"]))
+    fps = frames / elapsed
+    cycle = envs / fps
+    step, dwell, answer = pool["env_step_time_s"], pool["obs_to_batch_dwell_s"], pool["batch_to_action_dwell_s"]
+    out = {
+        "workload": workload, "envs": envs, "policy": policy,
+        "collector_kwargs": {k: repr(v) for k, v in collector_kwargs.items()},
+        "frames_per_s": fps,
+        "pct_of_n_over_latency": 100.0 * fps * 0.002 / envs if workload == "sleep2ms" else None,
+        "cycle_us": {"env step": 1e6 * step, "ready -> leased": 1e6 * dwell, "leased -> answered": 1e6 * answer,
+                     "rest (wake-up, copies)": 1e6 * (cycle - step - dwell - answer), "total": 1e6 * cycle},
+        "mean_batch_size": server["mean_batch_size"],
+        "policy_us_per_batch": 1e6 * server["inference_time_s"],
+        "service_us_per_batch": 1e6 * server["service_time_s"],
+        "consumer_busy_fraction": pool["consumer_busy_fraction"],
+        "cpu": cpu,
+    }
+    return out
+
+
+def _print(r: dict) -> None:
+    pct = "" if r["pct_of_n_over_latency"] is None else f", {r['pct_of_n_over_latency']:.1f} % of N/latency"
+    extra = "".join(f", {k}={v}" for k, v in r["collector_kwargs"].items())
+    print(f"{r['workload']}, {r['envs']} envs, policy {r['policy']}{extra}: "
+          f"{r['frames_per_s']:,.0f} frames/s{pct}")
+    print("one env's cycle (us): " + ", ".join(f"{k} {v:,.0f}" for k, v in r["cycle_us"].items()))
+    print(f"serving loop: mean batch {r['mean_batch_size']:.2f}, policy {r['policy_us_per_batch']:.0f} us "
+          f"and service {r['service_us_per_batch']:.0f} us per batch, busy {100 * r['consumer_busy_fraction']:.0f} %")
+    print("CPU per frame (us, user + system):")
+    for c in r["cpu"]:
+        faults = "" if c["minor_faults_per_frame"] is None else f"  ({c['minor_faults_per_frame']:.2f} minor faults)"
+        print(f"  {c['what']:42s} {c['user_us_per_frame']:7.1f} + {c['system_us_per_frame']:6.1f}{faults}")
+
+
+def _kwarg(text: str):
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"--set takes NAME=VALUE (a Python literal), got {text!r}.")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value  # a bare string, e.g. envs_per_worker=auto
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="sleep2ms", choices=list(WORKLOADS))
+    p.add_argument("--envs", type=int, default=16)
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--policy", default="mlp", choices=("mlp", "zero"))
+    p.add_argument("--frames-per-batch", type=int, default=1024)
+    p.add_argument("--set", dest="kwargs", type=_kwarg, action="append", default=[],
+                   help="a collector keyword, e.g. --set worker_affinity=None --set envs_per_worker=8")
+    p.add_argument("--json", default=None, help="also write the result here")
+    args = p.parse_args(argv)
+    if not os.path.isdir("/proc/self/task"):
+        p.error("this profile reads /proc (Linux only).")
+    torch.set_num_threads(1)
+    r = profile(args.workload, args.envs, args.seconds, args.policy, args.frames_per_batch, **dict(args.kwargs))
+    _print(r)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return r
+
+
+if __name__ == "__main__":
+    main()
