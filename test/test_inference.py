@@ -21,6 +21,7 @@ from tensordict import TensorDict
 
 from conftest import oracle_factories
 from torchrl_asyncpool import AsyncEnvPool, InferenceServer, InferenceServerError, ProcessSlotTransport
+from torchrl_asyncpool.acting_policy import ActingPolicy
 from torchrl_asyncpool.errors import EnvError
 from torchrl_asyncpool.inference import STAT_KEYS, bucket_ladder
 from torchrl_asyncpool.inference._common import KeyPlan, auto_threshold, pick_bucket
@@ -489,6 +490,33 @@ def test_thread_server_torch_thread_count(caller, num_threads, expected):
         assert torch.get_num_threads() == caller
     finally:
         torch.set_num_threads(before)
+
+
+class _GradProbe(OracleTagPolicy):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(()))  # requires grad: a graph would be built if grad were on
+        self.seen = set()
+
+    def forward(self, td):
+        if threading.current_thread() is not threading.main_thread():  # not start()'s dry run
+            self.seen.add((torch.is_grad_enabled(), (self.w * 2).requires_grad))
+        return super().forward(td)
+
+
+def test_the_serving_thread_runs_policies_without_grad():
+    """The serving loop turns grad off once for its own thread (no ``no_grad`` per batch): the
+    policy never builds a graph, and the caller's grad mode is its own."""
+    probe = _GradProbe()
+    hooked = []
+    probe.register_forward_hook(lambda *args: hooked.append(1))  # the user's policy keeps its hooks
+    assert torch.is_grad_enabled()
+    with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:
+        with InferenceServer(ActingPolicy(probe)).start(pool) as server:
+            batches = _serve_until(server, 20)["batches"]
+            assert torch.is_grad_enabled()
+    assert probe.seen == {(False, False)}
+    assert len(hooked) >= batches > 0  # once per batch (and per dry run)
 
 
 # -- faults -------------------------------------------------------------------------------------

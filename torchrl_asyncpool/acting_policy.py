@@ -45,6 +45,11 @@ class ActingPolicy(torch.nn.Module):
         # [calls in progress]: a list, so counting a call is not an nn.Module.__setattr__ (~5 us a batch)
         self._in_call = [0]
 
+    #: the inference server calls :meth:`forward` directly, skipping ``nn.Module.__call__``'s
+    #: hook dispatch (1-3 us a batch): nothing registers hooks on this internal wrapper (the
+    #: wrapped policy is still called through ``__call__``, hooks included)
+    hookless = True
+
     def _target(self):
         return self.policy if "policy" in self._modules else self._callable
 

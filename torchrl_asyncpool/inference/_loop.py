@@ -155,6 +155,8 @@ class ServingLoop:
     def serve(self) -> None:
         """Serves until a stop is requested; raises on a policy or pool failure."""
         inflight: List[_Flight] = []
+        grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)  # per thread: saves a no_grad context per batch (see KeyRunner._run_cpu)
         try:
             while True:
                 if not inflight:
@@ -179,6 +181,7 @@ class ServingLoop:
                         self._finish(flight)
         finally:
             self.current_key = None
+            torch.set_grad_enabled(grad)
 
     def _apply_weights(self):
         for name, flat, version in self.weights.poll():
