@@ -1,8 +1,10 @@
 """AsyncPoolCollector: exactly-once, in-order delivery through iteration, replay buffers and start()."""
+import threading
 import time
 
 import pytest
 import torch
+from tensordict import TensorDict
 from torchrl.collectors import AsyncBatchedCollector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
@@ -284,6 +286,41 @@ def test_process_server_with_policy_factory_and_weight_update():
         assert 1 in seen and checker.records == 400
     finally:
         c.shutdown()
+
+
+def test_acting_policy_pause_gate():
+    """pause() waits for the running call (or times out, pausing nothing), holds new calls until
+    resume(); a second pause or a resume of a running policy does nothing."""
+    from torchrl_asyncpool.acting_policy import ActingPolicy
+
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(td):
+        inside.set()
+        release.wait(10)
+        return td.set("action", torch.zeros(td.shape[0], dtype=torch.int64))
+
+    ap = ActingPolicy(slow)
+    td = TensorDict({}, [2])
+    t = threading.Thread(target=ap, args=(td,))
+    t.start()
+    assert inside.wait(10)
+    with pytest.raises(TimeoutError):
+        ap.pause(timeout=0.05)  # the call is still running
+    release.set()
+    t.join(10)
+    ap.pause(timeout=5)
+    ap.pause(timeout=5)  # already paused: returns at once
+    done = []
+    t = threading.Thread(target=lambda: done.append(ap(td.clone())))
+    t.start()
+    time.sleep(0.1)
+    assert not done  # held by the gate
+    threading.Thread(target=ap.resume).start()  # shutdown resumes from another thread
+    t.join(10)
+    assert len(done) == 1 and (done[0]["action"] == 0).all()
+    ap.resume()  # not paused: nothing happens
+    assert ap(td.clone())["action"].shape == (2,)
 
 
 def test_pause_keeps_the_policy_idle():

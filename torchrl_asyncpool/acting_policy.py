@@ -40,10 +40,10 @@ class ActingPolicy(torch.nn.Module):
         # one context object, entered per batch (building one costs about as much as entering it)
         self._explore = set_exploration_type(exploration_type) if exploration_type is not None else None
         self.action_dtypes = dict(action_dtypes or {})
-        self._gate = threading.Condition()
+        # held by each call, and by pause() until resume(): one uncontended lock per batch
+        self._gate = threading.Lock()
+        self._pause_state = threading.Lock()  # serializes pause()/resume() (shutdown resumes from any thread)
         self._paused = False
-        # [calls in progress]: a list, so counting a call is not an nn.Module.__setattr__ (~5 us a batch)
-        self._in_call = [0]
 
     #: the inference server calls :meth:`forward` directly, skipping ``nn.Module.__call__``'s
     #: hook dispatch (1-3 us a batch): nothing registers hooks on this internal wrapper (the
@@ -61,10 +61,6 @@ class ActingPolicy(torch.nn.Module):
 
     def forward(self, td):
         with self._gate:
-            while self._paused:
-                self._gate.wait()
-            self._in_call[0] += 1
-        try:
             if self._explore is not None:
                 with self._explore:
                     out = self._target()(td)
@@ -76,25 +72,23 @@ class ActingPolicy(torch.nn.Module):
                 if value is not None and value.dtype != dtype:
                     out.set(key, value.to(dtype))
             return out
-        finally:
-            with self._gate:
-                self._in_call[0] -= 1
-                if self._paused:  # only pause() and paused calls wait on the gate
-                    self._gate.notify_all()
 
     def pause(self, timeout=None) -> None:
-        """Blocks new calls and waits until no call is running."""
-        with self._gate:
-            self._paused = True
-            if not self._gate.wait_for(lambda: self._in_call[0] == 0, timeout):
-                self._paused = False
-                self._gate.notify_all()
+        """Blocks new calls and waits until no call is running (at most ``timeout`` seconds,
+        then ``TimeoutError`` and nothing is paused); pausing a paused policy does nothing."""
+        with self._pause_state:
+            if self._paused:
+                return
+            if not self._gate.acquire(timeout=-1 if timeout is None else timeout):
                 raise TimeoutError("the acting policy did not finish its batch in time.")
+            self._paused = True
 
     def resume(self) -> None:
-        with self._gate:
-            self._paused = False
-            self._gate.notify_all()
+        """Lets calls run again; resuming a running policy does nothing."""
+        with self._pause_state:
+            if self._paused:
+                self._paused = False
+                self._gate.release()
 
 
 class ActingPolicyFactory:
