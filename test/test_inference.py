@@ -583,6 +583,35 @@ def test_env_error_stops_the_server_with_the_env_named():
             assert isinstance(info.value.__cause__, EnvError)
 
 
+def _refuse_outside(parent_pid):
+    if os.getpid() != parent_pid:
+        raise ImportError("this factory cannot be rebuilt in the server process")
+    return _UnpicklableThere()
+
+
+class _UnpicklableThere:
+    """A policy factory that unpickles only in the process that made it: the server process dies
+    inside multiprocessing's bootstrap, before server_main can report anything."""
+
+    def __call__(self):
+        return OracleTagPolicy()
+
+    def __reduce__(self):
+        return _refuse_outside, (os.getpid(),)
+
+
+def test_a_server_process_dying_before_it_reports_is_named_promptly():
+    """Its status pipe reads EOF (a readable descriptor, so waiting again would spin until the
+    start-up timeout): the error comes at once and names the death."""
+    with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:
+        server = InferenceServer(policy_factory=_UnpicklableThere())
+        t0 = time.monotonic()
+        with pytest.raises(InferenceServerError, match="died during start-up"):
+            server.start(pool)
+        assert time.monotonic() - t0 < 60.0  # the start-up timeout is 120 s
+        assert not server.is_alive
+
+
 def test_sigkill_of_the_server_process_is_reported_promptly_and_stop_returns():
     with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:
         transport = ProcessSlotTransport(pool, mp_start_method="forkserver")

@@ -173,11 +173,18 @@ class ProcessSlotTransport:
                 try:
                     msg = _decode(self._conn.recv_bytes())
                 except EOFError:
-                    msg = None
-                if msg is not None:
-                    if msg.get("event") == "ready":
-                        return msg
-                    raise _startup_error(msg)
+                    # closed without a word: the process died before server_main could report, e.g.
+                    # unpickling its policy factory (an EOF stays readable: waiting again would spin)
+                    self._proc.join(1.0)
+                    raise InferenceServerError(
+                        f"the inference server process (pid {self._proc.pid}) died during start-up "
+                        f"({self._death()}) before it could report why; its traceback is on its standard "
+                        "error. A policy_factory must be importable by the server process (defined in a "
+                        "module, or under an `if __name__ == \"__main__\":` guard in a script file)."
+                    ) from None
+                if msg.get("event") == "ready":
+                    return msg
+                raise _startup_error(msg)
             if sentinel in ready and not self._conn.poll(0):
                 raise InferenceServerError(
                     f"the inference server process (pid {self._proc.pid}) died during start-up ({self._death()})."
