@@ -28,13 +28,13 @@ import argparse
 import ast
 import json
 import os
-import sys
 import threading
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# run as a script, this folder is sys.path[0]: the workers find compare_collectors' env
+# factories by that module name, as they do for compare_collectors.py itself
 from compare_collectors import WORKLOADS, build_asyncpool  # noqa: E402
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

@@ -231,9 +231,16 @@ def test_profile_collector_script(tmp_path):
 def test_profile_collector_rejects_a_bad_set(capsys):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("profile_collector", ROOT / "benchmarks" / "profile_collector.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # benchmarks/ on sys.path only while importing: a fork server started later would inherit it
+    # and find benchmarks/conftest.py where the tests' factories live in test/conftest.py
+    saved = list(sys.path)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("profile_collector", ROOT / "benchmarks" / "profile_collector.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
     assert module._kwarg("envs_per_worker=8") == ("envs_per_worker", 8)
     assert module._kwarg("exchange=python") == ("exchange", "python")
     with pytest.raises(SystemExit) as exit_info:
