@@ -267,8 +267,9 @@ class GymnasiumEnvAdapter:
             self._action = ((), torch.int64)
             self._discrete = True
             # A numpy scalar of the space's dtype, as gymnasium's vector envs and
-            # ``Discrete.sample()`` hand out: ``Discrete.contains`` (asserted by most envs' step)
-            # checks one 2-3 us faster than a Python int, ~15 % of a CartPole step.
+            # ``Discrete.sample()`` hand out (TorchRL's GymEnv passes numpy too):
+            # ``Discrete.contains``, asserted by most envs' step, checks one ~1.3 us faster than
+            # a Python int, ~8 % of a CartPole step.
             self._discrete_scalar = None if a.dtype == np.int64 else a.dtype.type
         elif isinstance(a, (gym.spaces.Box, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)):
             self._action = (tuple(a.shape), _torch_dtype(a.dtype))
