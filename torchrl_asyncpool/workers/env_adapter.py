@@ -267,7 +267,8 @@ class GymnasiumEnvAdapter:
             self._action = ((), torch.int64)
             self._discrete = True
             # A numpy scalar of the space's dtype, as gymnasium's vector envs and
-            # ``Discrete.sample()`` hand out (TorchRL's GymEnv passes numpy too):
+            # ``Discrete.sample()`` hand out (TorchRL's GymEnv passes an int; a TorchRL env in
+            # a pool still goes through its own ``_step``):
             # ``Discrete.contains``, asserted by most envs' step, checks one ~1.3 us faster than
             # a Python int, ~8 % of a CartPole step.
             self._discrete_scalar = None if a.dtype == np.int64 else a.dtype.type
