@@ -321,18 +321,18 @@ class GymnasiumEnvAdapter:
             truncated = True
         return obs, reward, terminated, truncated
 
-    def _action_value(self, a):
-        """What ``env.step`` gets for the action row ``a`` (numpy): a copy of a ``Box`` row, or a
-        numpy integer scalar of the ``Discrete`` space's dtype."""
+    def _action_value(self, actions: Dict):
+        """What ``env.step`` gets for the action row ``actions["action"]`` (numpy, or a tensor):
+        a copy of a ``Box`` row, or a numpy integer scalar of the ``Discrete`` space's dtype."""
+        a = actions["action"]
+        if isinstance(a, torch.Tensor):
+            a = a.numpy()
         if not self._discrete:
             return a.copy()
         return a[()] if self._discrete_scalar is None else self._discrete_scalar(a)
 
     def step(self, actions: Dict):
-        a = actions["action"]
-        if isinstance(a, torch.Tensor):
-            a = a.numpy()
-        obs, reward, terminated, truncated, _ = self.env.step(self._action_value(a))
+        obs, reward, terminated, truncated, _ = self.env.step(self._action_value(actions))
         return self._obs(obs), reward, bool(terminated), bool(truncated)
 
     def step_into(self, actions: Dict, views):
@@ -344,10 +344,7 @@ class GymnasiumEnvAdapter:
             for key, view in views:
                 view[...] = obs[key]
             return reward, terminated, truncated
-        a = actions["action"]
-        if isinstance(a, torch.Tensor):
-            a = a.numpy()
-        obs, reward, terminated, truncated, _ = self.env.step(self._action_value(a))
+        obs, reward, terminated, truncated, _ = self.env.step(self._action_value(actions))
         if self._dict_obs:
             for key, view in views:
                 view[...] = obs[key]
