@@ -1,13 +1,21 @@
 """Unit tests of the exchange building blocks and the step type."""
-import multiprocessing as mp
+import os
 import select
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
 import statistics
 import time
 
+import pytest
 import torch
 
 from torchrl_asyncpool import StepType, discount_from_step_type
-from torchrl_asyncpool.exchange import Arena, ArenaLayout, Doorbell, InheritedFd, poll_for
+from torchrl_asyncpool.exchange import Arena, ArenaLayout, BellWait, Doorbell, InheritedFd, poll_for
+from torchrl_asyncpool.exchange import doorbell as doorbell_module
+from torchrl_asyncpool.forkserver import forkserver_context
 
 
 def _child_writes(layout, fd, bell):
@@ -21,7 +29,9 @@ def test_arena_is_shared_with_a_forkserver_child_and_has_no_dev_shm_file(dev_shm
     layout = ArenaLayout(4, {"obs": ((3,), torch.float32)}, {("a", "b"): ((2,), torch.int64)})
     arena = Arena.create(layout)
     bell = Doorbell()
-    ctx = mp.get_context("forkserver")
+    # started as the pool starts it: a fork server started without torch in its preload would
+    # make every later pool's workers import torch themselves (see torchrl_asyncpool.forkserver)
+    ctx = forkserver_context()
     p = ctx.Process(target=_child_writes, args=(layout, InheritedFd(arena.fd), bell.inheritable()))
     p.start()
     assert bell.wait(timeout=30)
@@ -66,6 +76,119 @@ def test_poll_for_honours_sub_millisecond_timeouts():
     assert not bell.wait(timeout=0.0015)
     assert time.monotonic() - t0 >= 0.0015  # waits of a millisecond or more still wait in full
     bell.close()
+
+
+@pytest.fixture(params=["native", "python"])
+def bell_impl(request, monkeypatch):
+    """The doorbell calls through the C extension, then through os and select."""
+    if request.param == "native":
+        if doorbell_module._c is None:
+            pytest.skip("the C extension is not built")
+    else:
+        monkeypatch.setattr(doorbell_module, "_c", None)
+    return request.param
+
+
+def test_bell_wait_drains_its_bell_and_reports_other_descriptors(bell_impl):
+    bell = Doorbell()
+    r, w = os.pipe()
+    waiter = BellWait(bell, [r])
+    try:
+        assert waiter.wait(0.0) == [] and waiter.wait(0.002) == []
+        bell.ring(2)
+        assert waiter.wait(0.0) == [bell.fd]  # a zero timeout still drains
+        assert bell.drain() == 0
+        bell.ring()
+        assert waiter.wait(None) == [bell.fd] and bell.drain() == 0
+        os.write(w, b"x")
+        bell.ring()
+        assert waiter.wait(5.0) == [bell.fd, r]  # in the order given, the bell drained
+        assert bell.drain() == 0 and waiter.wait(0.0) == [r]  # the pipe stays readable: not ours to read
+        os.read(r, 1)
+        os.close(w)
+        w = -1
+        assert waiter.wait(5.0) == [r]  # a hang-up ends the wait too
+        assert BellWait(None, [r]).wait(0.0) == [r]
+    finally:
+        bell.close()
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+def test_bell_wait_lets_other_threads_run_and_honours_short_timeouts(bell_impl):
+    bell = Doorbell()
+    waiter = BellWait(bell)
+    # the ring comes from another Python thread: a wait that kept the GIL would never return
+    ringer = threading.Timer(0.05, bell.ring)
+    ringer.start()
+    t0 = time.monotonic()
+    assert waiter.wait(30.0) == [bell.fd]
+    assert time.monotonic() - t0 < 20.0
+    ringer.join()
+    took = []
+    for _ in range(31):
+        t0 = time.monotonic()
+        assert waiter.wait(0.0002) == []
+        took.append(time.monotonic() - t0)
+    assert statistics.median(took) < 0.00095, took  # not poll(2)'s rounded-up millisecond
+    t0 = time.monotonic()
+    assert waiter.wait(0.0015) == []
+    assert time.monotonic() - t0 >= 0.001
+    bell.close()
+
+
+def test_bell_wait_is_interrupted_by_a_signal_handler_that_raises(bell_impl):
+    class Interrupted(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Interrupted
+
+    bell = Doorbell()
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        t0 = time.monotonic()
+        with pytest.raises(Interrupted):
+            BellWait(bell).wait(30.0)
+        assert time.monotonic() - t0 < 20.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        bell.close()
+
+
+def test_a_fork_server_started_without_torch_is_warned_about_once():
+    # in a fresh interpreter (this test process's fork server already runs, with the preload),
+    # loading the module from its file: it needs only multiprocessing, not torch
+    import torchrl_asyncpool.forkserver as module
+
+    code = textwrap.dedent(f"""
+        import importlib.util, multiprocessing as mp, warnings
+        spec = importlib.util.spec_from_file_location("forkserver_under_test", {module.__file__!r})
+        module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
+        forkserver_context = module.forkserver_context
+        with warnings.catch_warnings(record=True) as fresh:
+            warnings.simplefilter("always")
+            forkserver_context()  # nothing runs yet: nothing to say
+        other = mp.get_context("forkserver")
+        other.set_forkserver_preload(["os"])  # other code, with its own preload, starts the fork server
+        p = other.Process(target=int)
+        p.start(); p.join()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ctx = forkserver_context("AsyncEnvPool")
+            forkserver_context("AsyncEnvPool")
+        assert not fresh, fresh
+        assert len(caught) == 1 and caught[0].category is RuntimeWarning, caught
+        text = str(caught[0].message)
+        assert "AsyncEnvPool" in text and "set_forkserver_preload" in text, text
+        assert ctx.get_start_method() == "forkserver"
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
 def test_layout_alignment():

@@ -22,6 +22,7 @@ from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
 from torchrl_asyncpool.exchange.metrics import PoolMetrics
 from torchrl_asyncpool.exchange.native import resolve_exchange
+from torchrl_asyncpool.forkserver import forkserver_context
 from torchrl_asyncpool.workers.env_adapter import make_adapter, remote_listener
 from torchrl_asyncpool.workers.env_worker import worker_main
 
@@ -32,7 +33,6 @@ __all__ = ["AsyncEnvPool"]
 # run) once there instead of once per worker, which is what made start-up grow with the number
 # of envs (64 workers each re-importing a script that imports gymnasium: ~10 s on 2 cores).
 # A missing optional module is skipped by the fork server.
-_FORKSERVER_PRELOAD = ["__main__", "torchrl_asyncpool.workers.env_worker", "torchrl.envs", "gymnasium"]
 _START_METHODS = ("forkserver", "spawn")
 
 
@@ -282,9 +282,7 @@ class AsyncEnvPool:
             self._life_r = -1
 
     def _start_workers(self, method, groups, fns, kwargs, num_threads, affinity=None):
-        ctx = mp.get_context(method)
-        if method == "forkserver":
-            ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+        ctx = forkserver_context("AsyncEnvPool") if method == "forkserver" else mp.get_context(method)
         arena_fd, consumer_fd, life_fd = (
             InheritedFd(self._arena.fd), self._consumer.inheritable(), InheritedFd(self._life_r)
         )

@@ -14,11 +14,19 @@
  * acquire semantics before it copies the record out. The consumer writes an answer, then
  * stores ACTION_READY with release semantics, then rings the worker's eventfd (a system
  * call, which the worker's wait also is).
+ *
+ * Doorbells (ring, drain, wait): eventfd writes and reads that keep the GIL, and one poll that
+ * drains the doorbell before it takes the GIL back. A Python-level os.eventfd_read, or a
+ * poll(0), lets the GIL go for a system call of a microsecond or two; under contention (16
+ * env threads of a worker, the serving thread and the learner) another thread takes it and
+ * the caller then waits for that thread's whole Python run, and each hand-over costs futex
+ * calls. See torchrl_asyncpool/exchange/doorbell.py.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
+#include <poll.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -940,11 +948,170 @@ PyDoc_STRVAR(Pass_doc,
 
 static PyTypeObject PassType = NATIVE_TYPE(Pass);
 
+/* -- doorbells ------------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(ring_doc,
+             "ring(fd, n=1)\n\n"
+             "Adds n to the eventfd counter fd, keeping the GIL (a saturated counter, EAGAIN, is\n"
+             "ignored: its waiter is woken anyway).");
+
+static PyObject *
+native_ring(PyObject *module, PyObject *args)
+{
+    int fd;
+    unsigned long long n = 1;
+    if (!PyArg_ParseTuple(args, "i|K", &fd, &n)) {
+        return NULL;
+    }
+    uint64_t v = (uint64_t)n;
+    if (write(fd, &v, sizeof(v)) != (ssize_t)sizeof(v) && errno != EAGAIN) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(drain_doc,
+             "drain(fd) -> int\n\n"
+             "Reads and zeroes the non-blocking eventfd counter fd, keeping the GIL; returns what it\n"
+             "held (0 when it held nothing).");
+
+static int
+drain_fd(int fd, uint64_t *value)
+{
+    *value = 0;
+    if (read(fd, value, sizeof(*value)) == (ssize_t)sizeof(*value)) {
+        return 0;
+    }
+    *value = 0;
+    return errno == EAGAIN ? 0 : -1;
+}
+
+static PyObject *
+native_drain(PyObject *module, PyObject *arg)
+{
+    int fd = (int)PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    uint64_t v;
+    if (drain_fd(fd, &v) < 0) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromUnsignedLongLong((unsigned long long)v);
+}
+
+PyDoc_STRVAR(wait_doc,
+             "wait(fds, timeout_ms, drain_fd=-1) -> list\n\n"
+             "poll(2) on the descriptors fds (a tuple of ints, POLLIN) for at most timeout_ms\n"
+             "milliseconds (-1: no limit); returns the descriptors that are readable or hung up, in\n"
+             "the order of fds. When drain_fd (one of fds) is readable it is drained before the GIL\n"
+             "is taken back. The GIL is let go once, and only when the poll may block (timeout_ms != 0).\n"
+             "An interrupted poll returns [] once pending signal handlers have run.");
+
+#define WAIT_STACK_FDS 16
+
+static PyObject *
+native_wait(PyObject *module, PyObject *args)
+{
+    PyObject *fds;
+    int timeout_ms, drain = -1;
+    if (!PyArg_ParseTuple(args, "O!i|i", &PyTuple_Type, &fds, &timeout_ms, &drain)) {
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(fds);
+    struct pollfd stack[WAIT_STACK_FDS];
+    struct pollfd *p = stack;
+    if (n > WAIT_STACK_FDS) {
+        p = PyMem_Malloc((size_t)n * sizeof(struct pollfd));
+        if (p == NULL) {
+            return PyErr_NoMemory();
+        }
+    }
+    PyObject *result = NULL;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        long fd = PyLong_AsLong(PyTuple_GET_ITEM(fds, j));
+        if (fd == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        p[j].fd = (int)fd;
+        p[j].events = POLLIN;
+        p[j].revents = 0;
+    }
+    int got, err = 0, drain_err = 0;
+    uint64_t drained;
+    if (timeout_ms == 0) {
+        got = poll(p, (nfds_t)n, 0);
+        err = errno;
+    } else {
+        Py_BEGIN_ALLOW_THREADS;
+        got = poll(p, (nfds_t)n, timeout_ms);
+        err = errno;
+        if (got > 0 && drain >= 0) {
+            for (Py_ssize_t j = 0; j < n; j++) {
+                if (p[j].fd == drain && (p[j].revents & POLLIN)) {
+                    drain_err = drain_fd(drain, &drained) < 0 ? errno : 0;
+                    drain = -1; /* done */
+                }
+            }
+        }
+        Py_END_ALLOW_THREADS;
+    }
+    if (got < 0) {
+        if (err == EINTR) {
+            if (PyErr_CheckSignals() < 0) {
+                goto done;
+            }
+            result = PyList_New(0);
+            goto done;
+        }
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    if (got > 0 && drain >= 0) { /* not drained above: a poll that kept the GIL */
+        for (Py_ssize_t j = 0; j < n; j++) {
+            if (p[j].fd == drain && (p[j].revents & POLLIN)) {
+                drain_err = drain_fd(drain, &drained) < 0 ? errno : 0;
+            }
+        }
+    }
+    if (drain_err) {
+        errno = drain_err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    result = PyList_New(0);
+    if (result == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < n && got > 0; j++) {
+        if (p[j].revents) {
+            if (PyList_Append(result, PyTuple_GET_ITEM(fds, j)) < 0) {
+                Py_CLEAR(result);
+                goto done;
+            }
+        }
+    }
+done:
+    if (p != stack) {
+        PyMem_Free(p);
+    }
+    return result;
+}
+
+static PyMethodDef native_functions[] = {
+    {"ring", (PyCFunction)native_ring, METH_VARARGS, ring_doc},
+    {"drain", (PyCFunction)native_drain, METH_O, drain_doc},
+    {"wait", (PyCFunction)native_wait, METH_VARARGS, wait_doc},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "torchrl_asyncpool.exchange._native",
-    .m_doc = "The consumer's lease and answer in C (see torchrl_asyncpool.exchange.native).",
+    .m_doc = "The consumer's lease and answer, the workers' row copies and stores, and GIL-keeping doorbell calls in C (see torchrl_asyncpool.exchange.native).",
     .m_size = -1,
+    .m_methods = native_functions,
 };
 
 PyMODINIT_FUNC

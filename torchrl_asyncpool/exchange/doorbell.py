@@ -4,6 +4,13 @@ A ring is one ``write(2)`` of 8 bytes: it never waits for the woken process to r
 ``multiprocessing.Event.set``, which takes a lock the waiter holds). A waiter blocks in
 ``poll(2)`` together with other file descriptors (worker sentinels, the parent's life
 pipe), so death and readiness are observed by the same wait and nothing spins.
+
+With the C extension, rings, drains and non-blocking polls keep the GIL, and a blocking wait
+(:class:`BellWait`) lets it go once and drains its doorbell before taking it back.
+``os.eventfd_read`` or ``poll(0)`` from Python let the GIL go for a system call of a
+microsecond or two; when other threads want it (a threaded worker's env threads, the serving
+thread and the learner) one of them takes it, and the caller waits for that thread's whole
+Python run before it goes on.
 """
 from __future__ import annotations
 
@@ -11,7 +18,12 @@ import os
 import select
 import time
 
-__all__ = ["Doorbell", "InheritedFd", "poll_for"]
+try:  # the GIL-keeping calls (see the module docstring); os and select otherwise
+    from torchrl_asyncpool.exchange import _native as _c
+except ImportError:  # the package was installed without its C extension
+    _c = None
+
+__all__ = ["BellWait", "Doorbell", "InheritedFd", "poll_for"]
 
 
 def poll_for(poller, timeout: float | None) -> list:
@@ -102,10 +114,15 @@ class Doorbell:
 
     def ring(self, n: int = 1) -> None:
         """Adds ``n`` to the counter, waking a waiter if any."""
-        os.eventfd_write(self.fd, n)
+        if _c is not None:
+            _c.ring(self.fd, n)
+        else:
+            os.eventfd_write(self.fd, n)
 
     def drain(self) -> int:
         """Reads and zeroes the counter without blocking; returns what it held."""
+        if _c is not None:
+            return _c.drain(self.fd)
         try:
             return os.eventfd_read(self.fd)
         except BlockingIOError:
@@ -131,3 +148,67 @@ class Doorbell:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+class BellWait:
+    """One wait on a doorbell and other descriptors that drains the doorbell when it was rung.
+
+    The wait loops of the workers and of the serving loop: they wait for a ring or for a stop,
+    death or hang-up descriptor, then drain the doorbell and scan the slot states. With the C
+    extension the poll and the drain are one call that lets the GIL go once, and a wait with
+    a zero timeout keeps it (see the module docstring). Timeouts below a millisecond are
+    honoured as :func:`poll_for` honours them.
+
+    Args:
+        bell (Doorbell or None): drained when it is among the descriptors that fired.
+        others (sequence of int): descriptors whose readability (or hang-up) ends the wait.
+
+    Examples:
+        >>> import os
+        >>> from torchrl_asyncpool.exchange import BellWait, Doorbell
+        >>> bell = Doorbell(); r, w = os.pipe()
+        >>> waiter = BellWait(bell, [r])
+        >>> waiter.wait(0.0)
+        []
+        >>> bell.ring(); waiter.wait() == [bell.fd], bell.drain()  # drained by the wait
+        (True, 0)
+        >>> _ = os.write(w, b"x"); waiter.wait(0.001) == [r]
+        True
+        >>> bell.close(); os.close(r); os.close(w)
+    """
+
+    __slots__ = ("bell_fd", "fds", "_poller")
+
+    def __init__(self, bell: "Doorbell | None", others=()):
+        self.bell_fd = -1 if bell is None else bell.fd
+        self.fds = tuple(int(fd) for fd in ([] if bell is None else [bell.fd]) + list(others))
+        self._poller = None
+        if _c is None:
+            self._poller = select.poll()
+            for fd in self.fds:
+                self._poller.register(fd, select.POLLIN)
+
+    def _poll(self, ms: int) -> list:
+        if _c is not None:
+            return _c.wait(self.fds, ms, self.bell_fd)
+        fired = [fd for fd, _ in self._poller.poll(None if ms < 0 else ms)]
+        if self.bell_fd in fired:
+            try:
+                os.eventfd_read(self.bell_fd)
+            except BlockingIOError:
+                pass
+        return fired
+
+    def wait(self, timeout: float | None = None) -> list:
+        """Blocks until a descriptor fires or ``timeout`` seconds pass (``None``: no limit);
+        returns the descriptors that fired (the doorbell's among them, already drained)."""
+        if timeout is None:
+            return self._poll(-1)
+        ms = int(timeout * 1000.0)
+        if ms >= 1:
+            return self._poll(ms)
+        fired = self._poll(0)
+        if fired or timeout <= 0:
+            return fired
+        time.sleep(timeout)
+        return self._poll(0)

@@ -13,7 +13,6 @@ Everything ready (up to the cap) is then leased in one ``recv`` and split by key
 """
 from __future__ import annotations
 
-import select
 import time
 from typing import List
 
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from torchrl_asyncpool.exchange.arena import as_key
-from torchrl_asyncpool.exchange.doorbell import Doorbell, poll_for
+from torchrl_asyncpool.exchange.doorbell import BellWait, Doorbell
 from torchrl_asyncpool.exchange.metrics import record_wait
 from torchrl_asyncpool.inference._common import ServerSpec, auto_threshold
 from torchrl_asyncpool.inference._runner import VALID_MASK, KeyRunner, PolicyFailure, format_exc
@@ -80,12 +79,9 @@ class ServingLoop:
         self._bell = Doorbell(consumer.handle.consumer_bell.fd)  # not closed here: the handle owns it
         self._stop_fds = set(stop_fds)
         self._sentinels = {s.fd for s in consumer.handle.worker_sentinels}
-        self._poller = select.poll()
-        for fd in [self._bell.fd, *self._stop_fds, *self._sentinels]:
-            self._poller.register(fd, select.POLLIN)
-        self._stop_poller = select.poll()
-        for fd in self._stop_fds:
-            self._stop_poller.register(fd, select.POLLIN)
+        # one GIL hand-over per wait, the bell's drain included; the stop check keeps the GIL
+        self._waiter = BellWait(self._bell, [*self._stop_fds, *self._sentinels])
+        self._stop_waiter = BellWait(None, self._stop_fds)
         self._waited = 0.0
         self._last_stop_check = 0.0
         self._send_orders = {}
@@ -141,15 +137,17 @@ class ServingLoop:
                 # before calling recv(timeout=0), so it adds its wait to the same (consumer-only) sum
                 record_wait(self._pool_stats, self._waited)
                 return True
-            for fd, _ in poll_for(self._poller, remaining):
+            fired = self._waiter.wait(remaining)
+            for fd in fired:
                 if fd in self._stop_fds:
                     return False
                 if fd in self._sentinels:
                     self.consumer.raise_worker_errors()
-            drained = False
+            # the wait drained the bell if it fired; a timeout (or another fd) drains on the next pass
+            drained = self._bell.fd in fired
 
     def _stop_requested(self) -> bool:
-        return bool(self._stop_poller.poll(0))
+        return bool(self._stop_waiter.wait(0.0))
 
     # -- the loop ---------------------------------------------------------------------------
     def serve(self) -> None:

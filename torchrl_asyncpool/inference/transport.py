@@ -14,6 +14,7 @@ from torchrl.data.utils import CloudpickleWrapper
 
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
+from torchrl_asyncpool.forkserver import forkserver_context
 from torchrl_asyncpool.inference._common import InferenceServerError, ServerSpec
 from torchrl_asyncpool.inference._shared import SharedWeights, StatsBlock
 
@@ -121,9 +122,8 @@ class ProcessSlotTransport:
         """Starts the server process for ``spec`` and waits until it serves (or raises its start-up error)."""
         if self._proc is not None or self._closed:
             raise RuntimeError("this ProcessSlotTransport was already used; create a new one.")
-        ctx = mp.get_context(self.mp_start_method)
-        if self.mp_start_method == "forkserver":
-            ctx.set_forkserver_preload(["torchrl_asyncpool.inference._process", "torchrl.envs"])
+        method = self.mp_start_method
+        ctx = forkserver_context("ProcessSlotTransport") if method == "forkserver" else mp.get_context(method)
         spec.factories = {n: _picklable(f) for n, f in spec.factories.items()}
         if spec.on_batch is not None:
             spec.on_batch = _picklable(spec.on_batch)

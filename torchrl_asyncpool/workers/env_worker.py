@@ -42,7 +42,7 @@ import torch
 from torchrl_asyncpool.delivery import chunks as C
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, as_key
-from torchrl_asyncpool.exchange.doorbell import Doorbell
+from torchrl_asyncpool.exchange.doorbell import BellWait, Doorbell
 from torchrl_asyncpool.exchange.native import pass_stores, row_copier
 from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.workers.env_adapter import make_adapter, remote_listener
@@ -419,14 +419,12 @@ class _Worker:
 
     # -- main loop ----------------------------------------------------------------------------
     def _started(self):
-        """Tells the parent the first records are out; returns ``(poller, doorbell)`` to wait on."""
+        """Tells the parent the first records are out; returns the :class:`BellWait` to wait on."""
         self.conn.send(("ready", self.worker_id, None, None))
         self.started = True
-        poller = select.poll()
         bell = self.bells[0]
-        poller.register(bell.fd, select.POLLIN)
-        poller.register(self.life_fd, select.POLLIN)
-        return poller, bell
+        # drains the bell in the wait, before the scan: a ring after that wakes the next wait
+        return BellWait(bell, (self.life_fd,))
 
     def run(self):
         if self.threaded:
@@ -436,14 +434,13 @@ class _Worker:
         for slot in self.slots:
             self._publish(slot, self._timed_reset(slot), None, _FIRST)
         self._ring()
-        poller, bell = self._started()
+        waiter = self._started()
         state, slots = self.state, self.slots
         held = self.held = []
         while True:
-            for fd, _ in poller.poll():
+            for fd in waiter.wait():
                 if fd == self.life_fd:
                     return
-            bell.drain()  # before the scan: a ring after this point wakes the next poll
             ready = [slot for slot in slots if state[slot.index] == S.ACTION_READY]
             if not ready:
                 continue
@@ -589,13 +586,12 @@ class _Worker:
         obs = vec.reset()
         publish(obs, None, first, time.perf_counter() - t)
         self.consumer.ring(k)
-        poller, bell = self._started()
+        waiter = self._started()
         ended = np.zeros(k, bool)  # the env's last record was terminal: its next one is FIRST
         while True:
-            for fd, _ in poller.poll():
+            for fd in waiter.wait():
                 if fd == self.life_fd:
                     return
-            bell.drain()  # before the scan: a ring after this point wakes the next poll
             if not (state == S.ACTION_READY).all():
                 continue
             if not autoresets and ended.any():  # reset the ended envs only; the others wait
@@ -683,15 +679,12 @@ class _Worker:
             self._publish(slot, self._timed_reset(slot), None, _FIRST)
             self._ring()
             first.set()
-            poller = select.poll()
-            for fd in (bell.fd, self.life_fd, stop_fd):
-                poller.register(fd, select.POLLIN)
+            waiter = BellWait(bell, (self.life_fd, stop_fd))  # one GIL hand-over per wait, drain included
             state, i = self.state, slot.index
             while True:
-                for fd, _ in poller.poll():
+                for fd in waiter.wait():
                     if fd != bell.fd:
                         return
-                bell.drain()
                 if state[i] != S.ACTION_READY:
                     continue
                 ended = self._serve(slot)
