@@ -361,3 +361,69 @@ def test_pass_stores_and_publish_match_the_workers_numpy_path():
     finally:
         bell.close()
         arena.close()
+
+
+def test_copy_into_matches_numpy_assignment_for_every_source():
+    from torchrl_asyncpool.exchange.native import copy_into
+
+    dst = np.zeros((84, 84, 3), np.uint8)
+    sources = [
+        np.random.default_rng(0).integers(0, 255, (84, 84, 3), dtype=np.uint8),  # the plain copy
+        np.arange(84 * 84 * 3, dtype=np.int64).reshape(84, 84, 3) % 251,  # another dtype: numpy casts
+        np.ones((3, 84, 84), np.uint8).transpose(1, 2, 0),  # not C-contiguous
+        np.full((84, 1, 3), 9, np.uint8),  # broadcast
+        torch.full((84, 84, 3), 5, dtype=torch.uint8),  # a tensor
+        7,  # a scalar
+    ]
+    for src in sources:
+        want = np.zeros_like(dst)
+        want[...] = src
+        copy_into(dst, src)
+        assert np.array_equal(dst, want), type(src)
+    flag = np.zeros((1,), bool)
+    copy_into(flag, np.array([True]))
+    assert flag.tolist() == [True]
+    big = np.zeros(300_000, np.uint8)  # above 256 KiB: copied without the GIL
+    copy_into(big, np.full(300_000, 3, np.uint8))
+    assert int(big.sum()) == 900_000
+    with pytest.raises(ValueError):  # what numpy says about a shape it cannot broadcast
+        copy_into(dst, np.zeros((2, 2), np.uint8))
+
+
+@needs_native
+def test_copy_into_keeps_the_gil_where_numpy_lets_it_go():
+    # with a long switch interval another Python thread runs only when this one lets the GIL go
+    import sys
+    import threading
+    import time
+
+    from torchrl_asyncpool.exchange.native import copy_into
+
+    src, dst = np.ones((84, 84, 3), np.uint8), np.zeros((84, 84, 3), np.uint8)
+    count, stop = [0], []
+
+    def spin():
+        while not stop:
+            count[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.5)
+    spinner = threading.Thread(target=spin)
+    try:
+        spinner.start()
+        time.sleep(0.01)  # lets it start; the GIL comes back at the latest after one interval
+        before = count[0]
+        for _ in range(200):
+            copy_into(dst, src)
+        kept = count[0] - before
+        before = count[0]
+        for _ in range(2000):  # until the other thread got the GIL once (a hand-over may last an interval)
+            dst[...] = src  # numpy lets the GIL go for a copy this size
+            if count[0] != before:
+                break
+        let_go = count[0] - before
+    finally:
+        stop.append(True)
+        spinner.join()
+        sys.setswitchinterval(interval)
+    assert kept == 0 and let_go > 0, (kept, let_go)

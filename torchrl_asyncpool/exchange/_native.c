@@ -1099,7 +1099,53 @@ done:
     return result;
 }
 
+/* -- observation copies --------------------------------------------------------------------- */
+
+PyDoc_STRVAR(copy_into_doc,
+             "copy_into(dst, src) -> bool\n\n"
+             "dst[...] = src for two C-contiguous buffers of the same format and shape: copied (without\n"
+             "the GIL only above 256 KiB) and True; False, with nothing copied, for anything else (the\n"
+             "caller then lets numpy convert or broadcast). numpy lets the GIL go for every copy of\n"
+             "more than 500 elements, and in a threaded worker another env thread then takes it.");
+
+static PyObject *
+native_copy_into(PyObject *module, PyObject *args)
+{
+    PyObject *dst_obj, *src_obj;
+    if (!PyArg_ParseTuple(args, "OO", &dst_obj, &src_obj)) {
+        return NULL;
+    }
+    Py_buffer d, s;
+    if (PyObject_GetBuffer(dst_obj, &d, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    if (PyObject_GetBuffer(src_obj, &s, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        PyBuffer_Release(&d);
+        Py_RETURN_FALSE;
+    }
+    int same = d.len == s.len && d.itemsize == s.itemsize && d.ndim == s.ndim &&
+               strcmp(d.format ? d.format : "B", s.format ? s.format : "B") == 0;
+    for (int j = 0; same && j < d.ndim; j++) {
+        same = d.shape[j] == s.shape[j];
+    }
+    if (same && d.buf != s.buf && d.len > 0) {
+        if (d.len > NOGIL_BYTES) {
+            Py_BEGIN_ALLOW_THREADS;
+            memmove(d.buf, s.buf, (size_t)d.len);
+            Py_END_ALLOW_THREADS;
+        } else {
+            memmove(d.buf, s.buf, (size_t)d.len);
+        }
+    }
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&d);
+    return PyBool_FromLong(same);
+}
+
 static PyMethodDef native_functions[] = {
+    {"copy_into", (PyCFunction)native_copy_into, METH_VARARGS, copy_into_doc},
     {"ring", (PyCFunction)native_ring, METH_VARARGS, ring_doc},
     {"drain", (PyCFunction)native_drain, METH_O, drain_doc},
     {"wait", (PyCFunction)native_wait, METH_VARARGS, wait_doc},

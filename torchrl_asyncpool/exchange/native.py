@@ -28,7 +28,7 @@ import numpy as np
 from torchrl_asyncpool.exchange.metrics import STAT_SLOTS
 
 __all__ = ["EXCHANGES", "native_available", "resolve_exchange", "describe_exchange", "build_engine", "row_copier",
-           "pass_stores"]
+           "pass_stores", "copy_into"]
 
 EXCHANGES = ("auto", "native", "python")
 
@@ -216,3 +216,29 @@ def _plain(a) -> bool:
 
 def _row_bytes(a: np.ndarray) -> int:
     return a.nbytes // a.shape[0]
+
+
+if _native is not None:
+    _copy_into = _native.copy_into
+
+    def copy_into(dst: np.ndarray, src) -> None:
+        """``dst[...] = src``, by one ``memcpy`` that keeps the GIL when both are C-contiguous
+        arrays of the same dtype and shape and below 256 KiB (numpy's own copy, which lets the GIL
+        go above 500 elements, otherwise). An observation copy in a threaded worker that lets the
+        GIL go is taken over by another env thread, and the copy then waits for that thread's
+        Python run. Used whatever the exchange (it is the workers' copy, not the consumer's).
+
+        Examples:
+            >>> import numpy as np
+            >>> from torchrl_asyncpool.exchange.native import copy_into
+            >>> dst = np.zeros((2, 2), np.uint8)
+            >>> copy_into(dst, np.full((2, 2), 7, np.uint8)); copy_into(dst[0], [1, 2])  # the second converts
+            >>> dst.tolist()
+            [[1, 2], [7, 7]]
+        """
+        if not _copy_into(dst, src):
+            dst[...] = src
+else:
+    def copy_into(dst: np.ndarray, src) -> None:
+        """``dst[...] = src`` (the C extension is not built: numpy's copy)."""
+        dst[...] = src

@@ -14,6 +14,8 @@ import torch
 from tensordict import TensorDict
 from torchrl.envs import EnvBase
 
+from torchrl_asyncpool.exchange.native import copy_into
+
 __all__ = [
     "RESERVED_KEYS", "EPISODE_PLAN_ATTR", "TorchRLEnvAdapter", "TorchRLBatchedAdapter", "GymnasiumEnvAdapter",
     "GymnasiumVectorAdapter", "is_vector_env", "make_adapter", "remote_listener", "end_flags",
@@ -342,14 +344,14 @@ class GymnasiumEnvAdapter:
         if self._plan is not None:
             obs, reward, terminated, truncated = self._planned_step(actions)
             for key, view in views:
-                view[...] = obs[key]
+                copy_into(view, obs[key])
             return reward, terminated, truncated
         obs, reward, terminated, truncated, _ = self.env.step(self._action_value(actions))
         if self._dict_obs:
             for key, view in views:
-                view[...] = obs[key]
+                copy_into(view, obs[key])
         else:
-            views[0][1][...] = obs
+            copy_into(views[0][1], obs)
         return reward, bool(terminated), bool(truncated)
 
     def close(self) -> None:

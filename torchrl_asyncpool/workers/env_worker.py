@@ -43,7 +43,7 @@ from torchrl_asyncpool.delivery import chunks as C
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, as_key
 from torchrl_asyncpool.exchange.doorbell import BellWait, Doorbell
-from torchrl_asyncpool.exchange.native import pass_stores, row_copier
+from torchrl_asyncpool.exchange.native import copy_into, pass_stores, row_copier
 from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.workers.env_adapter import make_adapter, remote_listener
 
@@ -102,7 +102,7 @@ def _step_into(adapter, actions, views):
     obs, reward, terminated, truncated = adapter.step(actions)
     as_np = adapter.as_numpy
     for key, view in views:
-        view[...] = as_np(obs.get(key))
+        copy_into(view, as_np(obs.get(key)))
     return as_np(reward), terminated, truncated
 
 
@@ -329,7 +329,7 @@ class _Worker:
         i = slot.index
         as_np = slot.adapter.as_numpy
         for key, view in slot.obs:
-            view[...] = as_np(obs.get(key))
+            copy_into(view, as_np(obs.get(key)))  # keeps the GIL (see copy_into)
         for hidden_in, hidden_out in slot.recurrent:
             if step_type == _FIRST:
                 hidden_in[...] = 0
