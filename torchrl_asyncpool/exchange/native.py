@@ -223,10 +223,10 @@ if _native is not None:
 
     def copy_into(dst: np.ndarray, src) -> None:
         """``dst[...] = src``, by one ``memcpy`` that keeps the GIL when both are C-contiguous
-        arrays of the same dtype and shape and below 256 KiB (numpy's own copy, which lets the GIL
-        go above 500 elements, otherwise). An observation copy in a threaded worker that lets the
-        GIL go is taken over by another env thread, and the copy then waits for that thread's
-        Python run. Used whatever the exchange (it is the workers' copy, not the consumer's).
+        arrays of the same dtype and shape of 500 elements to 256 KiB (numpy's own copy, which
+        lets the GIL go above 500 elements, otherwise). An observation copy in a threaded worker
+        that lets the GIL go is taken over by another env thread, and the copy then waits for that
+        thread's Python run. Used whatever the exchange (it is the workers' copy, not the consumer's).
 
         Examples:
             >>> import numpy as np
@@ -236,7 +236,9 @@ if _native is not None:
             >>> dst.tolist()
             [[1, 2], [7, 7]]
         """
-        if not _copy_into(dst, src):
+        # up to 500 elements numpy keeps the GIL itself, and its copy of a fresh array costs less
+        # than exporting that array's buffer
+        if dst.size <= 500 or not _copy_into(dst, src):
             dst[...] = src
 else:
     def copy_into(dst: np.ndarray, src) -> None:
