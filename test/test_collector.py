@@ -83,6 +83,55 @@ def test_start_fills_replay_buffer_in_background(envs_per_worker, env_threads):
     start_and_check(c, rb, 320)
 
 
+def test_return_same_td_writes_every_batch_into_one_tensordict():
+    checker = OracleChecker()
+    c = AsyncPoolCollector(oracle_factories(4), policy=oracle_policy, frames_per_batch=50, total_frames=280,
+                           transition_chunk_size=7, return_same_td=True)
+    try:
+        seen, pointers = [], []
+        for i, batch in enumerate(c):
+            checker.observe_transitions(batch)  # consumed before the next batch overwrites it
+            seen.append(batch)
+            pointers.append(batch["next", "observation"].data_ptr())
+            if i == 1:  # an in-place postproc-like addition keeps the batch reusable
+                batch.set("extra", torch.zeros(50))
+            if i == 3:  # a tensor swapped for another: the next batch is a new TensorDict
+                batch.set("observation", batch["observation"].clone())
+        assert checker.records == 280
+        assert [b.shape[0] for b in seen] == [50] * 5 + [30]
+        assert seen[0] is seen[1] is seen[2] is seen[3] and len(set(pointers[:4])) == 1
+        assert seen[4] is not seen[3] and seen[5] is not seen[4]  # after the swap; the short last batch
+        assert "extra" in seen[3].keys()
+    finally:
+        c.shutdown()
+
+
+def test_return_same_td_with_a_replay_buffer_stores_copies():
+    checker = OracleChecker()
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000))
+    c = AsyncPoolCollector(oracle_factories(4), policy=oracle_policy, frames_per_batch=40, total_frames=200,
+                           replay_buffer=rb, transition_chunk_size=5, return_same_td=True)
+    try:
+        assert all(b is None for b in c)
+        checker.observe_transitions(rb[:200])  # five batches through one reused TensorDict, all distinct
+        assert len(rb) == 200
+    finally:
+        c.shutdown()
+
+
+def test_return_same_td_refuses_what_it_cannot_serve():
+    from torchrl.data import ListStorage
+
+    with pytest.raises(ValueError, match="yield_completed_trajectories"):
+        AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, return_same_td=True,
+                           yield_completed_trajectories=True)
+    with pytest.raises(ValueError, match="ListStorage"):
+        AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, return_same_td=True,
+                           replay_buffer=ReplayBuffer(storage=ListStorage(10)))
+    with pytest.raises(TypeError, match="must be a bool"):
+        AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, return_same_td=1)
+
+
 def test_yield_completed_trajectories():
     checker = OracleChecker()
     c = AsyncPoolCollector(oracle_factories(3), policy=oracle_policy, frames_per_batch=16, total_frames=60,

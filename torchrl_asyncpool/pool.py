@@ -391,7 +391,7 @@ class AsyncEnvPool:
         """
         self._local_consumer().send(actions, env_indices)
 
-    def take_transitions(self, frames: int, timeout: float | None = None, check=None):
+    def take_transitions(self, frames: int, timeout: float | None = None, check=None, reuse: bool = False):
         """Returns exactly ``frames`` transitions as one dense TensorDict (TorchRL layout).
 
         Requires ``transition_chunk_size``. Transitions of each env arrive in order and exactly
@@ -402,6 +402,8 @@ class AsyncEnvPool:
             frames (int): number of transitions.
             timeout (float, optional): seconds to wait at most.
             check (callable, optional): called about every 100 ms while waiting.
+            reuse (bool, optional): write over the batch the previous call returned instead of
+                allocating one (see :meth:`~torchrl_asyncpool.delivery.chunks.ChunkReader.take`).
         """
         self._check_usable()
         if self._chunks is None:
@@ -414,7 +416,7 @@ class AsyncEnvPool:
                 check()  # first: the caller may know the pool is being shut down
             self.check_workers()
 
-        return self._chunk_reader.take(frames, timeout, _check)
+        return self._chunk_reader.take(frames, timeout, _check, reuse)
 
     def check_workers(self) -> None:
         """Raises :class:`~torchrl_asyncpool.EnvError` or
