@@ -116,6 +116,22 @@ def test_bell_wait_drains_its_bell_and_reports_other_descriptors(bell_impl):
             os.close(w)
 
 
+def test_doorbell_counts_any_integer_and_refuses_the_rest(bell_impl):
+    import numpy as np
+
+    bell = Doorbell()
+    try:
+        bell.ring(np.int64(3))  # a count computed with numpy, as os.eventfd_write takes it
+        bell.ring()
+        assert bell.drain() == 4 and bell.drain() == 0
+        for bad, error in ((-1, (OverflowError, ValueError)), (1.5, TypeError), ("1", TypeError)):
+            with pytest.raises(error):
+                bell.ring(bad)
+        assert bell.drain() == 0
+    finally:
+        bell.close()
+
+
 def test_bell_wait_lets_other_threads_run_and_honours_short_timeouts(bell_impl):
     bell = Doorbell()
     waiter = BellWait(bell)

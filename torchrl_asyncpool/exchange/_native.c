@@ -959,11 +959,23 @@ static PyObject *
 native_ring(PyObject *module, PyObject *args)
 {
     int fd;
-    unsigned long long n = 1;
-    if (!PyArg_ParseTuple(args, "i|K", &fd, &n)) {
+    PyObject *n_obj = NULL;
+    if (!PyArg_ParseTuple(args, "i|O", &fd, &n_obj)) {
         return NULL;
     }
-    uint64_t v = (uint64_t)n;
+    uint64_t v = 1;
+    if (n_obj != NULL) { /* any integer (numpy's too), as os.eventfd_write takes it */
+        PyObject *n = PyNumber_Index(n_obj);
+        if (n == NULL) {
+            return NULL;
+        }
+        unsigned long long u = PyLong_AsUnsignedLongLong(n);
+        Py_DECREF(n);
+        if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        v = (uint64_t)u;
+    }
     if (write(fd, &v, sizeof(v)) != (ssize_t)sizeof(v) && errno != EAGAIN) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }

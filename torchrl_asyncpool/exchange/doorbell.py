@@ -14,6 +14,7 @@ Python run before it goes on.
 """
 from __future__ import annotations
 
+import operator
 import os
 import select
 import time
@@ -117,7 +118,7 @@ class Doorbell:
         if _c is not None:
             _c.ring(self.fd, n)
         else:
-            os.eventfd_write(self.fd, n)
+            os.eventfd_write(self.fd, operator.index(n))  # a numpy count too, as the C call takes it
 
     def drain(self) -> int:
         """Reads and zeroes the counter without blocking; returns what it held."""
