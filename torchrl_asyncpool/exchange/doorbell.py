@@ -205,7 +205,7 @@ class BellWait:
         returns the descriptors that fired (the doorbell's among them, already drained)."""
         if timeout is None:
             return self._poll(-1)
-        ms = int(timeout * 1000.0)
+        ms = min(int(timeout * 1000.0), 2**31 - 1)  # poll(2) takes a C int; the caller loops on
         if ms >= 1:
             return self._poll(ms)
         fired = self._poll(0)
