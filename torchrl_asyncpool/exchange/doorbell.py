@@ -55,16 +55,22 @@ def poll_for(poller, timeout: float | None) -> list:
         [True]
         >>> bell.close()
     """
+    return _timed(poller.poll, timeout)
+
+
+def _timed(poll, timeout: float | None) -> list:
+    """``poll(ms)`` (``-1``: no limit) for a timeout in seconds, below a millisecond included
+    (see :func:`poll_for`)."""
     if timeout is None:
-        return poller.poll()
-    ms = int(timeout * 1000.0)
+        return poll(-1)
+    ms = min(int(timeout * 1000.0), 2**31 - 1)  # poll(2) takes a C int; the callers loop on
     if ms >= 1:
-        return poller.poll(ms)
-    events = poller.poll(0)
+        return poll(ms)
+    events = poll(0)
     if events or timeout <= 0:
         return events
     time.sleep(timeout)
-    return poller.poll(0)
+    return poll(0)
 
 
 class InheritedFd:
@@ -203,13 +209,4 @@ class BellWait:
     def wait(self, timeout: float | None = None) -> list:
         """Blocks until a descriptor fires or ``timeout`` seconds pass (``None``: no limit);
         returns the descriptors that fired (the doorbell's among them, already drained)."""
-        if timeout is None:
-            return self._poll(-1)
-        ms = min(int(timeout * 1000.0), 2**31 - 1)  # poll(2) takes a C int; the caller loops on
-        if ms >= 1:
-            return self._poll(ms)
-        fired = self._poll(0)
-        if fired or timeout <= 0:
-            return fired
-        time.sleep(timeout)
-        return self._poll(0)
+        return _timed(self._poll, timeout)
