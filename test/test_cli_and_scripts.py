@@ -250,6 +250,26 @@ def test_profile_collector_rejects_a_bad_set(capsys):
         module.profile("cartpole", 2, 0.1, policy="random")
 
 
+def test_ab_commits_rejects_bad_counts():
+    script = ROOT / "benchmarks" / "ab_commits.py"
+    proc = subprocess.run([sys.executable, str(script), "--base", "HEAD", "--pairs", "0"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--pairs must be >= 1" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_ab_commits_runs_pairs_in_abba_order_and_removes_its_worktree():
+    script = ROOT / "benchmarks" / "ab_commits.py"
+    before = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
+    proc = _run([sys.executable, str(script), "--base", "HEAD", "--workload", "cartpole", "--envs", "4",
+                 "--pairs", "2", "--seconds", "0.5"], timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("pair ")]
+    assert [line.split()[2] for line in lines] == ["base", "new", "new", "base"], proc.stdout
+    assert "median frames/s" in proc.stdout and "new/base per pair" in proc.stdout
+    after = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert after == before
+
+
 # -- full runs (opt-in): each reaches the 475 target ----------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
