@@ -1022,6 +1022,19 @@ PyDoc_STRVAR(wait_doc,
 
 #define WAIT_STACK_FDS 16
 
+/* Drains fd if the poll found it readable; 0, or the errno of a failed read. */
+static int
+drain_if_ready(const struct pollfd *p, Py_ssize_t n, int fd)
+{
+    uint64_t drained;
+    for (Py_ssize_t j = 0; fd >= 0 && j < n; j++) {
+        if (p[j].fd == fd && (p[j].revents & POLLIN)) {
+            return drain_fd(fd, &drained) < 0 ? errno : 0;
+        }
+    }
+    return 0;
+}
+
 static PyObject *
 native_wait(PyObject *module, PyObject *args)
 {
@@ -1050,22 +1063,15 @@ native_wait(PyObject *module, PyObject *args)
         p[j].revents = 0;
     }
     int got, err = 0, drain_err = 0;
-    uint64_t drained;
-    if (timeout_ms == 0) {
+    if (timeout_ms == 0) { /* cannot block: keeps the GIL */
         got = poll(p, (nfds_t)n, 0);
         err = errno;
+        if (got > 0) drain_err = drain_if_ready(p, n, drain);
     } else {
         Py_BEGIN_ALLOW_THREADS;
         got = poll(p, (nfds_t)n, timeout_ms);
         err = errno;
-        if (got > 0 && drain >= 0) {
-            for (Py_ssize_t j = 0; j < n; j++) {
-                if (p[j].fd == drain && (p[j].revents & POLLIN)) {
-                    drain_err = drain_fd(drain, &drained) < 0 ? errno : 0;
-                    drain = -1; /* done */
-                }
-            }
-        }
+        if (got > 0) drain_err = drain_if_ready(p, n, drain); /* before the GIL is taken back */
         Py_END_ALLOW_THREADS;
     }
     if (got < 0) {
@@ -1079,13 +1085,6 @@ native_wait(PyObject *module, PyObject *args)
         errno = err;
         PyErr_SetFromErrno(PyExc_OSError);
         goto done;
-    }
-    if (got > 0 && drain >= 0) { /* not drained above: a poll that kept the GIL */
-        for (Py_ssize_t j = 0; j < n; j++) {
-            if (p[j].fd == drain && (p[j].revents & POLLIN)) {
-                drain_err = drain_fd(drain, &drained) < 0 ? errno : 0;
-            }
-        }
     }
     if (drain_err) {
         errno = drain_err;

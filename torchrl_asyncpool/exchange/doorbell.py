@@ -73,6 +73,16 @@ def _timed(poll, timeout: float | None) -> list:
     return poll(0)
 
 
+def _drain(fd: int) -> int:
+    """Reads and zeroes the non-blocking eventfd ``fd``; what it held (0 when nothing)."""
+    if _c is not None:
+        return _c.drain(fd)
+    try:
+        return os.eventfd_read(fd)
+    except BlockingIOError:
+        return 0
+
+
 class InheritedFd:
     """A file descriptor that survives being handed to a child process.
 
@@ -128,12 +138,7 @@ class Doorbell:
 
     def drain(self) -> int:
         """Reads and zeroes the counter without blocking; returns what it held."""
-        if _c is not None:
-            return _c.drain(self.fd)
-        try:
-            return os.eventfd_read(self.fd)
-        except BlockingIOError:
-            return 0
+        return _drain(self.fd)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until rung or ``timeout`` seconds passed; returns whether it was rung."""
@@ -200,10 +205,7 @@ class BellWait:
             return _c.wait(self.fds, ms, self.bell_fd)
         fired = [fd for fd, _ in self._poller.poll(None if ms < 0 else ms)]
         if self.bell_fd in fired:
-            try:
-                os.eventfd_read(self.bell_fd)
-            except BlockingIOError:
-                pass
+            _drain(self.bell_fd)
         return fired
 
     def wait(self, timeout: float | None = None) -> list:
