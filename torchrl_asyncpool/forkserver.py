@@ -15,8 +15,12 @@ import warnings
 
 __all__ = ["PRELOAD", "forkserver_context"]
 
-#: What the fork server imports when it starts (the union of what workers and servers need;
-#: ``__main__`` so that factories defined in a script are not re-imported per child).
+# Imported once by the fork server, so that every child forks with them already loaded (the
+# union of what env workers and server processes need). "__main__": the user's script is
+# imported (as ``__mp_main__``, so its guarded code does not run) once there instead of once per
+# worker, which is what made start-up grow with the number of envs (64 workers each re-importing
+# a script that imports gymnasium: ~10 s on 2 cores). A missing optional module is skipped.
+#: What the fork server imports when it starts (see the comment above).
 PRELOAD = [
     "__main__", "torchrl_asyncpool.workers.env_worker", "torchrl_asyncpool.inference._process", "torchrl.envs",
     "gymnasium",

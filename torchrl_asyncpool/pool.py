@@ -28,11 +28,6 @@ from torchrl_asyncpool.workers.env_worker import worker_main
 
 __all__ = ["AsyncEnvPool"]
 
-# Imported once by the fork server, so that every worker forks with them already loaded.
-# "__main__": the user's script is imported (as ``__mp_main__``, so its guarded code does not
-# run) once there instead of once per worker, which is what made start-up grow with the number
-# of envs (64 workers each re-importing a script that imports gymnasium: ~10 s on 2 cores).
-# A missing optional module is skipped by the fork server.
 _START_METHODS = ("forkserver", "spawn")
 
 
