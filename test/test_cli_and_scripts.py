@@ -228,7 +228,8 @@ def test_profile_collector_script(tmp_path):
     assert sum("env worker" in w for w in what) == 2, what
 
 
-def test_profile_collector_rejects_a_bad_set(capsys):
+def _load_benchmark_script(name: str):
+    """Imports ``benchmarks/<name>.py`` as a module, as running it would (its folder on sys.path)."""
     import importlib.util
 
     # benchmarks/ on sys.path only while importing: a fork server started later would inherit it
@@ -236,11 +237,16 @@ def test_profile_collector_rejects_a_bad_set(capsys):
     saved = list(sys.path)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        spec = importlib.util.spec_from_file_location("profile_collector", ROOT / "benchmarks" / "profile_collector.py")
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
         sys.path[:] = saved
+    return module
+
+
+def test_profile_collector_rejects_a_bad_set(capsys):
+    module = _load_benchmark_script("profile_collector")
     assert module._kwarg("envs_per_worker=8") == ("envs_per_worker", 8)
     assert module._kwarg("exchange=python") == ("exchange", "python")
     with pytest.raises(SystemExit) as exit_info:
@@ -248,6 +254,37 @@ def test_profile_collector_rejects_a_bad_set(capsys):
     assert exit_info.value.code == 2 and "NAME=VALUE" in capsys.readouterr().err
     with pytest.raises(ValueError, match="policy must be"):
         module.profile("cartpole", 2, 0.1, policy="random")
+
+
+@pytest.mark.skipif(not hasattr(os, "eventfd"), reason="the probe needs os.eventfd (Linux)")
+def test_probe_floor_script(tmp_path):
+    """``benchmarks/probe_floor.py`` with a short sleep and few rounds: each measurement is there,
+    the in-thread cycle is at least the env's step, and the share follows from the cycle."""
+    out = tmp_path / "floor.json"
+    script = ROOT / "benchmarks" / "probe_floor.py"
+    proc = _run([sys.executable, str(script), "--step-ms", "0.5", "--rounds", "20", "--json", str(out)], timeout=120)
+    assert "in-thread ceiling" in proc.stdout and "eventfd round trip" in proc.stdout
+    r = json.loads(out.read_text())
+    assert r["step_s"] == 0.0005 and r["rounds"] == 20
+    for key in ("sleep", "env_step", "policy_hot", "policy_after_sleep", "in_thread_cycle", "in_thread_cycle_td"):
+        assert r[key]["median_us"] > 0 and r[key]["mean_us"] > 0, key
+    assert r["sleep"]["median_us"] >= 500 and r["in_thread_cycle"]["mean_us"] >= 500
+    assert abs(r["in_thread_share"] - 500 / r["in_thread_cycle"]["mean_us"]) < 1e-9
+    assert abs(r["budget_beyond_in_thread_us"] - (500 / 0.85 - r["in_thread_cycle"]["mean_us"])) < 1e-6
+    expected = {"same_core_hot", "same_core_after_sleep"}
+    if len(os.sched_getaffinity(0)) > 1:
+        expected |= {"cross_core_hot", "cross_core_after_sleep"}
+    assert set(r["round_trip"]) == expected and all(v["median_us"] > 0 for v in r["round_trip"].values())
+
+
+def test_probe_floor_rejects_bad_arguments(capsys):
+    module = _load_benchmark_script("probe_floor")
+    for args, message in ((["--rounds", "0"], "--rounds must be at least 1"),
+                          (["--step-ms", "-1"], "--step-ms must be positive"),
+                          (["--target", "120"], "--target is a share")):
+        with pytest.raises(SystemExit) as exit_info:
+            module.main(args)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_ab_commits_rejects_bad_counts():
