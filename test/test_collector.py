@@ -132,6 +132,28 @@ def test_return_same_td_refuses_what_it_cannot_serve():
         AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, return_same_td=1)
 
 
+def test_state_dict_resumes_the_frame_count():
+    c = AsyncPoolCollector(oracle_factories(2), policy=oracle_policy, frames_per_batch=20, total_frames=100)
+    try:
+        it = iter(c)
+        next(it), next(it)
+        state = c.state_dict()
+        assert state == {"frames": 40, "policy_version": 0}
+    finally:
+        c.shutdown()
+    resumed = AsyncPoolCollector(oracle_factories(2), policy=oracle_policy, frames_per_batch=20, total_frames=100)
+    try:
+        resumed.load_state_dict({"frames": torch.tensor(40)})  # a checkpoint's tensor counts too
+        resumed.load_state_dict({})  # TorchRL's empty state dict changes nothing
+        assert [b.shape[0] for b in resumed] == [20, 20, 20]  # only what is left of total_frames
+        assert resumed.state_dict()["frames"] == 100
+        for bad in (-1, 2.5, True, "40"):
+            with pytest.raises(ValueError, match="non-negative integer"):
+                resumed.load_state_dict({"frames": bad})
+    finally:
+        resumed.shutdown()
+
+
 def test_yield_completed_trajectories():
     checker = OracleChecker()
     c = AsyncPoolCollector(oracle_factories(3), policy=oracle_policy, frames_per_batch=16, total_frames=60,

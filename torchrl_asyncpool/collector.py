@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import threading
 import time
 from collections import OrderedDict, deque
@@ -535,6 +536,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
 
     @property
     def rollout(self) -> Callable[[], TensorDictBase]:
+        """The callable that :meth:`iterator` calls for each batch (TorchRL's ``rollout``): the next
+        ``frames_per_batch`` transitions, or the next completed trajectory with
+        ``yield_completed_trajectories=True``."""
         return self._rollout_yield_trajs if self.yield_completed_trajectories else self._rollout_frames
 
     def start(self) -> None:
@@ -620,10 +624,28 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         return seed
 
     def state_dict(self) -> OrderedDict:
+        """``{"frames": transitions delivered so far, "policy_version": the serving policy's version}``.
+
+        ``frames`` counts against ``total_frames``, so a collector resumed with
+        :meth:`load_state_dict` delivers only what is left. (TorchRL's ``AsyncBatchedCollector``
+        returns an empty dict; its keys here are a superset.)
+        """
         return OrderedDict(frames=self._frames, policy_version=self.policy_version)
 
     def load_state_dict(self, state_dict: OrderedDict) -> None:
-        self._frames = int(state_dict.get("frames", self._frames))
+        """Resumes the frame count of :meth:`state_dict` (``policy_version`` is informational: the
+        version follows the weights, see :meth:`update_policy_weights_`). A dict without
+        ``"frames"`` (TorchRL's empty one) changes nothing."""
+        if "frames" not in state_dict:
+            return
+        given = state_dict["frames"]
+        try:  # an int, or a numpy / 0-d tensor integer from a saved checkpoint
+            frames = None if isinstance(given, bool) else operator.index(given)
+        except TypeError:
+            frames = None
+        if frames is None or frames < 0:
+            raise ValueError(f"state_dict['frames'] must be a non-negative integer, got {given!r}.")
+        self._frames = frames
 
     def __del__(self) -> None:
         if getattr(self, "_pool", None) is not None and not getattr(self, "_closed", True):

@@ -85,10 +85,12 @@ class ChunkBuffers:
         self.driver_bell = Doorbell()
 
     def handle(self) -> ChunkHandle:
+        """What a worker needs to attach to these buffers (picklable at start-up; descriptors inherited)."""
         return ChunkHandle(self.layout, InheritedFd(self.arena.fd), self.driver_bell.inheritable(),
                            self.chunk_size, self.chunks_per_env)
 
     def close(self) -> None:
+        """Closes the driver's doorbell and the chunk arena's descriptor (the mapping goes with its last view)."""
         self.driver_bell.close()
         self.arena.close()
 
@@ -123,6 +125,7 @@ class ChunkReader:
         self._poller.register(buffers.driver_bell.fd, select.POLLIN)
 
     def full_chunks(self) -> int:
+        """How many chunks are full and not yet taken by the driver."""
         return int((self._state == FULL).sum())
 
     def _reusable(self, frames: int) -> bool:

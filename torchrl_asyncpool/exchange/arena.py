@@ -68,6 +68,7 @@ class FieldSpec:
 
     @property
     def numel(self) -> int:
+        """Elements per slot (the product of ``shape``)."""
         n = 1
         for s in self.shape:
             n *= int(s)

@@ -157,6 +157,7 @@ class Doorbell:
         return InheritedFd(self.fd)
 
     def close(self) -> None:
+        """Closes the eventfd (idempotent)."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

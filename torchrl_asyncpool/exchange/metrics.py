@@ -64,6 +64,7 @@ class PoolMetrics:
         self.reset()
 
     def reset(self) -> None:
+        """Starts a new measurement window: :meth:`as_dict` counts from now."""
         a = self._arena
         self.t0 = time.monotonic()
         self._base = a.consumer_stats.copy()
@@ -71,6 +72,7 @@ class PoolMetrics:
         self._step_count0 = int(a.step_count.sum())
 
     def as_dict(self) -> dict:
+        """The metrics of the window since the last :meth:`reset`, as a flat dict of floats."""
         a = self._arena
         elapsed = max(time.monotonic() - self.t0, 1e-9)
         d = a.consumer_stats - self._base

@@ -211,6 +211,7 @@ class JsonlRecorder:
         self._file.flush()
 
     def close(self):
+        """Closes the file (idempotent); a later record opens it again, appending."""
         if self._file is not None:
             self._file.close()
             self._file = None

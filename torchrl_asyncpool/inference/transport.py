@@ -112,10 +112,12 @@ class ProcessSlotTransport:
 
     @property
     def is_alive(self) -> bool:
+        """Whether the server process runs and has reported no error."""
         return self._proc is not None and self._proc.exitcode is None and self._error is None
 
     @property
     def error(self) -> Optional[BaseException]:
+        """The server's first error (:class:`InferenceServerError`) seen so far, or ``None``."""
         return self._error
 
     def start(self, spec: ServerSpec, names) -> None:
@@ -248,14 +250,19 @@ class ProcessSlotTransport:
             raise self._error
 
     def publish_weights(self, name, flat, version) -> None:
+        """Writes policy ``name``'s weights (``{parameter or buffer name: tensor}``, every name of
+        :meth:`weight_names`) at ``version`` into the shared weight block; the server applies them
+        before its next batch. Raises the server's error first, if it has one."""
         self.check()
         self._weights.publish(name, flat, version)
 
     def weight_names(self, name):
+        """The parameter and buffer names of policy ``name`` that :meth:`publish_weights` expects."""
         return self._weights.names(name)
 
     @property
     def stats_block(self) -> Optional[StatsBlock]:
+        """The server's shared statistics block (``None`` before :meth:`start`)."""
         return self._stats
 
     def wait(self, timeout: Optional[float] = None) -> bool:

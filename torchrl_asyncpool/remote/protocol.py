@@ -246,6 +246,8 @@ class RecordCodec:
 
     # -- records, host -> pool ------------------------------------------------------------------
     def pack_record(self, step_type: int, reward: float, obs: Dict) -> bytes:
+        """A ``HostMessage.record`` with the raw bytes of every negotiated observation key; raises
+        ``ValueError`` when an observation does not fit its negotiated shape."""
         parts = [_tag(_STEP_TYPE, _VARINT), _varint(int(step_type)), _tag(_REWARD, _I64), _DOUBLE.pack(reward)]
         obs_tag = _tag(_OBS, _LEN)
         for (k, shape, dt), n in zip(self.obs, self.obs_bytes):
@@ -286,6 +288,7 @@ class RecordCodec:
 
     # -- commands, pool -> host -----------------------------------------------------------------
     def pack_action(self, action) -> bytes:
+        """A ``PoolMessage.action`` with the raw bytes of ``action`` in the negotiated dtype."""
         a = np.ascontiguousarray(action, dtype=self.action_dtype)
         return _len_field(_ACTION, a.tobytes())
 
