@@ -14,7 +14,8 @@ that loop and the pieces a pipeline adds to it, on the workload of ``compare_col
   as a collector calls it;
 * an ``eventfd`` round trip between two processes, on one core and across two, hot and after
   a ``step_s`` sleep: the least that handing a record to another process and its answer back
-  can cost (a collector makes at least one such round trip per cycle: worker -> policy -> worker).
+  can cost (a collector makes at least one such round trip per cycle: worker -> policy -> worker),
+  and what the write that wakes the other side costs the writer.
 
 It then says how many microseconds a target share leaves beyond the in-thread loop::
 
@@ -49,7 +50,8 @@ def _summary(seconds: list) -> dict:
 
 def round_trips(cpu_a: int, cpu_b: int, gap_s: float, rounds: int) -> dict:
     """An ``eventfd`` ping-pong between this process (on ``cpu_a``) and a forked child (on
-    ``cpu_b``); ``gap_s``: how long this side sleeps before each ping (the child waits meanwhile)."""
+    ``cpu_b``); ``gap_s``: how long this side sleeps before each ping (the child waits meanwhile).
+    ``ring_median_us``: the ping's ``eventfd_write`` alone, what waking the child costs the waker."""
     ping, pong = os.eventfd(0), os.eventfd(0)
     previous = os.sched_getaffinity(0)
     pid = os.fork()
@@ -67,7 +69,7 @@ def round_trips(cpu_a: int, cpu_b: int, gap_s: float, rounds: int) -> dict:
                 os.eventfd_write(pong, 1)
         finally:
             os._exit(code)
-    times = []
+    times, rings = [], []  # the whole round trip; the ping's write alone (the waker's share)
     try:
         os.sched_setaffinity(0, {cpu_a})
         waiter = select.poll()
@@ -78,6 +80,7 @@ def round_trips(cpu_a: int, cpu_b: int, gap_s: float, rounds: int) -> dict:
                 time.sleep(gap_s)
             t = time.perf_counter()
             os.eventfd_write(ping, 1)
+            rings.append(time.perf_counter() - t)
             if not waiter.poll(_CHILD_PATIENCE_MS):
                 raise RuntimeError(f"the round-trip child (pid {pid}) stopped answering")
             os.eventfd_read(pong)
@@ -89,7 +92,7 @@ def round_trips(cpu_a: int, cpu_b: int, gap_s: float, rounds: int) -> dict:
         os.waitpid(pid, 0)
         os.close(ping)
         os.close(pong)
-    return _summary(times)
+    return {**_summary(times), "ring_median_us": 1e6 * statistics.median(rings)}
 
 
 def _timed(fn, rounds: int, gap_s: float = 0.0) -> dict:
@@ -173,11 +176,11 @@ def _print(r: dict) -> None:
     row("one env + the TensorDict policy in one thread", f"{r['in_thread_cycle_td']['mean_us']:,.0f} us -> "
         f"{100 * r['in_thread_share_td']:.1f} % of N/latency")
     rt = r["round_trip"]
-    row("eventfd round trip, one core: hot / slept",
-        f"{med(rt['same_core_hot'])} / {med(rt['same_core_after_sleep'])} us")
-    if "cross_core_hot" in rt:
-        row("eventfd round trip, two cores: hot / slept",
-            f"{med(rt['cross_core_hot'])} / {med(rt['cross_core_after_sleep'])} us")
+    for where, hot, slept in (("one core", "same_core_hot", "same_core_after_sleep"),
+                              ("two cores", "cross_core_hot", "cross_core_after_sleep")):
+        if hot in rt:
+            row(f"eventfd round trip, {where}: hot / slept", f"{med(rt[hot])} / {med(rt[slept])} us "
+                f"(the waking write alone: {rt[hot]['ring_median_us']:,.1f} / {rt[slept]['ring_median_us']:,.1f} us)")
     budget = r["budget_beyond_in_thread_us"]
     print(f"{100 * r['target']:.0f} % of N/latency needs a cycle of {r['target_cycle_us']:,.0f} us: "
           + (f"{budget:,.0f} us beyond the in-thread loop for everything a pipeline adds."

@@ -274,7 +274,8 @@ def test_probe_floor_script(tmp_path):
     expected = {"same_core_hot", "same_core_after_sleep"}
     if len(os.sched_getaffinity(0)) > 1:
         expected |= {"cross_core_hot", "cross_core_after_sleep"}
-    assert set(r["round_trip"]) == expected and all(v["median_us"] > 0 for v in r["round_trip"].values())
+    assert set(r["round_trip"]) == expected
+    assert all(v["median_us"] > 0 and 0 < v["ring_median_us"] <= v["median_us"] for v in r["round_trip"].values())
 
 
 def test_probe_floor_rejects_bad_arguments(capsys):
