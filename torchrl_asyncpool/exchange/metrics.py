@@ -72,7 +72,7 @@ class PoolMetrics:
         self._step_count0 = int(a.step_count.sum())
 
     def as_dict(self) -> dict:
-        """The metrics of the window since the last :meth:`reset`, as a flat dict of floats."""
+        """The metrics of the window since the last :meth:`reset`, as a flat dict of numbers (counts as ints)."""
         a = self._arena
         elapsed = max(time.monotonic() - self.t0, 1e-9)
         d = a.consumer_stats - self._base
