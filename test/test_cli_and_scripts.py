@@ -288,6 +288,26 @@ def test_probe_floor_rejects_bad_arguments(capsys):
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_probe_local_policy_script(tmp_path):
+    """``benchmarks/probe_local_policy.py``, one short round: ABBA runs of both configurations."""
+    out = tmp_path / "local.json"
+    script = ROOT / "benchmarks" / "probe_local_policy.py"
+    proc = _run([sys.executable, str(script), "--envs", "4", "--seconds", "0.2", "--rounds", "1", "--json", str(out)],
+                timeout=120)
+    assert "ratio of the medians" in proc.stdout
+    r = json.loads(out.read_text())
+    assert len(r["one_process_fps"]) == len(r["split_fps"]) == 2
+    assert all(x > 0 for x in r["one_process_fps"] + r["split_fps"]) and r["ratio_of_medians"] > 0
+
+
+def test_probe_local_policy_rejects_bad_arguments(capsys):
+    module = _load_benchmark_script("probe_local_policy")
+    for args in (["--procs", "3"], ["--procs", "1"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit) as exit_info:
+            module.main(args)
+        assert exit_info.value.code == 2 and "must be" in capsys.readouterr().err
+
+
 def test_ab_commits_rejects_bad_counts():
     script = ROOT / "benchmarks" / "ab_commits.py"
     proc = subprocess.run([sys.executable, str(script), "--base", "HEAD", "--pairs", "0"], capture_output=True,
