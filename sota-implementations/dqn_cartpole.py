@@ -217,6 +217,7 @@ def main(argv=None) -> dict:
         total_frames=cfg.total_frames,
         replay_buffer=rb,
         post_collect_hook=stats,
+        seed=cfg.seed,  # env i's first reset: seed + i
     )
     pbar = tqdm.tqdm(total=cfg.total_frames, unit="frames", disable=not cfg.progress, dynamic_ncols=True)
     updates, pauses, reached_at, next_log = 0, 0, None, cfg.log_interval

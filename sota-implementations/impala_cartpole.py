@@ -200,6 +200,7 @@ def main(argv=None) -> dict:
         policy=acting,
         frames_per_batch=cfg.frames_per_batch,
         total_frames=cfg.total_frames,
+        seed=cfg.seed,  # env i's first reset: seed + i
     )
     tracker = EpisodeTracker(cfg.num_envs)
     recent = deque(maxlen=cfg.window)

@@ -221,6 +221,7 @@ def main(argv=None) -> dict:
         policy=acting,
         frames_per_batch=cfg.frames_per_batch,
         total_frames=cfg.total_frames,
+        seed=None if cfg.remote_address else cfg.seed,  # env i's first reset: seed + i (hosts seed their own)
     )
     tracker = EpisodeTracker(cfg.num_envs)
     recent = deque(maxlen=cfg.window)

@@ -529,3 +529,8 @@ def test_a_client_that_never_says_hello_is_dropped():
         assert int(pool.recv(min_get=1, timeout=20)["step_type"][0]) == StepType.FIRST
         out.put(None)
         channel.close()
+
+
+def test_seed_is_refused_for_remote_slots():
+    with pytest.raises(ValueError, match="remote env slot's host owns its env"):
+        AsyncEnvPool(_slots(free_address(), 2), seed=0)

@@ -147,6 +147,7 @@ def train_impala_demo(
         # stalled or collapsed in 2 of ~20 runs whose mean lag reached 1.8-1.9 versions
         transition_chunk_size=max(1, frames_per_batch // num_envs),
         chunks_per_env=1,
+        seed=seed,  # env i's first reset: seed + i
     )
     running = [0.0] * num_envs
     recent: deque = deque(maxlen=window)
@@ -482,7 +483,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="stop when the mean return of the last 20 episodes reaches it (default: 475)")
     demo.add_argument("--env-id", default="CartPole-v1",
                       help="gymnasium env with a discrete action (default: CartPole-v1)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="torch seed; env i's first reset gets seed + i")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=_cmd_demo)
 

@@ -6,6 +6,7 @@ import math
 import operator
 import threading
 import time
+import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 
@@ -207,6 +208,12 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         exchange (str, optional): ``"auto"`` (default), ``"native"`` or ``"python"``: who
             leases and answers the slots in the policy server, the C engine built with the
             package or the pure-Python reference (see :class:`~torchrl_asyncpool.AsyncEnvPool`).
+        seed (int, optional): seeds env ``i``'s first reset with ``seed + i`` (see
+            :class:`~torchrl_asyncpool.AsyncEnvPool`): each env's trajectory is then
+            reproducible under a deterministic policy, though the order in which transitions
+            of different envs fill a batch still depends on timing. The envs reset when the
+            collector is built, so this is the way to seed them; :meth:`set_seed` cannot.
+            Defaults to ``None``.
         post_collect_hook (callable, optional): called with each batch before it is yielded.
         verbose (bool, optional): print start-up and shutdown timings.
 
@@ -268,6 +275,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         worker_affinity: Sequence[Sequence[int]] | Callable[[int], Sequence[int]] | str | None = "auto",
         driver_affinity: Sequence[int] | str | None = "auto",
         exchange: str = "auto",
+        seed: int | None = None,
         **torchrl_kwargs,
     ):
         BaseCollector.__init__(self, post_collect_hook=post_collect_hook)
@@ -366,6 +374,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             chunks_per_env=chunks_per_env,
             worker_affinity=worker_affinity,
             exchange=exchange,
+            seed=seed,
         )
         self._num_envs = self._pool.num_envs  # a vector env factory contributes several envs
         policy_affinity = self._driver_affinity
@@ -620,7 +629,15 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             self.check_errors()
 
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
-        """No-op (envs are built inside worker processes); returns ``seed``."""
+        """Returns ``seed`` and changes nothing, as TorchRL's ``AsyncBatchedCollector`` does, but
+        says so with a ``UserWarning``: the envs were built and reset when the collector was
+        constructed, so pass ``seed=`` to the constructor to seed them."""
+        warnings.warn(
+            f"AsyncPoolCollector.set_seed({seed!r}) does not seed anything: the envs reset when the collector was "
+            "built. Pass seed= to AsyncPoolCollector(...) instead (env i's first reset gets seed + i).",
+            UserWarning,
+            stacklevel=2,
+        )
         return seed
 
     def state_dict(self) -> OrderedDict:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import multiprocessing as mp
 import os
 import time
@@ -23,7 +24,7 @@ from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
 from torchrl_asyncpool.exchange.metrics import PoolMetrics
 from torchrl_asyncpool.exchange.native import resolve_exchange
 from torchrl_asyncpool.forkserver import forkserver_context
-from torchrl_asyncpool.workers.env_adapter import make_adapter, remote_listener
+from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, make_adapter, remote_listener
 from torchrl_asyncpool.workers.env_worker import worker_main
 
 __all__ = ["AsyncEnvPool"]
@@ -118,6 +119,14 @@ class AsyncEnvPool:
         start_timeout (float, optional): seconds to wait for every worker to build its envs
             and publish its first record. Defaults to ``None`` (no limit; a worker that dies
             or raises still ends the wait at once).
+        seed (int, optional): seeds each env's first reset: env ``i`` (slot ``i``) with
+            ``seed + i``. A gymnasium env is reset with ``seed=`` once, a TorchRL env gets
+            ``set_seed`` before its first reset; later resets continue each env's own random
+            stream, so a run is reproducible env by env (the order in which records reach the
+            consumer still depends on timing). A vector or batched env of ``k`` envs gets the
+            seed of its first slot and seeds its sub-envs from it (gymnasium: ``seed + j``).
+            Defaults to ``None`` (unseeded). Refused for remote env slots, whose hosts own
+            their envs.
         exchange (str, optional): who does the consumer's lease and answer (here, in
             :meth:`recv`/:meth:`send`, and in an inference server): ``"native"``, the C
             engine built with the package (one call each, see
@@ -176,6 +185,7 @@ class AsyncEnvPool:
         chunks_per_env: int = 2,
         worker_affinity: Sequence[Sequence[int]] | Callable[[int], Sequence[int]] | str | None = None,
         exchange: str = "auto",
+        seed: int | None = None,
     ):
         self._closed = True  # until start-up completes, close() has little to undo
         self._procs = []
@@ -188,6 +198,7 @@ class AsyncEnvPool:
             raise ValueError("pin_memory=True needs CUDA, which is not available in this process.")
         if isinstance(worker_affinity, str):  # a bad name fails before any env is built
             resolve_worker_affinity(worker_affinity, 0)
+        _check_seed(seed)
 
         spec_adapter = make_adapter(fns[0](**kwargs[0]), 0)
         try:
@@ -199,6 +210,11 @@ class AsyncEnvPool:
             if hasattr(spec_adapter, "num_envs"):
                 self.envs_per_worker, self.env_threads = _vector_grouping(envs_per_worker, env_threads, k_vec)
             elif remote_listener(spec_adapter.env) is not None:
+                if seed is not None:
+                    raise ValueError(
+                        "seed= seeds the envs that the workers build; a remote env slot's host owns its env and its "
+                        "resets. Seed the envs on the host side."
+                    )
                 groups = _remote_groups(envs_per_worker, env_threads, spec_adapter, fns, kwargs)
                 self.envs_per_worker, self.env_threads = max(map(len, groups)), True
             else:
@@ -207,6 +223,8 @@ class AsyncEnvPool:
                 )
         finally:
             spec_adapter.close()
+        if seed is not None:  # after the spec env: only the workers' envs are seeded
+            fns = [_SeededFactory(fn, seed + i * k_vec) for i, fn in enumerate(fns)]
         self.observation_keys = list(spec_adapter.obs_keys)
         self.action_keys = list(response)
         if callable(policy_output_spec):
@@ -567,6 +585,25 @@ def _check_factories(create_env_fn):
         if not callable(fn):
             raise TypeError(f"create_env_fn[{i}] must be callable, got {type(fn).__name__}.")
     return list(create_env_fn)
+
+
+def _check_seed(seed):
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
+        raise ValueError(f"seed must be None or a non-negative int (gymnasium refuses negative seeds), got {seed!r}.")
+
+
+class _SeededFactory:
+    """Builds the user's env and marks its first reset's seed (read by the worker's env adapter).
+    Picklable when the wrapped factory is."""
+
+    def __init__(self, create_env_fn, seed: int):
+        self.create_env_fn = create_env_fn
+        self.seed = int(seed)
+
+    def __call__(self, **kwargs):
+        env = self.create_env_fn(**kwargs)
+        setattr(env, FIRST_SEED_ATTR, self.seed)
+        return env
 
 
 def _check_kwargs(kwargs, n):

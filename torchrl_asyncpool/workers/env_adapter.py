@@ -17,8 +17,8 @@ from torchrl.envs import EnvBase
 from torchrl_asyncpool.exchange.native import copy_into
 
 __all__ = [
-    "RESERVED_KEYS", "EPISODE_PLAN_ATTR", "TorchRLEnvAdapter", "TorchRLBatchedAdapter", "GymnasiumEnvAdapter",
-    "GymnasiumVectorAdapter", "is_vector_env", "make_adapter", "remote_listener", "end_flags",
+    "RESERVED_KEYS", "EPISODE_PLAN_ATTR", "FIRST_SEED_ATTR", "TorchRLEnvAdapter", "TorchRLBatchedAdapter",
+    "GymnasiumEnvAdapter", "GymnasiumVectorAdapter", "is_vector_env", "make_adapter", "remote_listener", "end_flags",
 ]
 
 #: Request keys the exchange defines itself; an env observation may not use them.
@@ -30,6 +30,12 @@ RESERVED_KEYS = ("reward", "step_type", "done", "terminated", "truncated", "env_
 #: and its episode is truncated after ``max_steps`` steps unless it ends first. Resets past the
 #: end of the plan are unseeded and unlimited.
 EPISODE_PLAN_ATTR = "_torchrl_asyncpool_episode_plan"
+
+#: Attribute an env may carry to seed its first reset (set by ``AsyncEnvPool(seed=...)``): a
+#: gymnasium env is reset with ``seed=`` once (a vector env seeds its sub-envs from it, as
+#: gymnasium does), a TorchRL env gets ``set_seed`` before its first reset; later resets continue
+#: the env's own random stream. An episode plan, where there is one, takes precedence.
+FIRST_SEED_ATTR = "_torchrl_asyncpool_first_seed"
 
 
 class _EpisodePlan:
@@ -54,13 +60,17 @@ class _EpisodePlan:
         return self.limit is not None and self.t >= self.limit
 
 
-def _plan_of(env):
+def _own_attr(env, name):
     # the instance's own attribute only: batched TorchRL envs forward unknown attributes to
     # their (possibly not yet built) sub-envs
     try:
-        plan = vars(env).get(EPISODE_PLAN_ATTR)
+        return vars(env).get(name)
     except TypeError:  # no __dict__
-        plan = None
+        return None
+
+
+def _plan_of(env):
+    plan = _own_attr(env, EPISODE_PLAN_ATTR)
     return None if plan is None else _EpisodePlan(plan)
 
 
@@ -92,6 +102,7 @@ class TorchRLEnvAdapter:
         b = self._batch_dims
         self._done_shape = tuple(done_spec["done"].shape)[b:]
         self._td = None
+        self._first_seed = _own_attr(env, FIRST_SEED_ATTR)
         self._plan = _plan_of(env)
         if self._plan is not None:  # the plain step stays free of the plan's bookkeeping
             self.step = self._planned_step
@@ -132,6 +143,9 @@ class TorchRLEnvAdapter:
                 )
             if seed is not None:
                 self.env.set_seed(seed)
+        elif self._first_seed is not None:
+            self.env.set_seed(self._first_seed)
+        self._first_seed = None
         self._td = self.env.reset()
         return self._td
 
@@ -204,6 +218,9 @@ class TorchRLBatchedAdapter(TorchRLEnvAdapter):
         return {k: self.as_numpy(td.get(k)) for k in self.obs_keys}
 
     def reset(self):
+        if self._first_seed is not None:  # the batched env seeds its sub-envs, as TorchRL does
+            self.env.set_seed(self._first_seed)
+            self._first_seed = None
         self._td = self.env.reset()
         return self._obs(self._td)
 
@@ -246,6 +263,7 @@ class GymnasiumEnvAdapter:
     def __init__(self, env, env_index: int | None = None):
         self.env = env
         self._read_spaces(env.observation_space, env.action_space, _where(env_index))
+        self._first_seed = _own_attr(env, FIRST_SEED_ATTR)
         self._plan = _plan_of(env)
         if self._plan is not None:  # the plain step stays free of the plan's bookkeeping
             self.step = self._planned_step
@@ -314,7 +332,8 @@ class GymnasiumEnvAdapter:
             seed, options = self._plan.next_reset()
             obs, _ = self.env.reset(seed=seed, options=options)
         else:
-            obs, _ = self.env.reset()
+            obs, _ = self.env.reset(seed=self._first_seed)
+        self._first_seed = None
         return self._obs(obs)
 
     def _planned_step(self, actions: Dict):
@@ -396,12 +415,14 @@ class GymnasiumVectorAdapter(GymnasiumEnvAdapter):
         self.env = env
         self.num_envs = int(env.num_envs)
         self._read_spaces(env.single_observation_space, env.single_action_space, where)
+        self._first_seed = _own_attr(env, FIRST_SEED_ATTR)
 
     def random_action(self) -> Dict:
         return {"action": torch.as_tensor(self.env.single_action_space.sample())}
 
     def reset(self):
-        obs, _ = self.env.reset()
+        obs, _ = self.env.reset(seed=self._first_seed)  # sub-env j gets seed + j (gymnasium's rule)
+        self._first_seed = None
         return self._obs(obs)
 
     def step(self, actions: Dict):
