@@ -166,6 +166,18 @@ class AsyncEnvPool:
         ...     print(nxt["step_type"].tolist())  # env 0's first oracle episode is one step long
         [0, 1] [0, 0]
         [3, 1]
+
+        Seeded envs (``seed=``): env ``i``'s first observation is that of its env reset with
+        ``seed + i``:
+
+        >>> import gymnasium as gym
+        >>> import numpy as np
+        >>> with AsyncEnvPool([lambda: gym.make("CartPole-v1")] * 2, seed=7) as pool:
+        ...     first = pool.recv(min_get=2)
+        ...     obs = first["observation"][first.env_indices.argsort()]
+        >>> expected = [gym.make("CartPole-v1").reset(seed=7 + i)[0] for i in range(2)]
+        >>> torch.equal(obs, torch.as_tensor(np.stack(expected)))
+        True
     """
 
     def __init__(
