@@ -173,3 +173,13 @@ def test_collector_set_seed_warns_that_it_seeds_nothing():
             assert c.set_seed(5) == 5
     finally:
         c.shutdown()
+
+
+class _NoSeedArgument(_RandomReset):
+    def reset(self):  # an env that predates gymnasium's reset(seed=, options=)
+        return np.zeros(1, np.int64), {}
+
+
+def test_unseeded_pools_call_reset_without_a_seed_argument():
+    with AsyncEnvPool([_NoSeedArgument] * 2, envs_per_worker=2) as pool:
+        assert _first_records(pool) == {0: 0, 1: 0}

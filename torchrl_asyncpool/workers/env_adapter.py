@@ -331,9 +331,11 @@ class GymnasiumEnvAdapter:
         if self._plan is not None:
             seed, options = self._plan.next_reset()
             obs, _ = self.env.reset(seed=seed, options=options)
-        else:
+        elif self._first_seed is not None:
             obs, _ = self.env.reset(seed=self._first_seed)
-        self._first_seed = None
+            self._first_seed = None
+        else:  # no seed argument at all: some envs' reset() does not take one
+            obs, _ = self.env.reset()
         return self._obs(obs)
 
     def _planned_step(self, actions: Dict):
@@ -421,8 +423,11 @@ class GymnasiumVectorAdapter(GymnasiumEnvAdapter):
         return {"action": torch.as_tensor(self.env.single_action_space.sample())}
 
     def reset(self):
-        obs, _ = self.env.reset(seed=self._first_seed)  # sub-env j gets seed + j (gymnasium's rule)
-        self._first_seed = None
+        if self._first_seed is not None:
+            obs, _ = self.env.reset(seed=self._first_seed)  # sub-env j gets seed + j (gymnasium's rule)
+            self._first_seed = None
+        else:
+            obs, _ = self.env.reset()
         return self._obs(obs)
 
     def step(self, actions: Dict):
