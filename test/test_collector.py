@@ -413,3 +413,27 @@ def test_pause_keeps_the_policy_idle():
         assert calls["n"] > n
     finally:
         c.shutdown()
+
+
+def test_log_metrics_writes_pool_and_server_scalars_to_a_torchrl_logger(tmp_path):
+    from torchrl.record.loggers.csv import CSVLogger
+
+    logger = CSVLogger(exp_name="run", log_dir=str(tmp_path))
+    c = AsyncPoolCollector(oracle_factories(2), policy=oracle_policy, frames_per_batch=20, total_frames=40)
+    try:
+        for _ in c:
+            pass
+        logged = c.log_metrics(logger, step=40)
+        assert logged["collector/pool/frames"] >= 40 and logged["collector/server/frames"] >= 40
+        assert "collector/server/per_key/policy/batches" in logged  # nested stats, flattened
+        assert not any(k.endswith("/mode") for k in logged)  # not a number: left out
+        pool_logged = c.env.log_metrics(logger, step=40, reset=True)
+        assert set(pool_logged) == {f"pool/{k}" for k in c.pool_metrics()}
+        with pytest.raises(TypeError, match="log_scalar"):
+            c.log_metrics(object())
+    finally:
+        c.shutdown()
+    scalars = tmp_path / "run" / "scalars"
+    rows = (scalars / "collector" / "pool" / "frames.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 and rows[0].split(",")[0] == "40"
+    assert (scalars / "pool" / "env_step_time_s.csv").exists()

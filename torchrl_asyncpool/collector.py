@@ -22,6 +22,7 @@ from torchrl_asyncpool.inference import InferenceServer, InferenceServerError
 from torchrl_asyncpool.inference._runner import flatten_weights
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange.arena import as_key
+from torchrl_asyncpool.exchange.metrics import log_metrics
 from torchrl_asyncpool.pool import AsyncEnvPool
 from torchrl_asyncpool.affinity import pinned, resolve_collector_affinity
 from torchrl_asyncpool.threads import start_daemon_thread
@@ -447,6 +448,22 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     def pool_metrics(self, reset: bool = False) -> dict:
         """The exchange's health metrics (see :meth:`AsyncEnvPool.metrics`)."""
         return self._pool.metrics(reset=reset)
+
+    def log_metrics(self, logger, step: int | None = None, *, reset: bool = False, prefix: str = "collector/") -> dict:
+        """Logs :meth:`pool_metrics` (as ``{prefix}pool/...``) and :meth:`server_stats` (as
+        ``{prefix}server/...``) to a TorchRL logger, one scalar each; returns what it logged.
+
+        Args:
+            logger: a TorchRL :class:`~torchrl.record.loggers.Logger` (CSV, TensorBoard, W&B, ...).
+            step (int, optional): the step to log at, e.g. the frames collected so far.
+
+        Keyword Args:
+            reset (bool, optional): start new measurement windows after reading both.
+            prefix (str, optional): prepended to every name. Defaults to ``"collector/"``.
+        """
+        logged = log_metrics(logger, self._pool.metrics(reset=reset), step, f"{prefix}pool/")
+        logged.update(log_metrics(logger, self._server.stats(reset=reset), step, f"{prefix}server/"))
+        return logged
 
     def update_policy_weights_(self, policy_or_weights=None, *, weights=None, policy=None, **kwargs) -> None:
         """Makes the acting policy use new weights and bumps the policy version.

@@ -21,7 +21,7 @@ from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout, as_key
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
-from torchrl_asyncpool.exchange.metrics import PoolMetrics
+from torchrl_asyncpool.exchange.metrics import PoolMetrics, log_metrics
 from torchrl_asyncpool.exchange.native import resolve_exchange
 from torchrl_asyncpool.forkserver import forkserver_context
 from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, make_adapter, remote_listener
@@ -481,6 +481,11 @@ class AsyncEnvPool:
         if reset:
             self._metrics.reset()
         return out
+
+    def log_metrics(self, logger, step: int | None = None, *, reset: bool = False, prefix: str = "pool/") -> dict:
+        """Logs :meth:`metrics` to a TorchRL logger, one scalar per key (``prefix`` + key); returns
+        what it logged. See :func:`~torchrl_asyncpool.exchange.metrics.log_metrics`."""
+        return log_metrics(logger, self.metrics(reset=reset), step, prefix)
 
     def close(self, timeout: float = 1.0) -> None:
         """Stops the workers and frees the arena. Idempotent.

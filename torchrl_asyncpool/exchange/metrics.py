@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-__all__ = ["PoolMetrics", "METRIC_KEYS", "STAT_SLOTS", "record_recv", "record_send", "record_wait"]
+__all__ = ["PoolMetrics", "METRIC_KEYS", "STAT_SLOTS", "record_recv", "record_send", "record_wait", "log_metrics"]
 
 #: Keys of :meth:`AsyncEnvPool.metrics` and what they mean.
 METRIC_KEYS = {
@@ -93,3 +93,52 @@ class PoolMetrics:
             "env_step_time_s": (float(a.step_time.sum()) - self._step_time0) / max(steps, 1),
             "env_steps": steps,
         }
+
+
+def _scalars(metrics, prefix: str, out: dict) -> dict:
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):  # e.g. server_stats()["per_key"]
+            _scalars(value, name + "/", out)
+        elif isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+            out[name] = float(value) if isinstance(value, (float, np.floating)) else int(value)
+    return out
+
+
+def log_metrics(logger, metrics: dict, step: int | None = None, prefix: str = "") -> dict:
+    """Logs the numbers of a metrics dict to a TorchRL logger, one scalar each.
+
+    Nested dicts become ``outer/inner`` names; entries that are not numbers (a server's
+    ``"mode"``) are left out.
+
+    Args:
+        logger: a TorchRL :class:`~torchrl.record.loggers.Logger` (CSV, TensorBoard, W&B, ...),
+            or anything with ``log_scalar(name, value, step=None)``.
+        metrics (dict): e.g. :meth:`AsyncEnvPool.metrics() <torchrl_asyncpool.AsyncEnvPool.metrics>`.
+        step (int, optional): the step to log at (e.g. frames collected so far).
+        prefix (str, optional): prepended to every name, e.g. ``"pool/"``.
+
+    Returns:
+        The ``{name: number}`` dict that was logged.
+
+    Examples:
+        >>> from torchrl_asyncpool.exchange.metrics import log_metrics
+        >>> class Printer:
+        ...     def log_scalar(self, name, value, step=None):
+        ...         print(name, value, step)
+        >>> logged = log_metrics(Printer(), {"fps": 10.0, "per_key": {"policy": {"frames": 3}}, "mode": "thread"},
+        ...                      step=7, prefix="pool/")
+        pool/fps 10.0 7
+        pool/per_key/policy/frames 3 7
+    """
+    if not callable(getattr(logger, "log_scalar", None)):
+        raise TypeError(
+            "logger must be a TorchRL Logger (or have log_scalar(name, value, step=None)), "
+            f"got {type(logger).__name__}."
+        )
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str, got {type(prefix).__name__}.")
+    scalars = _scalars(metrics, prefix, {})
+    for name, value in scalars.items():
+        logger.log_scalar(name, value, step=step)
+    return scalars
