@@ -273,6 +273,7 @@ def main(argv=None) -> dict:
         qs.clear()
         for k, v in metrics.items():
             logger.log_scalar(k, v, step=frames)
+        collector.log_metrics(logger, step=frames)  # collector/pool/... and collector/server/...
         pbar.update(frames - pbar.n)
         pbar.set_postfix(ret=f"{mean_ret:.1f}", fps=f"{frames / elapsed:.0f}",
                          fill=f"{pool['batch_fill_ratio']:.2f}", eps=f"{acting.eps:.2f}")

@@ -295,6 +295,7 @@ def main(argv=None) -> dict:
                 metrics["batch_return"] = sum(new_returns) / len(new_returns)
             for k, v in metrics.items():
                 logger.log_scalar(k, v, step=frames)
+            collector.log_metrics(logger, step=frames)  # collector/pool/... and collector/server/...
             pbar.update(batch.numel())
             pbar.set_postfix(ret=f"{mean_ret:.1f}", fps=f"{fps:.0f}", fill=f"{pool['batch_fill_ratio']:.2f}",
                              lag=f"{lag:.1f}")

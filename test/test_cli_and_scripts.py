@@ -51,6 +51,9 @@ def _check_outputs(tmp_path: Path, png: str) -> None:
     rows = [line.split(",") for line in csv.read_text().splitlines()]
     assert rows and all(len(r) == 2 for r in rows)
     assert (tmp_path / "run" / "scalars" / "batch_fill_ratio.csv").is_file()
+    # the collector's own health metrics and server statistics (AsyncPoolCollector.log_metrics)
+    assert (tmp_path / "run" / "scalars" / "collector" / "pool" / "consumer_busy_fraction.csv").is_file()
+    assert (tmp_path / "run" / "scalars" / "collector" / "server" / "inference_time_s.csv").is_file()
     image = tmp_path / "run" / png
     assert image.is_file() and image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
