@@ -431,6 +431,8 @@ def test_log_metrics_writes_pool_and_server_scalars_to_a_torchrl_logger(tmp_path
         assert set(pool_logged) == {f"pool/{k}" for k in c.pool_metrics()}
         with pytest.raises(TypeError, match="log_scalar"):
             c.log_metrics(object())
+        with pytest.raises(TypeError, match="prefix must be a str"):
+            c.log_metrics(logger, prefix=None)
     finally:
         c.shutdown()
     scalars = tmp_path / "run" / "scalars"

@@ -461,6 +461,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             reset (bool, optional): start new measurement windows after reading both.
             prefix (str, optional): prepended to every name. Defaults to ``"collector/"``.
         """
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}.")
         logged = log_metrics(logger, self._pool.metrics(reset=reset), step, f"{prefix}pool/")
         logged.update(log_metrics(logger, self._server.stats(reset=reset), step, f"{prefix}server/"))
         return logged
