@@ -103,6 +103,14 @@ hold_buffer(Py_buffer *views, Py_ssize_t *nviews, PyObject *obj, Py_ssize_t nbyt
 
 #define take_buffer(self, obj, nbytes, what, out) hold_buffer((self)->views, &(self)->nviews, obj, nbytes, what, out)
 
+/* Adds n to the eventfd counter fd: 0, or -1 with errno set. A saturated counter (EAGAIN) is
+   not an error: its waiter is woken anyway. */
+static int
+ring_fd(int fd, uint64_t n)
+{
+    return write(fd, &n, sizeof(n)) == (ssize_t)sizeof(n) || errno == EAGAIN ? 0 : -1;
+}
+
 /* Takes a contiguous int64 buffer (a numpy int64 array) into *v; TypeError naming it otherwise. */
 static int
 index_buffer(PyObject *obj, Py_buffer *v, const char *what)
@@ -446,13 +454,11 @@ Engine_answer(Engine *self, PyObject *args)
     for (Py_ssize_t r = 0; r < b; r++) {
         __atomic_store_n(&self->state[idx[r]], S_ACTION_READY, __ATOMIC_RELEASE); /* after the data */
     }
-    const uint64_t one = 1;
     for (Py_ssize_t r = 0; r < b; r++) {
         int64_t bell = self->slot_bell[idx[r]];
         if (self->rung[bell]) continue;
         self->rung[bell] = 1;
-        if (write(self->bell_fd[bell], &one, sizeof(one)) != (ssize_t)sizeof(one) && errno != EAGAIN) {
-            /* EAGAIN: the counter is saturated, the worker is woken anyway */
+        if (ring_fd(self->bell_fd[bell], 1) < 0) {
             PyErr_SetFromErrno(PyExc_OSError);
             for (Py_ssize_t q = 0; q < b; q++) self->rung[self->slot_bell[idx[q]]] = 0;
             goto done;
@@ -871,11 +877,8 @@ Pass_publish(Pass *self, PyObject *args)
         self->ready_time[i] = now;
         __atomic_store_n(&self->state[i], S_OBS_READY, __ATOMIC_RELEASE);
     }
-    if (k > 0) {
-        uint64_t count = (uint64_t)k;
-        if (write(self->consumer_fd, &count, sizeof(count)) != (ssize_t)sizeof(count) && errno != EAGAIN) {
-            return PyErr_SetFromErrno(PyExc_OSError);
-        }
+    if (k > 0 && ring_fd(self->consumer_fd, (uint64_t)k) < 0) {
+        return PyErr_SetFromErrno(PyExc_OSError);
     }
     Py_RETURN_NONE;
 }
@@ -925,8 +928,7 @@ Pass_record(Pass *self, PyObject *args)
     }
     self->ready_time[i] = now;
     __atomic_store_n(&self->state[i], S_OBS_READY, __ATOMIC_RELEASE);
-    const uint64_t one = 1;
-    if (write(self->consumer_fd, &one, sizeof(one)) != (ssize_t)sizeof(one) && errno != EAGAIN) {
+    if (ring_fd(self->consumer_fd, 1) < 0) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     Py_RETURN_TRUE;
@@ -976,7 +978,7 @@ native_ring(PyObject *module, PyObject *args)
         }
         v = (uint64_t)u;
     }
-    if (write(fd, &v, sizeof(v)) != (ssize_t)sizeof(v) && errno != EAGAIN) {
+    if (ring_fd(fd, v) < 0) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     Py_RETURN_NONE;
