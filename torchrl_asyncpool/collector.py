@@ -461,11 +461,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             reset (bool, optional): start new measurement windows after reading both.
             prefix (str, optional): prepended to every name. Defaults to ``"collector/"``.
         """
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}.")
-        logged = log_metrics(logger, self._pool.metrics(reset=reset), step, f"{prefix}pool/")
-        logged.update(log_metrics(logger, self._server.stats(reset=reset), step, f"{prefix}server/"))
-        return logged
+        metrics = {"pool": self._pool.metrics(reset=reset), "server": self._server.stats(reset=reset)}
+        return log_metrics(logger, metrics, step, prefix)  # nested dicts become pool/... and server/...
 
     def update_policy_weights_(self, policy_or_weights=None, *, weights=None, policy=None, **kwargs) -> None:
         """Makes the acting policy use new weights and bumps the policy version.
