@@ -78,15 +78,19 @@ def test_poll_for_honours_sub_millisecond_timeouts():
     bell.close()
 
 
-@pytest.fixture(params=["native", "python"])
+@pytest.fixture(params=["native", "native-idle-poll", "python"])
 def bell_impl(request, monkeypatch):
-    """The doorbell calls through the C extension, then through os and select."""
-    if request.param == "native":
+    """The doorbell calls through the C extension (its blocking waits plain, then idle-polled),
+    then through os and select."""
+    if request.param.startswith("native"):
         if doorbell_module._c is None:
             pytest.skip("the C extension is not built")
+        was = doorbell_module._c.set_idle_poll(request.param == "native-idle-poll")
+        yield request.param
+        doorbell_module._c.set_idle_poll(was)
     else:
         monkeypatch.setattr(doorbell_module, "_c", None)
-    return request.param
+        yield request.param
 
 
 def test_bell_wait_drains_its_bell_and_reports_other_descriptors(bell_impl):
@@ -173,6 +177,60 @@ def test_bell_wait_is_interrupted_by_a_signal_handler_that_raises(bell_impl):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
         bell.close()
+
+
+def test_idle_polled_waits_ping_pong_with_a_forked_child_and_many_threads():
+    # the child inherits the parent's poller records but not its thread: its first wait must
+    # start a poller of its own; more waiting threads than the poller has records fall back to
+    # a plain poll. A lost wake-up would show as a wait that runs into its 30 s limit.
+    if doorbell_module._c is None:
+        pytest.skip("the C extension is not built")
+    was = doorbell_module._c.set_idle_poll(True, 200)
+    ping, pong = Doorbell(), Doorbell()
+    try:
+        assert BellWait(ping, idle_poll=True).wait(0.001) == []  # the parent's poller runs
+        pid = os.fork()
+        if pid == 0:  # the child: answers 200 pings, each after a blocking idle-polled wait
+            code = 1
+            try:
+                waiter = BellWait(ping, idle_poll=True)
+                for _ in range(200):
+                    if waiter.wait(30.0) != [ping.fd]:
+                        break
+                    pong.ring()
+                else:
+                    code = 0
+            finally:
+                os._exit(code)
+        waiter = BellWait(pong, idle_poll=True)
+        t0 = time.monotonic()
+        for _ in range(200):
+            ping.ring()
+            assert waiter.wait(30.0) == [pong.fd]
+        assert os.waitpid(pid, 0)[1] == 0
+        assert time.monotonic() - t0 < 60.0
+        bells = [Doorbell() for _ in range(80)]  # the poller has 64 records
+        got = []
+        def wait_for(b):
+            got.append(BellWait(b, idle_poll=True).wait(30.0) == [b.fd])
+
+        threads = [threading.Thread(target=wait_for, args=(b,)) for b in bells]
+        for t in threads:
+            t.start()
+        time.sleep(0.05)
+        for b in bells:
+            b.ring()
+        for t in threads:
+            t.join(60.0)
+        assert got == [True] * len(bells)
+        for b in bells:
+            b.close()
+        with pytest.raises(TypeError, match="idle_poll must be True, False or None"):
+            BellWait(ping, idle_poll=1)
+    finally:
+        doorbell_module._c.set_idle_poll(was)
+        ping.close()
+        pong.close()
 
 
 def test_a_fork_server_started_without_torch_is_warned_about_once():

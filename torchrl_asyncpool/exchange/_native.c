@@ -26,10 +26,17 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <linux/futex.h>
 #include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 /* the slot states of torchrl_asyncpool/exchange/slot_states.py */
@@ -1015,12 +1022,14 @@ native_drain(PyObject *module, PyObject *arg)
 }
 
 PyDoc_STRVAR(wait_doc,
-             "wait(fds, timeout_ms, drain_fd=-1) -> list\n\n"
+             "wait(fds, timeout_ms, drain_fd=-1, idle=-1) -> list\n\n"
              "poll(2) on the descriptors fds (a tuple of ints, POLLIN) for at most timeout_ms\n"
              "milliseconds (-1: no limit); returns the descriptors that are readable or hung up, in\n"
              "the order of fds. When drain_fd (one of fds) is readable it is drained before the GIL\n"
              "is taken back. The GIL is let go once, and only when the poll may block (timeout_ms != 0).\n"
-             "An interrupted poll returns [] once pending signal handlers have run.");
+             "An interrupted poll returns [] once pending signal handlers have run. idle: 1 parks a\n"
+             "blocking wait for this process's idle poller (see set_idle_poll), 0 blocks in poll(2),\n"
+             "-1 follows the process's setting.");
 
 #define WAIT_STACK_FDS 16
 
@@ -1037,12 +1046,228 @@ drain_if_ready(const struct pollfd *p, Py_ssize_t n, int fd)
     return 0;
 }
 
+/* -- idle polling --------------------------------------------------------------------------
+ * A blocking poll(2) makes the remote ring a cross-core wake-up: on a VM whose vCPUs halt when
+ * idle (cpuidle haltpoll with guest_halt_poll_ns=0) it costs ~100 us round trip through the host,
+ * and a reschedule IPI to a busy vCPU costs more. With idle polling on, a waiter parks on a
+ * futex of its own process instead, and one SCHED_IDLE thread per process, which runs only when
+ * its core has nothing else to run, polls the parked waiters' descriptors with poll(0) (which
+ * registers no wait queue, so the remote write wakes nobody) and wakes a waiter whose
+ * descriptors fired: a same-core wake of a few microseconds. A starved poller (its core busy)
+ * is covered by the waiter's own capped futex wait. The poller parks itself when no waiter was
+ * parked for a while. */
+
+#define IDLE_WAITERS 64
+#define IDLE_PARK_NS 50000000LL /* the poller parks after 50 ms without a parked waiter */
+
+typedef struct {
+    _Atomic int state; /* 0 free, 1 taken, 2 parked (the poller checks it), 3 fired */
+    int nfds;
+    struct pollfd p[WAIT_STACK_FDS];
+} IdleWaiter;
+
+static IdleWaiter idle_waiters[IDLE_WAITERS];
+static int idle_on = -1;     /* -1: not read yet */
+static long idle_cap_ns = 1000000; /* a parked waiter polls by itself at least this often */
+static _Atomic pid_t idle_claim_pid, idle_started_pid;
+static _Atomic int idle_poller_parked; /* 1 while the poller sleeps on it */
+static _Atomic long idle_armed;        /* counts parkings, so the poller sees activity */
+/* the CPU mask of the last thread that parked: the poller follows it, so that its wake-up is a
+   same-core one in a pinned process (its thread may have been started before the pinning) */
+static cpu_set_t idle_mask;
+static _Atomic long idle_mask_gen;
+
+static long
+futex_op(_Atomic int *addr, int op, int val, const struct timespec *ts)
+{
+    return syscall(SYS_futex, addr, op, val, ts, NULL, 0);
+}
+
+static int64_t
+mono_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+static void *
+idle_poller(void *arg)
+{
+    (void)arg;
+    sigset_t all; /* a process-directed signal must reach a Python thread, never this one */
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);
+    struct sched_param sp = {0};
+    sched_setscheduler(0, SCHED_IDLE, &sp);
+    int64_t last_active = mono_ns();
+    long seen = atomic_load(&idle_armed), mask_gen = 0;
+    for (;;) {
+        int any = 0;
+        long gen = atomic_load(&idle_mask_gen);
+        if (gen != mask_gen) {
+            cpu_set_t m = idle_mask;
+            sched_setaffinity(0, sizeof(m), &m);
+            mask_gen = gen;
+        }
+        for (int i = 0; i < IDLE_WAITERS; i++) {
+            IdleWaiter *w = &idle_waiters[i];
+            if (atomic_load_explicit(&w->state, memory_order_acquire) != 2) {
+                continue;
+            }
+            any = 1;
+            struct pollfd q[WAIT_STACK_FDS];
+            int n = w->nfds;
+            if (n <= 0 || n > WAIT_STACK_FDS) {
+                continue;
+            }
+            memcpy(q, w->p, (size_t)n * sizeof(struct pollfd));
+            if (poll(q, (nfds_t)n, 0) > 0) {
+                int parked = 2;
+                if (atomic_compare_exchange_strong(&w->state, &parked, 3)) {
+                    futex_op(&w->state, FUTEX_WAKE_PRIVATE, 1, NULL);
+                }
+            }
+        }
+        long now_armed = atomic_load(&idle_armed);
+        if (any || now_armed != seen) {
+            seen = now_armed;
+            last_active = mono_ns();
+        } else if (mono_ns() - last_active > IDLE_PARK_NS) {
+            atomic_store(&idle_poller_parked, 1);
+            /* a waiter parking after this store wakes us (see idle_wait) */
+            if (atomic_load(&idle_armed) == seen) {
+                futex_op(&idle_poller_parked, FUTEX_WAIT_PRIVATE, 1, NULL);
+            }
+            atomic_store(&idle_poller_parked, 0);
+            last_active = mono_ns();
+            seen = atomic_load(&idle_armed);
+        }
+        sched_yield(); /* lets the other processes' pollers on this core have their turn */
+    }
+    return NULL;
+}
+
+/* Starts this process's poller (again after a fork); 0, or -1 when it cannot run. */
+static int
+idle_start(void)
+{
+    pid_t me = getpid();
+    if (atomic_load(&idle_started_pid) == me) {
+        return 0;
+    }
+    pid_t seen = atomic_load(&idle_claim_pid);
+    if (seen != me && atomic_compare_exchange_strong(&idle_claim_pid, &seen, me)) {
+        for (int i = 0; i < IDLE_WAITERS; i++) { /* a forked child inherits its parent's records */
+            atomic_store(&idle_waiters[i].state, 0);
+        }
+        atomic_store(&idle_poller_parked, 0);
+        pthread_attr_t attr;
+        pthread_t t;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 64 * 1024);
+        int rc = pthread_create(&t, &attr, idle_poller, NULL);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) {
+            idle_on = 0;
+            return -1;
+        }
+        atomic_store(&idle_started_pid, me);
+        return 0;
+    }
+    while (atomic_load(&idle_started_pid) != me && idle_on) {
+        sched_yield();
+    }
+    return idle_on ? 0 : -1;
+}
+
+/* poll(p, n, timeout_ms) with idle polling (see above); called without the GIL. */
+static int
+idle_wait(struct pollfd *p, Py_ssize_t n, int timeout_ms)
+{
+    int got = poll(p, (nfds_t)n, 0);
+    if (got != 0 || n > WAIT_STACK_FDS || idle_start() < 0) {
+        return got != 0 ? got : poll(p, (nfds_t)n, timeout_ms);
+    }
+    IdleWaiter *w = NULL;
+    for (int i = 0; i < IDLE_WAITERS && w == NULL; i++) {
+        int free_ = 0;
+        if (atomic_compare_exchange_strong(&idle_waiters[i].state, &free_, 1)) {
+            w = &idle_waiters[i];
+        }
+    }
+    if (w == NULL) { /* more waiters than records */
+        return poll(p, (nfds_t)n, timeout_ms);
+    }
+    memcpy(w->p, p, (size_t)n * sizeof(struct pollfd));
+    w->nfds = (int)n;
+    cpu_set_t mine;
+    if (sched_getaffinity(0, sizeof(mine), &mine) == 0 && !CPU_EQUAL(&mine, &idle_mask)) {
+        idle_mask = mine;
+        atomic_fetch_add(&idle_mask_gen, 1);
+    }
+    int64_t deadline = timeout_ms < 0 ? -1 : mono_ns() + (int64_t)timeout_ms * 1000000LL;
+    for (;;) {
+        atomic_store_explicit(&w->state, 2, memory_order_release);
+        atomic_fetch_add(&idle_armed, 1);
+        if (atomic_load(&idle_poller_parked)) {
+            atomic_store(&idle_poller_parked, 0);
+            futex_op(&idle_poller_parked, FUTEX_WAKE_PRIVATE, 1, NULL);
+        }
+        got = poll(p, (nfds_t)n, 0); /* a ring between the first check and the parking */
+        if (got != 0) {
+            break;
+        }
+        int64_t wait_ns = idle_cap_ns;
+        if (deadline >= 0) {
+            int64_t left = deadline - mono_ns();
+            if (left <= 0) {
+                break;
+            }
+            if (left < wait_ns) {
+                wait_ns = left;
+            }
+        }
+        struct timespec ts = {(time_t)(wait_ns / 1000000000LL), (long)(wait_ns % 1000000000LL)};
+        if (futex_op(&w->state, FUTEX_WAIT_PRIVATE, 2, &ts) < 0 && errno == EINTR) {
+            got = -1; /* the caller runs the signal handlers */
+            break;
+        }
+        got = poll(p, (nfds_t)n, 0);
+        if (got != 0) {
+            break;
+        }
+        if (deadline >= 0 && mono_ns() >= deadline) {
+            break;
+        }
+    }
+    int err = errno;
+    atomic_store_explicit(&w->state, 0, memory_order_release);
+    errno = err;
+    return got;
+}
+
+static int
+idle_enabled(void)
+{
+    if (idle_on < 0) { /* first use: the environment decides until set_idle_poll says otherwise */
+        const char *v = getenv("TORCHRL_ASYNCPOOL_IDLE_POLL");
+        idle_on = v != NULL && v[0] != '\0' && strcmp(v, "0") != 0;
+        const char *cap = getenv("TORCHRL_ASYNCPOOL_IDLE_POLL_CAP_US");
+        if (cap != NULL && atol(cap) > 0) {
+            idle_cap_ns = atol(cap) * 1000L;
+        }
+    }
+    return idle_on;
+}
+
 static PyObject *
 native_wait(PyObject *module, PyObject *args)
 {
     PyObject *fds;
-    int timeout_ms, drain = -1;
-    if (!PyArg_ParseTuple(args, "O!i|i", &PyTuple_Type, &fds, &timeout_ms, &drain)) {
+    int timeout_ms, drain = -1, idle = -1;
+    if (!PyArg_ParseTuple(args, "O!i|ii", &PyTuple_Type, &fds, &timeout_ms, &drain, &idle)) {
         return NULL;
     }
     Py_ssize_t n = PyTuple_GET_SIZE(fds);
@@ -1070,8 +1295,11 @@ native_wait(PyObject *module, PyObject *args)
         err = errno;
         if (got > 0) drain_err = drain_if_ready(p, n, drain);
     } else {
+        if (idle < 0) {
+            idle = idle_enabled();
+        }
         Py_BEGIN_ALLOW_THREADS;
-        got = poll(p, (nfds_t)n, timeout_ms);
+        got = idle ? idle_wait(p, n, timeout_ms) : poll(p, (nfds_t)n, timeout_ms);
         err = errno;
         if (got > 0) drain_err = drain_if_ready(p, n, drain); /* before the GIL is taken back */
         Py_END_ALLOW_THREADS;
@@ -1110,6 +1338,29 @@ done:
         PyMem_Free(p);
     }
     return result;
+}
+
+PyDoc_STRVAR(set_idle_poll_doc,
+             "set_idle_poll(on, cap_us=0) -> bool\n\n"
+             "Turns idle polling of this process's blocking waits on or off (see the module's idle\n"
+             "polling comment) and returns what it was; cap_us > 0 sets how often a parked waiter\n"
+             "polls by itself when the poller does not run. Without a call, the environment variable\n"
+             "TORCHRL_ASYNCPOOL_IDLE_POLL (1 / 0) decides at the first wait.");
+
+static PyObject *
+native_set_idle_poll(PyObject *module, PyObject *args)
+{
+    int on;
+    long cap_us = 0;
+    if (!PyArg_ParseTuple(args, "p|l", &on, &cap_us)) {
+        return NULL;
+    }
+    int was = idle_enabled();
+    idle_on = on;
+    if (cap_us > 0) {
+        idle_cap_ns = cap_us * 1000L;
+    }
+    return PyBool_FromLong(was);
 }
 
 /* -- observation copies --------------------------------------------------------------------- */
@@ -1162,6 +1413,7 @@ static PyMethodDef native_functions[] = {
     {"ring", (PyCFunction)native_ring, METH_VARARGS, ring_doc},
     {"drain", (PyCFunction)native_drain, METH_O, drain_doc},
     {"wait", (PyCFunction)native_wait, METH_VARARGS, wait_doc},
+    {"set_idle_poll", (PyCFunction)native_set_idle_poll, METH_VARARGS, set_idle_poll_doc},
     {NULL, NULL, 0, NULL},
 };
 

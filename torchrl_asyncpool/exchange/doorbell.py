@@ -11,6 +11,19 @@ With the C extension, rings, drains and non-blocking polls keep the GIL, and a b
 microsecond or two; when other threads want it (a threaded worker's env threads, the serving
 thread and the learner) one of them takes it, and the caller waits for that thread's whole
 Python run before it goes on.
+
+Idle polling (C extension, opt-in: ``BellWait(..., idle_poll=True)``, or
+``TORCHRL_ASYNCPOOL_IDLE_POLL=1`` for every wait of a process that does not say): a blocking
+``poll(2)`` makes the remote ring a cross-core wake-up, which on a VM that halts idle vCPUs goes
+through the host (~100 us a round trip on the benchmark VM). An idle-polled wait parks on a
+futex of its own process instead, and one ``SCHED_IDLE`` thread per process, which runs only
+when its core has nothing else to run, polls the parked waiters' descriptors without blocking
+and wakes the one whose descriptors fired: a same-core wake-up of a few microseconds. The cost:
+that thread keeps the cores busy whenever they would idle (it parks after 50 ms without a
+parked waiter), and a waiter whose core is busy is not woken before the core goes idle or its
+own 1 ms check. It pays off when each side of the exchange has a core of its own and that
+core often idles (cheap CPU envs in a pinned worker); threaded workers of sleeping envs share
+their core with many runnable threads and measured worse (see ``benchmarks/README.md``).
 """
 from __future__ import annotations
 
@@ -176,6 +189,12 @@ class BellWait:
         bell (Doorbell or None): drained when it is among the descriptors that fired.
         others (sequence of int): descriptors whose readability (or hang-up) ends the wait.
 
+    Keyword Args:
+        idle_poll (bool or None): park blocking waits for this process's idle poller (see the
+            module docstring) instead of blocking in ``poll(2)``; ``None`` (default): as the
+            environment variable ``TORCHRL_ASYNCPOOL_IDLE_POLL`` (``1``/``0``, off when unset)
+            says. Without the C extension waits always block in ``poll(2)``.
+
     Examples:
         >>> import os
         >>> from torchrl_asyncpool.exchange import BellWait, Doorbell
@@ -190,9 +209,12 @@ class BellWait:
         >>> bell.close(); os.close(r); os.close(w)
     """
 
-    __slots__ = ("bell_fd", "fds", "_poller")
+    __slots__ = ("bell_fd", "fds", "idle", "_poller")
 
-    def __init__(self, bell: "Doorbell | None", others=()):
+    def __init__(self, bell: "Doorbell | None", others=(), *, idle_poll: bool | None = None):
+        if idle_poll is not None and not isinstance(idle_poll, bool):
+            raise TypeError(f"idle_poll must be True, False or None, got {idle_poll!r}.")
+        self.idle = -1 if idle_poll is None else int(idle_poll)
         self.bell_fd = -1 if bell is None else bell.fd
         self.fds = tuple(int(fd) for fd in ([] if bell is None else [bell.fd]) + list(others))
         self._poller = None
@@ -203,7 +225,7 @@ class BellWait:
 
     def _poll(self, ms: int) -> list:
         if _c is not None:
-            return _c.wait(self.fds, ms, self.bell_fd)
+            return _c.wait(self.fds, ms, self.bell_fd, self.idle)
         fired = [fd for fd, _ in self._poller.poll(None if ms < 0 else ms)]
         if self.bell_fd in fired:
             _drain(self.bell_fd)
