@@ -15,7 +15,9 @@ that loop and the pieces a pipeline adds to it, on the workload of ``compare_col
 * an ``eventfd`` round trip between two processes, on one core and across two, hot and after
   a ``step_s`` sleep: the least that handing a record to another process and its answer back
   can cost (a collector makes at least one such round trip per cycle: worker -> policy -> worker),
-  and what the write that wakes the other side costs the writer.
+  and what the write that wakes the other side costs the writer; across two cores also with
+  both sides' waits idle-polled (``BellWait(idle_poll=True)``, C extension: each process's
+  ``SCHED_IDLE`` poller sees the ring and wakes its waiter on its own core).
 
 It then says how many microseconds a target share leaves beyond the in-thread loop::
 
@@ -36,11 +38,14 @@ import time
 import torch
 from tensordict import TensorDict
 
+from torchrl_asyncpool.exchange import BellWait, Doorbell
+from torchrl_asyncpool.exchange import doorbell as doorbell_module
+
 # run as a script, this folder is sys.path[0] (as for profile_collector.py)
 from compare_collectors import make_policy, make_sleep  # noqa: E402
 
 #: the child of a round-trip probe gives up after this long without a ping (its parent died)
-_CHILD_PATIENCE_MS = 5000
+_CHILD_PATIENCE_S = 5.0
 
 
 def _summary(seconds: list) -> dict:
@@ -48,42 +53,70 @@ def _summary(seconds: list) -> dict:
     return {"median_us": 1e6 * statistics.median(seconds), "mean_us": 1e6 * statistics.fmean(seconds)}
 
 
-def round_trips(cpu_a: int, cpu_b: int, gap_s: float, rounds: int) -> dict:
+class _PlainWait:
+    """``poll(2)`` on one eventfd, then its read: the round trip with plain blocking waits."""
+
+    def __init__(self, fd: int):
+        self.fd, self.poller = fd, select.poll()
+        self.poller.register(fd, select.POLLIN)
+
+    def wait(self, timeout_s: float) -> bool:
+        if not self.poller.poll(int(1000 * timeout_s)):
+            return False
+        os.eventfd_read(self.fd)
+        return True
+
+
+class _IdlePolledWait:
+    """The same wait parked for the process's idle poller (:class:`BellWait`, which drains)."""
+
+    def __init__(self, fd: int):
+        self.waiter = BellWait(Doorbell(fd), idle_poll=True)
+
+    def wait(self, timeout_s: float) -> bool:
+        return bool(self.waiter.wait(timeout_s))
+
+
+def idle_poll_available() -> bool:
+    """Whether the C extension that idle-polls waits is built."""
+    return doorbell_module._c is not None
+
+
+def round_trips(cpu_a: int, cpu_b: int, gap_s: float, rounds: int, idle_poll: bool = False) -> dict:
     """An ``eventfd`` ping-pong between this process (on ``cpu_a``) and a forked child (on
-    ``cpu_b``); ``gap_s``: how long this side sleeps before each ping (the child waits meanwhile).
-    ``ring_median_us``: the ping's ``eventfd_write`` alone, what waking the child costs the waker."""
-    ping, pong = os.eventfd(0), os.eventfd(0)
+    ``cpu_b``); ``gap_s``: how long this side sleeps before each ping (the child waits meanwhile);
+    ``idle_poll``: both sides' waits idle-polled. ``ring_median_us``: the ping's
+    ``eventfd_write`` alone, what waking the child costs the waker."""
+    flags = os.EFD_NONBLOCK if idle_poll else 0  # BellWait drains without blocking
+    ping, pong = os.eventfd(0, flags), os.eventfd(0, flags)
+    wait_on = _IdlePolledWait if idle_poll else _PlainWait
     previous = os.sched_getaffinity(0)
     pid = os.fork()
     if pid == 0:  # the child: only system calls, then _exit (no torch, no atexit handlers)
         code = 0
         try:
             os.sched_setaffinity(0, {cpu_b})
-            waiter = select.poll()
-            waiter.register(ping, select.POLLIN)
+            waiter = wait_on(ping)
             for _ in range(rounds):
-                if not waiter.poll(_CHILD_PATIENCE_MS):
+                if not waiter.wait(_CHILD_PATIENCE_S):
                     code = 1
                     break
-                os.eventfd_read(ping)
                 os.eventfd_write(pong, 1)
         finally:
             os._exit(code)
     times, rings = [], []  # the whole round trip; the ping's write alone (the waker's share)
     try:
         os.sched_setaffinity(0, {cpu_a})
-        waiter = select.poll()
-        waiter.register(pong, select.POLLIN)
-        time.sleep(0.05)  # the child reaches its first poll
+        waiter = wait_on(pong)
+        time.sleep(0.05)  # the child reaches its first wait
         for _ in range(rounds):
             if gap_s:
                 time.sleep(gap_s)
             t = time.perf_counter()
             os.eventfd_write(ping, 1)
             rings.append(time.perf_counter() - t)
-            if not waiter.poll(_CHILD_PATIENCE_MS):
+            if not waiter.wait(_CHILD_PATIENCE_S):
                 raise RuntimeError(f"the round-trip child (pid {pid}) stopped answering")
-            os.eventfd_read(pong)
             times.append(time.perf_counter() - t)
     finally:
         os.sched_setaffinity(0, previous)
@@ -129,6 +162,9 @@ def measure(step_s: float = 0.002, rounds: int = 500, target: float = 0.85) -> d
     if len(cpus) > 1:
         r["round_trip"]["cross_core_hot"] = round_trips(cpus[0], cpus[1], 0.0, rounds)
         r["round_trip"]["cross_core_after_sleep"] = round_trips(cpus[0], cpus[1], step_s, rounds)
+        if idle_poll_available():
+            r["round_trip"]["cross_core_idle_poll_hot"] = round_trips(cpus[0], cpus[1], 0.0, rounds, True)
+            r["round_trip"]["cross_core_idle_poll_after_sleep"] = round_trips(cpus[0], cpus[1], step_s, rounds, True)
 
     torch.set_num_threads(1)
     grad = torch.is_grad_enabled()
@@ -166,7 +202,7 @@ def measure(step_s: float = 0.002, rounds: int = 500, target: float = 0.85) -> d
 
 def _print(r: dict) -> None:
     med = lambda d: f"{d['median_us']:,.0f}"  # noqa: E731
-    row = lambda label, value: print(f"  {label:<48s}{value}")  # noqa: E731
+    row = lambda label, value: print(f"  {label:<57s}{value}")  # noqa: E731
     print(f"{1e3 * r['step_s']:g} ms env on this machine ({r['rounds']} rounds each; medians, the cycle's mean):")
     row(f"time.sleep({r['step_s']:g})", f"{med(r['sleep'])} us")
     row("the env's step alone", f"{med(r['env_step'])} us")
@@ -177,7 +213,9 @@ def _print(r: dict) -> None:
         f"{100 * r['in_thread_share_td']:.1f} % of N/latency")
     rt = r["round_trip"]
     for where, hot, slept in (("one core", "same_core_hot", "same_core_after_sleep"),
-                              ("two cores", "cross_core_hot", "cross_core_after_sleep")):
+                              ("two cores", "cross_core_hot", "cross_core_after_sleep"),
+                              ("two cores, idle-polled", "cross_core_idle_poll_hot",
+                               "cross_core_idle_poll_after_sleep")):
         if hot in rt:
             row(f"eventfd round trip, {where}: hot / slept", f"{med(rt[hot])} / {med(rt[slept])} us "
                 f"(the waking write alone: {rt[hot]['ring_median_us']:,.1f} / {rt[slept]['ring_median_us']:,.1f} us)")

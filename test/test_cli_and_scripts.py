@@ -19,6 +19,7 @@ import pytest
 
 from conftest import free_address
 from torchrl_asyncpool import cli
+from torchrl_asyncpool.exchange import doorbell as doorbell_module
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "sota-implementations"
@@ -277,6 +278,8 @@ def test_probe_floor_script(tmp_path):
     expected = {"same_core_hot", "same_core_after_sleep"}
     if len(os.sched_getaffinity(0)) > 1:
         expected |= {"cross_core_hot", "cross_core_after_sleep"}
+        if doorbell_module._c is not None:  # the idle-polled round trips need the C extension
+            expected |= {"cross_core_idle_poll_hot", "cross_core_idle_poll_after_sleep"}
     assert set(r["round_trip"]) == expected
     assert all(v["median_us"] > 0 and 0 < v["ring_median_us"] <= v["median_us"] for v in r["round_trip"].values())
 
