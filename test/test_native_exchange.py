@@ -417,7 +417,8 @@ def test_copy_into_keeps_the_gil_where_numpy_lets_it_go():
             copy_into(dst, src)
         kept = count[0] - before
         before = count[0]
-        for _ in range(2000):  # until the other thread got the GIL once (a hand-over may last an interval)
+        deadline = time.monotonic() + 10.0  # on a busy machine the spinner may wait for a core
+        while time.monotonic() < deadline:  # until the other thread got the GIL once
             dst[...] = src  # numpy lets the GIL go for a copy this size
             if count[0] != before:
                 break
