@@ -416,3 +416,473 @@ def test_a_cuda_policy_gets_cuda_batches_and_the_same_results():
     results = evaluate(make, net, episodes, num_envs=2)  # device=None: the parameter's, CUDA
     assert net.devices == {"cuda"}
     assert [(r.length, r.episode_return) for r in results] == [(_alone(s)[1], _alone(s)[0]) for s in range(4)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Failures of the evaluation machinery itself (review of 2026-12-01): hangs in reset, signals,
+# drains, policy errors, the results file, cleanup.
+# ----------------------------------------------------------------------------------------------
+class _Hanging(_Faulty):
+    """``_Faulty`` that sleeps for a minute in the reset for ``hang_reset_seed``."""
+
+    def __init__(self, hang_reset_seed=None, **kwargs):
+        super().__init__(**kwargs)
+        self.hang_reset_seed = hang_reset_seed
+
+    def reset(self, *, seed=None, options=None):
+        if seed is not None and seed == self.hang_reset_seed:
+            time.sleep(60)
+        return super().reset(seed=seed, options=options)
+
+
+@pytest.mark.parametrize("which", ["first", "later"])
+def test_a_reset_that_hangs_times_out_its_episode_and_the_others_complete(which):
+    """The wall clock covers an episode's env creation and reset: a hang in the first reset (the
+    pool's start-up) or in a later one (the worker's reset after the slot's previous episode)
+    times out that episode instead of blocking the run."""
+    seeds = [40, 41, 42, 43] if which == "first" else [42, 43, 40, 41]  # seed 41: slot 1's 1st or 2nd
+    make = functools.partial(_Hanging, hang_reset_seed=41)
+    episodes = [Episode(f"s{s}", seed=s) for s in seeds]
+    t0 = time.monotonic()
+    results = evaluate(make, _balance, episodes, num_envs=2, envs_per_worker=1, episode_timeout_s=1.5)
+    assert time.monotonic() - t0 < 40  # the hung reset sleeps 60 s
+    by_id = {r.episode_id: r for r in results}
+    assert by_id["s41"].status == "timeout" and by_id["s41"].length == 0, by_id["s41"]
+    assert "episode_timeout_s=1.5" in by_id["s41"].error
+    for s in (40, 42, 43):
+        r = by_id[f"s{s}"]
+        assert r.status == "completed" and (r.episode_return, r.length) == _alone(s)[:2], r
+
+
+def test_a_start_up_hang_in_a_worker_of_several_envs_is_found_by_isolating_them():
+    make = functools.partial(_Hanging, hang_reset_seed=51)
+    episodes = [Episode(f"s{s}", seed=s) for s in (50, 51, 52)]
+    results = evaluate(make, _balance, episodes, num_envs=3, envs_per_worker=3, env_threads=False,
+                       episode_timeout_s=1.5)
+    assert [r.status for r in results] == ["completed", "timeout", "completed"], results
+
+
+class _SelfInterrupting(_Slow):
+    """``_Slow`` whose worker gets a SIGINT at step 3 of seed 1: what a terminal's Ctrl-C does
+    to every process of the foreground group, the env workers included."""
+
+    def reset(self, *, seed=None, options=None):
+        self.seed = seed
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        if self.seed == 1 and self.t == 2:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().step(action)
+
+
+def test_env_workers_ignore_sigint_the_parent_owns_shutdown():
+    results = evaluate(_SelfInterrupting, _zeros, [Episode(f"e{i}", seed=i) for i in range(3)], num_envs=3,
+                       envs_per_worker=1)
+    assert [(r.status, r.length) for r in results] == [("completed", 10)] * 3, results
+
+
+def _zeros(td):
+    return td.set("action", torch.zeros(td.shape[0], dtype=torch.int64))
+
+
+class _Paced(gym.Env):
+    """Steps of 50 ms; episodes of ``seed`` steps, except seed 3 that hangs at step 2 and seed 4
+    that raises at step 30 (both would last 100 steps)."""
+
+    observation_space = gym.spaces.Box(0, 1, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        self.seed, self.t = seed, 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        if self.t == 2 and self.seed == 3:
+            time.sleep(60)
+        if self.t == 30 and self.seed == 4:
+            raise RuntimeError("step 30 of seed 4 failed")
+        time.sleep(0.05)
+        return np.zeros(1, np.float32), 1.0, self.t >= {3: 100, 4: 100}.get(self.seed, self.seed), False, {}
+
+
+@pytest.mark.parametrize("fault", ["hang", "crash"])
+def test_a_drain_still_finishes_episodes_whose_pool_closed_for_another_slot(fault):
+    """Slot 0 runs 'x' (20 steps) then 'a' (40 steps, 2 s), slot 1 'bad' then 'b'. The drain
+    starts as 'a' starts; then 'bad' hangs past its 2.5 s (or raises at step 30) and its pool
+    closes: 'a' runs again on a new pool and completes instead of being reported 'not started'."""
+    import threading
+
+    stop = threading.Event()
+    firsts = []
+
+    def policy(td):
+        firsts.extend(td["env_index"][td["step_type"] == 0].tolist())
+        if firsts.count(0) == 2:  # slot 0's second episode, 'a', has started
+            stop.set()
+        return _zeros(td)
+
+    seed = 3 if fault == "hang" else 4
+    episodes = [Episode("x", seed=20), Episode("bad", seed=seed), Episode("a", seed=40), Episode("b", seed=7)]
+    results = evaluate(_Paced, policy, episodes, num_envs=2, envs_per_worker=1, episode_timeout_s=2.5, stop=stop)
+    x, bad, a, b = results
+    assert (x.status, x.length) == ("completed", 20), x
+    assert (a.status, a.length) == ("completed", 40), a
+    assert bad.status == ("timeout" if fault == "hang" else "failed"), bad
+    assert b.status == "failed" and b.error == "not started: the evaluation was stopped", b
+
+
+def _raising_after(n):
+    calls = []
+
+    def policy(td):
+        calls.append(1)
+        if len(calls) > n:
+            raise RuntimeError("policy boom")
+        return _zeros(td)
+
+    return policy
+
+
+def test_a_policy_that_raises_keeps_every_finished_result():
+    from torchrl_asyncpool.evaluation import EvaluationError
+
+    # CartPole pushed left ends in ~10 steps: two slots finish a few episodes in 40 calls
+    episodes = [Episode(f"e{i}", seed=i) for i in range(12)]
+    with pytest.raises(EvaluationError, match="the policy failed: RuntimeError: policy boom") as info:
+        evaluate(functools.partial(gym.make, "CartPole-v1"), _raising_after(40), episodes, num_envs=2,
+                 envs_per_worker=1)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    results = info.value.results
+    assert [r.episode_id for r in results] == [e.episode_id for e in episodes]
+    done = [r for r in results if r.status == "completed"]
+    assert done and all(r.error is None for r in done)
+    others = [r for r in results if r.status != "completed"]
+    assert others and all(r.status == "failed" and "policy boom" in r.error for r in others)
+    # the running ones with their steps so far, the others never started
+    assert all(r.error.startswith(("did not finish: the evaluation failed", "not started: the evaluation failed"))
+               for r in others)
+    assert any(r.error.startswith("not started") for r in others)
+
+
+def test_a_policy_that_writes_no_action_gets_a_clear_error():
+    from torchrl_asyncpool.evaluation import EvaluationError
+
+    def wrong_key(td):
+        return td.set("act", torch.zeros(td.shape[0], dtype=torch.int64))
+
+    with pytest.raises(EvaluationError) as info:
+        evaluate(functools.partial(gym.make, "CartPole-v1"), wrong_key, [Episode("a", seed=0)], num_envs=1)
+    cause = info.value.__cause__
+    assert isinstance(cause, ValueError)
+    assert "has no 'action'" in str(cause) and "'act'" in str(cause) and "'observation'" in str(cause)
+    assert info.value.results[0].status == "failed" and "has no 'action'" in info.value.results[0].error
+
+
+def test_results_files_are_valid_json_and_written_whole(tmp_path):
+    out = tmp_path / "r.json"
+    out.write_text("previous")
+    write_results([EpisodeResult("a", "completed", float("nan"), 3), EpisodeResult("b", "completed", 2.0, 1)], out)
+
+    def refuse(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    data = json.loads(out.read_text(), parse_constant=refuse)
+    assert data["episodes"][0]["episode_return"] is None and data["summary"]["mean_return"] is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # no temporary file left
+    with pytest.raises(FileNotFoundError):
+        write_results([EpisodeResult("a", "completed")], tmp_path / "nodir" / "r.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+
+
+def test_cli_eval_refuses_a_bad_output_or_bad_numbers_before_running(tmp_path, capsys):
+    from torchrl_asyncpool import cli
+
+    missing = str(tmp_path / "nodir" / "x.json")
+    for extra in ([], ["--validate-only"]):
+        t0 = time.monotonic()
+        assert cli.main(["eval", "--episodes", "2", "--output", missing, "--no-progress", *extra]) == 2
+        assert "does not exist" in capsys.readouterr().err and time.monotonic() - t0 < 10
+    assert cli.main(["eval", "--validate-only", "--output", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    for args, match in [(["--num-envs", "0"], "--num-envs must be >= 1, got 0"),
+                        (["--max-steps", "0"], "--max-steps must be >= 1"),
+                        (["--episode-timeout-s", "-1"], "--episode-timeout-s must be a number of seconds > 0"),
+                        (["--episode-timeout-s", "nan"], "--episode-timeout-s must be")]:
+        assert cli.main(["eval", "--validate-only", *args]) == 2
+        assert match in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        cli.main(["eval", "--validate-only", "--capacity-smoke"])
+    assert info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def _signalling_policy(signum, after):
+    """Zero actions; sends ``signum`` to this process at call ``after`` (once the CLI's handlers
+    are certainly installed: a signal before that would end the test run)."""
+    import os
+
+    calls = []
+
+    def policy(td):
+        calls.append(1)
+        if len(calls) == after:
+            os.kill(os.getpid(), signum)
+        return _zeros(td)
+
+    return policy
+
+
+def sigterm_policy():
+    import signal
+
+    return _signalling_policy(signal.SIGTERM, 20)
+
+
+def raising_policy():
+    return _raising_after(40)
+
+
+def test_cli_eval_drains_on_sigterm_and_writes_every_result(tmp_path, capsys):
+    from torchrl_asyncpool import cli
+
+    out = tmp_path / "results.json"
+    code = cli.main(["eval", "--episodes", "200", "--num-envs", "2", "--output", str(out), "--no-progress",
+                     "--policy", "test_evaluation:sigterm_policy"])
+    assert code == 143
+    assert "SIGTERM: stopping: the running episodes finish" in capsys.readouterr().err
+    episodes = json.loads(out.read_text())["episodes"]
+    assert len(episodes) == 200
+    assert any(e["status"] == "completed" for e in episodes)
+    assert any(e["error"] == "not started: the evaluation was stopped" for e in episodes)
+
+
+def test_cli_eval_writes_the_finished_results_when_the_policy_raises(tmp_path, capsys):
+    from torchrl_asyncpool import cli
+
+    out = tmp_path / "results.json"
+    code = cli.main(["eval", "--episodes", "12", "--num-envs", "2", "--output", str(out), "--no-progress",
+                     "--policy", "test_evaluation:raising_policy"])
+    assert code == 3
+    err = capsys.readouterr().err
+    assert "RuntimeError: policy boom" in err and "the evaluation failed" in err
+    data = json.loads(out.read_text())
+    assert data["summary"]["completed"] >= 1 and data["summary"]["failed"] >= 1
+    assert all("policy boom" in e["error"] for e in data["episodes"] if e["status"] == "failed")
+
+
+def test_a_failure_to_close_the_pool_does_not_hide_the_primary_error(monkeypatch):
+    """Fault injection: the real close runs, then raises (as a failing cleanup would)."""
+    from torchrl_asyncpool import AsyncEnvPool
+    from torchrl_asyncpool.evaluation import EvaluationError
+
+    real_close = AsyncEnvPool.close
+
+    def failing_close(self, *args, **kwargs):
+        real_close(self, *args, **kwargs)
+        raise OSError("simulated cleanup failure")
+
+    monkeypatch.setattr(AsyncEnvPool, "close", failing_close)
+    make = functools.partial(gym.make, "CartPole-v1")
+    with pytest.warns(RuntimeWarning, match="closing the env pool failed: OSError: simulated cleanup failure"):
+        with pytest.raises(EvaluationError, match="policy boom") as info:
+            evaluate(make, _raising_after(5), [Episode(f"e{i}", seed=i) for i in range(4)], num_envs=2)
+    assert any("simulated cleanup failure" in note for note in info.value.__notes__)
+    from torchrl_asyncpool import EnvError
+
+    with pytest.warns(RuntimeWarning, match="simulated cleanup failure"):
+        with pytest.raises(EnvError, match="reset refused for seed 7"):
+            check_capacity(functools.partial(_Faulty, bad_reset_seed=7), [Episode("a", seed=6), Episode("b", seed=7)],
+                           num_envs=2, envs_per_worker=1)
+    # without another error, the results are returned and the failure to close is warned about
+    with pytest.warns(RuntimeWarning, match="simulated cleanup failure"):
+        results = evaluate(make, _balance, [Episode("a", seed=1)], num_envs=1)
+    assert results[0].status == "completed"
+
+
+def test_a_factory_that_fails_in_this_process_raises_and_later_keeps_the_results():
+    """The pool builds one env here first (specs): when that fails before anything ran,
+    evaluate raises the factory's error; when it fails on the pool rebuilt after an episode's
+    failure, the finished results are kept in an EvaluationError."""
+    import os
+
+    from torchrl_asyncpool.evaluation import EvaluationError
+
+    def never(**kwargs):
+        raise RuntimeError("no simulator licence")
+
+    with pytest.raises(RuntimeError, match="no simulator licence"):
+        evaluate(never, _balance, [Episode("a", seed=0)], num_envs=1)
+
+    here, calls = os.getpid(), []
+
+    def second_spec_env_fails():
+        if os.getpid() == here:
+            calls.append(1)
+            if len(calls) > 1:
+                raise RuntimeError("licence server gone")
+        return _Faulty(bad_step_seed=15)
+
+    episodes = [Episode(f"e{s}", seed=s) for s in (15, 16, 17, 18)]
+    with pytest.raises(EvaluationError, match="licence server gone") as info:
+        evaluate(second_spec_env_fails, _balance, episodes, num_envs=2, envs_per_worker=1)
+    first, *others = info.value.results
+    assert first.status == "failed" and "step 3 of seed 15 failed" in first.error
+    assert len(others) == 3 and all(r.status == "failed" and "licence server gone" in r.error for r in others)
+
+
+class _SlowClose(_Slow):
+    """``_Slow`` whose ``close()`` takes 2 s (a simulator shutting down) and then leaves a file."""
+
+    def __init__(self, log_dir):
+        self.log_dir = log_dir
+
+    def close(self):
+        import os
+
+        time.sleep(2.0)
+        with open(f"{self.log_dir}/closed-{os.getpid()}", "w"):
+            pass
+
+
+def test_envs_get_a_grace_to_close(tmp_path):
+    import os
+
+    make = functools.partial(_SlowClose, str(tmp_path))
+    results = evaluate(make, _zeros, [Episode(f"e{i}", seed=i) for i in range(2)], num_envs=2, envs_per_worker=1)
+    assert [r.status for r in results] == ["completed"] * 2
+    closed = [p.name for p in tmp_path.iterdir() if p.name.startswith("closed-")]
+    assert len([c for c in closed if c != f"closed-{os.getpid()}"]) == 2, closed  # both workers' envs
+
+
+class _ResetLogger(_Slow):
+    """``_Slow`` that logs the pid and seed of every reset."""
+
+    def __init__(self, log_dir):
+        self.log_dir = log_dir
+
+    def reset(self, *, seed=None, options=None):
+        import os
+
+        with open(f"{self.log_dir}/resets", "a") as f:
+            f.write(f"{os.getpid()} {seed}\n")
+        return super().reset(seed=seed, options=options)
+
+
+def test_no_env_is_reset_after_its_last_planned_episode(tmp_path):
+    import os
+
+    make = functools.partial(_ResetLogger, str(tmp_path))
+    results = evaluate(make, _zeros, [Episode(f"e{i}", seed=i) for i in range(4)], num_envs=2, envs_per_worker=1)
+    assert [r.status for r in results] == ["completed"] * 4
+    lines = [line.split() for line in (tmp_path / "resets").read_text().splitlines()]
+    worker_seeds = sorted(seed for pid, seed in lines if int(pid) != os.getpid())
+    assert worker_seeds == ["0", "1", "2", "3"]  # one seeded reset per episode, no unseeded extra one
+
+
+_SLOW_ENV_MODULE = '''
+import os, time
+import numpy as np
+import gymnasium as gym
+from gymnasium.envs.registration import register
+
+class Slow(gym.Env):
+    """Episodes of 40 steps of 50 ms; the first step in each process leaves a file named by its pid."""
+    observation_space = gym.spaces.Box(-1, 1, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        if self.t == 0:
+            open(os.path.join(os.path.dirname(__file__), f"stepped-{os.getpid()}"), "w").close()
+        self.t += 1
+        time.sleep(0.05)
+        return np.zeros(2, np.float32), 1.0, self.t >= 40, False, {}
+
+register(id="Slow-v0", entry_point="slowenv:Slow")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_cli_eval_drains_on_a_terminal_ctrl_c_sent_to_the_whole_process_group(tmp_path):
+    """A terminal's Ctrl-C signals every process of the foreground group, the env workers too:
+    the running episodes still finish (the workers ignore it) and the results are written."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "slowenv.py").write_text(_SLOW_ENV_MODULE)
+    out = tmp_path / "results.json"
+    exe = shutil.which("torchrl-asyncpool", path=os.path.dirname(sys.executable))
+    cmd = [exe] if exe else [sys.executable, "-m", "torchrl_asyncpool.cli"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([*cmd, "eval", "--env-id", "slowenv:Slow-v0", "--episodes", "8", "--num-envs", "2",
+                             "--output", str(out), "--no-progress"], cwd=tmp_path, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(p.name.startswith("stepped-") and p.name != f"stepped-{proc.pid}" for p in tmp_path.iterdir()):
+            assert proc.poll() is None and time.monotonic() < deadline, "no worker stepped an env"
+            time.sleep(0.2)
+        time.sleep(0.5)  # both slots in their first episode (40 steps: 2 s)
+        os.killpg(proc.pid, signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, output[-3000:]
+    episodes = json.loads(out.read_text())["episodes"]
+    assert len(episodes) == 8 and not any("KeyboardInterrupt" in (e["error"] or "") for e in episodes), episodes
+    completed = [e for e in episodes if e["status"] == "completed"]
+    assert len(completed) >= 2 and all(e["length"] == 40 for e in completed)
+    assert all(e["error"] == "not started: the evaluation was stopped" for e in episodes if e["status"] != "completed")
+
+
+_CLOSE_CRASH_SCRIPT = '''
+import numpy as np, torch, gymnasium as gym
+from torchrl_asyncpool.evaluation import Episode, evaluate
+
+class CloseCrash(gym.Env):
+    observation_space = gym.spaces.Box(0, 1, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+    def reset(self, *, seed=None, options=None):
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+    def step(self, action):
+        self.t += 1
+        return np.zeros(1, np.float32), 1.0, self.t >= 3, False, {}
+    def close(self):
+        raise RuntimeError("the simulator refused to shut down")
+
+if __name__ == "__main__":
+    results = evaluate(CloseCrash, lambda td: td.set("action", torch.zeros(td.shape[0], dtype=torch.int64)),
+                       [Episode("a", seed=0), Episode("b", seed=1)], num_envs=2, envs_per_worker=1)
+    print([r.status for r in results])
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_env_close_that_raises_in_a_worker_is_reported(tmp_path):
+    """Runs in a fresh interpreter: the workers write to the standard error of the fork server,
+    which is the one of the process that started it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "close_crash.py"
+    script.write_text(_CLOSE_CRASH_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0 and "['completed', 'completed']" in proc.stdout, proc.stderr[-3000:]
+    assert proc.stderr.count("close() raised") == 2, proc.stderr[-3000:]
+    assert "RuntimeError: the simulator refused to shut down" in proc.stderr

@@ -37,11 +37,14 @@ commands:
           seeded --seed, --seed+1, ...) with a policy (--policy MODULE:FACTORY, a function
           returning a TensorDict -> TensorDict policy; default: uniform random actions) and
           write one result per episode, in manifest order, to --output (JSON: completed,
-          timeout or failed, return, length). --validate-only checks the manifest and builds
-          one env without running anything; --capacity-smoke builds and resets --num-envs
-          envs at once and closes them, stepping nothing. Exits with 1 when an episode failed.
-          Ctrl-C drains: running episodes finish, the others are reported failed ("not
-          started"), the results are written, exit status 130; a second Ctrl-C aborts.
+          timeout or failed, return, length). --validate-only checks the arguments, the
+          manifest and the output location and builds one env without running anything;
+          --capacity-smoke builds and resets --num-envs envs at once and closes them,
+          stepping nothing. Exits with 1 when an episode failed, 3 when the evaluation itself
+          failed (the policy raised: the finished results are still written). Ctrl-C or
+          SIGTERM drains: running episodes finish, the others are reported failed ("not
+          started"), the results are written, exit status 130 (143 after SIGTERM); a second
+          one aborts without writing.
   bench   Run the side-by-side collector benchmark (benchmarks/compare_collectors.py in a
           source checkout): AsyncPoolCollector against TorchRL's stock collectors and
           gymnasium's vector envs; prints the table and writes a PNG plot (--plot, default
@@ -291,29 +294,51 @@ def _load_policy(spec: str, env_id: str):
     return factory()
 
 
+#: exit statuses of ``torchrl-asyncpool eval`` (see its ``--help``)
+_EVAL_OK, _EVAL_EPISODE_FAILED, _EVAL_USAGE, _EVAL_FAILED = 0, 1, 2, 3
+
+
+def _check_eval_args(args: argparse.Namespace) -> None:
+    """Refuses (``ValueError``, naming the option, the value and what is expected) the numeric
+    options a real run would fail on, so that ``--validate-only`` refuses them too."""
+    import math
+
+    if args.num_envs < 1:
+        raise ValueError(f"--num-envs must be >= 1, got {args.num_envs}.")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ValueError(f"--max-steps must be >= 1 (or left out: no limit), got {args.max_steps}.")
+    timeout = args.episode_timeout_s
+    if timeout is not None and not 0 < timeout < math.inf:
+        raise ValueError(f"--episode-timeout-s must be a number of seconds > 0 (or left out: no limit), got {timeout}.")
+    if not args.manifest and args.episodes < 1:
+        raise ValueError(f"--episodes must be >= 1, got {args.episodes}.")
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     import gymnasium as gym
 
-    from torchrl_asyncpool.evaluation import Episode, evaluate, load_manifest, summarize, write_results
+    from torchrl_asyncpool.evaluation import Episode, EvaluationError, evaluate, load_manifest, summarize, write_results
+    from torchrl_asyncpool.evaluation.episodes import check_output_path
     from torchrl_asyncpool.evaluation.runner import resolve_policy_device
 
     try:
+        _check_eval_args(args)
         if args.manifest:
             episodes = load_manifest(args.manifest)
         else:
-            if args.episodes < 1:
-                raise ValueError(f"--episodes must be >= 1, got {args.episodes}.")
             episodes = [Episode(f"{args.env_id}-{args.seed + i}", seed=args.seed + i) for i in range(args.episodes)]
+        if not args.capacity_smoke:  # found now, not after the whole run
+            check_output_path(args.output)
         make = functools.partial(gym.make, args.env_id)
         make().close()  # an unknown id fails here, with gymnasium's message
         policy = _load_policy(args.policy, args.env_id)
         device = resolve_policy_device(policy, args.device)
     except (ValueError, OSError, gym.error.Error, ImportError, AttributeError) as exc:
         print(f"torchrl-asyncpool eval: {exc}", file=sys.stderr)
-        return 2
+        return _EVAL_USAGE
     if args.validate_only:
         print(f"{len(episodes)} episodes of {args.env_id} are valid; nothing was run.")
-        return 0
+        return _EVAL_OK
     if args.capacity_smoke:
         from torchrl_asyncpool.errors import EnvError, WorkerDiedError
         from torchrl_asyncpool.evaluation import check_capacity
@@ -322,43 +347,65 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             r = check_capacity(make, episodes, num_envs=args.num_envs, timeout_s=args.episode_timeout_s)
         except (EnvError, WorkerDiedError, TimeoutError) as exc:
             print(f"torchrl-asyncpool eval --capacity-smoke: {exc}", file=sys.stderr)
-            return 1
+            return _EVAL_EPISODE_FAILED
         print(f"capacity smoke: {r['envs']} envs of {args.env_id} built and reset (seeds of the first "
               f"{r['envs']} episodes) in {r['workers']} worker processes in {r['start_s']:.2f} s, closed in "
               f"{r['close_s']:.2f} s; nothing was stepped.")
-        return 0
+        return _EVAL_OK
     import signal
     import threading
+    import traceback
 
     stop = threading.Event()
+    received = []  # the signals that asked to stop, in order
 
-    def drain(signum, frame):  # first Ctrl-C: running episodes finish, no new one starts
+    def drain(signum, frame):  # first Ctrl-C or SIGTERM: running episodes finish, no new one starts
+        received.append(signum)
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
-        print("\ntorchrl-asyncpool eval: stopping: the running episodes finish, no new one starts "
-              "(Ctrl-C again to abort without writing results)", file=sys.stderr)
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"\ntorchrl-asyncpool eval: {name}: stopping: the running episodes finish, no new one starts "
+              "(Ctrl-C or SIGTERM again to abort without writing results)", file=sys.stderr)
 
-    previous = signal.signal(signal.SIGINT, drain)
+    previous = {sig: signal.signal(sig, drain) for sig in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
+    failure = None
     try:
         results = evaluate(make, policy, episodes, num_envs=args.num_envs, max_steps=args.max_steps,
                            episode_timeout_s=args.episode_timeout_s, stop=stop, progress=not args.no_progress,
                            device=device)
     except KeyboardInterrupt:
         print("torchrl-asyncpool eval: aborted; no results written.", file=sys.stderr)
-        return 130
+        return 128 + (received[-1] if received else signal.SIGINT)
+    except EvaluationError as exc:  # the policy failed, ...: the finished episodes are kept
+        failure = exc
+        results = exc.results
+    except Exception:  # noqa: BLE001 - a failure of the evaluation itself: its own exit status
+        traceback.print_exc()
+        print("torchrl-asyncpool eval: the evaluation failed (above); no results written.", file=sys.stderr)
+        return _EVAL_FAILED
     finally:
-        signal.signal(signal.SIGINT, previous)
-    write_results(results, args.output)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if failure is not None:
+        traceback.print_exception(failure)
+    try:
+        write_results(results, args.output)
+    except OSError as exc:
+        print(f"torchrl-asyncpool eval: could not write the results: {exc}", file=sys.stderr)
+        return _EVAL_FAILED
     summary = summarize(results)
     mean = "n/a" if summary["mean_return"] is None else f"{summary['mean_return']:.2f}"
     print(f"{summary['episodes']} episodes in {time.monotonic() - t0:.1f} s: {summary['completed']} completed, "
           f"{summary['timeout']} timeout, {summary['failed']} failed; mean return of the completed: {mean}; "
           f"results in {args.output}")
-    if stop.is_set():
-        return 130  # stopped by the user: the episodes that never started are reported failed
-    return 1 if summary["failed"] else 0
+    if failure is not None:
+        print(f"torchrl-asyncpool eval: {failure}", file=sys.stderr)
+        return _EVAL_FAILED
+    if received:
+        return 128 + received[0]  # 130 (Ctrl-C) or 143 (SIGTERM): the unstarted are reported failed
+    return _EVAL_EPISODE_FAILED if summary["failed"] else _EVAL_OK
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -490,7 +537,14 @@ def _parser() -> argparse.ArgumentParser:
     ev = sub.add_parser(
         "eval", help="run a fixed set of episodes with a policy; write one result per episode",
         description="Run a fixed set of episodes of a gymnasium env on AsyncEnvPool workers and write one "
-                    "result per episode (completed, timeout or failed), in manifest order, as JSON.",
+                    "result per episode (completed, timeout or failed), in manifest order, as JSON. The first "
+                    "Ctrl-C or SIGTERM drains: the running episodes finish, the others are reported failed "
+                    "('not started'), the results are written; a second one aborts without writing.",
+        epilog="exit status: 0 every episode completed or timed out; 1 an episode failed (or the capacity smoke "
+               "failed); 2 bad arguments or input (nothing ran); 3 the evaluation itself failed (the policy raised "
+               "or wrote no action, the results could not be written): the finished episodes' results are "
+               "written, the others failed with the cause; 130 / 143 stopped by Ctrl-C / SIGTERM (results "
+               "written).",
     )
     ev.add_argument("--env-id", default="CartPole-v1", help="gymnasium env id (default: CartPole-v1)")
     which = ev.add_mutually_exclusive_group()
@@ -503,13 +557,21 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--num-envs", type=int, default=8, help="episodes run at once (default: 8)")
     ev.add_argument("--device", default=None,
                     help="where the policy runs, e.g. cuda:0 (default: its parameters' device, else cpu)")
-    ev.add_argument("--max-steps", type=int, default=None, help="step limit of episodes that set none")
-    ev.add_argument("--episode-timeout-s", type=float, default=None, help="wall-clock limit per episode")
-    ev.add_argument("--output", default="eval_results.json", help="results file (default: eval_results.json)")
-    ev.add_argument("--validate-only", action="store_true", help="check the manifest and the env; run nothing")
-    ev.add_argument("--capacity-smoke", action="store_true",
-                    help="build and reset --num-envs envs at once (seeds of the first episodes), close them, report "
-                         "the times; step nothing (--episode-timeout-s bounds the start-up)")
+    ev.add_argument("--max-steps", type=int, default=None, help="step limit (>= 1) of episodes that set none")
+    ev.add_argument("--episode-timeout-s", type=float, default=None,
+                    help="wall-clock limit per episode (> 0), its env's creation or reset included: a hung env "
+                         "times the episode out and its worker is replaced")
+    ev.add_argument("--output", default="eval_results.json",
+                    help="results file (default: eval_results.json), checked before the run, written at once "
+                         "(a temporary file renamed over it); returns that are not finite are written as null")
+    mode = ev.add_mutually_exclusive_group()
+    mode.add_argument("--validate-only", action="store_true",
+                      help="check the arguments, the manifest, the env, the policy and the --output location; "
+                           "run nothing")
+    mode.add_argument("--capacity-smoke", action="store_true",
+                      help="build and reset --num-envs envs at once (seeds of the first episodes), close them, "
+                           "report the times; step nothing, write no --output (--episode-timeout-s bounds the "
+                           "start-up)")
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     ev.set_defaults(func=_cmd_eval)
 

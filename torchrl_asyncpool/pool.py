@@ -7,6 +7,7 @@ import numbers
 import multiprocessing as mp
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 
@@ -117,8 +118,9 @@ class AsyncEnvPool:
         pin_memory (bool, optional): allocate the receive staging buffer in pinned memory
             (for a consumer that copies batches to CUDA). Defaults to ``False``.
         start_timeout (float, optional): seconds to wait for every worker to build its envs
-            and publish its first record. Defaults to ``None`` (no limit; a worker that dies
-            or raises still ends the wait at once).
+            and publish its first record; past it, :class:`TimeoutError` whose ``env_indices``
+            attribute lists the envs of the workers still starting. Defaults to ``None`` (no
+            limit; a worker that dies or raises still ends the wait at once).
         seed (int, optional): seeds each env's first reset: env ``i`` (slot ``i``) with
             ``seed + i``. A gymnasium env is reset with ``seed=`` once, a TorchRL env gets
             ``set_seed`` before its first reset; later resets continue each env's own random
@@ -277,9 +279,19 @@ class AsyncEnvPool:
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._life_box, 0.0)
         try:
             self._start_workers(mp_start_method, groups, fns, kwargs, worker_num_threads, affinity)
+            # when the workers began building their envs, as start_timeout counts (evaluate()
+            # counts an episode's env creation and first reset in its wall-clock limit, but not
+            # the spec env above, nor starting the fork server)
+            self._workers_started_at = time.monotonic()
             self._await_ready(start_timeout)
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            try:
+                self.close()
+            except Exception as close_exc:  # noqa: BLE001 - the start-up error is the one to raise
+                msg = f"closing the pool after its failed start-up failed too: {type(close_exc).__name__}: {close_exc}"
+                if hasattr(exc, "add_note"):  # Python >= 3.11
+                    exc.add_note(msg)
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)
             raise
         self._life_r_close()
 
@@ -340,9 +352,13 @@ class AsyncEnvPool:
         while pending:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                raise TimeoutError(
-                    f"workers {sorted(pending)} did not finish start-up within start_timeout={timeout}s."
+                slots = np.flatnonzero(np.isin(self._slot_worker, sorted(pending))).tolist()
+                err = TimeoutError(
+                    f"workers {sorted(pending)} (hosting envs {slots}) did not finish start-up within "
+                    f"start_timeout={timeout}s."
                 )
+                err.env_indices = slots  # which envs may hang (evaluate() times out their episodes)
+                raise err
             sentinels = {self._procs[w].sentinel: w for w in pending}
             for obj in wait(list(pending.values()) + list(sentinels), remaining):
                 w = sentinels[obj] if obj in sentinels else self._conns.index(obj)

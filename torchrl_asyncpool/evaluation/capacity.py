@@ -7,10 +7,12 @@ then the pool is closed. Nothing is stepped.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Optional, Sequence
 
 from torchrl_asyncpool.evaluation.episodes import Episode, PlannedEnvFactory, check_episode_set
+from torchrl_asyncpool.evaluation.runner import _close_pool
 from torchrl_asyncpool.pool import AsyncEnvPool
 
 __all__ = ["check_capacity"]
@@ -25,6 +27,7 @@ def check_capacity(
     env_threads: bool | str = "auto",
     timeout_s: Optional[float] = None,
     create_env_kwargs: Optional[dict] = None,
+    close_timeout_s: float = 10.0,
 ) -> dict:
     """Builds ``min(num_envs, len(episodes))`` envs in workers, resets each with the seed of the
     episode its slot would run first, waits for every first record and closes the pool.
@@ -39,6 +42,8 @@ def check_capacity(
         timeout_s (float, optional): limit for building and resetting them all
             (:class:`TimeoutError` past it). Defaults to ``None``.
         create_env_kwargs (dict, optional): keyword arguments for ``create_env_fn``.
+        close_timeout_s (float): seconds the workers get to close their envs before they are
+            killed (``close_s`` measures it). Defaults to ``10.0``, as for ``evaluate``.
 
     Returns:
         dict: ``{"envs", "workers", "start_s", "close_s"}``: how many envs were up at once, in how
@@ -48,6 +53,10 @@ def check_capacity(
     Raises:
         EnvError: an env raised while being built or reset (names the env, with its traceback).
         WorkerDiedError: a worker died while building or resetting.
+        TimeoutError: past ``timeout_s``.
+        Exception: what closing the pool raised, when nothing else failed (after another
+            error, a failure to close is added to that error's notes and warned about, never
+            raised in its place).
 
     Examples:
         >>> import gymnasium as gym
@@ -60,6 +69,8 @@ def check_capacity(
     episodes = check_episode_set(episodes, num_envs, "check")
     n = min(num_envs, len(episodes))
     fns = [PlannedEnvFactory(create_env_fn, [(ep.seed, None, ep.options)]) for ep in episodes[:n]]
+    if not (isinstance(close_timeout_s, (int, float)) and 0 <= close_timeout_s < math.inf):
+        raise ValueError(f"close_timeout_s must be a finite number >= 0, got {close_timeout_s!r}.")
     t0 = time.monotonic()
     pool = AsyncEnvPool(fns, create_env_kwargs=create_env_kwargs, envs_per_worker=envs_per_worker,
                         env_threads=env_threads, start_timeout=timeout_s)
@@ -70,8 +81,10 @@ def check_capacity(
             raise TimeoutError(f"{ready} of {n} envs had published their first record after timeout_s={timeout_s}s.")
         start_s = time.monotonic() - t0
         workers = pool.num_workers
-    finally:
-        t1 = time.monotonic()
-        pool.close()
-        close_s = time.monotonic() - t1
+    except BaseException as exc:
+        _close_pool(pool, close_timeout_s, exc)  # never raises: the first error is the one to see
+        raise
+    t1 = time.monotonic()
+    pool.close(close_timeout_s)  # the check's own question: a failure to close is its result
+    close_s = time.monotonic() - t1
     return {"envs": n, "workers": workers, "start_s": start_s, "close_s": close_s}

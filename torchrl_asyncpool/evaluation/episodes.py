@@ -141,9 +141,80 @@ def check_episode_set(episodes, num_envs: int, what: str) -> List[Episode]:
 
 
 def write_results(results: Sequence[EpisodeResult], path) -> None:
-    """Writes results (manifest order) and a summary as JSON: ``{"summary": ..., "episodes": [...]}``."""
-    with open(path, "w") as f:
-        json.dump({"summary": summarize(results), "episodes": [asdict(r) for r in results]}, f, indent=1)
+    """Writes results (manifest order) and a summary as JSON: ``{"summary": ..., "episodes": [...]}``.
+
+    The file is valid JSON: a return that is not finite (NaN or infinite rewards) is written
+    as ``null``. It is written atomically: into a temporary file next to ``path``, then renamed
+    over it, so that ``path`` holds either its previous content or every result, never a part.
+
+    Parameters
+    ----------
+    results : sequence of EpisodeResult
+        What :func:`~torchrl_asyncpool.evaluation.evaluate` returned.
+    path : str or os.PathLike
+        The results file.
+
+    Raises
+    ------
+    OSError
+        ``path`` cannot be written (e.g. its folder does not exist); nothing is left behind.
+    """
+    data = _finite({"summary": summarize(results), "episodes": [asdict(r) for r in results]})
+    text = json.dumps(data, indent=1, allow_nan=False)
+    path = os.fspath(path)
+    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:  # plain open: the file gets the usual permissions (umask)
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def check_output_path(path) -> None:
+    """Checks, before an evaluation runs, that :func:`write_results` will be able to write
+    ``path``: its folder exists and takes a new file, and ``path`` is not a folder.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The results file.
+
+    Raises
+    ------
+    OSError
+        Names the path and what is wrong with it.
+    """
+    path = os.fspath(path)
+    folder = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"output {path!r} is a folder; expected the path of a results file.")
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"output {path!r}: its folder {folder!r} does not exist.")
+    probe = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.probe")
+    try:
+        with open(probe, "w"):
+            pass
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"output {path!r}: cannot create a file in {folder!r} ({exc.strerror})") from None
+    os.unlink(probe)
+
+
+def _finite(value):
+    """``value`` with every float that is not finite replaced by ``None`` (JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def summarize(results: Sequence[EpisodeResult]) -> dict:

@@ -12,16 +12,24 @@ pool (their seeds make the rerun identical). An episode past ``episode_timeout_s
 simulator) is marked ``"timeout"`` the same way. A worker that dies (killed, a crash in native
 code) fails the episode it was running; if it hosted several running episodes, they are run
 again with one env per process from then on, so that a second death names the culprit.
+
+A failure of the evaluation itself (the policy raises) raises :class:`EvaluationError`, which
+carries every result: the finished episodes' as they ended, the others failed with the cause.
 """
 from __future__ import annotations
 
+import math
+import os
+import signal
 import threading
 import time
+import warnings
 from collections import deque
 from typing import Callable, List, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
+from tensordict import TensorDictBase
 from torchrl.envs.utils import ExplorationType
 
 from torchrl_asyncpool.acting_policy import ActingPolicy
@@ -36,7 +44,7 @@ from torchrl_asyncpool.evaluation.episodes import (
 from torchrl_asyncpool.pool import AsyncEnvPool
 from torchrl_asyncpool.step_type import StepType
 
-__all__ = ["evaluate", "resolve_policy_device"]
+__all__ = ["EvaluationError", "evaluate", "resolve_policy_device"]
 
 _FIRST, _TERM, _TRUNC = int(StepType.FIRST), int(StepType.TERMINATION), int(StepType.TRUNCATION)
 #: how long one wait for records lasts before wall-clock limits are looked at again
@@ -44,7 +52,36 @@ _POLL_S = 0.1
 
 
 class _Restart(Exception):
-    """The pool must be rebuilt (an episode timed out on the wall clock: its env may hang)."""
+    """The pool must be rebuilt: the episodes of env ``slots`` timed out on the wall clock (their
+    envs may hang in a step or reset)."""
+
+    def __init__(self, slots):
+        super().__init__(slots)
+        self.slots = list(slots)
+
+
+class _PolicyFailure(Exception):
+    """The policy raised, or its output could not be sent as the actions (``__cause__``)."""
+
+
+class EvaluationError(RuntimeError):
+    """The evaluation itself failed, not one of its episodes: the policy raised or wrote no
+    action, or the env pool could not be rebuilt after an episode's failure.
+
+    Nothing that was finished is lost: :attr:`results` holds one result per episode, in order;
+    those that ended before the failure as they ended, the others ``"failed"`` with the cause
+    (``"did not finish: the evaluation failed: ..."`` for the running ones, ``"not started:
+    the evaluation failed: ..."`` for the rest). The original error is ``__cause__``.
+
+    Attributes
+    ----------
+    results : list of EpisodeResult
+        One per episode, in the order given to :func:`evaluate`.
+    """
+
+    def __init__(self, message: str, results: Sequence[EpisodeResult]):
+        super().__init__(message)
+        self.results = list(results)
 
 
 def evaluate(
@@ -64,6 +101,7 @@ def evaluate(
     stop: Optional[threading.Event] = None,
     progress: bool = False,
     device: torch.device | str | None = None,
+    close_timeout_s: float = 10.0,
 ) -> List[EpisodeResult]:
     """Runs every episode once and returns their results in the order given.
 
@@ -77,7 +115,9 @@ def evaluate(
     Keyword Args:
         num_envs (int): envs run at once (at most one per episode). Defaults to 8.
         max_steps (int, optional): step limit of episodes that set none (``"timeout"``).
-        episode_timeout_s (float, optional): wall-clock limit per episode (``"timeout"``).
+        episode_timeout_s (float, optional): wall-clock limit per episode (``"timeout"``),
+            counted from the moment its env starts being built (a slot's first episode) or
+            reset for it (the next ones): a creation or reset that hangs times out too.
         envs_per_worker, env_threads: grouping of the envs in worker processes, as in
             :class:`~torchrl_asyncpool.AsyncEnvPool` (``"auto"``: chosen from the env's
             measured step cost and the cores).
@@ -95,16 +135,30 @@ def evaluate(
         stop (threading.Event, optional): a graceful drain: once it is set, the episodes
             already running finish, no new one starts, and every episode that did not start
             is reported ``"failed"`` with the error ``"not started: the evaluation was stopped"``
-            (results stay one per episode, in order). Set it from another thread or a signal
-            handler (``torchrl-asyncpool eval`` sets it on the first Ctrl-C).
+            (results stay one per episode, in order). An episode whose env is still being
+            built or reset has not started. A running episode whose pool has to close during
+            the drain (another slot's failure or timeout) runs again from its start on a new
+            pool, as without a drain. Set it from another thread or a signal handler
+            (``torchrl-asyncpool eval`` sets it on the first Ctrl-C or SIGTERM).
         progress (bool): show a progress bar of finished episodes.
         device (str or torch.device, optional): where the policy runs: each batch is copied
             there (from pinned memory, without blocking, when it is a CUDA device) and the
             policy's outputs are copied back. Defaults to ``None``: the device of the policy's
             parameters when it is a ``torch.nn.Module`` that has any, else the CPU.
+        close_timeout_s (float): seconds the workers get to close their envs each time a pool
+            is closed, before they are killed (a worker whose env hung is killed at once).
+            Defaults to ``10.0``: a simulator may take seconds to shut down its own processes.
 
     Returns:
         list of :class:`~torchrl_asyncpool.evaluation.EpisodeResult`, one per episode, in order.
+
+    Raises:
+        EvaluationError: the evaluation itself failed (the policy raised, or its output lacks an
+            action key; a pool could not be rebuilt): its ``results`` keep every episode that
+            ended, the others failed with the cause.
+        Exception: what ``create_env_fn`` raised when the pool built its first env, in this
+            process, to learn the specs (before any episode ran; nothing to report), and the
+            ``ValueError``/``TypeError`` of bad arguments.
 
     Examples:
         >>> import gymnasium as gym, torch
@@ -125,8 +179,11 @@ def evaluate(
     episodes = check_episode_set(episodes, num_envs, "evaluate")
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
         raise ValueError(f"max_steps must be None or an int >= 1, got {max_steps!r}.")
-    if episode_timeout_s is not None and not episode_timeout_s > 0:
-        raise ValueError(f"episode_timeout_s must be None or > 0, got {episode_timeout_s!r}.")
+    if episode_timeout_s is not None and not (isinstance(episode_timeout_s, (int, float)) and
+                                              0 < episode_timeout_s < math.inf):
+        raise ValueError(f"episode_timeout_s must be None or a finite number > 0, got {episode_timeout_s!r}.")
+    if not (isinstance(close_timeout_s, (int, float)) and 0 <= close_timeout_s < math.inf):
+        raise ValueError(f"close_timeout_s must be a finite number >= 0, got {close_timeout_s!r}.")
     device = resolve_policy_device(policy, device)
     import tqdm
 
@@ -142,39 +199,72 @@ def evaluate(
                 s = summarize([r for r in results if r is not None])
                 bar.set_postfix(mean_return=s["mean_return"], failed=s["failed"], timeout=s["timeout"])
 
-        todo = list(range(len(episodes)))
         isolate = False  # after a worker died hosting several running episodes: one env per process
-        while todo and not (stop is not None and stop.is_set()):
+        # the episodes that were running when the last pool closed (a failure or timeout elsewhere):
+        # a drain still owes them their end, so they run again from their start even once stopped
+        rerun: List[int] = []
+        while True:
+            draining = stop is not None and stop.is_set()
+            todo = [i for i in (rerun if draining else range(len(episodes))) if results[i] is None]
+            if not todo:
+                break
             n = min(num_envs, len(todo))
             queues = [deque(todo[s::n]) for s in range(n)]
             fns = [PlannedEnvFactory(create_env_fn, [(episodes[i].seed, limits[i], episodes[i].options) for i in q])
                    for q in queues]
-            run = _Run(episodes, limits, queues, acting, finish, episode_timeout_s, stop, device)
+            run = _Run(episodes, limits, queues, acting, finish, episode_timeout_s, stop, device, committed=draining)
+            run.begin(time.monotonic())
+            pool = None
+            primary: Optional[BaseException] = None
             try:
-                pool = AsyncEnvPool(fns, create_env_kwargs=create_env_kwargs,
-                                    envs_per_worker=1 if isolate else envs_per_worker,
-                                    env_threads=False if isolate else env_threads,
-                                    recurrent_state=recurrent_state, policy_output_spec=policy_output_spec,
-                                    pin_memory=device.type == "cuda")
-            except EnvError as exc:
-                run.fail(exc, all_remaining=exc.phase == "construction", todo=todo)
-            except WorkerDiedError as exc:
-                isolate |= run.died(exc)
-            else:
                 try:
-                    run.drive(pool)
+                    pool = AsyncEnvPool(fns, create_env_kwargs=create_env_kwargs,
+                                        envs_per_worker=1 if isolate else envs_per_worker,
+                                        env_threads=False if isolate else env_threads,
+                                        recurrent_state=recurrent_state, policy_output_spec=policy_output_spec,
+                                        pin_memory=device.type == "cuda", start_timeout=episode_timeout_s)
                 except EnvError as exc:
-                    run.fail(exc)
+                    run.fail(exc, all_remaining=exc.phase == "construction")
                 except WorkerDiedError as exc:
                     isolate |= run.died(exc)
-                except _Restart:
-                    pass
-                finally:
-                    pool.close()
-            todo = [i for i in todo if results[i] is None]
-        for i in todo:  # drained: these never started
-            finish(i, EpisodeResult(episodes[i].episode_id, "failed", seed=episodes[i].seed,
-                                    error="not started: the evaluation was stopped"))
+                except TimeoutError as exc:  # an env's creation or first reset outlasted episode_timeout_s
+                    isolate |= run.start_timed_out(exc, one_env_per_worker=isolate or envs_per_worker == 1)
+                else:
+                    run.clock_from(pool._workers_started_at)  # the spec env built before is no episode's
+                    try:
+                        run.drive(pool)
+                    except EnvError as exc:
+                        run.fail(exc)
+                    except WorkerDiedError as exc:
+                        isolate |= run.died(exc)
+                    except _Restart as exc:
+                        # a worker stuck in a step or reset never reads its life pipe: close() would
+                        # spend its whole grace on it, and the other workers' envs deserve that time
+                        _kill_workers_of(pool, exc.slots)
+            except BaseException as exc:
+                primary = exc
+                if not isinstance(exc, Exception) or (pool is None and not any(r is not None for r in results)):
+                    raise  # Ctrl-C, or the first pool could not be built at all: nothing ran, nothing to keep
+                cause = _describe_failure(exc)
+                done = sum(r is not None for r in results)
+                run.abandon(cause)
+                for i, r in enumerate(results):
+                    if r is None:
+                        finish(i, EpisodeResult(episodes[i].episode_id, "failed", seed=episodes[i].seed,
+                                                error=f"not started: the evaluation failed: {cause}"))
+                primary = EvaluationError(
+                    f"evaluate(): the evaluation failed: {cause}. {done} of {len(episodes)} episodes had ended; "
+                    "every result (the others failed with this cause) is in this error's .results.", list(results))
+                raise primary from (exc.__cause__ if isinstance(exc, _PolicyFailure) else exc)
+            finally:
+                # an abort (a second Ctrl-C) is not the moment to wait for envs to close
+                grace = close_timeout_s if primary is None or isinstance(primary, Exception) else 1.0
+                _close_pool(pool, min(grace, close_timeout_s), primary)
+            rerun = run.interrupted()
+        for i, r in enumerate(results):  # drained: these never started
+            if r is None:
+                finish(i, EpisodeResult(episodes[i].episode_id, "failed", seed=episodes[i].seed,
+                                        error="not started: the evaluation was stopped"))
     return results  # type: ignore[return-value]
 
 
@@ -206,15 +296,26 @@ def resolve_policy_device(policy, device=None) -> torch.device:
 
 
 class _Run:
-    """One pool's share of an evaluation: which episode each slot runs, and their sums."""
+    """One pool's share of an evaluation: which episode each slot runs, and their sums.
 
-    def __init__(self, episodes, limits, queues, acting, finish, timeout_s, stop=None, device=None):
+    A slot's episode is its ``current`` one from the moment its env starts being built or reset
+    for it (the pool's start, or the terminal record of the slot's previous episode: the worker
+    resets right after it) until its end, so that its wall-clock limit covers a reset that hangs.
+    Until its first record arrives it is ``fresh``: a drain gives a fresh episode back (it is
+    reported "not started"), unless the run is ``committed`` (a drain's rerun of episodes that
+    were running when their pool had to close).
+    """
+
+    def __init__(self, episodes, limits, queues, acting, finish, timeout_s, stop=None, device=None,
+                 committed=False):
         self.episodes, self.limits, self.queues = episodes, limits, queues
         self.acting, self.finish, self.timeout_s = acting, finish, timeout_s
         self.stop = stop
+        self.committed = committed
         self.device = None if device is None or device.type == "cpu" else device
         n = len(queues)
         self.current: List[Optional[int]] = [None] * n  # manifest index each slot is running
+        self.fresh = [False] * n  # its current episode has not published its first record yet
         self.ret = np.zeros(n)
         self.length = np.zeros(n, dtype=np.int64)
         self.started = np.zeros(n)
@@ -232,28 +333,67 @@ class _Run:
     def _stopping(self) -> bool:
         return self.stop is not None and self.stop.is_set()
 
+    def _next(self, s: int, now: float) -> None:
+        """Slot ``s``'s next episode becomes its current one (its env is being reset for it)."""
+        if self.queues[s]:
+            self.current[s] = self.queues[s].popleft()
+            self.fresh[s] = True
+            self.ret[s], self.length[s], self.started[s] = 0.0, 0, now
+        else:
+            self.current[s] = None
+
+    def begin(self, now: float) -> None:
+        """Every slot's first episode is current (its env is about to be built and reset)."""
+        for s in range(len(self.queues)):
+            self._next(s, now)
+
+    def clock_from(self, t: float) -> None:
+        """The first episodes' wall clocks start at ``t`` (when the workers started building)."""
+        for s, fresh in enumerate(self.fresh):
+            if fresh:
+                self.started[s] = t
+
+    def _give_back_fresh(self) -> None:
+        """A drain: the episodes whose env is still being reset are not started after all."""
+        if self.committed:
+            return
+        for s, i in enumerate(self.current):
+            if i is not None and self.fresh[s]:
+                self.queues[s].appendleft(i)
+                self.current[s] = None
+
+    def interrupted(self) -> List[int]:
+        """The episodes still running (and, for a committed run, still owed) when the pool closed."""
+        return [i for s, i in enumerate(self.current) if i is not None and (self.committed or not self.fresh[s])]
+
     def drive(self, pool: AsyncEnvPool) -> None:
         """Runs until every slot has finished its episodes (or, once ``stop`` is set, its
         running episode)."""
         poll = None if self.timeout_s is None and self.stop is None else _POLL_S
-        while any(c is not None for c in self.current) or (any(self.queues) and not self._stopping()):
+        keys = pool.action_keys + pool.policy_output_keys
+        while True:
+            if self._stopping():
+                self._give_back_fresh()
+            if all(i is None for i in self.current):
+                return
             if pool.wait_ready(1, timeout=poll) == 0:
                 self._check_clock()
                 continue
             td = pool.recv(min_get=1)  # everything ready now, at once
             answer = self._observe(td)
             self._check_clock()
-            if answer.any():
+            if not answer.any():
+                continue
+            idx = torch.from_numpy(np.flatnonzero(answer))
+            try:
                 with torch.no_grad():
                     out = self.acting(td if self.device is None else td.to(self.device, non_blocking=True))
-                idx = torch.from_numpy(np.flatnonzero(answer))
-                keys = pool.action_keys + pool.policy_output_keys
-                if self.device is None:
-                    actions = {k: out.get(k)[idx] for k in keys}
-                else:  # one copy back per key, of the rows that are answered
-                    rows = idx.to(self.device)
-                    actions = {k: out.get(k)[rows].cpu() for k in keys}
-                pool.send(actions, td.env_indices[idx])
+                actions = _answers(out, keys, idx, self.device)
+                pool.send(actions, td.env_indices[idx])  # ValueError: wrong shapes or dtypes, nothing sent
+            except (EnvError, WorkerDiedError):
+                raise
+            except Exception as exc:
+                raise _PolicyFailure() from exc
 
     def _observe(self, td) -> np.ndarray:
         """Books the batch's records; returns which rows to answer (their slot has work left)."""
@@ -264,24 +404,31 @@ class _Run:
         now = time.monotonic()
         stopping = self._stopping()
         for row, (s, st, r) in enumerate(zip(slots, step_types, rewards)):
+            i = self.current[s]
+            if i is None:  # the slot's episodes are done, or a drain gave its next one back
+                continue
             if st == _FIRST:
-                if stopping:  # drained: the slot's next episode does not start
+                if stopping and not self.committed:  # drained: the slot's next episode does not start
+                    self.queues[s].appendleft(i)
+                    self.current[s] = None
                     continue
-                self.current[s] = self.queues[s].popleft()
-                self.ret[s], self.length[s], self.started[s] = 0.0, 0, now
-            elif self.current[s] is not None:
+                self.fresh[s] = False
+            else:
                 self.ret[s] += r
                 self.length[s] += 1
                 if st >= _TERM:
-                    limit = self.limits[self.current[s]]
+                    limit = self.limits[i]
                     cut = st == _TRUNC and limit is not None and self.length[s] >= limit
                     error = f"cut after max_steps={limit} steps" if cut else None
-                    self.finish(self.current[s], self._result(
-                        s, "timeout" if cut else "completed", terminated=st == _TERM,
-                        truncated=st == _TRUNC and not cut, error=error))
-                    self.current[s] = None
-            # a terminal record is answered only to start the slot's next episode
-            answer[row] = self.current[s] is not None or (bool(self.queues[s]) and not stopping)
+                    self.finish(i, self._result(s, "timeout" if cut else "completed", terminated=st == _TERM,
+                                                truncated=st == _TRUNC and not cut, error=error))
+                    # the worker resets its env for the next episode right after this record
+                    # (answered below), or it is the slot's last one (not answered: no reset)
+                    if stopping:
+                        self.current[s] = None
+                    else:
+                        self._next(s, now)
+            answer[row] = self.current[s] is not None
         return answer
 
     def _check_clock(self) -> None:
@@ -290,37 +437,149 @@ class _Run:
         now = time.monotonic()
         late = [s for s, i in enumerate(self.current) if i is not None and now - self.started[s] > self.timeout_s]
         for s in late:
+            how = " before its first record: its env's creation or reset did not return" if self.fresh[s] else ""
             self.finish(self.current[s], self._result(
-                s, "timeout", error=f"ran longer than episode_timeout_s={self.timeout_s} s (wall clock)"))
+                s, "timeout", error=f"ran longer than episode_timeout_s={self.timeout_s} s (wall clock){how}"))
             self.current[s] = None
-        if late:  # the env may hang in its step: only closing the pool gets it back
-            raise _Restart
+        if late:  # the env may hang in its step or reset: only closing the pool gets it back
+            raise _Restart(late)
+
+    def start_timed_out(self, exc: TimeoutError, one_env_per_worker: bool) -> bool:
+        """The pool's start-up outlasted ``episode_timeout_s`` (``exc`` names the envs of the
+        workers still starting): times out their episodes; returns True, timing out none, when
+        one of those workers hosts several envs (which one hangs is unknown: they run again one
+        env per process)."""
+        slots = [s for s in getattr(exc, "env_indices", range(len(self.current))) if s < len(self.current)]
+        hung = [s for s in slots if self.current[s] is not None]
+        if len(hung) > 1 and not one_env_per_worker:
+            return True
+        for s in hung:
+            self.finish(self.current[s], self._result(
+                s, "timeout", error=f"its env was not built and reset within episode_timeout_s={self.timeout_s} s "
+                                    "(wall clock)"))
+            self.current[s] = None
+        return False
 
     def died(self, exc: WorkerDiedError) -> bool:
         """A worker died (killed, crashed in native code): fails the episode it was running if
         it ran one; returns True when it ran several, which are then run again one env per
         process (the next death names the culprit)."""
-        running = [(s, self.current[s]) for s in exc.env_indices if self.current[s] is not None]
-        running += [(s, self.queues[s][0]) for s in exc.env_indices if self.current[s] is None and self.queues[s]]
+        running = [s for s in exc.env_indices if s < len(self.current) and self.current[s] is not None]
         if len(running) != 1:
             return len(running) > 1
-        s, i = running[0]
-        error = f"its worker died: {exc}"
-        self.finish(i, self._result(s, "failed", error=error) if self.current[s] == i else self._unstarted(i, error, s))
+        s = running[0]
+        self.finish(self.current[s], self._result(s, "failed", error=f"its worker died: {exc}"))
+        self.current[s] = None
         return False
 
-    def fail(self, exc: EnvError, all_remaining: bool = False, todo=()) -> None:
-        """Marks the episode ``exc`` belongs to as failed (or every remaining one, when the env
-        cannot be built at all: that does not depend on the episode)."""
-        s = exc.env_index
+    def fail(self, exc: EnvError, all_remaining: bool = False) -> None:
+        """Marks the episode ``exc`` belongs to as failed (or every episode of this run, when
+        the env cannot be built at all: that does not depend on the episode)."""
         error = f"env raised during {exc.phase}:\n{exc.worker_traceback}"
         if all_remaining:
-            for i in todo:
-                self.finish(i, self._unstarted(i, error))
+            for s, i in enumerate(self.current):
+                for j in ([] if i is None else [i]) + list(self.queues[s]):
+                    self.finish(j, self._unstarted(j, error))
+                self.current[s] = None
+                self.queues[s].clear()
             return
-        if exc.phase == "step" and self.current[s] is not None:
+        s = exc.env_index
+        if self.current[s] is not None:  # stepping it, or resetting for it
             self.finish(self.current[s], self._result(s, "failed", error=error))
             self.current[s] = None
-        elif self.queues[s]:  # the reset that starts the slot's next episode failed
-            i = self.queues[s][0]
-            self.finish(i, self._unstarted(i, error, s))
+
+    def abandon(self, cause: str) -> None:
+        """The evaluation failed: the running episodes fail with ``cause`` (their return and
+        length so far); those whose env was still being reset are reported not started."""
+        for s, i in enumerate(self.current):
+            if i is None:
+                continue
+            if self.fresh[s]:
+                self.finish(i, self._unstarted(i, f"not started: the evaluation failed: {cause}", s))
+            else:
+                self.finish(i, self._result(s, "failed", error=f"did not finish: the evaluation failed: {cause}"))
+            self.current[s] = None
+
+
+def _answers(out, keys, idx, device) -> dict:
+    """The answered rows ``idx`` of the policy output ``out``, one tensor per key of ``keys``
+    (on the CPU).
+
+    Parameters
+    ----------
+    out : TensorDictBase
+        What the policy returned (or its input, which it wrote into, when it returned ``None``).
+    keys : list
+        The action keys of the env and the declared policy outputs.
+    idx : torch.Tensor
+        Rows of the batch to answer.
+    device : torch.device or None
+        The policy's device (``None``: the CPU).
+
+    Raises
+    ------
+    TypeError
+        ``out`` is not a TensorDict.
+    ValueError
+        ``out`` lacks one of ``keys``; the message lists what it holds.
+    """
+    if not isinstance(out, TensorDictBase):
+        raise TypeError(f"the policy must return a TensorDict (or None, having written into its input); it returned "
+                        f"{type(out).__name__}.")
+    missing = [k for k in keys if out.get(k, None) is None]
+    if missing:
+        raise ValueError(
+            f"the policy's output has no {', '.join(map(repr, missing))}: it must write the env's action key(s) and "
+            f"the declared policy outputs {keys}; it returned a {type(out).__name__} with the keys "
+            f"{sorted(map(str, out.keys(True, True)))}."
+        )
+    if device is None:
+        return {k: out.get(k)[idx] for k in keys}
+    rows = idx.to(device)  # one copy back per key, of the rows that are answered
+    return {k: out.get(k)[rows].cpu() for k in keys}
+
+
+def _describe_failure(exc: BaseException) -> str:
+    """One line naming what made the evaluation fail (the policy's error, or ``exc``)."""
+    if isinstance(exc, _PolicyFailure):
+        cause = exc.__cause__
+        return f"the policy failed: {type(cause).__name__}: {_first_line(cause)}"
+    return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _kill_workers_of(pool: AsyncEnvPool, slots) -> None:
+    """SIGKILLs the worker processes hosting env ``slots`` of ``pool`` (ignores gone ones)."""
+    for w in sorted({int(pool._slot_worker[s]) for s in slots}):
+        try:
+            os.kill(pool.worker_pids[w], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _close_pool(pool, timeout: float, primary: Optional[BaseException] = None) -> None:
+    """Closes ``pool``; a failure to close never hides ``primary`` (the error being raised, if
+    any): it is added to that error's notes, and reported as a ``RuntimeWarning`` in any case.
+
+    Parameters
+    ----------
+    pool : AsyncEnvPool or None
+        The pool to close (``None``: nothing to do).
+    timeout : float
+        Seconds the workers get to close their envs before they are killed.
+    primary : BaseException, optional
+        The error that is propagating, if any.
+    """
+    if pool is None:
+        return
+    try:
+        pool.close(timeout)
+    except Exception as exc:  # noqa: BLE001 - reported, not raised: the results or the primary error matter more
+        msg = f"closing the env pool failed: {type(exc).__name__}: {exc}"
+        if primary is not None and hasattr(primary, "add_note"):  # Python >= 3.11
+            primary.add_note(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)

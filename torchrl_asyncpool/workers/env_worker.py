@@ -32,6 +32,8 @@ import copy
 import functools
 import os
 import select
+import signal
+import sys
 import threading
 import time
 import traceback
@@ -308,12 +310,15 @@ class _Worker:
             slot.chunks = list(range(index * per, (index + 1) * per))
         return slot
 
-    def close_envs(self, timeout: float = 1.0):
+    def close_envs(self, timeout: float = 30.0):
         """Closes the hosted envs; a threaded worker's threads close their own (waited for at
-        most ``timeout`` seconds in all: a thread may be inside a long step)."""
+        most ``timeout`` seconds in all: a thread may be inside a long step). The pool's
+        ``close(timeout)`` kills the worker sooner when it asks for less; this bound only
+        keeps a worker whose parent is gone from waiting forever on a hung thread, and leaves
+        an env's own close (a simulator stopping its processes) the time it needs."""
         if not self.threaded:
-            for adapter in {id(slot.adapter): slot.adapter for slot in self.slots}.values():
-                adapter.close()
+            for slot in {id(slot.adapter): slot for slot in self.slots}.values():
+                _close_reporting(slot.adapter, slot.index)
             return
         if self._stop_w >= 0:
             os.close(self._stop_w)  # every slot thread's poll sees the hang-up
@@ -536,6 +541,11 @@ class _Worker:
     def _eager_reset(self, slot):
         # Eager reset hides reset latency behind the consumer's (discarded) answer. The slot
         # belongs to the consumer meanwhile, so a failure waits for its answer.
+        if _plan_done(slot.adapter):
+            # the env's planned episodes are all run (evaluate()): a reset now would be an extra,
+            # unseeded one that nobody asked for (and whose hang or crash would be blamed on no
+            # episode); if the consumer answers the terminal record anyway, _serve resets then
+            return
         if slot.pending_first is None and self.state[slot.index] != S.ACTION_READY:
             try:
                 slot.pending_first = self._timed_reset(slot)
@@ -699,10 +709,7 @@ class _Worker:
             os.write(failed_w, b"x")
         finally:
             if slot is not None:
-                try:
-                    slot.adapter.close()
-                except Exception:  # noqa: BLE001 - the worker is going away; nothing to report to
-                    pass
+                _close_reporting(slot.adapter, slot.index)
 
 
 class _DeferredEnvError(Exception):
@@ -711,6 +718,33 @@ class _DeferredEnvError(Exception):
     def __init__(self, tb: str):
         super().__init__(tb)
         self.tb = tb
+
+
+def _close_reporting(adapter, index) -> None:
+    """Closes a hosted env; what its ``close()`` raises is written to this worker's standard
+    error (the parent's, unless redirected) instead of vanishing: the worker is going away and
+    its parent no longer listens, but a simulator that failed to shut down (and may have left
+    processes behind) must not go unnoticed. Never raises."""
+    env = getattr(adapter, "env", None)
+    try:
+        if env is None:
+            adapter.close()
+        else:  # the adapters' own close() swallows the env's errors (it also runs on error paths)
+            env.close()
+    except Exception:  # noqa: BLE001 - reported, not raised: the worker must still exit
+        try:
+            sys.stderr.write(f"torchrl_asyncpool: env {index} (worker pid {os.getpid()}): close() raised:\n"
+                             f"{traceback.format_exc()}")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - no standard error left to write to
+            pass
+
+
+def _plan_done(adapter) -> bool:
+    """True when ``adapter``'s env carries an episode plan (``EPISODE_PLAN_ATTR``) whose last
+    episode is the one running or just ended."""
+    plan = getattr(adapter, "_plan", None)
+    return plan is not None and plan.episode + 1 >= len(plan.plan)
 
 
 def _keyed(fields):
@@ -747,6 +781,10 @@ def _batch_scheduling():
 def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn,
                 num_threads, delivery=None, threaded=False, affinity=None, exchange="python"):
     """Entry point of a worker process (see the module docstring)."""
+    # The parent owns shutdown (the life pipe; a dead parent closes it too): a terminal's Ctrl-C
+    # reaches the whole process group, and it is the parent's to handle (evaluate() drains on it,
+    # the collector shuts down). As the inference server process does, a worker ignores it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     _batch_scheduling()
