@@ -350,6 +350,48 @@ def test_weight_update_without_restart_process_mode(tmp_path):
     _check_echo_chain([{**r, "tag": torch.tensor(r["tag"])} for r in rows])
 
 
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_weights_given_before_start_or_while_held_act_from_the_first_batch(mode, tmp_path):
+    """Pending weights are published before the server leases anything (a process server used to
+    serve a first batch before them); start(hold=True) serves nothing until release()."""
+
+    def served_offsets(path):
+        rows = read_jsonl(path)
+        assert len(rows) >= 40
+        return {(r["action"] - int(oracle_action(torch.tensor(r["tag"])))) % 1000 for r in rows}, {
+            r["policy_version"] for r in rows}
+
+    def server_for(path):
+        hook = JsonlRecorder(path)
+        if mode == "thread":
+            return InferenceServer(OracleTagPolicy(), on_batch=hook)
+        return InferenceServer(policy_factory=OracleTagPolicy, on_batch=hook)
+
+    first, held = str(tmp_path / "first.jsonl"), str(tmp_path / "held.jsonl")
+    with AsyncEnvPool(oracle_factories(4), envs_per_worker=4, policy_output_spec=_VERSION) as pool:
+        server = server_for(first)
+        server.update_policy_weights_(OracleTagPolicy(offset=3))
+        with server.start(pool):
+            _serve_until(server, 40)
+    assert served_offsets(first) == ({3}, {1})
+    with AsyncEnvPool(oracle_factories(4), envs_per_worker=4, policy_output_spec=_VERSION) as pool:
+        server = server_for(held)
+        with server.start(pool, hold=True):
+            time.sleep(0.3)
+            assert server.stats()["frames"] == 0  # the records wait in their slots
+            server.update_policy_weights_(OracleTagPolicy(offset=4))
+            server.release()
+            server.release()  # idempotent
+            _serve_until(server, 40)
+    assert served_offsets(held) == ({4}, {1})
+    with AsyncEnvPool(oracle_factories(2), policy_output_spec=_VERSION) as pool:
+        server = server_for(held)
+        server.start(pool, hold=True)
+        t0 = time.monotonic()
+        server.stop()  # a held server stops at once
+        assert time.monotonic() - t0 < _PROMPT_S
+
+
 def test_shared_weights_seqlock_drops_torn_reads():
     fd = os.memfd_create("w", os.MFD_CLOEXEC)
     try:

@@ -53,9 +53,13 @@ class ServingLoop:
         weights: ``LocalWeights`` or ``SharedWeights`` (polled before each batch).
         stop_fds (list of int): descriptors whose readability (or hang-up) means stop.
         on_batch (callable, optional): ``on_batch(name, request, response)`` after each send.
+        hold_fd (int, optional): a descriptor whose readability releases the loop: until then
+            :meth:`serve` leases nothing (records wait in their slots) but still stops when
+            asked. Weights published meanwhile are applied before the first batch.
     """
 
-    def __init__(self, consumer, runners: List[KeyRunner], spec: ServerSpec, stats, weights, stop_fds, on_batch=None):
+    def __init__(self, consumer, runners: List[KeyRunner], spec: ServerSpec, stats, weights, stop_fds, on_batch=None,
+                 hold_fd=None):
         self.consumer = consumer
         self.runners = runners
         self.by_name = {r.plan.name: (k, r) for k, r in enumerate(runners)}
@@ -82,6 +86,7 @@ class ServingLoop:
         # one GIL hand-over per wait, the bell's drain included; the stop check keeps the GIL
         self._waiter = BellWait(self._bell, [*self._stop_fds, *self._sentinels])
         self._stop_waiter = BellWait(None, self._stop_fds)
+        self._hold_fd = hold_fd
         self._waited = 0.0
         self._last_stop_check = 0.0
         self._send_orders = {}
@@ -152,6 +157,11 @@ class ServingLoop:
     # -- the loop ---------------------------------------------------------------------------
     def serve(self) -> None:
         """Serves until a stop is requested; raises on a policy or pool failure."""
+        if self._hold_fd is not None:  # held: wait for the release (or a stop) before any lease
+            fired = BellWait(None, [self._hold_fd, *self._stop_fds]).wait(None)
+            if self._hold_fd not in fired or any(fd in self._stop_fds for fd in fired):
+                return
+            self._hold_fd = None
         inflight: List[_Flight] = []
         grad = torch.is_grad_enabled()
         torch.set_grad_enabled(False)  # per thread: saves a no_grad context per batch (see KeyRunner._run_cpu)

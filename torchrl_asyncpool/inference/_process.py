@@ -17,8 +17,9 @@ from torchrl_asyncpool.inference._shared import STATE_FAILED, STATE_SERVING, STA
 __all__ = ["server_main"]
 
 
-def server_main(handle, spec, weights_fd, stats_fd, life_fd, conn):
-    """Builds the policies, validates them, reports ``ready`` and serves until the life pipe closes."""
+def server_main(handle, spec, weights_fd, stats_fd, life_fd, conn, release_fd=None):
+    """Builds the policies, validates them, reports ``ready`` and serves until the life pipe closes
+    (from when ``release_fd``, where given, becomes readable: see ``ServingLoop``'s ``hold_fd``)."""
     # The owner decides when this process ends (life pipe); a terminal's Ctrl-C is for the owner.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if spec.cpu_affinity is not None:  # before torch starts its intra-op threads: they inherit it
@@ -57,7 +58,8 @@ def server_main(handle, spec, weights_fd, stats_fd, life_fd, conn):
             return
         report({"event": "ready", "pid": os.getpid(), "weights": weights.layout})
         stats.set_state(STATE_SERVING)
-        loop = ServingLoop(consumer, runners, spec, stats, weights, [life_fd.fd], on_batch=spec.on_batch)
+        loop = ServingLoop(consumer, runners, spec, stats, weights, [life_fd.fd], on_batch=spec.on_batch,
+                           hold_fd=None if release_fd is None else release_fd.fd)
         try:
             loop.serve()
             stats.set_state(STATE_STOPPED)

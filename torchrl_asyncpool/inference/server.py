@@ -254,13 +254,20 @@ class InferenceServer:
         self._delivered = False
 
     # -- start-up ---------------------------------------------------------------------------
-    def start(self, pool) -> "InferenceServer":
+    def start(self, pool, *, hold: bool = False) -> "InferenceServer":
         """Validates the configuration against the pool and starts serving it.
+
+        Weights given to :meth:`update_policy_weights_` before ``start`` act from the first batch.
 
         Args:
             pool (AsyncEnvPool, ConsumerHandle or ProcessSlotTransport): what to serve. A
                 transport selects process mode with that transport's options. Once started,
                 do not call ``pool.recv``/``pool.send`` yourself.
+
+        Keyword Args:
+            hold (bool, optional): build and validate everything (the server process included)
+                but lease no record until :meth:`release`; weights published meanwhile act from
+                the first batch. Defaults to ``False``.
 
         Returns:
             this server (so that ``with server.start(pool):`` works).
@@ -294,6 +301,7 @@ class InferenceServer:
         self.batch_keys = {p.name: BatchKey(p.name, p.config_hash) for p in plans}
         self.bucket_sizes = {p.name: p.buckets for p in plans}
         self.stamps_version = stamp
+        # the backend starts held: weights given before start are published before the first lease
         if self.mode == "thread":
             backend = _ThreadBackend(spec, handle, self._objects, self._factories, getattr(pool, "death_info", None))
             backend.start()
@@ -302,12 +310,24 @@ class InferenceServer:
                 handle, mp_start_method=self.mp_start_method, num_threads=self.num_threads,
                 start_timeout=self.start_timeout,
             )
-            backend.start(spec, self.names)
+            backend.start(spec, self.names, hold=True)
         self._backend = backend
-        for name, (flat, version) in list(self._pending_weights.items()):
-            backend.publish_weights(name, flat, version)
+        try:
+            for name, (flat, version) in list(self._pending_weights.items()):
+                backend.publish_weights(name, flat, version)
+        except BaseException:
+            self._backend = None
+            backend.close(1.0)
+            raise
         self._pending_weights.clear()
+        if not hold:
+            backend.release()
         return self
+
+    def release(self) -> None:
+        """Lets a server started with ``hold=True`` serve; does nothing once it serves (or before start)."""
+        if self._backend is not None:
+            self._backend.release()
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -508,9 +528,11 @@ class _ThreadBackend:
         self.error: Optional[BaseException] = None
         self._thread = None
         self._stop = None
+        self._release = None
         self._closed = False
 
     def start(self):
+        """Starts the serving thread held: it leases nothing until :meth:`release`."""
         policies = dict(self.objects)
         for name, factory in self.factories.items():
             policies[name] = factory()
@@ -521,9 +543,10 @@ class _ThreadBackend:
         self.stats_block = StatsBlock(self.spec.names)
         self.weights = LocalWeights(self.spec.names)
         self._stop = Doorbell()
+        self._release = Doorbell()
         self.loop = ServingLoop(
             consumer, self.runners, self.spec, self.stats_block, self.weights, [self._stop.fd],
-            on_batch=self.spec.on_batch,
+            on_batch=self.spec.on_batch, hold_fd=self._release.fd,
         )
         self.stats_block.set_state(STATE_SERVING)
         self._thread = start_daemon_thread(self._main, "torchrl_asyncpool-inference")
@@ -569,6 +592,10 @@ class _ThreadBackend:
             check_weights(named_tensors(runner.policy), flat, name)
         self.weights.publish(name, flat, version)
 
+    def release(self):
+        if self._release is not None and not self._closed:
+            self._release.ring()
+
     def wait_applied(self, name, version, timeout):
         if not self.weights.wait_applied(name, version, timeout, lambda: self.is_alive):
             self.check()
@@ -587,5 +614,7 @@ class _ThreadBackend:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 warnings.warn("the inference server thread did not stop within the timeout (a long policy call?).")
-        if self._stop is not None and (self._thread is None or not self._thread.is_alive()):
-            self._stop.close()
+        if self._thread is None or not self._thread.is_alive():
+            for bell in (self._stop, self._release):
+                if bell is not None:
+                    bell.close()

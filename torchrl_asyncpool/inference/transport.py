@@ -100,6 +100,7 @@ class ProcessSlotTransport:
         self._stats: Optional[StatsBlock] = None
         self._monitor = None
         self._wake = None
+        self._release = None  # rung once to let a held server serve (see start)
         self._error: Optional[BaseException] = None
         self._stopping = False
         self._closed = False
@@ -120,8 +121,12 @@ class ProcessSlotTransport:
         """The server's first error (:class:`InferenceServerError`) seen so far, or ``None``."""
         return self._error
 
-    def start(self, spec: ServerSpec, names) -> None:
-        """Starts the server process for ``spec`` and waits until it serves (or raises its start-up error)."""
+    def start(self, spec: ServerSpec, names, hold: bool = False) -> None:
+        """Starts the server process for ``spec`` and waits until it serves (or raises its start-up error).
+
+        With ``hold=True`` the process builds and validates everything and reports ready, but leases
+        no record until :meth:`release`: weights published meanwhile act from its first batch.
+        """
         if self._proc is not None or self._closed:
             raise RuntimeError("this ProcessSlotTransport was already used; create a new one.")
         method = self.mp_start_method
@@ -137,6 +142,9 @@ class ProcessSlotTransport:
             os.ftruncate(self._stats_fd, StatsBlock.nbytes_for(len(self._names)))
             self._stats = StatsBlock.from_fd(self._stats_fd, self._names)
             life_r, self._life_w = os.pipe()
+            self._release = Doorbell()
+            if not hold:
+                self._release.ring()
             reader, writer = ctx.Pipe(duplex=False)
             self._conn = reader
             from torchrl_asyncpool.inference._process import server_main
@@ -145,7 +153,7 @@ class ProcessSlotTransport:
                 proc = ctx.Process(
                     target=server_main,
                     args=(self.handle, spec, InheritedFd(self._weights_fd), InheritedFd(self._stats_fd),
-                          InheritedFd(life_r), writer),
+                          InheritedFd(life_r), writer, self._release.inheritable()),
                     name="torchrl_asyncpool-inference-server",
                     daemon=True,
                 )
@@ -249,6 +257,11 @@ class ProcessSlotTransport:
                 )
             raise self._error
 
+    def release(self) -> None:
+        """Lets a server started with ``hold=True`` lease records (idempotent)."""
+        if self._release is not None and not self._closed:
+            self._release.ring()
+
     def publish_weights(self, name, flat, version) -> None:
         """Writes policy ``name``'s weights (``{parameter or buffer name: tensor}``, every name of
         :meth:`weight_names`) at ``version`` into the shared weight block; the server applies them
@@ -297,6 +310,8 @@ class ProcessSlotTransport:
             self._monitor.join(2.0)
         if self._wake is not None:
             self._wake.close()
+        if self._release is not None:
+            self._release.close()
         if self._conn is not None:
             self._conn.close()
         if self._weights is not None:
