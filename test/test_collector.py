@@ -200,7 +200,7 @@ def test_weight_update_bumps_stamped_version():
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="env_backend"):
         AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, env_backend="threading")
-    with pytest.raises(ValueError, match="unknown keyword"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):  # Python's convention
         AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, no_such_option=1)
     with pytest.raises(ValueError, match="exactly one"):
         AsyncPoolCollector(oracle_factories(1), frames_per_batch=4)
@@ -281,7 +281,7 @@ def test_torchrl_second_docstring_example_runs_unchanged(device, num_envs):
             assert batch.shape == torch.Size([1024])
             assert batch["env_index"].dtype == torch.long
             assert batch.device == torch.device("cpu")
-            assert (batch["policy_version"] >= 1).any()
+            assert batch["policy_version"].eq(1).all()  # the weights given before iterating act from the start
             break
     finally:
         collector.shutdown()
@@ -439,3 +439,247 @@ def test_log_metrics_writes_pool_and_server_scalars_to_a_torchrl_logger(tmp_path
     rows = (scalars / "collector" / "pool" / "frames.csv").read_text().strip().splitlines()
     assert len(rows) == 1 and rows[0].split(",")[0] == "40"
     assert (scalars / "pool" / "env_step_time_s.csv").exists()
+
+
+# -- TorchRL's collector surface: len(), stats(), the batch layout ---------------------------------
+def test_len_list_and_stats_as_torchrl_collectors_have_them():
+    c = AsyncPoolCollector(oracle_factories(2), policy=oracle_policy, frames_per_batch=20, total_frames=50)
+    try:
+        assert len(c) == 3  # BaseCollector.__len__: ceil(total_frames / requested_frames_per_batch)
+        assert [b.shape[0] for b in list(c)] == [20, 20, 10]  # list() asks len() first
+        stats = c.stats()
+        assert stats["requested_frames_per_batch"] == 20 and stats["frames"] == 50 and stats["completed"]
+    finally:
+        c.shutdown()
+
+
+def test_batches_have_torchrl_collector_keys_including_root_done_flags():
+    """Same env and policy through TorchRL's AsyncBatchedCollector and this one: the same keys,
+    shapes and dtypes; the root done flags (those of the record the action answered) are False."""
+    import warnings
+
+    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+
+    layouts = []
+    for cls, kwargs in ((AsyncBatchedCollector, {"env_backend": "threading"}), (AsyncPoolCollector, {})):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            c = cls(oracle_factories(2), policy=OracleTagPolicy(), frames_per_batch=20, total_frames=40, **kwargs)
+        try:
+            batch = next(iter(c))
+        finally:
+            c.shutdown()
+        batch = batch.to_tensordict() if hasattr(batch, "to_tensordict") else batch
+        layouts.append({k: (tuple(batch.get(k).shape), batch.get(k).dtype) for k in batch.keys(True, True)})
+        for key in ("done", "terminated", "truncated"):
+            assert not batch[key].any()
+    assert layouts[0] == layouts[1]
+
+
+# -- TorchRL's recurrent setup (LSTMModule + make_tensordict_primer + InitTracker) ------------------
+def _lstm():
+    from torchrl.modules import LSTMModule
+
+    return LSTMModule(input_size=2, hidden_size=4, in_key="observation", out_key="feat")
+
+
+def _recurrent_env(env_id):
+    from torchrl.envs import Compose, InitTracker, TransformedEnv
+    from torchrl_asyncpool.testing import OracleEnv
+
+    return TransformedEnv(OracleEnv(env_id=env_id), Compose(InitTracker(), _lstm().make_tensordict_primer()))
+
+
+def _recurrent_policy():
+    from tensordict.nn import TensorDictModule, TensorDictSequential
+
+    torch.manual_seed(0)
+    return TensorDictSequential(_lstm(), TensorDictModule(_OracleModule(), in_keys=["tag"], out_keys=["action"]))
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_torchrl_recurrent_policy_carries_its_hidden_state_from_step_to_step(mode):
+    """The policy's ("next", hidden) is the next step's root hidden input (zeros when an episode
+    starts), as with TorchRL's collectors; the delivered root state is the one the policy read."""
+    import functools
+
+    kwargs = {"policy": _recurrent_policy()} if mode == "thread" else {"policy_factory": _recurrent_policy}
+    c = AsyncPoolCollector([functools.partial(_recurrent_env, i) for i in range(3)], frames_per_batch=30,
+                           total_frames=90, **kwargs)
+    try:
+        td = torch.cat(list(c))
+    finally:
+        c.shutdown()
+    OracleChecker().observe_transitions(td)
+    first = td["tag"][:, 2] == 0
+    assert td["is_init"].squeeze(-1).equal(first)
+    for key in ("recurrent_state_h", "recurrent_state_c"):
+        assert td[key][first].eq(0).all()
+        assert td[key][~first].flatten(1).abs().sum(-1).gt(0).all()
+        for e in range(3):
+            rows = td[td["env_index"] == e]
+            later = (rows["tag"][1:, 2] != 0).nonzero().squeeze(-1) + 1
+            assert later.numel() > 5
+            assert torch.equal(rows[key][later], rows["next", key][later - 1])
+    replay = _recurrent_policy()(
+        td.select("observation", "recurrent_state_h", "recurrent_state_c", "is_init", "tag").clone()
+    )
+    for key in ("feat", ("next", "recurrent_state_h"), ("next", "recurrent_state_c")):
+        assert torch.allclose(replay[key], td[key], atol=1e-6), key
+    assert not any("_carried_state" in str(k) for k in td.keys(True, True))
+
+
+class _PredictNextObservation(torch.nn.Module):
+    def forward(self, tag):
+        return oracle_action(tag), torch.full((tag.shape[0], 2), -7.0)
+
+
+def test_a_next_entry_for_an_env_produced_observation_is_not_carried():
+    """Only primer entries are carried: a policy writing ("next", "observation") does not replace
+    what the env observes (TorchRL's env step output wins there too)."""
+    from tensordict.nn import TensorDictModule
+
+    policy = TensorDictModule(_PredictNextObservation(), in_keys=["tag"], out_keys=["action", ("next", "observation")])
+    c = AsyncPoolCollector(oracle_factories(2), policy=policy, frames_per_batch=20, total_frames=40)
+    try:
+        td = torch.cat(list(c))
+    finally:
+        c.shutdown()
+    OracleChecker().observe_transitions(td)
+    env_ids = td["env_index"].float()[:, None].expand(-1, 2)
+    assert torch.equal(td["observation"], env_ids) and torch.equal(td["next", "observation"], env_ids)
+
+
+# -- weights and lifecycle --------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_weights_given_before_the_first_iteration_act_from_the_first_transition(mode):
+    """TorchRL applies such weights before any request is served: the envs are built and reset at
+    construction, but no action is served before the first iteration."""
+    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+
+    kwargs = {"policy": OracleTagPolicy()} if mode == "thread" else {"policy_factory": OracleTagPolicy}
+    c = AsyncPoolCollector(oracle_factories(4), frames_per_batch=32, total_frames=96, **kwargs)
+    try:
+        time.sleep(0.5)  # the learner is being built; the envs wait
+        assert c.server_stats()["frames"] == 0
+        c.update_policy_weights_(OracleTagPolicy(offset=5))
+        td = torch.cat(list(c))
+    finally:
+        c.shutdown()
+    assert td["policy_version"].eq(1).all()
+    assert torch.equal(td["action"], (oracle_action(td["tag"]) + 5) % 1000)
+
+
+def test_after_a_weight_update_about_one_batch_at_most_was_collected_by_the_old_policy():
+    """transition_chunk_size="auto": the chunks all envs may fill ahead hold about one batch."""
+    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+
+    c = AsyncPoolCollector(oracle_factories(4), policy=OracleTagPolicy(), frames_per_batch=64)
+    try:
+        assert c.env._chunks.chunk_size == 8  # 64 // (4 envs * 2 chunks each)
+        it = iter(c)
+        next(it)
+        time.sleep(0.5)  # a slow learner: every env fills all the chunks it may
+        c.update_policy_weights_(OracleTagPolicy(offset=1))
+        stale = [int(next(it)["policy_version"].eq(0).sum()) for _ in range(4)]
+    finally:
+        c.shutdown()
+    # 4 envs x 2 chunks x 8, plus the one action per env answered before the update
+    assert sum(stale) <= 64 + 4 and stale[-1] == 0, stale
+
+
+def test_auto_chunk_size_bounds_the_lag_and_the_memory():
+    from torchrl_asyncpool.collector import _auto_chunk
+    from torchrl_asyncpool.exchange.arena import ArenaLayout
+
+    def layout(n, obs_shape):
+        flags = {k: ((1,), torch.bool) for k in ("done", "terminated", "truncated")}
+        request = {"observation": (obs_shape, torch.uint8), "reward": ((1,), torch.float32),
+                   "step_type": ((), torch.int8), **flags}
+        return ArenaLayout(n, request, {"action": ((), torch.int64)})
+
+    assert _auto_chunk("auto", layout(32, (4,)), 1024, 2) == 16
+    assert _auto_chunk("auto", layout(4, (4,)), 64, 1) == 16
+    assert _auto_chunk("auto", layout(64, (4,)), 64, 2) == 1  # never 0
+    # 84x84x3 pixels, root and next: 42362 bytes a transition, 2 envs x 2 chunks within 256 MiB
+    assert _auto_chunk("auto", layout(2, (84, 84, 3)), 100_000, 2) == 1584
+    assert _auto_chunk(7, layout(2, (4,)), 64, 2) == 7
+
+
+def test_calls_after_shutdown_raise_as_iteration_does():
+    c = AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4)
+    c.shutdown()
+    for call in (lambda: next(iter(c)), c.update_policy_weights_, lambda: c.pause().__enter__()):
+        with pytest.raises(RuntimeError, match="AsyncPoolCollector was shut down"):
+            call()
+    assert c.policy_version == 0  # nothing was bumped
+
+
+def test_weights_for_a_plain_function_policy_point_to_the_call_without_argument():
+    net = torch.nn.Linear(2, 1)
+
+    def act(td):
+        td.set("score", net(td["observation"]))
+        return oracle_policy(td)
+
+    c = AsyncPoolCollector(oracle_factories(1), policy=act, frames_per_batch=4)
+    try:
+        with pytest.raises(ValueError, match=r"plain callable.*update_policy_weights_\(\) with no argument"):
+            c.update_policy_weights_(net)
+        c.update_policy_weights_()
+        assert c.policy_version == 1
+    finally:
+        c.shutdown()
+
+
+# -- arguments: refused before anything starts, or honoured ----------------------------------------
+def _no_env():
+    raise AssertionError("an env was built before the arguments were checked")
+
+
+def test_bad_arguments_are_refused_before_any_env_is_built():
+    from torchrl.modules.inference_server import InferenceDeviceConfig, InferenceServerConfig
+
+    envs = [_no_env] * 2
+    refused = [  # (keywords, error, what the message names)
+        ({"max_batch_size": 0}, ValueError, "max_batch_size must be None or a positive int"),
+        ({"min_batch_size": 3, "max_batch_size": 2}, ValueError, "min_batch_size=3 must not exceed max_batch_size=2"),
+        ({"server_timeout": -1}, ValueError, "server_timeout"),
+        ({"frames_per_batch": 64.0}, ValueError, "frames_per_batch"),
+        ({"frames_per_batch": True}, ValueError, "frames_per_batch"),
+        ({"policy": 42}, TypeError, "policy must be callable"),
+        ({"policy": None, "policy_factory": 42}, TypeError, "policy_factory must be callable"),
+        ({"server_config": InferenceServerConfig(service_backend="process")}, TypeError, "requires policy_factory"),
+        ({"server_config": InferenceServerConfig(service_backend="ray")}, ValueError, "service_backend='ray'"),
+        ({"server_config": InferenceServerConfig(collect_stats=False)}, ValueError, "collect_stats"),
+        ({"server_config": InferenceServerConfig(stats_window_size=10)}, ValueError, "stats_window_size"),
+        ({"device_config": InferenceDeviceConfig(output_device="meta")}, ValueError, "output_device"),
+        ({"device_config": InferenceDeviceConfig(env_device="meta")}, ValueError, "env_device"),
+    ]
+    if not torch.cuda.is_available():
+        refused += [
+            ({"device": "cuda:0"}, ValueError, "device='cuda:0', but CUDA is not available"),
+            ({"device_config": InferenceDeviceConfig(storing_device="cuda")}, ValueError, "CUDA is not available"),
+        ]
+    for kwargs, error, match in refused:
+        kwargs = {"policy": oracle_policy, "frames_per_batch": 8, **kwargs}
+        with pytest.raises(error, match=match):
+            AsyncPoolCollector(envs, **kwargs)
+    with pytest.raises(TypeError, match=r"list of env factories.*\[make_env\] \* n.*got function"):
+        AsyncPoolCollector(_no_env, policy=oracle_policy, frames_per_batch=8)
+
+
+def test_numpy_integers_and_server_config_fields_are_honoured():
+    import numpy as np
+    from torchrl.modules.inference_server import InferenceServerConfig
+
+    config = InferenceServerConfig(max_batch_size=4, static_batch_size=8, timeout=0.0, max_inflight_per_env=1)
+    c = AsyncPoolCollector(oracle_factories(2), policy=oracle_policy, frames_per_batch=np.int64(10),
+                           total_frames=np.int32(30), server_config=config)
+    try:
+        assert type(c.frames_per_batch) is int and c.total_frames == 30
+        assert c.server.bucket_sizes == {"policy": (8,)} and c.server.max_get == 4
+        assert [b.shape[0] for b in c] == [10, 10, 10]
+        assert c.server_stats()["padding_fraction"] > 0.5  # batches of at most 2 envs, run as 8 rows
+    finally:
+        c.shutdown()

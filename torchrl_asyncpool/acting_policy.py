@@ -2,8 +2,9 @@
 
 The wrapper adds what TorchRL's collectors do around a policy call and what a strict slot
 layout needs: the exploration type, a cast of the action entries to the env's action dtypes
-(TorchRL envs accept e.g. a float one-hot; the exchange stores exact dtypes), and a pause gate
-that keeps the policy idle while :meth:`AsyncPoolCollector.pause` is open.
+(TorchRL envs accept e.g. a float one-hot; the exchange stores exact dtypes), a pause gate
+that keeps the policy idle while :meth:`AsyncPoolCollector.pause` is open, and TorchRL's
+recurrent-state convention (see :func:`torchrl_recurrent_state`).
 """
 from __future__ import annotations
 
@@ -15,10 +16,17 @@ from torchrl.envs.utils import set_exploration_type
 
 from torchrl_asyncpool.exchange.arena import as_key
 
-__all__ = ["ActingPolicy", "ActingPolicyFactory", "derive_policy_outputs", "WEIGHT_PREFIX"]
+__all__ = [
+    "ActingPolicy", "ActingPolicyFactory", "derive_policy_outputs", "torchrl_recurrent_state",
+    "torchrl_recurrent_candidates", "primer_keys",
+    "WEIGHT_PREFIX", "CARRY_KEY",
+]
 
 #: Parameter names of the wrapped policy inside :class:`ActingPolicy`.
 WEIGHT_PREFIX = "policy."
+#: Root of the slot entries that carry a TorchRL recurrent state from one step to the next
+#: (``(CARRY_KEY, *key)`` for the policy's ``("next", *key)``); they never reach a batch.
+CARRY_KEY = "_carried_state"
 
 
 class ActingPolicy(torch.nn.Module):
@@ -28,9 +36,12 @@ class ActingPolicy(torch.nn.Module):
         policy (callable): ``TensorDict -> TensorDict``.
         exploration_type: the exploration type to act under (``None``: leave as is).
         action_dtypes (dict, optional): ``{key: dtype}`` the action entries are cast to.
+        carry (dict, optional): ``{key: slot key}``: before each call ``key`` is set to the
+            record's ``slot key`` entry, the recurrent state the worker carried from the previous
+            step (zeros on ``FIRST``); see :func:`torchrl_recurrent_state`.
     """
 
-    def __init__(self, policy, exploration_type=None, action_dtypes=None):
+    def __init__(self, policy, exploration_type=None, action_dtypes=None, carry=None):
         super().__init__()
         if isinstance(policy, torch.nn.Module):
             self.policy = policy
@@ -40,6 +51,7 @@ class ActingPolicy(torch.nn.Module):
         # one context object, entered per batch (building one costs about as much as entering it)
         self._explore = set_exploration_type(exploration_type) if exploration_type is not None else None
         self.action_dtypes = dict(action_dtypes or {})
+        self.carry = dict(carry or {})
         # held by each call, and by pause() until resume(): one uncontended lock per batch
         self._gate = threading.Lock()
         self._pause_state = threading.Lock()  # serializes pause()/resume() (shutdown resumes from any thread)
@@ -57,9 +69,16 @@ class ActingPolicy(torch.nn.Module):
     def in_keys(self):
         """The wrapped policy's ``in_keys`` (``AttributeError`` when it declares none): the
         inference server then stages only those entries of each record."""
-        return self._target().in_keys
+        in_keys = self._target().in_keys
+        if not self.carry:
+            return in_keys
+        return [self.carry.get(as_key(k), k) for k in in_keys]  # the carried entry stands for the key
 
     def forward(self, td):
+        if self.carry:  # a shallow copy: the staged batch keeps its own entries
+            td = td.copy()
+            for key, slot_key in self.carry.items():
+                td.set(key, td.get(slot_key))
         with self._gate:
             if self._explore is not None:
                 with self._explore:
@@ -94,13 +113,14 @@ class ActingPolicy(torch.nn.Module):
 class ActingPolicyFactory:
     """A picklable factory of :class:`ActingPolicy` around a user ``policy_factory``."""
 
-    def __init__(self, factory, exploration_type=None, action_dtypes=None):
+    def __init__(self, factory, exploration_type=None, action_dtypes=None, carry=None):
         self.factory = factory
         self.exploration_type = exploration_type
         self.action_dtypes = dict(action_dtypes or {})
+        self.carry = dict(carry or {})
 
     def __call__(self):
-        return ActingPolicy(self.factory(), self.exploration_type, self.action_dtypes)
+        return ActingPolicy(self.factory(), self.exploration_type, self.action_dtypes, self.carry)
 
 
 def derive_policy_outputs(policy, request: dict, actions: dict, version_key, device=None) -> dict:
@@ -136,3 +156,72 @@ def derive_policy_outputs(policy, request: dict, actions: dict, version_key, dev
     if version_key is not None:
         outputs[version_key] = ((), torch.int64)
     return outputs
+
+
+def primer_keys(env) -> set:
+    """The keys that a TorchRL env's :class:`~torchrl.envs.transforms.TensorDictPrimer` transforms
+    declare (nested ``TransformedEnv`` and ``Compose`` included); empty for any other env.
+
+    A primer's keys are observations the env itself does not produce when it steps, which is
+    why TorchRL keeps a policy's ``("next", key)`` there (the recurrent state of an
+    ``LSTMModule``/``GRUModule`` with ``make_tensordict_primer()``).
+    """
+    try:
+        from torchrl.envs.transforms import Compose, TensorDictPrimer, TransformedEnv
+    except ImportError:  # pragma: no cover - torchrl is a dependency
+        return set()
+    keys = set()
+    while isinstance(env, TransformedEnv):
+        stack = [env.transform]
+        while stack:
+            t = stack.pop()
+            if isinstance(t, Compose):
+                stack.extend(t.transforms)
+            elif isinstance(t, TensorDictPrimer):
+                keys |= {as_key(k) for k in t.primers.keys(True, True)}
+        env = env.base_env
+    return keys
+
+
+def torchrl_recurrent_candidates(outputs: dict, request: dict) -> dict:
+    """``{key: ("next", *key)}`` for the policy outputs ``("next", *key)`` that name an env
+    observation ``key`` (TorchRL's recurrent-state convention); ``ValueError`` when such an
+    output does not have the observation's shape and dtype."""
+    observed = {as_key(k): v for k, v in request.items()}
+    found = {}
+    for out_key, (shape, dtype) in outputs.items():
+        k = as_key(out_key)
+        if len(k) < 2 or k[0] != "next" or k[1:] not in observed:
+            continue
+        root = k[1:]
+        o_shape, o_dtype = observed[root]
+        if (tuple(o_shape), o_dtype) != (tuple(shape), dtype):
+            raise ValueError(
+                f"the policy writes {k!r} with per-env shape {tuple(shape)} and dtype {dtype}, but the env observes "
+                f"{root!r} with shape {tuple(o_shape)} and dtype {o_dtype}: a recurrent state the policy hands to "
+                "the next step must have the shape and dtype of its TensorDictPrimer entry."
+            )
+        found[root] = k
+    return found
+
+
+def torchrl_recurrent_state(outputs: dict, request: dict, primers) -> dict:
+    """TorchRL's recurrent-state convention as the pool's ``recurrent_state`` map.
+
+    A TorchRL recurrent policy (``LSTMModule``/``GRUModule`` with the env's
+    ``make_tensordict_primer()``) reads its state at ``key`` and writes the next one at
+    ``("next", key)``; TorchRL's env step keeps that entry (a primer key is not produced by
+    the env) and the next step reads it at ``key``. Here the worker carries it instead: for
+    every policy output ``("next", *key)`` where ``key`` is one of ``primers`` (see
+    :func:`primer_keys`), returns ``{(CARRY_KEY, *key): ("next", *key)}``, so each record gets
+    the state the policy wrote for the previous step of its env (zeros on ``FIRST``).
+    :class:`ActingPolicy` (``carry=``) hands it to the policy as ``key``, and the delivered
+    transitions hold it at ``key`` and ``("next", key)``
+    (:class:`~torchrl_asyncpool.delivery.chunks.ChunkReader`).
+    """
+    primers = {as_key(k) for k in primers}
+    return {
+        (CARRY_KEY, *root): nxt
+        for root, nxt in torchrl_recurrent_candidates(outputs, request).items()
+        if root in primers
+    }

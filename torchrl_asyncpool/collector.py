@@ -8,7 +8,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from tensordict import TensorDictBase
@@ -17,7 +17,15 @@ from torchrl.collectors._base import BaseCollector
 from torchrl.envs.utils import ExplorationType
 from torchrl.modules.inference_server import ProcessSlotTransport as TorchRLProcessSlotTransport
 
-from torchrl_asyncpool.acting_policy import WEIGHT_PREFIX, ActingPolicy, ActingPolicyFactory, derive_policy_outputs
+from torchrl_asyncpool.acting_policy import (
+    WEIGHT_PREFIX,
+    ActingPolicy,
+    ActingPolicyFactory,
+    derive_policy_outputs,
+    primer_keys,
+    torchrl_recurrent_candidates,
+    torchrl_recurrent_state,
+)
 from torchrl_asyncpool.inference import InferenceServer, InferenceServerError
 from torchrl_asyncpool.inference._runner import flatten_weights
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
@@ -32,12 +40,13 @@ __all__ = ["AsyncPoolCollector"]
 _ENV_IDX_KEY = "env_index"
 # Chunk memory ceiling for transition_chunk_size="auto": pixel envs would otherwise pin GBs.
 _AUTO_CHUNK_BYTES = 256 * 2**20
-_AUTO_MIN_CHUNK = 64
 # Greedy flushing: records that arrive while the policy runs form the next batch anyway
 # (natural batching), so a deadline only idles envs. Measured on 2 cores: 1 ms cost 25 % of
 # CartPole throughput and 10 % on a 2 ms env against 0.1 ms; 0 against 0.1 ms: CartPole equal,
 # 2 ms env +3-8 % with 16 envs and +0-3 % with 64 (benchmarks/README.md).
 _DEFAULT_FLUSH_TIMEOUT_S = 0.0
+#: TorchRL's default ``InferenceServerConfig.stats_window_size``
+_TORCHRL_STATS_WINDOW = 1024
 
 # TorchRL keywords whose only meaningful values are what this collector always does.
 _ACCEPTED_AS_IS = {
@@ -111,13 +120,31 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     records into slots; a central policy loop batches whatever is ready (deadline batch
     former) and answers; each worker assembles its envs' transitions into dense per-env
     chunks in shared memory, and the driver concatenates them into exactly
-    ``frames_per_batch`` transitions in TorchRL's layout (root observation, action, policy
-    outputs, ``("next", obs..., "reward", "done", "terminated", "truncated")``,
-    ``"env_index"``, ``"policy_version"``). Nothing crosses a pipe on the data path.
+    ``frames_per_batch`` transitions in TorchRL's layout (root observation, ``"done"``,
+    ``"terminated"`` and ``"truncated"`` (those of the record the action answered: ``False``,
+    as in TorchRL's collectors), action, policy outputs, ``("next", obs..., "reward", "done",
+    "terminated", "truncated")``, ``"env_index"``, ``"policy_version"``). Nothing crosses a
+    pipe on the data path.
+
+    The envs are built and reset when the collector is constructed, and the inference server
+    is started and validated then too, but no action is served before the first iteration
+    (or :meth:`start`): weights given to :meth:`update_policy_weights_` before then act from
+    the first transition, as TorchRL applies them before any request is served.
+
+    Recurrent policies in TorchRL's setup (an ``LSTMModule``/``GRUModule`` whose
+    ``make_tensordict_primer()`` is in the env, usually with ``InitTracker``) work as with
+    TorchRL's collectors: the state the policy writes at ``("next", key)`` is the next step's
+    ``key`` (zeros when an episode starts), carried by the env's worker in its slot, and
+    batches hold the state the policy read at ``key`` and the one it wrote at
+    ``("next", key)``. It applies to the policy's ``("next", key)`` outputs for which ``key``
+    is a ``TensorDictPrimer`` entry of the env (one env is built in this process to read its
+    transforms, only when the policy writes such an entry); any other ``("next", key)`` the
+    env observes is the env's, as in TorchRL.
 
     Args:
-        create_env_fn (list of callables): one factory per env, returning a TorchRL
-            :class:`~torchrl.envs.EnvBase` (batch size ``()``) or a plain
+        create_env_fn (list of callables): one factory per env (a list, as in TorchRL:
+            ``[make_env] * n`` for ``n`` copies; a single callable raises :class:`TypeError`),
+            returning a TorchRL :class:`~torchrl.envs.EnvBase` (batch size ``()``) or a plain
             :class:`gymnasium.Env` (fast path, no TensorDict work per step in the worker), or
             a :class:`gymnasium.vector.VectorEnv` or a TorchRL env with ``batch_size=[k]`` of
             ``k`` envs (every factory the same ``k``; its envs are stepped in lockstep by one
@@ -158,11 +185,20 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             cores a deadline (TorchRL's examples use ``0.001``) mostly leaves envs idle. Raise
             it for a GPU policy whose per-call cost dominates.
         server_config (InferenceServerConfig, optional): TorchRL's structured server
-            configuration; its ``max_batch_size``, ``min_batch_size`` and ``timeout`` are
-            used. Mutually exclusive with the three keywords above.
+            configuration, mutually exclusive with the three keywords above. Its
+            ``max_batch_size``, ``min_batch_size`` and ``timeout`` are used;
+            ``static_batch_size`` pads every batch to that size (a CUDA graph is captured on
+            CUDA); ``service_backend="process"`` requires ``policy_factory`` (``TypeError``, as
+            in TorchRL), and ``"thread"`` (its default) leaves the choice to
+            ``policy=``/``policy_factory=``; any ``max_inflight_per_env`` holds, as an env has one
+            request in flight at a time. ``collect_stats=False``, a ``stats_window_size`` other
+            than TorchRL's default and ``service_backend="ray"`` raise :class:`ValueError`.
         device (torch.device or str, optional), device_config (InferenceDeviceConfig, optional):
-            where the policy runs; batches are stored on CPU unless
-            ``device_config.storing_device`` says otherwise.
+            where the policy runs (``device``, ``device_config.policy_device``); batches are
+            stored on CPU unless ``device_config.storing_device`` says otherwise. A CUDA device
+            without CUDA raises :class:`ValueError`, and so do an ``output_device`` or
+            ``env_device`` other than the CPU: the envs step in worker processes on actions in
+            shared CPU memory.
         policy_version_key (NestedKey, optional): key stamping every transition with the
             version of the policy that acted; ``None`` disables it. Defaults to
             ``"policy_version"``.
@@ -180,8 +216,17 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             that envs whose step blocks overlap inside one process. ``"auto"`` (default): when
             the timed env blocks. See :class:`~torchrl_asyncpool.AsyncEnvPool`.
         transition_chunk_size (int or "auto", optional): consecutive transitions per
-            chunk. ``"auto"`` (default): ``max(64, frames_per_batch // num_envs)``, at most
-            ``frames_per_batch``, and small enough that the chunk buffers stay under 256 MiB.
+            chunk. ``"auto"`` (default): ``frames_per_batch // (num_envs * chunks_per_env)``
+            (at least 1), and small enough that the chunk buffers stay under 256 MiB. All the
+            chunks the envs may fill ahead of the learner then hold about one batch, so after a
+            weight update at most about one batch (plus the one action per env answered before
+            it) was collected by the previous policy; with TorchRL's floor of 64 per chunk that
+            was ``2 * 64 * num_envs`` transitions (8 whole batches for 4 envs and 64-frame
+            batches). The cost is more chunks per batch: measured on 2 cores with CartPole and
+            1024-frame batches, 32 envs (16 per chunk) collected as fast as with 64 per chunk,
+            128 envs (4 per chunk) about 10 % slower (within this machine's drift), and the
+            first batch came sooner. For off-policy training with many envs, where staleness
+            matters less, pass ``transition_chunk_size=64``.
         chunks_per_env (int, optional): chunks each env may fill ahead of the learner
             (default 2). Envs stop (back-pressure) once all their chunks wait for the learner, so
             this bounds how stale on-policy data can get: ``1`` keeps batches closest to the
@@ -219,8 +264,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         verbose (bool, optional): print start-up and shutdown timings.
 
     TorchRL keywords that select what this collector always does (``env_backend=
-    "multiprocessing"``, ``transport="auto"``, ...) are accepted; any other value of them, or
-    a keyword that has no meaning here, raises :class:`ValueError` instead of being ignored.
+    "multiprocessing"``, ``transport="auto"``, ...) are accepted; any other value of them
+    raises :class:`ValueError` instead of being ignored, and a keyword that neither this
+    collector nor TorchRL's takes raises :class:`TypeError`, as Python does.
     ``transport=`` may also be a TorchRL
     :class:`~torchrl.modules.inference_server.ProcessSlotTransport` built by hand (as in TorchRL's
     own examples): it implies ``policy_factory=``, and its request/response keys are checked
@@ -283,6 +329,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self._pool = None
         self._server = None
         self._closed = False
+        self._serving = False  # the server is held (no action served) until the first iteration
+        # -- everything that can be checked before a process starts ------------------------------
+        _check_env_fns(create_env_fn)
         # a hand-built slot transport object; None and "auto" are checked with the other keywords
         slot_transport = torchrl_kwargs.get("transport")
         if slot_transport is None or isinstance(slot_transport, str):
@@ -292,7 +341,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             _check_slot_transport(slot_transport, policy_factory, len(create_env_fn))
         for name, value in torchrl_kwargs.items():
             if name not in _ACCEPTED_AS_IS:
-                raise ValueError(f"AsyncPoolCollector got an unknown keyword argument {name!r}.")
+                raise TypeError(f"AsyncPoolCollector() got an unexpected keyword argument {name!r}.")
             if value not in _ACCEPTED_AS_IS[name]:
                 raise ValueError(
                     f"AsyncPoolCollector does not support {name}={value!r}: env workers are always processes on "
@@ -300,27 +349,38 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 )
         if (policy is None) == (policy_factory is None):
             raise ValueError("Pass exactly one of policy= or policy_factory=.")
-        worker_affinity, self._driver_affinity, auto_policy_affinity = resolve_collector_affinity(
-            worker_affinity, driver_affinity, policy_num_threads
-        )
-        if not isinstance(frames_per_batch, int) or isinstance(frames_per_batch, bool) or frames_per_batch < 1:
-            raise ValueError(f"frames_per_batch must be a positive int, got {frames_per_batch!r}.")
-        if not isinstance(total_frames, int) or (total_frames < 1 and total_frames != -1):
-            raise ValueError(f"total_frames must be -1 (endless) or a positive int, got {total_frames!r}.")
+        for what, value in (("policy", policy), ("policy_factory", policy_factory)):
+            if value is not None and not callable(value):
+                raise TypeError(
+                    f"{what} must be callable ("
+                    + ("a TensorDict -> TensorDict policy such as a TensorDictModule" if what == "policy"
+                       else "a zero-argument callable returning the policy")
+                    + f"), got {type(value).__name__}."
+                )
+        given = frames_per_batch, total_frames
+        frames_per_batch, total_frames = _as_int(frames_per_batch), _as_int(total_frames)
+        if frames_per_batch is None or frames_per_batch < 1:
+            raise ValueError(f"frames_per_batch must be a positive int, got {given[0]!r}.")
+        if total_frames is None or (total_frames < 1 and total_frames != -1):
+            raise ValueError(f"total_frames must be -1 (endless) or a positive int, got {given[1]!r}.")
         if server_config is not None and any(v is not None for v in (max_batch_size, min_batch_size, server_timeout)):
             raise ValueError(
                 "server_config is mutually exclusive with max_batch_size, min_batch_size and server_timeout."
             )
+        bucket_sizes = None
         if server_config is not None:
-            max_batch_size = getattr(server_config, "max_batch_size", None)
-            min_batch_size = getattr(server_config, "min_batch_size", None)
-            server_timeout = getattr(server_config, "timeout", None)
+            max_batch_size, min_batch_size, server_timeout, bucket_sizes = _server_config(server_config, policy_factory)
+        _check_batching(max_batch_size, min_batch_size, server_timeout)
         if device_config is not None and device is not None:
             raise ValueError("device is mutually exclusive with device_config.")
-        policy_device = getattr(device_config, "policy_device", None) if device_config is not None else device
-        self._storing_device = getattr(device_config, "storing_device", None) if device_config is not None else None
+        policy_device, self._storing_device = _devices(device, device_config)
+        worker_affinity, self._driver_affinity, auto_policy_affinity = resolve_collector_affinity(
+            worker_affinity, driver_affinity, policy_num_threads
+        )
         self._policy = policy
         self._policy_factory = policy_factory
+        #: read by TorchRL's ``BaseCollector.__len__`` and ``stats()``
+        self.requested_frames_per_batch = frames_per_batch
         self.frames_per_batch = frames_per_batch
         self.total_frames = total_frames
         self.replay_buffer = replay_buffer
@@ -358,20 +418,30 @@ class AsyncPoolCollector(AsyncBatchedCollector):
 
         t0 = time.monotonic()
         self._server_backend = "thread" if policy is not None else "process"
-        self._policy_device = torch.device(policy_device) if policy_device is not None else torch.device("cpu")
+        self._policy_device = policy_device
         # One acting policy in this process: the thread server's, or a probe for process mode
         # (built once from the factory, as TorchRL does, to learn the policy's output entries).
         probe = ActingPolicy(policy if policy is not None else policy_factory(), exploration_type)
         self._acting = probe if policy is not None else None
+        # TorchRL's recurrent convention (policy writes ("next", key) for a primer key), found once
+        # the env's observations and the policy's outputs are known: the pool reads this mapping
+        # as its recurrent_state after calling policy_output_spec (see _policy_outputs)
+        recurrent: dict = {}
+
+        def policy_outputs(request, actions):
+            outputs = derive_policy_outputs(probe, request, actions, policy_version_key, device=self._policy_device)
+            recurrent.update(_torchrl_recurrent(outputs, request, create_env_fn, create_env_kwargs))
+            return outputs
+
         self._pool = AsyncEnvPool(
             create_env_fn,
             create_env_kwargs=create_env_kwargs,
             envs_per_worker=envs_per_worker,
             env_threads=env_threads,
-            policy_output_spec=lambda request, actions: derive_policy_outputs(
-                probe, request, actions, policy_version_key, device=self._policy_device
-            ),
-            transition_chunk_size=lambda layout: _auto_chunk(transition_chunk_size, layout, frames_per_batch),
+            policy_output_spec=policy_outputs,
+            recurrent_state=recurrent,
+            transition_chunk_size=lambda layout: _auto_chunk(transition_chunk_size, layout, frames_per_batch,
+                                                             chunks_per_env),
             chunks_per_env=chunks_per_env,
             worker_affinity=worker_affinity,
             exchange=exchange,
@@ -386,6 +456,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 _check_slot_transport(slot_transport, policy_factory, self._num_envs)
                 _check_transport_keys(slot_transport, self._pool.layout, policy_version_key)
             dtypes = {k: self._pool.layout_dtype(k) for k in self._pool.action_keys}
+            #: ``{key: slot key}`` of the recurrent states carried in TorchRL's convention
+            self.recurrent_keys = {as_key(nxt)[1:]: as_key(hin) for hin, nxt in self._pool.recurrent_state.items()}
+            on_cuda = self._policy_device.type == "cuda"
             server_kwargs = dict(
                 max_get=max_batch_size,
                 min_get=min_batch_size or 1,
@@ -393,20 +466,24 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 device=self._policy_device,
                 policy_version_key=policy_version_key,
                 # padding buys fixed shapes for CUDA graphs; on CPU it only costs compute and a copy
-                bucket_sizes="auto" if self._policy_device.type == "cuda" else None,
+                bucket_sizes=bucket_sizes if bucket_sizes is not None else ("auto" if on_cuda else None),
+                cuda_graphs=bucket_sizes is not None and on_cuda,  # server_config.static_batch_size
                 num_threads=policy_num_threads,
                 cpu_affinity=policy_affinity,
             )
             if policy is not None:
                 probe.action_dtypes = dtypes
+                probe.carry = self.recurrent_keys
                 self._server = InferenceServer(probe, mode="thread", **server_kwargs)
             else:
                 del probe
-                factory = ActingPolicyFactory(policy_factory, exploration_type, dtypes)
+                factory = ActingPolicyFactory(policy_factory, exploration_type, dtypes, self.recurrent_keys)
                 self._server = InferenceServer(policy_factory=factory, mode="process", **server_kwargs)
             if policy_version:
                 self._server.update_policy_weights_(None, version=int(policy_version))
-            self._server.start(self._pool)
+            # built and validated now, serving from the first iteration (or start()): weights given
+            # to update_policy_weights_ before then act from the first transition
+            self._server.start(self._pool, hold=True)
         except BaseException:
             self._pool.close()
             raise
@@ -469,17 +546,35 @@ class AsyncPoolCollector(AsyncBatchedCollector):
 
         Accepts a module, a TensorDict of parameters (``TensorDict.from_module``) or a state
         dict. With no argument and ``policy=``, the acting policy is assumed to be the trained
-        module itself (updated in place) and only the version is bumped; with
-        ``policy_factory=`` the weights must be given, since the policy lives in the server
-        process.
+        module itself (updated in place) and only the version is bumped: the call to make when
+        ``policy=`` is a plain function calling a module you train (given weights then raise
+        :class:`ValueError` saying so). With ``policy_factory=`` the weights must be given,
+        since the policy lives in the server process. Weights given before the first
+        iteration act from the first transition. Raises :class:`RuntimeError` once the
+        collector was shut down.
         """
+        self._ensure_started()
         source = policy_or_weights if policy_or_weights is not None else (weights if weights is not None else policy)
         if source is not None:
             if self._acting is not None and source is getattr(self._acting, "policy", None):
                 source = None  # the acting module itself: already up to date
+            elif self._acting is not None and "policy" not in self._acting._modules:
+                raise ValueError(
+                    f"policy= is a plain callable ({type(self._acting._target()).__name__}), not an nn.Module, so the "
+                    "collector holds no parameters to copy weights into. If it calls a module that you train in "
+                    "place (as the docstring's `act` function does), call update_policy_weights_() with no "
+                    "argument: the policy already acts with the new weights and only the version is bumped. "
+                    "Otherwise pass the module itself as policy=."
+                )
             else:
                 source = {WEIGHT_PREFIX + k: v for k, v in flatten_weights(source).items()}
         self._server.update_policy_weights_(source)
+
+    def _serve(self) -> None:
+        """Lets the server (held since construction) answer the envs: at the first iteration."""
+        if not self._serving:
+            self._serving = True
+            self._server.release()
 
     def _ensure_started(self) -> None:
         if self._closed:
@@ -490,7 +585,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         """A quiescent boundary: while the context is open, no batch is written and (with a
         thread server) the policy does not run, so modules can be compiled or swapped. With a
         process server the server keeps answering until the envs fill their chunks and stop
-        (back-pressure)."""
+        (back-pressure). Raises :class:`RuntimeError` once the collector was shut down."""
+        self._ensure_started()
         if not self._pause_lock.acquire(blocking=False):
             raise RuntimeError("AsyncPoolCollector is already paused.")
         try:
@@ -597,6 +693,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         if not self._iteration_lock.acquire(blocking=False):
             raise RuntimeError("The collector is already collecting.")
         try:
+            self._serve()
             total = self.total_frames
             while (total < 0 or self._frames < total) and not self._shutdown_event.is_set():
                 self._iter += 1
@@ -696,7 +793,140 @@ class _Stopped(Exception):
     """Internal: shutdown interrupted a blocked rollout."""
 
 
-def _auto_chunk(value, layout, frames_per_batch) -> int:
+def _as_int(value):
+    """``value`` as an int when it is an integer (a Python, numpy or 0-d tensor one, as
+    :func:`operator.index` accepts; not a bool), else ``None``."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _check_env_fns(create_env_fn) -> None:
+    """TorchRL's ``create_env_fn`` is a list of factories, one per env (no single callable and count)."""
+    if callable(create_env_fn) or isinstance(create_env_fn, (str, bytes)) or not isinstance(create_env_fn, Sequence):
+        raise TypeError(
+            "create_env_fn must be a list of env factories, one callable per env (for n copies of one env: "
+            f"[make_env] * n), got {type(create_env_fn).__name__}."
+        )
+    if not len(create_env_fn):
+        raise TypeError("create_env_fn must be a non-empty list of env factories, got an empty one.")
+
+
+def _check_batching(max_batch_size, min_batch_size, server_timeout) -> None:
+    """The inference batching options, checked before any process starts."""
+    sizes = {}
+    for name, value in (("max_batch_size", max_batch_size), ("min_batch_size", min_batch_size)):
+        if value is None:
+            continue
+        n = _as_int(value)
+        if n is None or n < 1:
+            raise ValueError(f"{name} must be None or a positive int, got {value!r}.")
+        sizes[name] = n
+    if len(sizes) == 2 and sizes["min_batch_size"] > sizes["max_batch_size"]:
+        raise ValueError(
+            f"min_batch_size={sizes['min_batch_size']} must not exceed max_batch_size={sizes['max_batch_size']}."
+        )
+    if server_timeout is not None and (
+        isinstance(server_timeout, bool) or not isinstance(server_timeout, (int, float)) or not server_timeout >= 0
+    ):
+        raise ValueError(f"server_timeout must be None or a number of seconds >= 0, got {server_timeout!r}.")
+
+
+def _server_config(config, policy_factory):
+    """``(max_batch_size, min_batch_size, server_timeout, bucket_sizes)`` from TorchRL's
+    ``InferenceServerConfig``; every field is honoured or refused by name."""
+    backend = getattr(config, "service_backend", "thread")
+    if backend == "process" and policy_factory is None:
+        raise TypeError(  # TorchRL's own error for this combination
+            "InferenceServerConfig(service_backend='process') requires policy_factory so the policy can be "
+            "constructed inside the server process."
+        )
+    if backend not in ("thread", "process"):
+        raise ValueError(
+            f"server_config.service_backend={backend!r} is not supported: the policy is served from a thread of this "
+            "process (policy=) or from a dedicated server process (policy_factory=)."
+        )
+    if getattr(config, "collect_stats", True) is not True:
+        raise ValueError(
+            "server_config.collect_stats=False is not supported: this server always keeps its statistics (a few "
+            "additions per batch, see server_stats()); leave collect_stats=True."
+        )
+    window = getattr(config, "stats_window_size", _TORCHRL_STATS_WINDOW)
+    if window != _TORCHRL_STATS_WINDOW:
+        raise ValueError(
+            f"server_config.stats_window_size={window!r} is not supported: this server keeps sums over a window "
+            "that server_stats(reset=True) restarts, not percentiles over recent samples; leave it at "
+            f"{_TORCHRL_STATS_WINDOW}."
+        )
+    inflight = getattr(config, "max_inflight_per_env", None)
+    if inflight is not None and (_as_int(inflight) is None or inflight < 1):
+        raise ValueError(f"server_config.max_inflight_per_env must be None or a positive int, got {inflight!r}.")
+    # any bound holds here: an env has one request in flight (it waits for its action to step)
+    static = getattr(config, "static_batch_size", None)
+    buckets = None
+    if static is not None:
+        size = _as_int(static)
+        if size is None or size < 1 or size < config.max_batch_size:
+            raise ValueError(
+                f"server_config.static_batch_size must be a positive int >= max_batch_size={config.max_batch_size}, "
+                f"got {static!r}."
+            )
+        buckets = (size,)  # every batch padded to it (a CUDA graph per size on CUDA)
+    return config.max_batch_size, config.min_batch_size, config.timeout, buckets
+
+
+def _devices(device, device_config):
+    """``(policy device, storing device or None)``; devices this collector cannot honour are refused."""
+    if device_config is not None:
+        policy_device = getattr(device_config, "policy_device", None)
+        storing = getattr(device_config, "storing_device", None)
+        for name in ("output_device", "env_device"):
+            value = getattr(device_config, name, None)
+            if value is not None and torch.device(value).type != "cpu":
+                raise ValueError(
+                    f"device_config.{name}={str(value)!r} is not supported: the envs step in worker processes on "
+                    "actions in shared CPU memory, and the policy outputs travel with them; leave it None or 'cpu' "
+                    "(storing_device moves the batches)."
+                )
+        names = ("device_config.policy_device", "device_config.storing_device")
+    else:
+        policy_device, storing = device, None
+        names = ("device", "storing_device")
+    policy_device = torch.device("cpu") if policy_device is None else torch.device(policy_device)
+    storing = None if storing is None else torch.device(storing)
+    for name, value in zip(names, (policy_device, storing)):
+        if value is not None and value.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"{name}={str(value)!r}, but CUDA is not available in this process.")
+    return policy_device, storing
+
+
+def _torchrl_recurrent(outputs, request, create_env_fn, create_env_kwargs) -> dict:
+    """The pool's ``recurrent_state`` for TorchRL's recurrent convention (see
+    :func:`~torchrl_asyncpool.acting_policy.torchrl_recurrent_state`). Only when the policy writes
+    ``("next", key)`` for an observed ``key`` is one more env built here, to read its primers."""
+    if not torchrl_recurrent_candidates(outputs, request):
+        return {}
+    if create_env_kwargs is None:
+        kwargs = {}
+    elif isinstance(create_env_kwargs, Mapping):
+        kwargs = dict(create_env_kwargs)
+    else:
+        kwargs = dict(list(create_env_kwargs)[0])
+    env = create_env_fn[0](**kwargs)
+    try:
+        primers = primer_keys(env)
+    finally:
+        close = getattr(env, "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):
+                close()
+    return torchrl_recurrent_state(outputs, request, primers)
+
+
+def _auto_chunk(value, layout, frames_per_batch, chunks_per_env=2) -> int:
     n = layout.num_slots
     if value != "auto":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -708,5 +938,8 @@ def _auto_chunk(value, layout, frames_per_batch) -> int:
         math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         for shape, dtype in transition_fields(layout).values()
     )
-    cap = max(1, _AUTO_CHUNK_BYTES // (2 * n * max(per_transition, 1)))
-    return max(1, min(max(_AUTO_MIN_CHUNK, frames_per_batch // n), frames_per_batch, cap))
+    memory_cap = max(1, _AUTO_CHUNK_BYTES // (chunks_per_env * n * max(per_transition, 1)))
+    # every env may fill chunks_per_env chunks ahead of the learner: at this size all of them
+    # together hold about one batch, so a batch is at most about one batch behind the policy
+    lag_cap = frames_per_batch // (n * chunks_per_env)
+    return max(1, min(lag_cap, memory_cap))

@@ -1,10 +1,14 @@
 """Dense per-env transition chunks in shared memory.
 
 Each env owns ``chunks_per_env`` chunks of ``T`` consecutive transitions (TorchRL layout:
-root observation and policy entries, ``("next", obs..., "reward", "done", "terminated",
-"truncated")``, ``"env_index"``). The chunk buffers are an :class:`~torchrl_asyncpool.exchange.Arena`
-whose "slots" are chunks, so the same memfd/mmap code and the same one-writer-per-word rule
-apply. Chunk state words:
+root observation, done flags and policy entries, ``("next", obs..., "reward", "done",
+"terminated", "truncated")``, ``"env_index"``). The root done flags are those of the record
+the action answered, which never ended an episode (the action answering a terminal record is
+discarded and the next record starts the next one), so they are ``False``, as in TorchRL's
+collectors: workers never write them and the (zeroed) chunk memory holds them.
+
+The chunk buffers are an :class:`~torchrl_asyncpool.exchange.Arena` whose "slots" are chunks,
+so the same memfd/mmap code and the same one-writer-per-word rule apply. Chunk state words:
 
 ``FREE -> FILLING`` (worker takes it) ``-> FULL`` (worker, after the data; rings the driver)
 ``-> HELD`` (driver, while copying it into a batch) ``-> FREE`` (driver; rings the worker).
@@ -22,14 +26,18 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
+from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout, as_key
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
 from torchrl_asyncpool.exchange.gather import RowGather
 
-__all__ = ["ChunkBuffers", "ChunkHandle", "ChunkReader", "transition_fields", "FREE", "FILLING", "FULL", "HELD"]
+__all__ = [
+    "ChunkBuffers", "ChunkHandle", "ChunkReader", "transition_fields", "delivered_keys", "FREE", "FILLING", "FULL",
+    "HELD",
+]
 
 FREE, FILLING, FULL, HELD = 0, 1, 2, 3
 _STEP_KEYS = ("reward", "done", "terminated", "truncated")
+_DONE_KEYS = ("done", "terminated", "truncated")
 
 
 def transition_fields(layout: ArenaLayout) -> dict:
@@ -38,6 +46,8 @@ def transition_fields(layout: ArenaLayout) -> dict:
     for f in layout.request:
         name = f.key[0]
         if name in _STEP_KEYS:
+            if name in _DONE_KEYS:  # the answered record's flags: never written, always False
+                fields[f.key] = (f.shape, f.dtype)
             fields[("next",) + f.key] = (f.shape, f.dtype)
         elif name != "step_type":
             fields[f.key] = (f.shape, f.dtype)
@@ -46,6 +56,27 @@ def transition_fields(layout: ArenaLayout) -> dict:
         fields[f.key] = (f.shape, f.dtype)
     fields[("env_index",)] = ((), torch.int64)
     return fields
+
+
+def delivered_keys(layout: ArenaLayout) -> dict:
+    """``{chunk key: batch key or None}`` where a delivered batch names a chunk field otherwise
+    than the chunk does (``None``: left out of the batch); keys not listed keep their names.
+
+    A recurrent state in TorchRL's convention (``{hidden_in: ("next", *key)}`` with ``key`` an
+    env observation, see :func:`~torchrl_asyncpool.acting_policy.torchrl_recurrent_state`) is
+    delivered where TorchRL's collectors put it: ``key`` holds the state the policy read
+    (``hidden_in``, zeros on ``FIRST``) and ``("next", key)`` the one it wrote (the next
+    record's ``hidden_in``), in place of the env's own entries.
+    """
+    observed = {f.key for f in layout.request}
+    out = {}
+    for hidden_in, hidden_out in layout.recurrent.items():
+        if len(hidden_out) > 1 and hidden_out[0] == "next" and hidden_out[1:] in observed:
+            root = hidden_out[1:]
+            out[root] = out[("next",) + root] = None
+            out[hidden_in] = root
+            out[("next",) + hidden_in] = ("next",) + root
+    return out
 
 
 @dataclass
@@ -73,6 +104,8 @@ class ChunkBuffers:
         if chunk_size < 1 or chunks_per_env < 1:
             raise ValueError(f"chunk_size and chunks_per_env must be >= 1, got {chunk_size}, {chunks_per_env}.")
         self.num_envs = pool_layout.num_slots
+        #: ``{chunk key: batch key or None}`` (see :func:`delivered_keys`)
+        self.renamed = delivered_keys(pool_layout)
         self.chunk_size = int(chunk_size)
         self.chunks_per_env = int(chunks_per_env)
         fields = {k: ((self.chunk_size, *shape), dtype) for k, (shape, dtype) in transition_fields(pool_layout).items()}
@@ -115,9 +148,13 @@ class ChunkReader:
         arena = buffers.arena
         self._state = arena.state
         self._ready_time = arena.ready_time
-        self._flat = [
-            (k, v.reshape(-1, *v.shape[2:])) for k, v in arena.request.items(include_nested=True, leaves_only=True)
-        ]
+        # (batch key, the chunk field flattened to rows), for every field a batch holds
+        renamed = getattr(buffers, "renamed", {})
+        self._flat = []
+        for k, v in arena.request.items(include_nested=True, leaves_only=True):
+            key = renamed.get(as_key(k), as_key(k))
+            if key is not None:
+                self._flat.append((key[0] if len(key) == 1 else key, v.reshape(-1, *v.shape[2:])))
         self._carry = None  # (chunk id, offset) of a partly consumed chunk
         self._pending = None  # (batch, filled) of a call that timed out
         self._last, self._last_leaves = None, []  # the last batch allocated, for take(reuse=True)
