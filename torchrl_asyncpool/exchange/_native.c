@@ -1182,10 +1182,18 @@ idle_start(void)
     return idle_on ? 0 : -1;
 }
 
+/* idle_wait's answer when the main thread's wait reached its self-check with nothing fired:
+   the caller takes the GIL, runs pending signal handlers (a signal that arrived between two
+   futex waits interrupted neither) and calls again with what is left of the timeout */
+#define IDLE_AGAIN (-2)
+
+static pthread_t idle_main_thread; /* the thread that imported the module: Python's main thread */
+
 /* poll(p, n, timeout_ms) with idle polling (see above); called without the GIL. */
 static int
 idle_wait(struct pollfd *p, Py_ssize_t n, int timeout_ms)
 {
+    int main_thread = pthread_equal(pthread_self(), idle_main_thread);
     int got = poll(p, (nfds_t)n, 0);
     if (got != 0 || n > WAIT_STACK_FDS || idle_start() < 0) {
         return got != 0 ? got : poll(p, (nfds_t)n, timeout_ms);
@@ -1239,6 +1247,10 @@ idle_wait(struct pollfd *p, Py_ssize_t n, int timeout_ms)
             break;
         }
         if (deadline >= 0 && mono_ns() >= deadline) {
+            break;
+        }
+        if (main_thread) {
+            got = IDLE_AGAIN;
             break;
         }
     }
@@ -1298,11 +1310,28 @@ native_wait(PyObject *module, PyObject *args)
         if (idle < 0) {
             idle = idle_enabled();
         }
-        Py_BEGIN_ALLOW_THREADS;
-        got = idle ? idle_wait(p, n, timeout_ms) : poll(p, (nfds_t)n, timeout_ms);
-        err = errno;
-        if (got > 0) drain_err = drain_if_ready(p, n, drain); /* before the GIL is taken back */
-        Py_END_ALLOW_THREADS;
+        int64_t deadline = timeout_ms < 0 ? -1 : mono_ns() + (int64_t)timeout_ms * 1000000LL;
+        for (;;) {
+            Py_BEGIN_ALLOW_THREADS;
+            got = idle ? idle_wait(p, n, timeout_ms) : poll(p, (nfds_t)n, timeout_ms);
+            err = errno;
+            if (got > 0) drain_err = drain_if_ready(p, n, drain); /* before the GIL is taken back */
+            Py_END_ALLOW_THREADS;
+            if (got != IDLE_AGAIN) {
+                break;
+            }
+            if (PyErr_CheckSignals() < 0) {
+                goto done;
+            }
+            if (deadline >= 0) {
+                int64_t left = deadline - mono_ns();
+                if (left <= 0) {
+                    got = 0;
+                    break;
+                }
+                timeout_ms = (int)((left + 999999) / 1000000); /* the last wait ends at the deadline */
+            }
+        }
     }
     if (got < 0) {
         if (err == EINTR) {
@@ -1432,6 +1461,7 @@ PyInit__native(void)
         const char *name;
         PyTypeObject *type;
     } types[] = {{"Engine", &EngineType}, {"Rows", &RowsType}, {"Pass", &PassType}};
+    idle_main_thread = pthread_self();
     PyObject *m = PyModule_Create(&native_module);
     if (m == NULL) {
         return NULL;
