@@ -1,4 +1,5 @@
 """Unit tests of the exchange building blocks and the step type."""
+import contextlib
 import os
 import select
 import signal
@@ -158,24 +159,34 @@ def test_bell_wait_lets_other_threads_run_and_honours_short_timeouts(bell_impl):
     bell.close()
 
 
-def test_bell_wait_is_interrupted_by_a_signal_handler_that_raises(bell_impl):
-    class Interrupted(Exception):
-        pass
+class _Interrupted(Exception):
+    pass
 
+
+@contextlib.contextmanager
+def _alarms_raise():
+    """SIGALRM raises :class:`_Interrupted` in the block; the timer and the handler are reset after."""
     def handler(signum, frame):
-        raise Interrupted
+        raise _Interrupted
 
-    bell = Doorbell()
     old = signal.signal(signal.SIGALRM, handler)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.05)
-        t0 = time.monotonic()
-        with pytest.raises(Interrupted):
-            BellWait(bell).wait(30.0)
-        assert time.monotonic() - t0 < 20.0
+        yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def test_bell_wait_is_interrupted_by_a_signal_handler_that_raises(bell_impl):
+    bell = Doorbell()
+    try:
+        with _alarms_raise():
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            t0 = time.monotonic()
+            with pytest.raises(_Interrupted):
+                BellWait(bell).wait(30.0)
+            assert time.monotonic() - t0 < 20.0
+    finally:
         bell.close()
 
 
@@ -185,26 +196,17 @@ def test_an_idle_polled_wait_runs_signal_handlers_that_arrive_between_its_self_c
     # run the handler (a CI run waited the full 30 s once before it did)
     if doorbell_module._c is None:
         pytest.skip("the C extension is not built")
-
-    class Interrupted(Exception):
-        pass
-
-    def handler(signum, frame):
-        raise Interrupted
-
     bell = Doorbell()
     waiter = BellWait(bell, idle_poll=True)
-    old = signal.signal(signal.SIGALRM, handler)
     try:
-        for i in range(60):
-            t0 = time.monotonic()
-            with pytest.raises(Interrupted):
-                signal.setitimer(signal.ITIMER_REAL, 0.001 + 0.0001 * (i % 37))  # across the 1 ms self-check
-                waiter.wait(30.0)
-            assert time.monotonic() - t0 < 10.0
+        with _alarms_raise():
+            for i in range(60):
+                t0 = time.monotonic()
+                with pytest.raises(_Interrupted):
+                    signal.setitimer(signal.ITIMER_REAL, 0.001 + 0.0001 * (i % 37))  # across the 1 ms self-check
+                    waiter.wait(30.0)
+                assert time.monotonic() - t0 < 10.0
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
         bell.close()
 
 
@@ -214,7 +216,7 @@ def test_idle_polled_waits_ping_pong_with_a_forked_child_and_many_threads():
     # a plain poll. A lost wake-up would show as a wait that runs into its 30 s limit.
     if doorbell_module._c is None:
         pytest.skip("the C extension is not built")
-    was = doorbell_module._c.set_idle_poll(True, 200)
+    was = doorbell_module._c.set_idle_poll(False, 200)  # the waits below say idle_poll=True
     ping, pong = Doorbell(), Doorbell()
     try:
         assert BellWait(ping, idle_poll=True).wait(0.001) == []  # the parent's poller runs
@@ -257,7 +259,7 @@ def test_idle_polled_waits_ping_pong_with_a_forked_child_and_many_threads():
         with pytest.raises(TypeError, match="idle_poll must be True, False or None"):
             BellWait(ping, idle_poll=1)
     finally:
-        doorbell_module._c.set_idle_poll(was)
+        doorbell_module._c.set_idle_poll(was, 1000)  # and the default 1 ms self-check
         ping.close()
         pong.close()
 
