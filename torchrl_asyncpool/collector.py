@@ -769,10 +769,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         if "frames" not in state_dict:
             return
         given = state_dict["frames"]
-        try:  # an int, or a numpy / 0-d tensor integer from a saved checkpoint
-            frames = None if isinstance(given, bool) else operator.index(given)
-        except TypeError:
-            frames = None
+        frames = _as_int(given)  # an int, or a numpy / 0-d tensor integer from a saved checkpoint
         if frames is None or frames < 0:
             raise ValueError(f"state_dict['frames'] must be a non-negative integer, got {given!r}.")
         self._frames = frames
