@@ -33,6 +33,22 @@ __all__ = ["AsyncEnvPool"]
 _START_METHODS = ("forkserver", "spawn")
 
 
+def _close_noting(pool, timeout: float, primary: BaseException | None = None,
+                  what: str = "closing the env pool failed") -> None:
+    """Closes ``pool`` (``None``: nothing to do); a failure to close never hides ``primary``
+    (the error being raised, if any): it is added to that error's notes, and reported as a
+    ``RuntimeWarning`` (pointing at the caller's caller) in any case."""
+    if pool is None:
+        return
+    try:
+        pool.close(timeout)
+    except Exception as exc:  # noqa: BLE001 - reported, not raised: the primary error or the results matter more
+        msg = f"{what}: {type(exc).__name__}: {exc}"
+        if primary is not None and hasattr(primary, "add_note"):  # Python >= 3.11
+            primary.add_note(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
 class AsyncEnvPool:
     """A pool of env worker processes exchanging records through shared memory.
 
@@ -285,13 +301,7 @@ class AsyncEnvPool:
             self._workers_started_at = time.monotonic()
             self._await_ready(start_timeout)
         except BaseException as exc:
-            try:
-                self.close()
-            except Exception as close_exc:  # noqa: BLE001 - the start-up error is the one to raise
-                msg = f"closing the pool after its failed start-up failed too: {type(close_exc).__name__}: {close_exc}"
-                if hasattr(exc, "add_note"):  # Python >= 3.11
-                    exc.add_note(msg)
-                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            _close_noting(self, 1.0, exc, "closing the pool after its failed start-up failed too")
             raise
         self._life_r_close()
 

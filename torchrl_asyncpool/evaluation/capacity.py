@@ -12,7 +12,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from torchrl_asyncpool.evaluation.episodes import Episode, PlannedEnvFactory, check_episode_set
-from torchrl_asyncpool.evaluation.runner import _close_pool
+from torchrl_asyncpool.pool import _close_noting
 from torchrl_asyncpool.pool import AsyncEnvPool
 
 __all__ = ["check_capacity"]
@@ -82,7 +82,7 @@ def check_capacity(
         start_s = time.monotonic() - t0
         workers = pool.num_workers
     except BaseException as exc:
-        _close_pool(pool, close_timeout_s, exc)  # never raises: the first error is the one to see
+        _close_noting(pool, close_timeout_s, exc)  # never raises: the first error is the one to see
         raise
     t1 = time.monotonic()
     pool.close(close_timeout_s)  # the check's own question: a failure to close is its result

@@ -23,7 +23,6 @@ import os
 import signal
 import threading
 import time
-import warnings
 from collections import deque
 from typing import Callable, List, Mapping, Optional, Sequence
 
@@ -41,7 +40,7 @@ from torchrl_asyncpool.evaluation.episodes import (
     check_episode_set,
     summarize,
 )
-from torchrl_asyncpool.pool import AsyncEnvPool
+from torchrl_asyncpool.pool import AsyncEnvPool, _close_noting
 from torchrl_asyncpool.step_type import StepType
 
 __all__ = ["EvaluationError", "evaluate", "resolve_policy_device"]
@@ -259,7 +258,7 @@ def evaluate(
             finally:
                 # an abort (a second Ctrl-C) is not the moment to wait for envs to close
                 grace = close_timeout_s if primary is None or isinstance(primary, Exception) else 1.0
-                _close_pool(pool, min(grace, close_timeout_s), primary)
+                _close_noting(pool, min(grace, close_timeout_s), primary)
             rerun = run.interrupted()
         for i, r in enumerate(results):  # drained: these never started
             if r is None:
@@ -561,25 +560,3 @@ def _kill_workers_of(pool: AsyncEnvPool, slots) -> None:
             pass
 
 
-def _close_pool(pool, timeout: float, primary: Optional[BaseException] = None) -> None:
-    """Closes ``pool``; a failure to close never hides ``primary`` (the error being raised, if
-    any): it is added to that error's notes, and reported as a ``RuntimeWarning`` in any case.
-
-    Parameters
-    ----------
-    pool : AsyncEnvPool or None
-        The pool to close (``None``: nothing to do).
-    timeout : float
-        Seconds the workers get to close their envs before they are killed.
-    primary : BaseException, optional
-        The error that is propagating, if any.
-    """
-    if pool is None:
-        return
-    try:
-        pool.close(timeout)
-    except Exception as exc:  # noqa: BLE001 - reported, not raised: the results or the primary error matter more
-        msg = f"closing the env pool failed: {type(exc).__name__}: {exc}"
-        if primary is not None and hasattr(primary, "add_note"):  # Python >= 3.11
-            primary.add_note(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
