@@ -495,7 +495,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     # -- TorchRL collector surface ----------------------------------------------------------
     @property
     def env(self) -> AsyncEnvPool:
-        """The underlying :class:`~torchrl_asyncpool.AsyncEnvPool`."""
+        """The underlying :class:`~torchrl_asyncpool.AsyncEnvPool`, with the envs' TorchRL specs at
+        batch size ``[num_envs]`` (``collector.env.action_spec``, ``.observation_spec``, ...)."""
         return self._pool
 
     @property

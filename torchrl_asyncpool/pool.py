@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 from tensordict import TensorDictBase
+from torchrl.data import Composite
 from torchrl.data.utils import CloudpickleWrapper
 
 from torchrl_asyncpool.affinity import resolve_worker_affinity
@@ -26,6 +27,7 @@ from torchrl_asyncpool.exchange.metrics import PoolMetrics, log_metrics
 from torchrl_asyncpool.exchange.native import resolve_exchange
 from torchrl_asyncpool.forkserver import forkserver_context
 from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, make_adapter, remote_listener
+from torchrl_asyncpool.workers.env_specs import batched_specs, slot_specs
 from torchrl_asyncpool.workers.env_worker import worker_main
 
 __all__ = ["AsyncEnvPool"]
@@ -47,6 +49,11 @@ def _close_noting(pool, timeout: float, primary: BaseException | None = None,
         if primary is not None and hasattr(primary, "add_note"):  # Python >= 3.11
             primary.add_note(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def _leaf_if_single(spec: Composite):
+    keys = list(spec.keys(True, True))
+    return spec[keys[0]] if len(keys) == 1 else spec
 
 
 class AsyncEnvPool:
@@ -156,6 +163,15 @@ class AsyncEnvPool:
         num_envs (int): slots, i.e. envs: ``len(create_env_fn)`` times ``envs_per_factory``.
         envs_per_factory (int): envs one factory builds (``k`` for vector or batched envs, else ``1``).
         num_workers (int): worker processes.
+        batch_size (torch.Size): ``[num_envs]``.
+        full_observation_spec, full_action_spec, full_reward_spec, full_done_spec (Composite):
+            the envs' TorchRL specs with the batch size ``[num_envs]``, as an ``EnvBase`` of
+            that batch size has them: a TorchRL env's own specs, a gymnasium env's spaces
+            converted as ``GymEnv`` does (a ``Discrete`` action is a categorical integer, not
+            one-hot). ``full_done_spec`` has ``done``, ``terminated`` and ``truncated``, which
+            every record carries. :attr:`observation_spec`, :attr:`action_spec`,
+            :attr:`reward_spec` and :attr:`done_spec` are TorchRL's shortcuts.
+        observation_keys, action_keys (list): the keys of the observation and action fields.
 
     Lifetime of received data:
         The TensorDict returned by :meth:`recv` views a staging buffer owned by the pool, not
@@ -233,6 +249,7 @@ class AsyncEnvPool:
         spec_adapter = make_adapter(fns[0](**kwargs[0]), 0)
         try:
             request, response = spec_adapter.fields()
+            specs = slot_specs(spec_adapter)
             # a vector env hosts k envs, in k consecutive slots of one worker, stepped in lockstep
             self.envs_per_factory = k_vec = getattr(spec_adapter, "num_envs", 1)
             self.num_envs = n = len(fns) * k_vec
@@ -257,6 +274,9 @@ class AsyncEnvPool:
             fns = [_SeededFactory(fn, seed + i * k_vec) for i, fn in enumerate(fns)]
         self.observation_keys = list(spec_adapter.obs_keys)
         self.action_keys = list(response)
+        self.batch_size = torch.Size([n])
+        for name, spec in batched_specs(specs, n).items():
+            setattr(self, name, spec)
         if callable(policy_output_spec):
             policy_output_spec = policy_output_spec(dict(request), dict(response))
         outputs = _check_policy_outputs(policy_output_spec, request, response)
@@ -539,6 +559,27 @@ class AsyncEnvPool:
         if getattr(self, "_chunks", None) is not None:
             self._chunks.close()
 
+    # -- TorchRL's spec shortcuts (EnvBase's rules: a leaf where the group has one key) -----
+    @property
+    def observation_spec(self) -> Composite:
+        """:attr:`full_observation_spec`."""
+        return self.full_observation_spec
+
+    @property
+    def action_spec(self):
+        """The action's spec when there is one action key, else :attr:`full_action_spec`."""
+        return _leaf_if_single(self.full_action_spec)
+
+    @property
+    def reward_spec(self):
+        """The reward's spec (``full_reward_spec["reward"]``)."""
+        return _leaf_if_single(self.full_reward_spec)
+
+    @property
+    def done_spec(self) -> Composite:
+        """:attr:`full_done_spec` (``done``, ``terminated``, ``truncated``)."""
+        return _leaf_if_single(self.full_done_spec)
+
     @property
     def worker_pids(self) -> list:
         """Process ids of the worker processes."""
@@ -723,8 +764,8 @@ def _vector_grouping(envs_per_worker, env_threads, k):
     """``(envs per worker, threaded)`` for vector env factories: one vector env per worker."""
     if envs_per_worker not in ("auto", 1, k) or isinstance(envs_per_worker, bool):
         raise ValueError(
-            f"envs_per_worker={envs_per_worker!r}: the factories return gymnasium vector envs of {k} envs, and "
-            f"each vector env is hosted by one worker; pass envs_per_worker='auto' (or {k})."
+            f"envs_per_worker={envs_per_worker!r}: the factories return vector envs (gymnasium) or batched envs "
+            f"(TorchRL) of {k} envs, and each is hosted by one worker; pass envs_per_worker='auto' (or {k})."
         )
     if env_threads is True:
         raise ValueError("env_threads=True: a vector env is stepped with one call for all its envs, not per thread.")

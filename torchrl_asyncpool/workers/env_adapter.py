@@ -15,6 +15,7 @@ from tensordict import TensorDict
 from torchrl.envs import EnvBase
 
 from torchrl_asyncpool.exchange.native import copy_into
+from torchrl_asyncpool.workers.env_specs import gymnasium_specs, torchrl_specs
 
 __all__ = [
     "RESERVED_KEYS", "EPISODE_PLAN_ATTR", "FIRST_SEED_ATTR", "TorchRLEnvAdapter", "TorchRLBatchedAdapter",
@@ -123,6 +124,11 @@ class TorchRLEnvAdapter:
         action_spec = env.full_action_spec
         response = {k: (tuple(action_spec[k].shape)[b:], action_spec[k].dtype) for k in self.action_keys}
         return request, response
+
+    def specs(self) -> Dict:
+        """The slot's TorchRL specs (see :mod:`~torchrl_asyncpool.workers.env_specs`)."""
+        return torchrl_specs(self.env, self._batch_dims, self.obs_keys, self.reward_key, self.action_keys,
+                             self.fields())
 
     @staticmethod
     def as_numpy(value):
@@ -298,6 +304,7 @@ class GymnasiumEnvAdapter:
         else:
             raise TypeError(f"{where}: unsupported gymnasium action space {a!r}.")
         self.action_keys = ["action"]
+        self._action_space = a
 
     #: the worker hands :meth:`step` numpy views of the action rows (no torch call per step)
     takes_numpy = True
@@ -316,6 +323,11 @@ class GymnasiumEnvAdapter:
         for k in ("done", "terminated", "truncated"):
             request[k] = ((1,), torch.bool)
         return request, {"action": self._action}
+
+    def specs(self) -> Dict:
+        """The slot's TorchRL specs, as ``GymEnv`` converts the spaces (see
+        :mod:`~torchrl_asyncpool.workers.env_specs`)."""
+        return gymnasium_specs(self._obs_spaces, self._action_space, self.fields())
 
     @staticmethod
     def as_numpy(value):
