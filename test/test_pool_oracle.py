@@ -216,3 +216,18 @@ def test_policy_outputs_are_required_in_send_and_recurrent_keys_validated():
             TensorDict({"action": torch.zeros(1, dtype=torch.int64), "logp": torch.zeros(1)}, [1]), td.env_indices
         )
         assert pool.recv()["tag"].tolist() == [[0, 0, 1]]
+
+
+def test_a_policy_output_in_place_of_the_next_observation_is_refused_with_transitions():
+    """``("next", "echo")`` is where a transition holds the env's next ``echo``: as a policy
+    output it would silently replace it, so a pool that delivers transitions refuses it."""
+    spec = {("next", "echo"): ((), torch.int64)}
+    with pytest.raises(ValueError, match=r"\('next', 'echo'\) is where the transitions hold the env's next "
+                                         r"observation 'echo'.*recurrent_state"):
+        AsyncEnvPool(oracle_factories(1), policy_output_spec=spec, transition_chunk_size=4)
+    # without transitions the output is a field like any other; declared as a recurrent state it is
+    # delivered in the env entries' place (TorchRL's convention), which the collector tests check
+    with AsyncEnvPool(oracle_factories(1), policy_output_spec=spec) as pool:
+        assert ("next", "echo") in pool.policy_output_keys
+    AsyncEnvPool(oracle_factories(1), policy_output_spec=spec, recurrent_state={"h": ("next", "echo")},
+                 transition_chunk_size=4).close()

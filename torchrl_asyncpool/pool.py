@@ -281,6 +281,8 @@ class AsyncEnvPool:
             policy_output_spec = policy_output_spec(dict(request), dict(response))
         outputs = _check_policy_outputs(policy_output_spec, request, response)
         recurrent = _check_recurrent(recurrent_state, outputs, request)
+        if transition_chunk_size is not None:
+            _check_next_outputs(outputs, recurrent, request)
         for hidden_in, hidden_out in recurrent.items():
             request[hidden_in] = outputs[hidden_out]
         self.policy_output_keys = list(outputs)
@@ -815,6 +817,22 @@ def _check_policy_outputs(spec, request, response) -> dict:
             raise ValueError(f"policy_output_spec key {key!r} collides with an env observation/action key.")
         out[key] = (tuple(int(s) for s in value[0]), value[1])
     return out
+
+
+def _check_next_outputs(outputs, recurrent, request) -> None:
+    """Refuses a policy output ``("next", *key)`` for an observed ``key`` (unless it is a recurrent
+    state in TorchRL's convention, which the transitions deliver in its place): in a transition,
+    ``("next", *key)`` is the env's next observation, which the output would silently replace."""
+    observed = {as_key(k) for k in request}
+    carried = {as_key(v) for v in recurrent.values()}
+    for key in outputs:
+        k = as_key(key)
+        if len(k) > 1 and k[0] == "next" and k[1:] in observed and k not in carried:
+            raise ValueError(
+                f"policy_output_spec key {key!r} is where the transitions hold the env's next observation "
+                f"{k[1:] if len(k) > 2 else k[1]!r}. Rename the output, or, for a recurrent state the policy reads "
+                f"back, declare it in recurrent_state (as {{hidden_in: {key!r}}})."
+            )
 
 
 def _check_recurrent(recurrent, outputs, request) -> dict:
