@@ -7,6 +7,8 @@ Implementations (each fed the same env factory and the same small MLP policy):
 * ``asyncpool_py``  the same with ``exchange="python"`` (the pure-Python exchange)
 * ``asyncpool_unpinned`` the default with ``worker_affinity=None, driver_affinity=None``
                     (nothing pinned: TorchRL's default, against the collector's CPU partition)
+* ``asyncpool_no_idle`` the default with ``idle_poll=False`` (blocking waits everywhere, against
+                    the default's automatic idle polling of CPU-bound workers)
 * ``torchrl_async`` TorchRL 0.14.1 AsyncBatchedCollector in its documented fastest configuration
                     (process env workers, transport="auto", policy_factory, chunked delivery)
 * ``torchrl_sync``  TorchRL's synchronous Collector over ParallelEnv
@@ -34,7 +36,8 @@ import torch
 import torch.nn as nn
 from tensordict.nn import TensorDictModule
 
-IMPLS = ("asyncpool", "asyncpool_py", "asyncpool_unpinned", "torchrl_async", "torchrl_sync", "gym_async", "gym_sync")
+IMPLS = ("asyncpool", "asyncpool_py", "asyncpool_unpinned", "asyncpool_no_idle", "torchrl_async", "torchrl_sync",
+         "gym_async", "gym_sync")
 
 
 # -- workloads ------------------------------------------------------------------------------
@@ -172,6 +175,10 @@ def build_asyncpool_unpinned(w, n, fpb):
     return build_asyncpool(w, n, fpb, worker_affinity=None, driver_affinity=None)
 
 
+def build_asyncpool_no_idle(w, n, fpb):
+    return build_asyncpool(w, n, fpb, idle_poll=False)
+
+
 def build_torchrl_async(w, n, fpb):
     from torchrl.collectors import AsyncBatchedCollector
 
@@ -238,6 +245,10 @@ def run_asyncpool_unpinned(w, n, fpb, seconds):
     return _timed_collector(lambda: build_asyncpool_unpinned(w, n, fpb), seconds, fpb)
 
 
+def run_asyncpool_no_idle(w, n, fpb, seconds):
+    return _timed_collector(lambda: build_asyncpool_no_idle(w, n, fpb), seconds, fpb)
+
+
 def run_torchrl_async(w, n, fpb, seconds):
     return _timed_collector(lambda: build_torchrl_async(w, n, fpb), seconds, fpb)
 
@@ -276,6 +287,7 @@ RUNNERS = {
     "asyncpool": run_asyncpool,
     "asyncpool_py": run_asyncpool_py,
     "asyncpool_unpinned": run_asyncpool_unpinned,
+    "asyncpool_no_idle": run_asyncpool_no_idle,
     "torchrl_async": run_torchrl_async,
     "torchrl_sync": run_torchrl_sync,
     "gym_async": run_gym_async,

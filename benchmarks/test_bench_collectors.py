@@ -106,6 +106,12 @@ def test_asyncpool_unpinned(benchmark, w, n):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("w,n", CELLS)
+def test_asyncpool_no_idle_poll(benchmark, w, n):
+    _bench_collector(benchmark, cc.build_asyncpool_no_idle, "asyncpool_no_idle", w, n)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("w,n", CELLS)
 def test_gym_async_fork(benchmark, w, n):
     _bench_gym(benchmark, cc.build_gym_async, "gym_async", w, n)
 

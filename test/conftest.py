@@ -47,3 +47,15 @@ def dev_shm_guard():
     yield
     leaked = {f for f in set(os.listdir("/dev/shm")) - before if not f.startswith("sem.mp-")}
     assert not leaked, f"shared-memory segments leaked into /dev/shm: {sorted(leaked)}"
+
+
+def thread_names(pid):
+    """The names of process ``pid``'s threads (``/proc/PID/task/*/comm``)."""
+    names = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names

@@ -8,7 +8,7 @@ from tensordict import TensorDict
 from torchrl.collectors import AsyncBatchedCollector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-from conftest import oracle_factories, start_and_check
+from conftest import oracle_factories, start_and_check, thread_names
 from torchrl_asyncpool import AsyncPoolCollector
 from torchrl_asyncpool.testing import OracleChecker, oracle_action
 
@@ -681,5 +681,29 @@ def test_numpy_integers_and_server_config_fields_are_honoured():
         assert c.server.bucket_sizes == {"policy": (8,)} and c.server.max_get == 4
         assert [b.shape[0] for b in c] == [10, 10, 10]
         assert c.server_stats()["padding_fraction"] > 0.5  # batches of at most 2 envs, run as 8 rows
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.parametrize("idle_poll", [True, False])
+def test_idle_poll_reaches_the_workers_and_the_policy_server_process(idle_poll):
+    """The collector's ``idle_poll`` is its pool's, and the serving loop follows the pool: each
+    process that idle-polls runs the C extension's poller thread, named ``asyncpool-idle``."""
+    from torchrl_asyncpool.exchange import doorbell
+    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+
+    if doorbell._c is None:
+        pytest.skip("idle polling is in the C extension")
+
+    c = AsyncPoolCollector(oracle_factories(4), policy_factory=OracleTagPolicy, frames_per_batch=40,
+                           total_frames=400, envs_per_worker=2, idle_poll=idle_poll)
+    try:
+        checker = OracleChecker()
+        for batch in c:
+            checker.observe_transitions(batch)
+            procs = {"server": c.server.pid, **{f"worker {w}": p for w, p in enumerate(c.env.worker_pids)}}
+        assert checker.records == 400 and c.env.idle_poll is idle_poll
+        for name, pid in procs.items():
+            assert ("asyncpool-idle" in thread_names(pid)) is idle_poll, (name, thread_names(pid))
     finally:
         c.shutdown()

@@ -264,6 +264,46 @@ def test_idle_polled_waits_ping_pong_with_a_forked_child_and_many_threads():
         pong.close()
 
 
+@pytest.mark.skipif(doorbell_module._c is None, reason="the wake-up probe is in the C extension")
+def test_wake_probe_measures_a_cross_core_round_trip_and_restores_the_callers_cpu_mask():
+    mask = os.sched_getaffinity(0)
+    cost = doorbell_module._c.wake_probe(16, 100)
+    assert os.sched_getaffinity(0) == mask
+    if len(mask) < 2:
+        assert cost is None
+    else:  # two wake-ups of a blocked thread: more than nothing, far less than the 2 s poll limit
+        assert isinstance(cost, int) and 0 < cost < 1_000_000_000
+    os.sched_setaffinity(0, {min(mask)})
+    try:
+        assert doorbell_module._c.wake_probe(4, 0) is None  # one CPU: nothing to wake across cores
+    finally:
+        os.sched_setaffinity(0, mask)
+    with pytest.raises(ValueError, match="rounds"):
+        doorbell_module._c.wake_probe(0, 100)
+
+
+def test_resolve_idle_poll_rules(monkeypatch):
+    resolve = doorbell_module.resolve_idle_poll
+    monkeypatch.delenv(doorbell_module.IDLE_POLL_ENV, raising=False)
+    if doorbell_module._c is None:
+        assert resolve(True, cpu_bound=True) is False  # nothing to idle-poll with
+        return
+    assert resolve(True, cpu_bound=False) is True and resolve(False, cpu_bound=True) is False
+    with pytest.raises(ValueError, match="idle_poll must be True, False or 'auto', got 'on'"):
+        resolve("on", cpu_bound=True)
+    monkeypatch.setattr(doorbell_module, "wake_cost_ns", lambda: doorbell_module.SLOW_WAKE_NS * 2)
+    assert resolve("auto", cpu_bound=True) is True
+    assert resolve("auto", cpu_bound=False) is False  # threaded workers of sleeping envs: off
+    monkeypatch.setattr(doorbell_module, "wake_cost_ns", lambda: doorbell_module.SLOW_WAKE_NS // 4)
+    assert resolve("auto", cpu_bound=True) is False  # idle cores wake fast: nothing to save
+    monkeypatch.setattr(doorbell_module, "wake_cost_ns", lambda: None)
+    assert resolve("auto", cpu_bound=True) is False
+    for value, on in (("1", True), ("0", False)):  # the environment variable decides "auto"
+        monkeypatch.setenv(doorbell_module.IDLE_POLL_ENV, value)
+        assert resolve("auto", cpu_bound=False) is on and resolve("auto", cpu_bound=True) is on
+        assert resolve(not on, cpu_bound=True) is (not on)  # a value given beats it
+
+
 def test_a_fork_server_started_without_torch_is_warned_about_once():
     # in a fresh interpreter (this test process's fork server already runs, with the preload),
     # loading the module from its file: it needs only multiprocessing, not torch

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from conftest import oracle_factories
+from conftest import oracle_factories, thread_names
 from torchrl_asyncpool import AsyncEnvPool, StepType
 from torchrl_asyncpool.testing import OracleChecker, oracle_action
 
@@ -231,3 +231,31 @@ def test_a_policy_output_in_place_of_the_next_observation_is_refused_with_transi
         assert ("next", "echo") in pool.policy_output_keys
     AsyncEnvPool(oracle_factories(1), policy_output_spec=spec, recurrent_state={"h": ("next", "echo")},
                  transition_chunk_size=4).close()
+
+
+@pytest.mark.parametrize("env_threads", [False, True])
+@pytest.mark.parametrize("idle_poll", [True, False])
+def test_idle_poll_reaches_the_workers_and_delivery_stays_exactly_once(idle_poll, env_threads):
+    from torchrl_asyncpool.exchange import doorbell
+
+    if doorbell._c is None:
+        pytest.skip("idle polling is in the C extension")
+    checker = OracleChecker()
+    with AsyncEnvPool(oracle_factories(4), envs_per_worker=2, env_threads=env_threads, idle_poll=idle_poll) as pool:
+        assert pool.idle_poll is idle_poll
+        _drive(pool, checker, steps=200)
+        assert pool.consumer_handle().idle_poll is idle_poll  # what a serving loop follows
+        # a worker that idle-polls has started its poller thread at its first blocking wait
+        for pid in pool.worker_pids:
+            assert ("asyncpool-idle" in thread_names(pid)) is idle_poll, thread_names(pid)
+    assert checker.records >= 200 and checker.episodes_done > 4
+
+
+def test_idle_poll_auto_is_off_for_threaded_workers_and_bad_values_are_refused(monkeypatch):
+    from torchrl_asyncpool.exchange import doorbell
+
+    monkeypatch.delenv(doorbell.IDLE_POLL_ENV, raising=False)
+    with AsyncEnvPool(oracle_factories(2), envs_per_worker=2, env_threads=True) as pool:
+        assert pool.idle_poll is False
+    with pytest.raises(ValueError, match="idle_poll must be True, False or 'auto', got 1"):
+        AsyncEnvPool(oracle_factories(1), idle_poll=1)

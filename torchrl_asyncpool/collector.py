@@ -254,6 +254,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         exchange (str, optional): ``"auto"`` (default), ``"native"`` or ``"python"``: who
             leases and answers the slots in the policy server, the C engine built with the
             package or the pure-Python reference (see :class:`~torchrl_asyncpool.AsyncEnvPool`).
+        idle_poll (bool or "auto"): whether the workers' and the policy server's waits
+            idle-poll (see :class:`~torchrl_asyncpool.AsyncEnvPool`); ``"auto"`` (default)
+            turns it on for CPU-bound workers where idle cores wake slowly, or follows
+            ``TORCHRL_ASYNCPOOL_IDLE_POLL`` when that is set.
         seed (int, optional): seeds env ``i``'s first reset with ``seed + i`` (see
             :class:`~torchrl_asyncpool.AsyncEnvPool`): each env's trajectory is then
             reproducible under a deterministic policy, though the order in which transitions
@@ -323,6 +327,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         driver_affinity: Sequence[int] | str | None = "auto",
         exchange: str = "auto",
         seed: int | None = None,
+        idle_poll: bool | str = "auto",
         **torchrl_kwargs,
     ):
         BaseCollector.__init__(self, post_collect_hook=post_collect_hook)
@@ -446,6 +451,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             worker_affinity=worker_affinity,
             exchange=exchange,
             seed=seed,
+            idle_poll=idle_poll,
         )
         self._num_envs = self._pool.num_envs  # a vector env factory contributes several envs
         policy_affinity = self._driver_affinity
@@ -490,7 +496,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self.startup_time_s = time.monotonic() - t0
         if verbose:
             print(f"AsyncPoolCollector: {self._num_envs} envs in {self._pool.num_workers} workers, "
-                  f"{self._server_backend} inference server, started in {self.startup_time_s:.2f}s")
+                  f"{self._server_backend} inference server, idle polling {'on' if self._pool.idle_poll else 'off'}, "
+                  f"started in {self.startup_time_s:.2f}s")
 
     # -- TorchRL collector surface ----------------------------------------------------------
     @property

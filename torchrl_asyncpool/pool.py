@@ -22,7 +22,7 @@ from torchrl_asyncpool.delivery.chunks import ChunkBuffers, ChunkReader
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout, as_key
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
-from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
+from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd, resolve_idle_poll
 from torchrl_asyncpool.exchange.metrics import PoolMetrics, log_metrics
 from torchrl_asyncpool.exchange.native import resolve_exchange
 from torchrl_asyncpool.forkserver import forkserver_context
@@ -158,11 +158,21 @@ class AsyncEnvPool:
             :mod:`torchrl_asyncpool.exchange.native`); ``"python"``, the pure-Python
             reference; ``"auto"`` (default), the C engine where it is built and can copy
             every field, else Python. Both give the same records and errors.
+        idle_poll (bool or "auto"): whether the blocking waits of the workers and of an
+            inference server serving the pool park for an idle poller instead of blocking in
+            ``poll(2)`` (see :mod:`~torchrl_asyncpool.exchange.doorbell`): it saves the
+            cross-core wake-up of every exchange, and keeps otherwise idle cores busy at the
+            lowest priority. ``"auto"`` (default): the environment variable
+            ``TORCHRL_ASYNCPOOL_IDLE_POLL`` (``1``/``0``) when set, else on for workers that
+            step their envs in their own thread (not threaded workers) where idle cores wake
+            slowly (a ~40 ms probe at start-up, :func:`~torchrl_asyncpool.exchange.doorbell.
+            resolve_idle_poll`). The resolved value is :attr:`idle_poll`.
 
     Attributes:
         num_envs (int): slots, i.e. envs: ``len(create_env_fn)`` times ``envs_per_factory``.
         envs_per_factory (int): envs one factory builds (``k`` for vector or batched envs, else ``1``).
         num_workers (int): worker processes.
+        idle_poll (bool): whether the workers' and the serving loop's waits idle-poll.
         batch_size (torch.Size): ``[num_envs]``.
         full_observation_spec, full_action_spec, full_reward_spec, full_done_spec (Composite):
             the envs' TorchRL specs with the batch size ``[num_envs]``, as an ``EnvBase`` of
@@ -232,10 +242,13 @@ class AsyncEnvPool:
         worker_affinity: Sequence[Sequence[int]] | Callable[[int], Sequence[int]] | str | None = None,
         exchange: str = "auto",
         seed: int | None = None,
+        idle_poll: bool | str = "auto",
     ):
         self._closed = True  # until start-up completes, close() has little to undo
         self._procs = []
         self.exchange = resolve_exchange(exchange)  # before anything starts: a bad name costs nothing
+        if not (isinstance(idle_poll, bool) or idle_poll == "auto"):
+            raise ValueError(f"idle_poll must be True, False or 'auto', got {idle_poll!r}.")
         fns = _check_factories(create_env_fn)
         kwargs = _check_kwargs(create_env_kwargs, len(fns))
         if mp_start_method not in _START_METHODS:
@@ -270,6 +283,7 @@ class AsyncEnvPool:
                 )
         finally:
             spec_adapter.close()
+        self.idle_poll = resolve_idle_poll(idle_poll, cpu_bound=not self.env_threads)
         if seed is not None:  # after the spec env: only the workers' envs are seeded
             fns = [_SeededFactory(fn, seed + i * k_vec) for i, fn in enumerate(fns)]
         self.observation_keys = list(spec_adapter.obs_keys)
@@ -338,6 +352,7 @@ class AsyncEnvPool:
             worker_pids=[p.pid for p in self._procs],
             action_keys=self.action_keys,
             exchange=self.exchange,
+            idle_poll=self.idle_poll,
         )
         self._pin_memory = pin_memory
         self._consumer_obj = None
@@ -366,7 +381,7 @@ class AsyncEnvPool:
                     arena_fd, [self._bells[b].inheritable() for b in sorted(set(self._slot_bell[slots].tolist()))],
                     consumer_fd, life_fd, child_conn, num_threads,
                     self._chunks.handle() if self._chunks is not None else None, self.env_threads,
-                    None if affinity is None else affinity[w], self.exchange,
+                    None if affinity is None else affinity[w], self.exchange, self.idle_poll,
                 ),
                 name=f"torchrl_asyncpool-worker-{w}",
                 daemon=True,

@@ -35,6 +35,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -1091,6 +1092,8 @@ mono_ns(void)
     return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
+#define IDLE_POLLER_NAME "asyncpool-idle"
+
 static void *
 idle_poller(void *arg)
 {
@@ -1100,6 +1103,7 @@ idle_poller(void *arg)
     pthread_sigmask(SIG_BLOCK, &all, NULL);
     struct sched_param sp = {0};
     sched_setscheduler(0, SCHED_IDLE, &sp);
+    pthread_setname_np(pthread_self(), IDLE_POLLER_NAME); /* what ps -L and top -H show */
     int64_t last_active = mono_ns();
     long seen = atomic_load(&idle_armed), mask_gen = 0;
     for (;;) {
@@ -1392,6 +1396,118 @@ native_set_idle_poll(PyObject *module, PyObject *args)
     return PyBool_FromLong(was);
 }
 
+/* -- wake-up probe -----------------------------------------------------------------------------
+ * What idle polling saves is the cost of waking a thread parked on an idle core, which depends
+ * on the machine (a VM whose idle vCPUs halt to the host pays ~50 us a wake, bare metal with
+ * shallow C-states a few us). The probe measures it as the pool's waits see it: an echo thread
+ * pinned to another CPU blocks in poll(2) on an eventfd, the caller rings it after a short sleep
+ * (so that both cores went idle) and blocks until the echo rings back. */
+
+typedef struct {
+    int ping, pong, rounds, cpu;
+} WakeEcho;
+
+static void *
+wake_echo(void *arg)
+{
+    WakeEcho *e = arg;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(e->cpu, &one);
+    pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+    struct pollfd p = {e->ping, POLLIN, 0};
+    uint64_t v;
+    for (int i = 0; i < e->rounds; i++) {
+        if (poll(&p, 1, 2000) <= 0 || read(e->ping, &v, sizeof(v)) != (ssize_t)sizeof(v)) {
+            break; /* the caller stopped ringing: its own wait times out too */
+        }
+        v = 1;
+        if (write(e->pong, &v, sizeof(v)) != (ssize_t)sizeof(v)) {
+            break;
+        }
+    }
+    return NULL;
+}
+
+static int
+cmp_i64(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+PyDoc_STRVAR(wake_probe_doc,
+             "wake_probe(rounds=64, gap_us=300) -> int or None\n\n"
+             "Median nanoseconds of an eventfd round trip between this thread and an echo thread\n"
+             "on another CPU of this process's mask, each round after a gap_us sleep (both cores\n"
+             "idle, as a pool's waits find them): two wake-ups of a thread blocked in poll(2).\n"
+             "None when the process may run on one CPU only or the probe cannot be set up. The\n"
+             "calling thread is pinned for the probe and its CPU mask restored afterwards.");
+
+static PyObject *
+native_wake_probe(PyObject *module, PyObject *args)
+{
+    int rounds = 64, gap_us = 300;
+    if (!PyArg_ParseTuple(args, "|ii", &rounds, &gap_us)) {
+        return NULL;
+    }
+    if (rounds < 1 || rounds > 100000 || gap_us < 0 || gap_us > 1000000) {
+        PyErr_Format(PyExc_ValueError, "wake_probe needs 1 <= rounds <= 100000 and 0 <= gap_us <= 1e6, got %d, %d",
+                     rounds, gap_us);
+        return NULL;
+    }
+    cpu_set_t mask;
+    if (sched_getaffinity(0, sizeof(mask), &mask) != 0 || CPU_COUNT(&mask) < 2) {
+        Py_RETURN_NONE;
+    }
+    int cpus[2], found = 0;
+    for (int c = 0; c < CPU_SETSIZE && found < 2; c++) {
+        if (CPU_ISSET(c, &mask)) cpus[found++] = c;
+    }
+    int64_t *rt = PyMem_Malloc((size_t)rounds * sizeof(int64_t));
+    if (rt == NULL) {
+        return PyErr_NoMemory();
+    }
+    WakeEcho e = {eventfd(0, EFD_CLOEXEC), eventfd(0, EFD_CLOEXEC), rounds, cpus[0]};
+    int done = 0;
+    pthread_t t;
+    if (e.ping >= 0 && e.pong >= 0 && pthread_create(&t, NULL, wake_echo, &e) == 0) {
+        Py_BEGIN_ALLOW_THREADS;
+        cpu_set_t me;
+        CPU_ZERO(&me);
+        CPU_SET(cpus[1], &me);
+        sched_setaffinity(0, sizeof(me), &me);
+        struct pollfd p = {e.pong, POLLIN, 0};
+        struct timespec gap = {gap_us / 1000000, (long)(gap_us % 1000000) * 1000L};
+        uint64_t v = 1;
+        for (; done < rounds; done++) {
+            nanosleep(&gap, NULL);
+            int64_t t0 = mono_ns();
+            v = 1;
+            if (write(e.ping, &v, sizeof(v)) != (ssize_t)sizeof(v) || poll(&p, 1, 2000) <= 0 ||
+                read(e.pong, &v, sizeof(v)) != (ssize_t)sizeof(v)) {
+                break;
+            }
+            rt[done] = mono_ns() - t0;
+        }
+        pthread_join(t, NULL);
+        sched_setaffinity(0, sizeof(mask), &mask);
+        Py_END_ALLOW_THREADS;
+    }
+    if (e.ping >= 0) close(e.ping);
+    if (e.pong >= 0) close(e.pong);
+    PyObject *out;
+    if (done < rounds) {
+        out = Py_None;
+        Py_INCREF(out);
+    } else {
+        qsort(rt, (size_t)rounds, sizeof(int64_t), cmp_i64);
+        out = PyLong_FromLongLong(rt[rounds / 2]);
+    }
+    PyMem_Free(rt);
+    return out;
+}
+
 /* -- observation copies --------------------------------------------------------------------- */
 
 PyDoc_STRVAR(copy_into_doc,
@@ -1443,6 +1559,7 @@ static PyMethodDef native_functions[] = {
     {"drain", (PyCFunction)native_drain, METH_O, drain_doc},
     {"wait", (PyCFunction)native_wait, METH_VARARGS, wait_doc},
     {"set_idle_poll", (PyCFunction)native_set_idle_poll, METH_VARARGS, set_idle_poll_doc},
+    {"wake_probe", (PyCFunction)native_wake_probe, METH_VARARGS, wake_probe_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -46,6 +46,7 @@ class ConsumerHandle:
     worker_pids: List[int]
     action_keys: list = field(default_factory=list)
     exchange: str = "python"  # resolved by the pool: "auto", "native" or "python" (see exchange.native)
+    idle_poll: bool = False  # resolved by the pool: whether a serving loop's waits idle-poll
 
 
 class SlotConsumer:

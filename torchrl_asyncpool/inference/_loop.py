@@ -84,7 +84,8 @@ class ServingLoop:
         self._stop_fds = set(stop_fds)
         self._sentinels = {s.fd for s in consumer.handle.worker_sentinels}
         # one GIL hand-over per wait, the bell's drain included; the stop check keeps the GIL
-        self._waiter = BellWait(self._bell, [*self._stop_fds, *self._sentinels])
+        idle = bool(getattr(consumer.handle, "idle_poll", False))  # the pool's choice for its exchange
+        self._waiter = BellWait(self._bell, [*self._stop_fds, *self._sentinels], idle_poll=idle)
         self._stop_waiter = BellWait(None, self._stop_fds)
         self._hold_fd = hold_fd
         self._waited = 0.0

@@ -87,7 +87,8 @@ def gymnasium_specs(observation_spaces: Mapping, action_space, fields) -> Dict[s
             {k: convert(sp, categorical_action_encoding=True) for k, sp in observation_spaces.items()}, shape=()
         ),
         "full_action_spec": Composite({"action": convert(action_space, categorical_action_encoding=True)}, shape=()),
-        "full_reward_spec": Composite({"reward": Unbounded(request["reward"][0], dtype=request["reward"][1])}, shape=()),
+        "full_reward_spec": Composite({"reward": Unbounded(*request["reward"][:1], dtype=request["reward"][1])},
+                                      shape=()),
         "full_done_spec": Composite(
             {k: Categorical(2, request[k][0], dtype=torch.bool) for k in _END_FLAGS}, shape=()
         ),

@@ -44,7 +44,7 @@ import torch
 from torchrl_asyncpool.delivery import chunks as C
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, as_key
-from torchrl_asyncpool.exchange.doorbell import BellWait, Doorbell
+from torchrl_asyncpool.exchange.doorbell import BellWait, Doorbell, set_process_idle_poll
 from torchrl_asyncpool.exchange.native import copy_into, pass_stores, row_copier
 from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.workers.env_adapter import make_adapter, remote_listener
@@ -779,7 +779,7 @@ def _batch_scheduling():
 
 
 def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn,
-                num_threads, delivery=None, threaded=False, affinity=None, exchange="python"):
+                num_threads, delivery=None, threaded=False, affinity=None, exchange="python", idle_poll=False):
     """Entry point of a worker process (see the module docstring)."""
     # The parent owns shutdown (the life pipe; a dead parent closes it too): a terminal's Ctrl-C
     # reaches the whole process group, and it is the parent's to handle (evaluate() drains on it,
@@ -787,6 +787,7 @@ def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if num_threads is not None:
         torch.set_num_threads(num_threads)
+    set_process_idle_poll(idle_poll)  # every wait of this worker follows its pool's choice
     _batch_scheduling()
     worker = None
     try:
