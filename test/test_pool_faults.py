@@ -740,3 +740,67 @@ def test_idle_pool_uses_almost_no_cpu(envs_per_worker, env_threads):
         assert consumer < 0.1, f"a consumer blocked in recv burned {consumer:.3f}s CPU in {wall:.2f}s"
         # and nothing was lost: all four records are there
         assert pool.recv(min_get=3, max_get=3, timeout=5.0).batch_size[0] == 3
+
+
+class _EnvWithAChild(OracleEnv):
+    """An oracle env that starts a child process (a simulator, say) and writes its pid to a file;
+    ``hang_at`` makes its step hang forever at that step, as a stuck simulator would."""
+
+    def __init__(self, pid_file, hang_at=None, **kwargs):
+        super().__init__(**kwargs)
+        self._child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        with open(pid_file, "w") as f:
+            f.write(str(self._child.pid))
+        self._hang_at, self._steps = hang_at, 0
+
+    def _step(self, td):
+        self._steps += 1
+        if self._steps == self._hang_at:
+            time.sleep(600)
+        return super()._step(td)
+
+
+def _gone_within(pid, seconds):
+    import psutil
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("how", ["worker SIGKILL", "hung step at close"])
+def test_processes_an_env_started_do_not_outlive_a_killed_worker(tmp_path, how):
+    """A worker leads a process group that its envs' children join: when the worker is killed
+    (by anyone) or killed by close() because its env hangs, close() kills the group."""
+    pid_file = tmp_path / "child.pid"
+    hang_at = 2 if how == "hung step at close" else None
+    fns = [functools.partial(_EnvWithAChild, str(pid_file), hang_at=hang_at, env_id=0)]
+    pool = AsyncEnvPool(fns)
+    try:
+        child = int(pid_file.read_text())
+        worker = pool.worker_pids[0]
+        assert os.getpgid(child) == worker == os.getpgid(worker)  # the env's child is in the worker's group
+        td = pool.recv()
+        _answer(pool, td)
+        if how == "worker SIGKILL":
+            os.kill(worker, signal.SIGKILL)
+            with pytest.raises(WorkerDiedError):
+                for _ in range(20):
+                    _answer(pool, pool.recv(timeout=5.0))
+            assert not _gone_within(child, 0.5)  # killing the worker alone orphans its env's child
+        else:
+            with pytest.raises(TimeoutError):  # answers until step 2 hangs (autoresets take no step)
+                for _ in range(5):
+                    _answer(pool, pool.recv(timeout=0.5))
+    finally:
+        t0 = time.monotonic()
+        pool.close(timeout=0.5)
+        closed_in = time.monotonic() - t0
+    assert _gone_within(child, _PROMPT_S), f"the env's child {child} outlived the pool"
+    assert closed_in < _PROMPT_S

@@ -6,6 +6,7 @@ import math
 import numbers
 import multiprocessing as mp
 import os
+import signal
 import time
 import warnings
 import weakref
@@ -674,6 +675,27 @@ def _shutdown(procs, life_w_box, timeout):
             p.kill()
     for p in procs:
         p.join(1.0)
+    for p in procs:  # what the envs started and left behind, a killed worker's above all
+        kill_process_group(p.pid)
+
+
+def kill_process_group(pid: int | None) -> None:
+    """SIGKILLs what is left of worker ``pid``'s process group (a worker leads one, which the
+    processes its envs start join; see ``worker_main``). Nothing happens if the group is gone
+    or is not the worker's (a worker that could not lead a group)."""
+    if pid is None:
+        return
+    try:
+        if os.getpgid(pid) != pid:  # pid alive and not a group leader: not one of ours to kill
+            return
+    except ProcessLookupError:  # the worker is gone; its group lives on while a member does
+        pass
+    except OSError:
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _check_factories(create_env_fn):

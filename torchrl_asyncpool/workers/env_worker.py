@@ -785,6 +785,13 @@ def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell
     # reaches the whole process group, and it is the parent's to handle (evaluate() drains on it,
     # the collector shuts down). As the inference server process does, a worker ignores it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A process group of its own, which the processes its envs start (a simulator, a browser)
+    # join: the pool kills the whole group when it kills or reaps this worker, so they are not
+    # orphaned, and a terminal's Ctrl-C no longer reaches them behind the parent's back.
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # pragma: no cover - already a group leader (or not allowed): the pool kills the pid
+        pass
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     set_process_idle_poll(idle_poll)  # every wait of this worker follows its pool's choice
