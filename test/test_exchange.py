@@ -264,6 +264,38 @@ def test_idle_polled_waits_ping_pong_with_a_forked_child_and_many_threads():
         pong.close()
 
 
+@pytest.mark.skipif(doorbell_module._c is None, reason="idle polling is in the C extension")
+@pytest.mark.parametrize("in_thread", [False, True])
+def test_a_long_idle_polled_wait_leaves_the_cpu_idle(in_thread):
+    """Only a wait's first milliseconds idle-poll; the rest blocks, so the poller parks and a
+    pool nobody drives costs no CPU (before: the poller spun for the whole wait)."""
+    bell = Doorbell()
+    try:
+        waiter = BellWait(bell, idle_poll=True)
+        assert waiter.wait(0.01) == []  # the poller is running
+        out = {}
+
+        def wait():
+            t0, c0 = time.monotonic(), time.process_time()  # every thread of the process, the poller's too
+            out["fired"] = waiter.wait(1.0)
+            out["wall"], out["cpu"] = time.monotonic() - t0, time.process_time() - c0
+
+        if in_thread:
+            t = threading.Thread(target=wait)
+            t.start()
+            t.join(30)
+        else:
+            wait()
+        assert out["fired"] == [] and out["wall"] >= 0.99
+        assert out["cpu"] < 0.3, f"an idle-polled 1 s wait burned {out['cpu']:.2f}s CPU"
+        # and a ring during the blocking part still ends the wait at once
+        threading.Timer(0.2, bell.ring).start()
+        t0 = time.monotonic()
+        assert waiter.wait(10.0) == [bell.fd] and time.monotonic() - t0 < 5.0
+    finally:
+        bell.close()
+
+
 @pytest.mark.skipif(doorbell_module._c is None, reason="the wake-up probe is in the C extension")
 def test_wake_probe_measures_a_cross_core_round_trip_and_restores_the_callers_cpu_mask():
     mask = os.sched_getaffinity(0)

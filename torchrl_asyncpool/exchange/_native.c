@@ -1056,10 +1056,15 @@ drain_if_ready(const struct pollfd *p, Py_ssize_t n, int fd)
  * registers no wait queue, so the remote write wakes nobody) and wakes a waiter whose
  * descriptors fired: a same-core wake of a few microseconds. A starved poller (its core busy)
  * is covered by the waiter's own capped futex wait. The poller parks itself when no waiter was
- * parked for a while. */
+ * parked for a while.
+ * Only the short waits of a running exchange gain: a wait still parked after IDLE_PATIENCE_NS
+ * (a paused collector, envs held by back-pressure, a pool nobody drives) blocks in poll(2) for
+ * the rest of it, so that an idle pool leaves its cores idle; its one slow wake-up at the end
+ * is nothing against a wait that long. */
 
 #define IDLE_WAITERS 64
-#define IDLE_PARK_NS 50000000LL /* the poller parks after 50 ms without a parked waiter */
+#define IDLE_PATIENCE_NS 5000000LL /* a wait idle-polls for its first 5 ms, then blocks */
+#define IDLE_PARK_NS 5000000LL /* the poller parks after 5 ms without a parked waiter */
 
 typedef struct {
     _Atomic int state; /* 0 free, 1 taken, 2 parked (the poller checks it), 3 fired */
@@ -1190,16 +1195,18 @@ idle_start(void)
    the caller takes the GIL, runs pending signal handlers (a signal that arrived between two
    futex waits interrupted neither) and calls again with what is left of the timeout */
 #define IDLE_AGAIN (-2)
+#define IDLE_BLOCK (-3) /* inside idle_wait: the wait ran out of patience */
 
 static pthread_t idle_main_thread; /* the thread that imported the module: Python's main thread */
 
-/* poll(p, n, timeout_ms) with idle polling (see above); called without the GIL. */
+/* poll(p, n, timeout_ms) with idle polling (see above) until give_up (mono_ns), then a
+ * blocking poll; called without the GIL. */
 static int
-idle_wait(struct pollfd *p, Py_ssize_t n, int timeout_ms)
+idle_wait(struct pollfd *p, Py_ssize_t n, int timeout_ms, int64_t give_up)
 {
     int main_thread = pthread_equal(pthread_self(), idle_main_thread);
     int got = poll(p, (nfds_t)n, 0);
-    if (got != 0 || n > WAIT_STACK_FDS || idle_start() < 0) {
+    if (got != 0 || n > WAIT_STACK_FDS || mono_ns() >= give_up || idle_start() < 0) {
         return got != 0 ? got : poll(p, (nfds_t)n, timeout_ms);
     }
     IdleWaiter *w = NULL;
@@ -1250,7 +1257,12 @@ idle_wait(struct pollfd *p, Py_ssize_t n, int timeout_ms)
         if (got != 0) {
             break;
         }
-        if (deadline >= 0 && mono_ns() >= deadline) {
+        int64_t now = mono_ns();
+        if (deadline >= 0 && now >= deadline) {
+            break;
+        }
+        if (now >= give_up) {
+            got = IDLE_BLOCK;
             break;
         }
         if (main_thread) {
@@ -1260,6 +1272,14 @@ idle_wait(struct pollfd *p, Py_ssize_t n, int timeout_ms)
     }
     int err = errno;
     atomic_store_explicit(&w->state, 0, memory_order_release);
+    if (got == IDLE_BLOCK) { /* the rest of the wait blocks (a signal interrupts it: EINTR) */
+        int ms = -1;
+        if (deadline >= 0) {
+            int64_t left = deadline - mono_ns();
+            ms = left <= 0 ? 0 : (int)((left + 999999) / 1000000);
+        }
+        return poll(p, (nfds_t)n, ms);
+    }
     errno = err;
     return got;
 }
@@ -1315,9 +1335,10 @@ native_wait(PyObject *module, PyObject *args)
             idle = idle_enabled();
         }
         int64_t deadline = timeout_ms < 0 ? -1 : mono_ns() + (int64_t)timeout_ms * 1000000LL;
+        int64_t give_up = mono_ns() + IDLE_PATIENCE_NS; /* across the main thread's returns */
         for (;;) {
             Py_BEGIN_ALLOW_THREADS;
-            got = idle ? idle_wait(p, n, timeout_ms) : poll(p, (nfds_t)n, timeout_ms);
+            got = idle ? idle_wait(p, n, timeout_ms, give_up) : poll(p, (nfds_t)n, timeout_ms);
             err = errno;
             if (got > 0) drain_err = drain_if_ready(p, n, drain); /* before the GIL is taken back */
             Py_END_ALLOW_THREADS;

@@ -14,19 +14,20 @@ Python run before it goes on.
 
 Idle polling (C extension; ``BellWait(..., idle_poll=True)``, ``TORCHRL_ASYNCPOOL_IDLE_POLL=1``
 for every wait of a process that does not say, or a pool's ``idle_poll``, see
-:func:`resolve_idle_poll`): a blocking
-``poll(2)`` makes the remote ring a cross-core wake-up, which on a VM that halts idle vCPUs goes
-through the host (~100 us a round trip on the benchmark VM). An idle-polled wait parks on a
-futex of its own process instead, and one ``SCHED_IDLE`` thread per process, which runs only
-when its core has nothing else to run, polls the parked waiters' descriptors without blocking
-and wakes the one whose descriptors fired: a same-core wake-up of a few microseconds. The cost:
-that thread keeps the cores busy whenever they would idle (it parks after 50 ms without a
-parked waiter), and a waiter whose core is busy is not woken before the core goes idle or its
-own 1 ms check. It pays off when each side of the exchange has a core of its own and that
-core often idles (cheap CPU envs in a pinned worker); threaded workers of sleeping envs share
-their core with many runnable threads and measured worse (see ``benchmarks/README.md``). A
-pool's ``idle_poll="auto"`` follows exactly that: on for CPU-bound workers where idle cores wake
-slowly (:func:`wake_cost_ns`), off otherwise.
+:func:`resolve_idle_poll`): a blocking ``poll(2)`` makes the remote ring a cross-core wake-up,
+which on a VM that halts idle vCPUs goes through the host (~100 us a round trip on the
+benchmark VM). An idle-polled wait parks on a futex of its own process instead, and one
+``SCHED_IDLE`` thread per process, which runs only when its core has nothing else to run, polls
+the parked waiters' descriptors without blocking and wakes the one whose descriptors fired: a
+same-core wake-up of a few microseconds. The cost: that thread keeps the cores busy whenever
+they would idle while waits are parked, and a waiter whose core is busy is not woken before
+the core goes idle or its own 1 ms check. Only a wait's first 5 ms idle-poll; the rest of a
+longer wait blocks in ``poll(2)``, and the poller parks after 5 ms without a parked waiter, so
+an idle pool leaves the cores idle. It pays off when each side of the exchange has a core of
+its own and that core often idles (cheap CPU envs in a pinned worker); threaded workers of
+sleeping envs share their core with many runnable threads and measured worse (see
+``benchmarks/README.md``). A pool's ``idle_poll="auto"`` follows exactly that: on for CPU-bound
+workers where idle cores wake slowly (:func:`wake_cost_ns`), off otherwise.
 """
 from __future__ import annotations
 
