@@ -43,8 +43,9 @@ commands:
           stepping nothing. Exits with 1 when an episode failed, 3 when the evaluation itself
           failed (the policy raised: the finished results are still written). Ctrl-C or
           SIGTERM drains: running episodes finish, the others are reported failed ("not
-          started"), the results are written, exit status 130 (143 after SIGTERM); a second
-          one aborts without writing.
+          started"), the results are written, exit status 130 (143 after SIGTERM); a pool
+          still starting is abandoned at once. A second Ctrl-C or SIGTERM aborts: the running
+          episodes are cut (failed, "did not finish"), the results are still written.
   bench   Run the side-by-side collector benchmark (benchmarks/compare_collectors.py in a
           source checkout): AsyncPoolCollector against TorchRL's stock collectors and
           gymnasium's vector envs; prints the table and writes a PNG plot (--plot, default
@@ -317,7 +318,15 @@ def _check_eval_args(args: argparse.Namespace) -> None:
 def _cmd_eval(args: argparse.Namespace) -> int:
     import gymnasium as gym
 
-    from torchrl_asyncpool.evaluation import Episode, EvaluationError, evaluate, load_manifest, summarize, write_results
+    from torchrl_asyncpool.evaluation import (
+        Episode,
+        EvaluationError,
+        EvaluationInterrupted,
+        evaluate,
+        load_manifest,
+        summarize,
+        write_results,
+    )
     from torchrl_asyncpool.evaluation.episodes import check_output_path
     from torchrl_asyncpool.evaluation.runner import resolve_policy_device
 
@@ -357,44 +366,67 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import traceback
 
     stop = threading.Event()
+    evaluated = threading.Event()  # evaluate() has returned or raised: only the writing is left
     received = []  # the signals that asked to stop, in order
 
-    def drain(signum, frame):  # first Ctrl-C or SIGTERM: running episodes finish, no new one starts
+    def on_signal(signum, frame):
+        # the first Ctrl-C or SIGTERM drains (running episodes finish, no new one starts, a pool that
+        # is starting is abandoned); the second aborts (the results so far are still written); more,
+        # or any once the evaluation is over, are ignored: the pool is closing (about a second) and
+        # the results are being written
         received.append(signum)
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        print(f"\ntorchrl-asyncpool eval: {name}: stopping: the running episodes finish, no new one starts "
-              "(Ctrl-C or SIGTERM again to abort without writing results)", file=sys.stderr)
+        if evaluated.is_set():
+            return
+        if len(received) == 1:
+            stop.set()
+            print(f"\ntorchrl-asyncpool eval: {name}: stopping: the running episodes finish, no new one starts "
+                  "(Ctrl-C or SIGTERM again to abort: the finished results are still written)", file=sys.stderr)
+        elif len(received) == 2:
+            print(f"\ntorchrl-asyncpool eval: {name} again: aborting: the running episodes are cut, the finished "
+                  "results are written", file=sys.stderr)
+            raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, drain) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
-    failure = None
+    failure = results = None
+    aborted = False
+
+    def abort_status():  # 130 or 143, after the signal that aborted (a policy's own KeyboardInterrupt: 130)
+        return 128 + (received[1] if len(received) > 1 else signal.SIGINT)
+
     try:
-        results = evaluate(make, policy, episodes, num_envs=args.num_envs, max_steps=args.max_steps,
-                           episode_timeout_s=args.episode_timeout_s, stop=stop, progress=not args.no_progress,
-                           device=device)
-    except KeyboardInterrupt:
-        print("torchrl-asyncpool eval: aborted; no results written.", file=sys.stderr)
-        return 128 + (received[-1] if received else signal.SIGINT)
-    except EvaluationError as exc:  # the policy failed, ...: the finished episodes are kept
-        failure = exc
-        results = exc.results
-    except Exception:  # noqa: BLE001 - a failure of the evaluation itself: its own exit status
-        traceback.print_exc()
-        print("torchrl-asyncpool eval: the evaluation failed (above); no results written.", file=sys.stderr)
-        return _EVAL_FAILED
-    finally:
+        try:
+            results = evaluate(make, policy, episodes, num_envs=args.num_envs, max_steps=args.max_steps,
+                               episode_timeout_s=args.episode_timeout_s, stop=stop, progress=not args.no_progress,
+                               device=device)
+            evaluated.set()
+        except EvaluationInterrupted as exc:  # the second signal: what ended is kept, the rest failed
+            aborted, results = True, exc.results
+        except KeyboardInterrupt:  # the second signal as evaluate() returned (with or without its results)
+            aborted = True
+        except EvaluationError as exc:  # the policy failed, ...: the finished episodes are kept
+            failure = exc
+            results = exc.results
+        except Exception:  # noqa: BLE001 - a failure of the evaluation itself: its own exit status
+            traceback.print_exc()
+            print("torchrl-asyncpool eval: the evaluation failed (above); no results written.", file=sys.stderr)
+            return _EVAL_FAILED
+        finally:
+            evaluated.set()
+        if failure is not None:
+            traceback.print_exception(failure)
+        if results is None:  # the abort came as evaluate() returned, before its results were received
+            print("torchrl-asyncpool eval: aborted; no results written.", file=sys.stderr)
+            return abort_status()
+        try:
+            write_results(results, args.output)  # atomic: the previous file or every result, never a part
+        except OSError as exc:
+            print(f"torchrl-asyncpool eval: could not write the results: {exc}", file=sys.stderr)
+            return _EVAL_FAILED
+    finally:  # the handlers stay until the results are written: a third signal cannot cut that short
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if failure is not None:
-        traceback.print_exception(failure)
-    try:
-        write_results(results, args.output)
-    except OSError as exc:
-        print(f"torchrl-asyncpool eval: could not write the results: {exc}", file=sys.stderr)
-        return _EVAL_FAILED
     summary = summarize(results)
     mean = "n/a" if summary["mean_return"] is None else f"{summary['mean_return']:.2f}"
     print(f"{summary['episodes']} episodes in {time.monotonic() - t0:.1f} s: {summary['completed']} completed, "
@@ -403,6 +435,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if failure is not None:
         print(f"torchrl-asyncpool eval: {failure}", file=sys.stderr)
         return _EVAL_FAILED
+    if aborted:
+        print("torchrl-asyncpool eval: aborted: the episodes that were running are reported failed "
+              "(\"did not finish\"), the others \"not started\".", file=sys.stderr)
+        return abort_status()
     if received:
         return 128 + received[0]  # 130 (Ctrl-C) or 143 (SIGTERM): the unstarted are reported failed
     return _EVAL_EPISODE_FAILED if summary["failed"] else _EVAL_OK
@@ -538,8 +574,9 @@ def _parser() -> argparse.ArgumentParser:
         "eval", help="run a fixed set of episodes with a policy; write one result per episode",
         description="Run a fixed set of episodes of a gymnasium env on AsyncEnvPool workers and write one "
                     "result per episode (completed, timeout or failed), in manifest order, as JSON. The first "
-                    "Ctrl-C or SIGTERM drains: the running episodes finish, the others are reported failed "
-                    "('not started'), the results are written; a second one aborts without writing.",
+                    "Ctrl-C or SIGTERM drains: the running episodes finish (a pool still starting is abandoned at "
+                    "once), the others are reported failed ('not started'), the results are written; a second one "
+                    "aborts: the running episodes are cut (failed, 'did not finish'), the results are still written.",
         epilog="exit status: 0 every episode completed or timed out; 1 an episode failed (or the capacity smoke "
                "failed); 2 bad arguments or input (nothing ran); 3 the evaluation itself failed (the policy raised "
                "or wrote no action, the results could not be written): the finished episodes' results are "

@@ -11,9 +11,9 @@ from torchrl_asyncpool.evaluation.episodes import (
     write_results,
 )
 from torchrl_asyncpool.evaluation.capacity import check_capacity
-from torchrl_asyncpool.evaluation.runner import EvaluationError, evaluate
+from torchrl_asyncpool.evaluation.runner import EvaluationError, EvaluationInterrupted, evaluate
 
 __all__ = [
-    "Episode", "EpisodeResult", "EvaluationError", "STATUSES", "evaluate", "check_capacity", "load_manifest",
-    "summarize", "write_results",
+    "Episode", "EpisodeResult", "EvaluationError", "EvaluationInterrupted", "STATUSES", "evaluate", "check_capacity",
+    "load_manifest", "summarize", "write_results",
 ]

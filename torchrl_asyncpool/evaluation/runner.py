@@ -15,6 +15,12 @@ again with one env per process from then on, so that a second death names the cu
 
 A failure of the evaluation itself (the policy raises) raises :class:`EvaluationError`, which
 carries every result: the finished episodes' as they ended, the others failed with the cause.
+
+Stopping: setting ``stop`` drains (the running episodes finish, no new one starts; a pool that
+is still starting is abandoned at once, its episodes not started); a ``KeyboardInterrupt``
+(Ctrl-C without a drain handler, or ``torchrl-asyncpool eval``'s second Ctrl-C) aborts: the pool
+is closed at once and :class:`EvaluationInterrupted`, a ``KeyboardInterrupt``, carries every
+result.
 """
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ from torchrl_asyncpool.evaluation.episodes import (
 from torchrl_asyncpool.pool import AsyncEnvPool, _close_noting
 from torchrl_asyncpool.step_type import StepType
 
-__all__ = ["EvaluationError", "evaluate", "resolve_policy_device"]
+__all__ = ["EvaluationError", "EvaluationInterrupted", "evaluate", "resolve_policy_device"]
 
 _FIRST, _TERM, _TRUNC = int(StepType.FIRST), int(StepType.TERMINATION), int(StepType.TRUNCATION)
 #: how long one wait for records lasts before wall-clock limits are looked at again
@@ -81,6 +87,78 @@ class EvaluationError(RuntimeError):
     def __init__(self, message: str, results: Sequence[EpisodeResult]):
         super().__init__(message)
         self.results = list(results)
+
+
+class EvaluationInterrupted(KeyboardInterrupt):
+    """The evaluation was aborted by a ``KeyboardInterrupt`` (a Ctrl-C; with
+    ``torchrl-asyncpool eval``, the second one, the first drains): the pool was closed without
+    waiting for the running episodes, and nothing that was finished is lost.
+
+    It is a ``KeyboardInterrupt``, so code that catches that still does. :attr:`results` holds
+    one result per episode, in order: those that ended before the abort as they ended, the
+    running ones ``"failed"`` with the error ``"did not finish: the evaluation was aborted"``
+    (their return and length so far), the others (a drain's unstarted ones too) ``"failed"``
+    with ``"not started: the evaluation was aborted"``. The original ``KeyboardInterrupt`` is
+    ``__cause__``.
+
+    Attributes
+    ----------
+    results : list of EpisodeResult
+        One per episode, in the order given to :func:`evaluate`.
+    """
+
+    def __init__(self, message: str, results: Sequence[EpisodeResult]):
+        super().__init__(message)
+        self.results = list(results)
+
+
+class _StartAbandoned(Exception):
+    """A drain began while the pool was starting (its envs being built and reset): the start-up
+    was abandoned and the pool closed; its episodes did not start."""
+
+
+class _DrainablePool(AsyncEnvPool):
+    """An :class:`AsyncEnvPool` whose start-up is abandoned (:class:`_StartAbandoned`, the pool
+    closed by its constructor's own failed-start-up path) as soon as ``abandon()`` is true: the
+    wait for the workers' first records looks at it every ``_POLL_S`` seconds, and no worker is
+    started once it is true when the spec env (built in this process) returns.
+
+    The wait only watches the workers' pipes and sentinels, without reading them, until every
+    worker has answered or one has ended (a worker that fails its start-up sends its error,
+    then exits) or ``start_timeout`` has passed; the pool's own start-up wait then reads the
+    answers as it always does (its errors, death and timeout reports are unchanged).
+    """
+
+    def __init__(self, *args, abandon: Callable[[], bool], **kwargs):
+        self._abandon = abandon
+        super().__init__(*args, **kwargs)
+
+    def _start_workers(self, *args, **kwargs):
+        if self._abandon():
+            raise _StartAbandoned()
+        return super()._start_workers(*args, **kwargs)
+
+    def _await_ready(self, timeout):
+        from multiprocessing.connection import wait
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        quiet = {conn: w for w, conn in enumerate(self._conns)}  # workers that have not answered yet
+        sentinels = {p.sentinel: w for w, p in enumerate(self._procs)}
+        while quiet:
+            if self._abandon():
+                raise _StartAbandoned()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            ready = wait(list(quiet) + list(sentinels), _POLL_S if left is None else min(_POLL_S, left))
+            if any(obj in sentinels for obj in ready):
+                break  # a worker ended: the pool's wait tells its error or its death
+            for conn in ready:
+                quiet.pop(conn, None)
+        # the answers that are there are read at once; stragglers get what is left of the timeout
+        # (at least one poll, so that answers already there are read before it runs out)
+        left = None if deadline is None else max(deadline - time.monotonic(), _POLL_S)
+        super()._await_ready(left)
 
 
 def evaluate(
@@ -135,10 +213,14 @@ def evaluate(
             already running finish, no new one starts, and every episode that did not start
             is reported ``"failed"`` with the error ``"not started: the evaluation was stopped"``
             (results stay one per episode, in order). An episode whose env is still being
-            built or reset has not started. A running episode whose pool has to close during
+            built or reset has not started: a pool that is starting when ``stop`` is set is
+            abandoned within a tenth of a second (the spec env, built in this process first,
+            is waited for), closed (its workers get a second, then are killed) and its
+            episodes are reported not started. A running episode whose pool has to close during
             the drain (another slot's failure or timeout) runs again from its start on a new
             pool, as without a drain. Set it from another thread or a signal handler
-            (``torchrl-asyncpool eval`` sets it on the first Ctrl-C or SIGTERM).
+            (``torchrl-asyncpool eval`` sets it on the first Ctrl-C or SIGTERM; the second one
+            aborts, see :class:`EvaluationInterrupted`).
         progress (bool): show a progress bar of finished episodes.
         device (str or torch.device, optional): where the policy runs: each batch is copied
             there (from pinned memory, without blocking, when it is a CUDA device) and the
@@ -155,6 +237,12 @@ def evaluate(
         EvaluationError: the evaluation itself failed (the policy raised, or its output lacks an
             action key; a pool could not be rebuilt): its ``results`` keep every episode that
             ended, the others failed with the cause.
+        EvaluationInterrupted: a ``KeyboardInterrupt`` (Ctrl-C under Python's own handler, or
+            ``torchrl-asyncpool eval``'s second Ctrl-C) aborted the evaluation: the pool was
+            closed at once (a second of grace) and its ``results`` keep every episode that
+            ended, the running ones failed with ``"did not finish: the evaluation was
+            aborted"``, the others with ``"not started: the evaluation was aborted"``. It is a
+            ``KeyboardInterrupt``.
         Exception: what ``create_env_fn`` raised when the pool built its first env, in this
             process, to learn the specs (before any episode ran; nothing to report), and the
             ``ValueError``/``TypeError`` of bad arguments.
@@ -198,72 +286,93 @@ def evaluate(
                 s = summarize([r for r in results if r is not None])
                 bar.set_postfix(mean_return=s["mean_return"], failed=s["failed"], timeout=s["timeout"])
 
-        isolate = False  # after a worker died hosting several running episodes: one env per process
-        # the episodes that were running when the last pool closed (a failure or timeout elsewhere):
-        # a drain still owes them their end, so they run again from their start even once stopped
-        rerun: List[int] = []
-        while True:
-            draining = stop is not None and stop.is_set()
-            todo = [i for i in (rerun if draining else range(len(episodes))) if results[i] is None]
-            if not todo:
-                break
-            n = min(num_envs, len(todo))
-            queues = [deque(todo[s::n]) for s in range(n)]
-            fns = [PlannedEnvFactory(create_env_fn, [(episodes[i].seed, limits[i], episodes[i].options) for i in q])
-                   for q in queues]
-            run = _Run(episodes, limits, queues, acting, finish, episode_timeout_s, stop, device, committed=draining)
-            run.begin(time.monotonic())
-            pool = None
-            primary: Optional[BaseException] = None
-            try:
+        run: Optional[_Run] = None
+        try:
+            isolate = False  # after a worker died hosting several running episodes: one env per process
+            # the episodes that were running when the last pool closed (a failure or timeout elsewhere):
+            # a drain still owes them their end, so they run again from their start even once stopped
+            rerun: List[int] = []
+            while True:
+                draining = stop is not None and stop.is_set()
+                todo = [i for i in (rerun if draining else range(len(episodes))) if results[i] is None]
+                if not todo:
+                    break
+                n = min(num_envs, len(todo))
+                queues = [deque(todo[s::n]) for s in range(n)]
+                fns = [PlannedEnvFactory(create_env_fn, [(episodes[i].seed, limits[i], episodes[i].options) for i in q])
+                       for q in queues]
+                run = _Run(episodes, limits, queues, acting, finish, episode_timeout_s, stop, device,
+                           committed=draining)
+                run.begin(time.monotonic())
+                pool = None
+                primary: Optional[BaseException] = None
                 try:
-                    pool = AsyncEnvPool(fns, create_env_kwargs=create_env_kwargs,
-                                        envs_per_worker=1 if isolate else envs_per_worker,
-                                        env_threads=False if isolate else env_threads,
-                                        recurrent_state=recurrent_state, policy_output_spec=policy_output_spec,
-                                        pin_memory=device.type == "cuda", start_timeout=episode_timeout_s)
-                except EnvError as exc:
-                    run.fail(exc, all_remaining=exc.phase == "construction")
-                except WorkerDiedError as exc:
-                    isolate |= run.died(exc)
-                except TimeoutError as exc:  # an env's creation or first reset outlasted episode_timeout_s
-                    isolate |= run.start_timed_out(exc, one_env_per_worker=isolate or envs_per_worker == 1)
-                else:
-                    run.clock_from(pool._workers_started_at)  # the spec env built before is no episode's
                     try:
-                        run.drive(pool)
+                        pool = _DrainablePool(fns, abandon=run.start_abandoned, create_env_kwargs=create_env_kwargs,
+                                              envs_per_worker=1 if isolate else envs_per_worker,
+                                              env_threads=False if isolate else env_threads,
+                                              recurrent_state=recurrent_state, policy_output_spec=policy_output_spec,
+                                              pin_memory=device.type == "cuda", start_timeout=episode_timeout_s)
+                    except _StartAbandoned:  # drained while starting: its episodes did not start
+                        run.give_back_fresh()
                     except EnvError as exc:
-                        run.fail(exc)
+                        run.fail(exc, all_remaining=exc.phase == "construction")
                     except WorkerDiedError as exc:
                         isolate |= run.died(exc)
-                    except _Restart as exc:
-                        # a worker stuck in a step or reset never reads its life pipe: close() would
-                        # spend its whole grace on it, and the other workers' envs deserve that time
-                        _kill_workers_of(pool, exc.slots)
-            except BaseException as exc:
-                primary = exc
-                if not isinstance(exc, Exception) or (pool is None and not any(r is not None for r in results)):
-                    raise  # Ctrl-C, or the first pool could not be built at all: nothing ran, nothing to keep
-                cause = _describe_failure(exc)
-                done = sum(r is not None for r in results)
-                run.abandon(cause)
-                for i, r in enumerate(results):
-                    if r is None:
-                        finish(i, EpisodeResult(episodes[i].episode_id, "failed", seed=episodes[i].seed,
-                                                error=f"not started: the evaluation failed: {cause}"))
-                primary = EvaluationError(
-                    f"evaluate(): the evaluation failed: {cause}. {done} of {len(episodes)} episodes had ended; "
-                    "every result (the others failed with this cause) is in this error's .results.", list(results))
-                raise primary from (exc.__cause__ if isinstance(exc, _PolicyFailure) else exc)
-            finally:
-                # an abort (a second Ctrl-C) is not the moment to wait for envs to close
-                grace = close_timeout_s if primary is None or isinstance(primary, Exception) else 1.0
-                _close_noting(pool, min(grace, close_timeout_s), primary)
-            rerun = run.interrupted()
-        for i, r in enumerate(results):  # drained: these never started
-            if r is None:
-                finish(i, EpisodeResult(episodes[i].episode_id, "failed", seed=episodes[i].seed,
-                                        error="not started: the evaluation was stopped"))
+                    except TimeoutError as exc:  # an env's creation or first reset outlasted episode_timeout_s
+                        isolate |= run.start_timed_out(exc, one_env_per_worker=isolate or envs_per_worker == 1)
+                    else:
+                        run.clock_from(pool._workers_started_at)  # the spec env built before is no episode's
+                        try:
+                            run.drive(pool)
+                        except EnvError as exc:
+                            run.fail(exc)
+                        except WorkerDiedError as exc:
+                            isolate |= run.died(exc)
+                        except _Restart as exc:
+                            # a worker stuck in a step or reset never reads its life pipe: close() would
+                            # spend its whole grace on it, and the other workers' envs deserve that time
+                            _kill_workers_of(pool, exc.slots)
+                except BaseException as exc:
+                    primary = exc
+                    if not isinstance(exc, Exception) or (pool is None and not any(r is not None for r in results)):
+                        raise  # an abort (the outer except), or the first pool could not be built: nothing ran
+                    cause = _describe_failure(exc)
+                    done = sum(r is not None for r in results)
+                    run.abandon(f"did not finish: the evaluation failed: {cause}",
+                                f"not started: the evaluation failed: {cause}")
+                    for i, r in enumerate(results):
+                        if r is None:
+                            finish(i, EpisodeResult(episodes[i].episode_id, "failed", seed=episodes[i].seed,
+                                                    error=f"not started: the evaluation failed: {cause}"))
+                    primary = EvaluationError(
+                        f"evaluate(): the evaluation failed: {cause}. {done} of {len(episodes)} episodes had ended; "
+                        "every result (the others failed with this cause) is in this error's .results.", list(results))
+                    raise primary from (exc.__cause__ if isinstance(exc, _PolicyFailure) else exc)
+                finally:
+                    # an abort (a KeyboardInterrupt: a second Ctrl-C) is not the moment to wait for envs to close
+                    grace = close_timeout_s if primary is None or isinstance(primary, Exception) else 1.0
+                    _close_noting(pool, min(grace, close_timeout_s), primary)
+                rerun = run.interrupted()
+            for i, r in enumerate(results):  # drained: these never started
+                if r is None:
+                    finish(i, EpisodeResult(episodes[i].episode_id, "failed", seed=episodes[i].seed,
+                                            error="not started: the evaluation was stopped"))
+        except KeyboardInterrupt as exc:  # an abort: the pool is closed already (finally), results are kept
+            if isinstance(exc, EvaluationInterrupted):
+                raise
+            done = sum(r is not None for r in results)
+            if run is not None:  # the running episodes' return and length so far
+                run.abandon("did not finish: the evaluation was aborted", "not started: the evaluation was aborted",
+                            ended=lambda i: results[i] is not None)
+            for i, r in enumerate(results):
+                if r is None:
+                    finish(i, EpisodeResult(episodes[i].episode_id, "failed", seed=episodes[i].seed,
+                                            error="not started: the evaluation was aborted"))
+            raise EvaluationInterrupted(
+                f"evaluate(): aborted by {type(exc).__name__}; {done} of {len(episodes)} episodes had ended; every "
+                "result (the others failed: 'did not finish' or 'not started') is in this error's .results.",
+                list(results)) from exc
     return results  # type: ignore[return-value]
 
 
@@ -352,7 +461,12 @@ class _Run:
             if fresh:
                 self.started[s] = t
 
-    def _give_back_fresh(self) -> None:
+    def start_abandoned(self) -> bool:
+        """Whether the pool's start-up is to be abandoned: a drain began (a committed run's
+        episodes were running before: their rerun starts anyway)."""
+        return not self.committed and self._stopping()
+
+    def give_back_fresh(self) -> None:
         """A drain: the episodes whose env is still being reset are not started after all."""
         if self.committed:
             return
@@ -372,7 +486,7 @@ class _Run:
         keys = pool.action_keys + pool.policy_output_keys
         while True:
             if self._stopping():
-                self._give_back_fresh()
+                self.give_back_fresh()
             if all(i is None for i in self.current):
                 return
             if pool.wait_ready(1, timeout=poll) == 0:
@@ -487,16 +601,18 @@ class _Run:
             self.finish(self.current[s], self._result(s, "failed", error=error))
             self.current[s] = None
 
-    def abandon(self, cause: str) -> None:
-        """The evaluation failed: the running episodes fail with ``cause`` (their return and
-        length so far); those whose env was still being reset are reported not started."""
+    def abandon(self, did_not_finish: str, not_started: str, ended: Callable[[int], bool] = lambda i: False) -> None:
+        """The evaluation failed or was aborted: the running episodes fail with the error
+        ``did_not_finish`` (their return and length so far), those whose env was still being
+        built or reset with ``not_started``; episodes for which ``ended(i)`` (their result is in,
+        an abort came right after it) are left alone."""
         for s, i in enumerate(self.current):
-            if i is None:
+            if i is None or ended(i):
                 continue
             if self.fresh[s]:
-                self.finish(i, self._unstarted(i, f"not started: the evaluation failed: {cause}", s))
+                self.finish(i, self._unstarted(i, not_started, s))
             else:
-                self.finish(i, self._result(s, "failed", error=f"did not finish: the evaluation failed: {cause}"))
+                self.finish(i, self._result(s, "failed", error=did_not_finish))
             self.current[s] = None
 
 
