@@ -436,7 +436,13 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         def policy_outputs(request, actions):
             outputs = derive_policy_outputs(probe, request, actions, policy_version_key, device=self._policy_device)
             recurrent.update(_torchrl_recurrent(outputs, request, create_env_fn, create_env_kwargs))
-            return outputs
+            # a ("next", key) the policy writes for an env observation that is not a carried state
+            # is not kept: the env's next observation is what a transition holds there (TorchRL's
+            # env step output wins too), and the pool refuses such an output
+            observed = {as_key(k) for k in request}
+            carried = {as_key(k) for k in recurrent.values()}
+            return {k: v for k, v in outputs.items()
+                    if not (as_key(k)[0] == "next" and as_key(k)[1:] in observed and as_key(k) not in carried)}
 
         self._pool = AsyncEnvPool(
             create_env_fn,
