@@ -804,3 +804,54 @@ def test_processes_an_env_started_do_not_outlive_a_killed_worker(tmp_path, how):
         closed_in = time.monotonic() - t0
     assert _gone_within(child, _PROMPT_S), f"the env's child {child} outlived the pool"
     assert closed_in < _PROMPT_S
+
+
+class _SlowFirstReset(OracleEnv):
+    """An oracle env whose first reset takes a minute (a simulator that boots slowly)."""
+
+    def _reset(self, td=None, **kwargs):
+        if not getattr(self, "_booted", False):
+            self._booted = True
+            time.sleep(60)
+        return super()._reset(td, **kwargs)
+
+
+def test_cancel_start_abandons_a_slow_start_up_promptly_and_leaves_nothing():
+    import psutil
+
+    from torchrl_asyncpool import PoolStartCancelled
+
+    def workers():  # the fork server's children (the fork server and the resource tracker stay)
+        alive = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.ppid() != os.getpid() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p.pid)
+            except psutil.NoSuchProcess:
+                pass
+        return set(alive)
+
+    before = workers()
+    t0 = time.monotonic()
+    asked = []
+
+    def cancel():  # true at the fourth question: the start-up wait asks again and again (every 0.1 s)
+        asked.append(time.monotonic() - t0)
+        return len(asked) >= 4
+
+    with pytest.raises(PoolStartCancelled, match="cancel_start returned true"):
+        AsyncEnvPool([functools.partial(_SlowFirstReset, env_id=i) for i in range(2)], cancel_start=cancel)
+    took = time.monotonic() - t0
+    assert took < _PROMPT_S + 1.0, f"the cancelled start-up took {took:.1f}s (its resets take 60 s)"
+    assert len(asked) == 4 and asked[-1] - asked[1] < 2.0, asked  # the asks in the wait come 0.1 s apart
+    deadline = time.monotonic() + _PROMPT_S
+    while workers() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not workers() - before, "the cancelled pool's workers outlived it"
+    # cancelled before the workers start: none is started, at once
+    t0 = time.monotonic()
+    with pytest.raises(PoolStartCancelled):
+        AsyncEnvPool([functools.partial(_SlowFirstReset, env_id=0)], cancel_start=lambda: True)
+    assert time.monotonic() - t0 < _PROMPT_S
+    with pytest.raises(TypeError, match="cancel_start must be a callable"):
+        AsyncEnvPool(_factories(1), cancel_start=True)

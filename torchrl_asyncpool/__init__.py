@@ -1,5 +1,5 @@
 """torchrl_asyncpool: high-throughput asynchronous data collection for TorchRL (SEED RL regime)."""
-from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
+from torchrl_asyncpool.errors import EnvError, PoolClosedError, PoolStartCancelled, WorkerDiedError
 from torchrl_asyncpool.pool import AsyncEnvPool
 from torchrl_asyncpool.collector import AsyncPoolCollector
 from torchrl_asyncpool.step_type import StepType, discount_from_step_type
@@ -15,6 +15,7 @@ __all__ = [
     "EnvError",
     "WorkerDiedError",
     "PoolClosedError",
+    "PoolStartCancelled",
     "InferenceServer",
     "ProcessSlotTransport",
     "InferenceServerError",

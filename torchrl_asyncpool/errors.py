@@ -1,7 +1,7 @@
 """Exceptions raised by pools, servers and collectors."""
 from __future__ import annotations
 
-__all__ = ["EnvError", "WorkerDiedError", "PoolClosedError"]
+__all__ = ["EnvError", "WorkerDiedError", "PoolClosedError", "PoolStartCancelled"]
 
 
 class EnvError(RuntimeError):
@@ -41,3 +41,8 @@ class WorkerDiedError(RuntimeError):
 
 class PoolClosedError(RuntimeError):
     """The pool was used after :meth:`~torchrl_asyncpool.AsyncEnvPool.close`."""
+
+
+class PoolStartCancelled(RuntimeError):
+    """The pool's start-up was abandoned because its ``cancel_start`` callable returned true
+    (see :class:`~torchrl_asyncpool.AsyncEnvPool`); the pool's processes are gone."""

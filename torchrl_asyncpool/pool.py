@@ -20,7 +20,7 @@ from torchrl.data.utils import CloudpickleWrapper
 
 from torchrl_asyncpool.affinity import resolve_worker_affinity
 from torchrl_asyncpool.delivery.chunks import ChunkBuffers, ChunkReader
-from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
+from torchrl_asyncpool.errors import EnvError, PoolClosedError, PoolStartCancelled, WorkerDiedError
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout, as_key
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd, resolve_idle_poll
@@ -34,6 +34,8 @@ from torchrl_asyncpool.workers.env_worker import worker_main
 __all__ = ["AsyncEnvPool"]
 
 _START_METHODS = ("forkserver", "spawn")
+#: how often a start-up with ``cancel_start`` asks it
+_CANCEL_POLL_S = 0.1
 
 
 def _close_noting(pool, timeout: float, primary: BaseException | None = None,
@@ -168,6 +170,11 @@ class AsyncEnvPool:
             step their envs in their own thread (not threaded workers) where idle cores wake
             slowly (a ~40 ms probe at start-up, :func:`~torchrl_asyncpool.exchange.doorbell.
             resolve_idle_poll`). The resolved value is :attr:`idle_poll`.
+        cancel_start (callable, optional): ``() -> bool``, asked before the workers are
+            started and about every 0.1 s while they build and reset their envs; when it
+            returns true, the start-up is abandoned: the workers are stopped (killed after 1
+            s) and :class:`~torchrl_asyncpool.PoolStartCancelled` is raised (a signal handler
+            that sets a flag can stop a long start-up this way; ``evaluate()`` uses it).
 
     Attributes:
         num_envs (int): slots, i.e. envs: ``len(create_env_fn)`` times ``envs_per_factory``.
@@ -244,12 +251,16 @@ class AsyncEnvPool:
         exchange: str = "auto",
         seed: int | None = None,
         idle_poll: bool | str = "auto",
+        cancel_start: Callable[[], bool] | None = None,
     ):
         self._closed = True  # until start-up completes, close() has little to undo
         self._procs = []
         self.exchange = resolve_exchange(exchange)  # before anything starts: a bad name costs nothing
         if not (isinstance(idle_poll, bool) or idle_poll == "auto"):
             raise ValueError(f"idle_poll must be True, False or 'auto', got {idle_poll!r}.")
+        if cancel_start is not None and not callable(cancel_start):
+            raise TypeError(f"cancel_start must be a callable returning a bool, got {type(cancel_start).__name__}.")
+        self._cancel_start = cancel_start
         fns = _check_factories(create_env_fn)
         kwargs = _check_kwargs(create_env_kwargs, len(fns))
         if mp_start_method not in _START_METHODS:
@@ -331,6 +342,7 @@ class AsyncEnvPool:
         self._life_box = [self._life_w]
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._life_box, 0.0)
         try:
+            self._check_cancel()
             self._start_workers(mp_start_method, groups, fns, kwargs, worker_num_threads, affinity)
             # when the workers began building their envs, as start_timeout counts (evaluate()
             # counts an episode's env creation and first reset in its wall-clock limit, but not
@@ -392,12 +404,17 @@ class AsyncEnvPool:
             self._procs.append(p)
             self._conns.append(parent_conn)
 
+    def _check_cancel(self):
+        if self._cancel_start is not None and self._cancel_start():
+            raise PoolStartCancelled("the pool's start-up was cancelled (cancel_start returned true).")
+
     def _await_ready(self, timeout):
         from multiprocessing.connection import wait
 
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = dict(enumerate(self._conns))
         while pending:
+            self._check_cancel()
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 slots = np.flatnonzero(np.isin(self._slot_worker, sorted(pending))).tolist()
@@ -408,6 +425,8 @@ class AsyncEnvPool:
                 err.env_indices = slots  # which envs may hang (evaluate() times out their episodes)
                 raise err
             sentinels = {self._procs[w].sentinel: w for w in pending}
+            if self._cancel_start is not None:  # looked at again every 0.1 s
+                remaining = _CANCEL_POLL_S if remaining is None else min(remaining, _CANCEL_POLL_S)
             for obj in wait(list(pending.values()) + list(sentinels), remaining):
                 w = sentinels[obj] if obj in sentinels else self._conns.index(obj)
                 if w not in pending:

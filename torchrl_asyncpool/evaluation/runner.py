@@ -38,7 +38,7 @@ from tensordict import TensorDictBase
 from torchrl.envs.utils import ExplorationType
 
 from torchrl_asyncpool.acting_policy import ActingPolicy
-from torchrl_asyncpool.errors import EnvError, WorkerDiedError
+from torchrl_asyncpool.errors import EnvError, PoolStartCancelled, WorkerDiedError
 from torchrl_asyncpool.evaluation.episodes import (
     Episode,
     EpisodeResult,
@@ -110,55 +110,6 @@ class EvaluationInterrupted(KeyboardInterrupt):
     def __init__(self, message: str, results: Sequence[EpisodeResult]):
         super().__init__(message)
         self.results = list(results)
-
-
-class _StartAbandoned(Exception):
-    """A drain began while the pool was starting (its envs being built and reset): the start-up
-    was abandoned and the pool closed; its episodes did not start."""
-
-
-class _DrainablePool(AsyncEnvPool):
-    """An :class:`AsyncEnvPool` whose start-up is abandoned (:class:`_StartAbandoned`, the pool
-    closed by its constructor's own failed-start-up path) as soon as ``abandon()`` is true: the
-    wait for the workers' first records looks at it every ``_POLL_S`` seconds, and no worker is
-    started once it is true when the spec env (built in this process) returns.
-
-    The wait only watches the workers' pipes and sentinels, without reading them, until every
-    worker has answered or one has ended (a worker that fails its start-up sends its error,
-    then exits) or ``start_timeout`` has passed; the pool's own start-up wait then reads the
-    answers as it always does (its errors, death and timeout reports are unchanged).
-    """
-
-    def __init__(self, *args, abandon: Callable[[], bool], **kwargs):
-        self._abandon = abandon
-        super().__init__(*args, **kwargs)
-
-    def _start_workers(self, *args, **kwargs):
-        if self._abandon():
-            raise _StartAbandoned()
-        return super()._start_workers(*args, **kwargs)
-
-    def _await_ready(self, timeout):
-        from multiprocessing.connection import wait
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        quiet = {conn: w for w, conn in enumerate(self._conns)}  # workers that have not answered yet
-        sentinels = {p.sentinel: w for w, p in enumerate(self._procs)}
-        while quiet:
-            if self._abandon():
-                raise _StartAbandoned()
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                break
-            ready = wait(list(quiet) + list(sentinels), _POLL_S if left is None else min(_POLL_S, left))
-            if any(obj in sentinels for obj in ready):
-                break  # a worker ended: the pool's wait tells its error or its death
-            for conn in ready:
-                quiet.pop(conn, None)
-        # the answers that are there are read at once; stragglers get what is left of the timeout
-        # (at least one poll, so that answers already there are read before it runs out)
-        left = None if deadline is None else max(deadline - time.monotonic(), _POLL_S)
-        super()._await_ready(left)
 
 
 def evaluate(
@@ -308,12 +259,12 @@ def evaluate(
                 primary: Optional[BaseException] = None
                 try:
                     try:
-                        pool = _DrainablePool(fns, abandon=run.start_abandoned, create_env_kwargs=create_env_kwargs,
-                                              envs_per_worker=1 if isolate else envs_per_worker,
-                                              env_threads=False if isolate else env_threads,
-                                              recurrent_state=recurrent_state, policy_output_spec=policy_output_spec,
-                                              pin_memory=device.type == "cuda", start_timeout=episode_timeout_s)
-                    except _StartAbandoned:  # drained while starting: its episodes did not start
+                        pool = AsyncEnvPool(fns, cancel_start=run.start_abandoned, create_env_kwargs=create_env_kwargs,
+                                            envs_per_worker=1 if isolate else envs_per_worker,
+                                            env_threads=False if isolate else env_threads,
+                                            recurrent_state=recurrent_state, policy_output_spec=policy_output_spec,
+                                            pin_memory=device.type == "cuda", start_timeout=episode_timeout_s)
+                    except PoolStartCancelled:  # drained while starting: its episodes did not start
                         run.give_back_fresh()
                     except EnvError as exc:
                         run.fail(exc, all_remaining=exc.phase == "construction")
