@@ -193,19 +193,28 @@ def test_bell_wait_is_interrupted_by_a_signal_handler_that_raises(bell_impl):
 def test_an_idle_polled_wait_runs_signal_handlers_that_arrive_between_its_self_checks():
     # a parked main thread wakes up every millisecond to check its descriptors; a signal that
     # lands outside the futex wait interrupts nothing, so the wait must go back to Python to
-    # run the handler (a CI run waited the full 30 s once before it did)
+    # run the handler (a CI run waited the full 30 s once before it did). The alarms also land
+    # around the 5 ms patience, after which the wait blocks in poll(2): a signal just before that
+    # poll interrupts nothing either, so the main thread's blocking rest is cut into 50 ms polls
+    # (another CI run waited 30 s there)
     if doorbell_module._c is None:
         pytest.skip("the C extension is not built")
     bell = Doorbell()
     waiter = BellWait(bell, idle_poll=True)
     try:
         with _alarms_raise():
-            for i in range(60):
+            for i in range(120):
                 t0 = time.monotonic()
-                with pytest.raises(_Interrupted):
-                    signal.setitimer(signal.ITIMER_REAL, 0.001 + 0.0001 * (i % 37))  # across the 1 ms self-check
+                with pytest.raises(_Interrupted):  # across the 1 ms self-checks and the 5 ms patience
+                    signal.setitimer(signal.ITIMER_REAL, 0.001 + 0.00005 * (i % 113))
                     waiter.wait(30.0)
                 assert time.monotonic() - t0 < 10.0
+            for delay in (0.03, 0.2):  # well into the blocking rest
+                t0 = time.monotonic()
+                with pytest.raises(_Interrupted):
+                    signal.setitimer(signal.ITIMER_REAL, delay)
+                    waiter.wait(30.0)
+                assert time.monotonic() - t0 < delay + 5.0
     finally:
         bell.close()
 

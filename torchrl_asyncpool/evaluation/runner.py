@@ -69,7 +69,15 @@ class _PolicyFailure(Exception):
     """The policy raised, or its output could not be sent as the actions (``__cause__``)."""
 
 
-class EvaluationError(RuntimeError):
+class _CarriesResults:
+    """What the two exceptions of a failed or aborted evaluation share: every episode's result."""
+
+    def __init__(self, message: str, results: Sequence[EpisodeResult]):
+        super().__init__(message)
+        self.results = list(results)
+
+
+class EvaluationError(_CarriesResults, RuntimeError):
     """The evaluation itself failed, not one of its episodes: the policy raised or wrote no
     action, or the env pool could not be rebuilt after an episode's failure.
 
@@ -84,12 +92,9 @@ class EvaluationError(RuntimeError):
         One per episode, in the order given to :func:`evaluate`.
     """
 
-    def __init__(self, message: str, results: Sequence[EpisodeResult]):
-        super().__init__(message)
-        self.results = list(results)
 
 
-class EvaluationInterrupted(KeyboardInterrupt):
+class EvaluationInterrupted(_CarriesResults, KeyboardInterrupt):
     """The evaluation was aborted by a ``KeyboardInterrupt`` (a Ctrl-C; with
     ``torchrl-asyncpool eval``, the second one, the first drains): the pool was closed without
     waiting for the running episodes, and nothing that was finished is lost.
@@ -106,10 +111,6 @@ class EvaluationInterrupted(KeyboardInterrupt):
     results : list of EpisodeResult
         One per episode, in the order given to :func:`evaluate`.
     """
-
-    def __init__(self, message: str, results: Sequence[EpisodeResult]):
-        super().__init__(message)
-        self.results = list(results)
 
 
 def evaluate(

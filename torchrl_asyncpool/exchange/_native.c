@@ -1196,6 +1196,24 @@ idle_start(void)
    futex waits interrupted neither) and calls again with what is left of the timeout */
 #define IDLE_AGAIN (-2)
 #define IDLE_BLOCK (-3) /* inside idle_wait: the wait ran out of patience */
+#define MAIN_BLOCK_MS 50 /* the main thread's blocking rest goes back to Python this often */
+
+/* The rest of a wait that ran out of patience: a blocking poll until the deadline (mono_ns, -1:
+ * none). The main thread blocks for at most MAIN_BLOCK_MS at a time and then answers IDLE_AGAIN:
+ * a signal that lands between its last check and the poll interrupts nothing (it was delivered
+ * already), and its handler must not wait for the whole timeout. */
+static int
+blocking_rest(struct pollfd *p, Py_ssize_t n, int64_t deadline, int main_thread)
+{
+    int ms = -1;
+    if (deadline >= 0) {
+        int64_t left = deadline - mono_ns();
+        ms = left <= 0 ? 0 : (int)((left + 999999) / 1000000);
+    }
+    int capped = main_thread && (ms < 0 || ms > MAIN_BLOCK_MS);
+    int got = poll(p, (nfds_t)n, capped ? MAIN_BLOCK_MS : ms);
+    return got == 0 && capped ? IDLE_AGAIN : got;
+}
 
 static pthread_t idle_main_thread; /* the thread that imported the module: Python's main thread */
 
@@ -1205,8 +1223,12 @@ static int
 idle_wait(struct pollfd *p, Py_ssize_t n, int timeout_ms, int64_t give_up)
 {
     int main_thread = pthread_equal(pthread_self(), idle_main_thread);
+    int64_t deadline = timeout_ms < 0 ? -1 : mono_ns() + (int64_t)timeout_ms * 1000000LL;
     int got = poll(p, (nfds_t)n, 0);
-    if (got != 0 || n > WAIT_STACK_FDS || mono_ns() >= give_up || idle_start() < 0) {
+    if (got == 0 && mono_ns() >= give_up) {
+        return blocking_rest(p, n, deadline, main_thread);
+    }
+    if (got != 0 || n > WAIT_STACK_FDS || idle_start() < 0) {
         return got != 0 ? got : poll(p, (nfds_t)n, timeout_ms);
     }
     IdleWaiter *w = NULL;
@@ -1226,7 +1248,6 @@ idle_wait(struct pollfd *p, Py_ssize_t n, int timeout_ms, int64_t give_up)
         idle_mask = mine;
         atomic_fetch_add(&idle_mask_gen, 1);
     }
-    int64_t deadline = timeout_ms < 0 ? -1 : mono_ns() + (int64_t)timeout_ms * 1000000LL;
     for (;;) {
         atomic_store_explicit(&w->state, 2, memory_order_release);
         atomic_fetch_add(&idle_armed, 1);
@@ -1272,13 +1293,8 @@ idle_wait(struct pollfd *p, Py_ssize_t n, int timeout_ms, int64_t give_up)
     }
     int err = errno;
     atomic_store_explicit(&w->state, 0, memory_order_release);
-    if (got == IDLE_BLOCK) { /* the rest of the wait blocks (a signal interrupts it: EINTR) */
-        int ms = -1;
-        if (deadline >= 0) {
-            int64_t left = deadline - mono_ns();
-            ms = left <= 0 ? 0 : (int)((left + 999999) / 1000000);
-        }
-        return poll(p, (nfds_t)n, ms);
+    if (got == IDLE_BLOCK) {
+        return blocking_rest(p, n, deadline, main_thread);
     }
     errno = err;
     return got;

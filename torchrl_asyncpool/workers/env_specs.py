@@ -79,7 +79,13 @@ def torchrl_specs(env, batch_dims: int, obs_keys, reward_key, action_keys, field
 def gymnasium_specs(observation_spaces: Mapping, action_space, fields) -> Dict[str, Composite]:
     """The slot specs of a gymnasium env, as TorchRL's ``GymEnv`` converts its spaces (with
     ``categorical_action_encoding=True``: a ``Discrete`` action is an integer)."""
-    from torchrl.envs.libs.gym import _gym_to_torchrl_spec_transform as convert
+    import gymnasium as gym
+    from torchrl.envs.libs.gym import _gym_to_torchrl_spec_transform
+
+    def convert(space, **kwargs):
+        if isinstance(space, gym.spaces.Discrete):  # the slot holds an int64 whatever the space's dtype
+            return Categorical(int(space.n), shape=(), dtype=torch.int64)
+        return _gym_to_torchrl_spec_transform(space, **kwargs)
 
     request, response = fields
     specs = {
