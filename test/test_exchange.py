@@ -339,7 +339,8 @@ def test_resolve_idle_poll_rules(monkeypatch):
     assert resolve("auto", cpu_bound=True) is False  # idle cores wake fast: nothing to save
     monkeypatch.setattr(doorbell_module, "wake_cost_ns", lambda: None)
     assert resolve("auto", cpu_bound=True) is False
-    for value, on in (("1", True), ("0", False)):  # the environment variable decides "auto"
+    for value, on in (("1", True), ("0", False), ("false", False), ("Off", False), ("yes", True)):
+        # the environment variable decides "auto"
         monkeypatch.setenv(doorbell_module.IDLE_POLL_ENV, value)
         assert resolve("auto", cpu_bound=False) is on and resolve("auto", cpu_bound=True) is on
         assert resolve(not on, cpu_bound=True) is (not on)  # a value given beats it

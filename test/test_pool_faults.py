@@ -855,3 +855,64 @@ def test_cancel_start_abandons_a_slow_start_up_promptly_and_leaves_nothing():
     assert time.monotonic() - t0 < _PROMPT_S
     with pytest.raises(TypeError, match="cancel_start must be a callable"):
         AsyncEnvPool(_factories(1), cancel_start=True)
+
+
+_ORPHAN_SCRIPT = r"""
+import subprocess, sys, time
+import gymnasium as gym
+import numpy as np
+from torchrl_asyncpool import AsyncEnvPool
+
+
+class WithChild(gym.Env):
+    observation_space = gym.spaces.Box(-1, 1, (2,), dtype=np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, pid_file):
+        self.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        with open(pid_file, "w") as f:
+            f.write(str(self.child.pid))
+
+    def reset(self, seed=None, options=None):
+        return np.zeros(2, dtype=np.float32), {}
+
+    def step(self, action):
+        return np.zeros(2, dtype=np.float32), 0.0, False, False, {}
+
+
+if __name__ == "__main__":
+    files = sys.argv[1:]
+    pool = AsyncEnvPool([lambda f=f: WithChild(f) for f in files], envs_per_worker=1)
+    pool.recv(min_get=len(files))
+    print("READY", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_parent_killed_without_closing_its_pool_leaves_no_env_children(tmp_path):
+    """SIGKILL of the process that owns a pool runs no finalizer: the workers see their life
+    pipe close and exit, and each signals what its envs started (its process group) on the way
+    out, so the envs' children do not outlive them."""
+    script = tmp_path / "owner.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    files = [str(tmp_path / f"child{i}.pid") for i in range(2)]
+    owner = subprocess.Popen([sys.executable, str(script), *files], stdout=subprocess.PIPE, text=True)
+    children = []
+    try:
+        assert owner.stdout.readline().strip() == "READY"
+        children = [int(open(f).read()) for f in files]
+        assert not any(_gone_within(c, 0.2) for c in children)
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(30)
+        for c in children:
+            assert _gone_within(c, 15.0), f"env child {c} outlived the killed pool owner"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(30)
+        owner.stdout.close()
+        for c in children:
+            try:
+                os.kill(c, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -220,16 +220,25 @@ def test_policy_outputs_are_required_in_send_and_recurrent_keys_validated():
 
 def test_a_policy_output_in_place_of_the_next_observation_is_refused_with_transitions():
     """``("next", "echo")`` is where a transition holds the env's next ``echo``: as a policy
-    output it would silently replace it, so a pool that delivers transitions refuses it."""
+    output it would silently replace it, so a pool that delivers transitions refuses it, also
+    declared as a recurrent state (the env's observation is still the env's); only TorchRL's
+    primer convention as the collector maps it is delivered in the entry's place."""
+    from torchrl_asyncpool.acting_policy import CARRY_KEY
+
     spec = {("next", "echo"): ((), torch.int64)}
-    with pytest.raises(ValueError, match=r"\('next', 'echo'\) is where the transitions hold the env's next "
-                                         r"observation 'echo'.*recurrent_state"):
+    refused = r"\('next', 'echo'\) is where the transitions hold the env's own next 'echo'; rename the output"
+    with pytest.raises(ValueError, match=refused):
         AsyncEnvPool(oracle_factories(1), policy_output_spec=spec, transition_chunk_size=4)
-    # without transitions the output is a field like any other; declared as a recurrent state it is
-    # delivered in the env entries' place (TorchRL's convention), which the collector tests check
+    with pytest.raises(ValueError, match=refused):
+        AsyncEnvPool(oracle_factories(1), policy_output_spec=spec, recurrent_state={"h": ("next", "echo")},
+                     transition_chunk_size=4)
+    with pytest.raises(ValueError, match=r"the env's own next 'reward'"):
+        AsyncEnvPool(oracle_factories(1), policy_output_spec={("next", "reward"): ((1,), torch.float32)},
+                     transition_chunk_size=4)
+    # without transitions the output is a field like any other
     with AsyncEnvPool(oracle_factories(1), policy_output_spec=spec) as pool:
         assert ("next", "echo") in pool.policy_output_keys
-    AsyncEnvPool(oracle_factories(1), policy_output_spec=spec, recurrent_state={"h": ("next", "echo")},
+    AsyncEnvPool(oracle_factories(1), policy_output_spec=spec, recurrent_state={(CARRY_KEY, "echo"): ("next", "echo")},
                  transition_chunk_size=4).close()
 
 

@@ -16,7 +16,7 @@ from torchrl.envs import GymEnv, SerialEnv
 from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector
 from torchrl_asyncpool.testing import OracleEnv
 from torchrl_asyncpool.workers.env_adapter import GymnasiumEnvAdapter
-from torchrl_asyncpool.workers.env_specs import SPEC_GROUPS, _checked, slot_specs
+from torchrl_asyncpool.workers.env_specs import SPEC_GROUPS, _checked, batched_specs, slot_specs
 
 N = 3
 
@@ -141,3 +141,73 @@ def test_collector_env_has_the_specs():
         assert collector.env.observation_spec["observation"][0].is_in(batch["observation"][0])
     finally:
         collector.shutdown()
+
+
+def test_scalar_box_and_discrete_spaces_keep_the_slot_shape_and_dtype():
+    """TorchRL makes a scalar ``Box`` ``[1]`` and keeps a ``Discrete``'s dtype; the slot holds the
+    scalar and an int64, so the specs say so (without a mismatch warning), bounds kept."""
+    import numpy as np
+
+    class Scalars(gym.Env):
+        observation_space = gym.spaces.Dict({"level": gym.spaces.Box(-3, 3, shape=(), dtype=np.int64),
+                                             "room": gym.spaces.Discrete(5, start=0)})
+        action_space = gym.spaces.Discrete(4)
+        action_space.dtype = np.dtype(np.int32)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        specs = slot_specs(GymnasiumEnvAdapter(Scalars()))
+    obs = specs["full_observation_spec"]
+    assert obs["level"].shape == () and obs["level"].space.high.item() == 3
+    assert obs["room"] == Categorical(5, (), dtype=torch.int64)
+    assert specs["full_action_spec"]["action"] == Categorical(4, (), dtype=torch.int64)
+
+
+def _nested_agent_env():
+    from tensordict import TensorDict
+    from torchrl.data import Bounded
+    from torchrl.envs import EnvBase
+
+    class NestedAgent(EnvBase):
+        def __init__(self):
+            super().__init__()
+            self.observation_spec = Composite(agent=Composite(obs=Bounded(-1, 1, (3,))))
+            self.action_spec = Composite(agent=Composite(action=Bounded(-2, 2, (2,))))
+            self.reward_spec = Unbounded((1,))
+            self.done_spec = Composite(done=Categorical(2, (1,), dtype=torch.bool),
+                                       terminated=Categorical(2, (1,), dtype=torch.bool))
+
+        def _reset(self, td):
+            return TensorDict({("agent", "obs"): torch.zeros(3), "done": torch.zeros(1, dtype=torch.bool),
+                               "terminated": torch.zeros(1, dtype=torch.bool)})
+
+        def _step(self, td):
+            flags = {"done": torch.zeros(1, dtype=torch.bool), "terminated": torch.zeros(1, dtype=torch.bool)}
+            reward = td["agent", "action"].sum(-1, True)
+            return TensorDict({("agent", "obs"): torch.zeros(3), "reward": reward, **flags})
+
+        def _set_seed(self, seed):
+            return seed
+
+    return NestedAgent()
+
+
+def test_nested_action_keys_follow_envbase_shortcut_rules():
+    env = _nested_agent_env()
+    with AsyncEnvPool([_nested_agent_env] * N, envs_per_worker=N) as pool:
+        # EnvBase: the leaf only when the one action key is "action"; here the whole group
+        assert isinstance(env.action_spec, Composite) and isinstance(pool.action_spec, Composite)
+        assert pool.full_action_spec == env.full_action_spec.expand(N)
+        assert pool.full_observation_spec == env.full_observation_spec.expand(N)
+        td = pool.recv(min_get=N)
+        action = pool.full_action_spec.rand()[td.env_indices]  # random actions from the spec are accepted
+        pool.send(action, td.env_indices)
+        assert pool.recv(min_get=N)["reward"].shape == (N, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_specs_of_an_env_on_the_gpu_are_on_the_cpu_as_the_records_are():
+    moved = {name: getattr(_nested_agent_env(), name).to("cuda") for name in SPEC_GROUPS}
+    specs = batched_specs(moved, N)
+    assert all(leaf.device == torch.device("cpu") for spec in specs.values() for leaf in
+               (spec[k] for k in spec.keys(True, True)))

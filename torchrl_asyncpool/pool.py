@@ -18,6 +18,7 @@ from tensordict import TensorDictBase
 from torchrl.data import Composite
 from torchrl.data.utils import CloudpickleWrapper
 
+from torchrl_asyncpool.acting_policy import CARRY_KEY
 from torchrl_asyncpool.affinity import resolve_worker_affinity
 from torchrl_asyncpool.delivery.chunks import ChunkBuffers, ChunkReader
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, PoolStartCancelled, WorkerDiedError
@@ -54,9 +55,11 @@ def _close_noting(pool, timeout: float, primary: BaseException | None = None,
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
-def _leaf_if_single(spec: Composite):
+def _leaf_if_single(spec: Composite, name: str):
+    """``EnvBase``'s rule for its ``action_spec``/``reward_spec``/``done_spec`` shortcuts: the
+    leaf when the group's only key is ``name``, else the whole group."""
     keys = list(spec.keys(True, True))
-    return spec[keys[0]] if len(keys) == 1 else spec
+    return spec[name] if keys == [name] else spec
 
 
 class AsyncEnvPool:
@@ -399,6 +402,7 @@ class AsyncEnvPool:
                 name=f"torchrl_asyncpool-worker-{w}",
                 daemon=True,
             )
+            self._check_cancel()  # between starts (the fork server's own first start is not cut short)
             p.start()
             child_conn.close()
             self._procs.append(p)
@@ -414,7 +418,6 @@ class AsyncEnvPool:
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = dict(enumerate(self._conns))
         while pending:
-            self._check_cancel()
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 slots = np.flatnonzero(np.isin(self._slot_worker, sorted(pending))).tolist()
@@ -440,6 +443,8 @@ class AsyncEnvPool:
                 if msg[0] == "error":
                     raise self._start_error(msg)
                 pending.pop(w, None)
+            if pending:
+                self._check_cancel()  # after what arrived was read: a worker's error is not hidden by it
 
     # -- public API -------------------------------------------------------------------------
     def recv(self, min_get: int = 1, max_get: int | None = None, timeout: float | None = None) -> TensorDictBase:
@@ -596,7 +601,7 @@ class AsyncEnvPool:
         if getattr(self, "_chunks", None) is not None:
             self._chunks.close()
 
-    # -- TorchRL's spec shortcuts (EnvBase's rules: a leaf where the group has one key) -----
+    # -- TorchRL's spec shortcuts (EnvBase's rule: the leaf where "action"/"reward" is the only key)
     @property
     def observation_spec(self) -> Composite:
         """:attr:`full_observation_spec`."""
@@ -604,18 +609,18 @@ class AsyncEnvPool:
 
     @property
     def action_spec(self):
-        """The action's spec when there is one action key, else :attr:`full_action_spec`."""
-        return _leaf_if_single(self.full_action_spec)
+        """The action's spec when ``"action"`` is the only action key, else :attr:`full_action_spec`."""
+        return _leaf_if_single(self.full_action_spec, "action")
 
     @property
     def reward_spec(self):
         """The reward's spec (``full_reward_spec["reward"]``)."""
-        return _leaf_if_single(self.full_reward_spec)
+        return _leaf_if_single(self.full_reward_spec, "reward")
 
     @property
     def done_spec(self) -> Composite:
         """:attr:`full_done_spec` (``done``, ``terminated``, ``truncated``)."""
-        return _leaf_if_single(self.full_done_spec)
+        return self.full_done_spec
 
     @property
     def worker_pids(self) -> list:
@@ -694,27 +699,48 @@ def _shutdown(procs, life_w_box, timeout):
             p.kill()
     for p in procs:
         p.join(1.0)
-    for p in procs:  # what the envs started and left behind, a killed worker's above all
-        kill_process_group(p.pid)
+    # what the envs started and left behind, a killed worker's above all
+    killed = [p.pid for p in procs if kill_process_group(p.pid, alive=p.exitcode is None)]
+    until = time.monotonic() + 0.5  # gone (or zombies) before close() returns, ports and devices freed
+    while killed and time.monotonic() < until:
+        killed = [g for g in killed if _group_alive(g)]
+        if killed:
+            time.sleep(0.01)
 
 
-def kill_process_group(pid: int | None) -> None:
-    """SIGKILLs what is left of worker ``pid``'s process group (a worker leads one, which the
-    processes its envs start join; see ``worker_main``). Nothing happens if the group is gone
-    or is not the worker's (a worker that could not lead a group)."""
-    if pid is None:
-        return
+def _group_alive(pgid: int) -> bool:
     try:
-        if os.getpgid(pid) != pid:  # pid alive and not a group leader: not one of ours to kill
-            return
-    except ProcessLookupError:  # the worker is gone; its group lives on while a member does
-        pass
+        os.killpg(pgid, 0)
     except OSError:
-        return
+        return False
+    return True
+
+
+def kill_process_group(pid: int | None, *, alive: bool) -> bool:
+    """SIGKILLs what is left of worker ``pid``'s process group (a worker leads one, which the
+    processes its envs start join; see ``worker_main``); True if there was a group to kill.
+
+    ``alive``: the worker process has not been seen to end. A process group id is never given to
+    a new process while the group exists, so for a worker that ended, a live process with its
+    pid is someone else (the pid was reused) and nothing is killed; with no such process, a
+    group of that id is the worker's. A live worker that does not lead a group (it could not
+    make one) is not killed here either."""
+    if pid is None:
+        return False
     try:
-        os.killpg(pid, signal.SIGKILL)
+        pgid = os.getpgid(pid)
+    except ProcessLookupError:  # no process with that pid: a group of that id is the worker's
+        pgid = pid
+    except OSError:
+        return False
+    else:
+        if not alive or pgid != pid:
+            return False
+    try:
+        os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass
+        return False
+    return True
 
 
 def _check_factories(create_env_fn):
@@ -876,18 +902,20 @@ def _check_policy_outputs(spec, request, response) -> dict:
 
 
 def _check_next_outputs(outputs, recurrent, request) -> None:
-    """Refuses a policy output ``("next", *key)`` for an observed ``key`` (unless it is a recurrent
-    state in TorchRL's convention, which the transitions deliver in its place): in a transition,
-    ``("next", *key)`` is the env's next observation, which the output would silently replace."""
+    """Refuses a policy output ``("next", *key)`` for a record entry ``key`` (an observation, the
+    reward, a flag): in a transition, ``("next", *key)`` is the env's own next entry, which the
+    output would silently replace. The one exception is TorchRL's recurrent convention as the
+    collector maps it (``{(CARRY_KEY, *key): ("next", *key)}`` for a primer key, see
+    :func:`~torchrl_asyncpool.acting_policy.torchrl_recurrent_state`): the primer's entry is
+    the policy's state, which the transitions deliver in its place."""
     observed = {as_key(k) for k in request}
-    carried = {as_key(v) for v in recurrent.values()}
+    carried = {as_key(v) for h, v in recurrent.items() if as_key(h) == (CARRY_KEY, *as_key(v)[1:])}
     for key in outputs:
         k = as_key(key)
         if len(k) > 1 and k[0] == "next" and k[1:] in observed and k not in carried:
             raise ValueError(
-                f"policy_output_spec key {key!r} is where the transitions hold the env's next observation "
-                f"{k[1:] if len(k) > 2 else k[1]!r}. Rename the output, or, for a recurrent state the policy reads "
-                f"back, declare it in recurrent_state (as {{hidden_in: {key!r}}})."
+                f"policy_output_spec key {key!r} is where the transitions hold the env's own next "
+                f"{k[1:] if len(k) > 2 else k[1]!r}; rename the output."
             )
 
 

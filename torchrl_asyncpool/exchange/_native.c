@@ -35,6 +35,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/eventfd.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -1304,8 +1305,9 @@ static int
 idle_enabled(void)
 {
     if (idle_on < 0) { /* first use: the environment decides until set_idle_poll says otherwise */
-        const char *v = getenv("TORCHRL_ASYNCPOOL_IDLE_POLL");
-        idle_on = v != NULL && v[0] != '\0' && strcmp(v, "0") != 0;
+        const char *v = getenv("TORCHRL_ASYNCPOOL_IDLE_POLL"); /* 0/false/off/no: off, as doorbell.py reads it */
+        idle_on = v != NULL && v[0] != '\0' && strcmp(v, "0") != 0 && strcasecmp(v, "false") != 0 &&
+                  strcasecmp(v, "off") != 0 && strcasecmp(v, "no") != 0;
         const char *cap = getenv("TORCHRL_ASYNCPOOL_IDLE_POLL_CAP_US");
         if (cap != NULL && atol(cap) > 0) {
             idle_cap_ns = atol(cap) * 1000L;
@@ -1448,6 +1450,9 @@ static void *
 wake_echo(void *arg)
 {
     WakeEcho *e = arg;
+    sigset_t all; /* a process-directed signal must reach a Python thread, never this one */
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);
     cpu_set_t one;
     CPU_ZERO(&one);
     CPU_SET(e->cpu, &one);

@@ -31,7 +31,6 @@ workers where idle cores wake slowly (:func:`wake_cost_ns`), off otherwise.
 """
 from __future__ import annotations
 
-import functools
 import operator
 import os
 import select
@@ -56,12 +55,24 @@ IDLE_POLL_ENV = "TORCHRL_ASYNCPOOL_IDLE_POLL"
 SLOW_WAKE_NS = 60_000
 
 
-@functools.lru_cache(maxsize=None)
+_WAKE_COST: list = []  # the measured cost, once per process (a probe that got no answer is retried)
+
+
 def wake_cost_ns() -> int | None:
     """What waking a thread parked on an idle core costs here: the median cross-core ``eventfd``
     round trip after a short sleep, measured once per process (~40 ms, C extension
-    ``wake_probe``). ``None`` without the C extension or with a single CPU."""
-    return None if _c is None else _c.wake_probe(64, 300)
+    ``wake_probe``). ``None`` without the C extension, with a single CPU, or when the probe could
+    not run."""
+    if _WAKE_COST:
+        return _WAKE_COST[0]
+    cost = None if _c is None else _c.wake_probe(64, 300)
+    if cost is not None:
+        _WAKE_COST.append(cost)
+    return cost
+
+
+#: what turns idle polling off in :data:`IDLE_POLL_ENV` (any other non-empty value turns it on)
+_OFF_WORDS = ("0", "false", "off", "no")
 
 
 def resolve_idle_poll(idle_poll, *, cpu_bound: bool) -> bool:
@@ -89,9 +100,9 @@ def resolve_idle_poll(idle_poll, *, cpu_bound: bool) -> bool:
         return idle_poll
     if idle_poll != "auto":
         raise ValueError(f"idle_poll must be True, False or 'auto', got {idle_poll!r}.")
-    env = os.environ.get(IDLE_POLL_ENV, "")
+    env = os.environ.get(IDLE_POLL_ENV, "").strip().lower()
     if env != "":
-        return env != "0"
+        return env not in _OFF_WORDS
     if not cpu_bound:
         return False
     cost = wake_cost_ns()

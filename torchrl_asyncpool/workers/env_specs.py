@@ -85,7 +85,10 @@ def gymnasium_specs(observation_spaces: Mapping, action_space, fields) -> Dict[s
     def convert(space, **kwargs):
         if isinstance(space, gym.spaces.Discrete):  # the slot holds an int64 whatever the space's dtype
             return Categorical(int(space.n), shape=(), dtype=torch.int64)
-        return _gym_to_torchrl_spec_transform(space, **kwargs)
+        spec = _gym_to_torchrl_spec_transform(space, **kwargs)
+        if isinstance(space, gym.spaces.Box) and space.shape == () and spec.shape == (1,):
+            spec = spec.squeeze(-1)  # TorchRL makes a scalar Box [1]; the slot holds the scalar
+        return spec
 
     request, response = fields
     specs = {
@@ -126,5 +129,13 @@ def _checked(specs: Dict[str, Composite], fields: Tuple[Mapping, Mapping]) -> Di
 
 
 def batched_specs(specs: Mapping[str, Composite], num_envs: int) -> Dict[str, Composite]:
-    """Slot specs expanded to the pool's batch size ``[num_envs]``."""
-    return {name: spec.expand(num_envs) for name, spec in specs.items()}
+    """Slot specs expanded to the pool's batch size ``[num_envs]``, on the CPU: the records are
+    views of the CPU arena, wherever the env keeps its specs (or its tensors)."""
+    out = {}
+    for name, spec in specs.items():
+        spec = spec.clone()
+        for key in list(spec.keys(True, True)):  # the leaves: the groups keep TorchRL's device=None
+            if spec[key].device != torch.device("cpu"):
+                spec[key] = spec[key].to("cpu")
+        out[name] = spec.expand(num_envs)
+    return out

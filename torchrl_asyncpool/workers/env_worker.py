@@ -765,6 +765,20 @@ def _check_fields(index, what, expected, got):
             )
 
 
+def _end_own_group():
+    """SIGTERMs what the envs started and left in this worker's process group (it leads one, see
+    ``worker_main``): a parent that died without closing the pool, by a signal's default action
+    or a hang-up, never kills the group itself. The worker ignores the signal; its own group only
+    (never the parent's, if it could not lead one)."""
+    try:
+        if os.getpgrp() != os.getpid():
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.killpg(0, signal.SIGTERM)
+    except (OSError, ValueError):  # nothing left to signal, or not the main thread
+        pass
+
+
 def _batch_scheduling():
     """SCHED_BATCH: a worker woken by the consumer's doorbell does not preempt the consumer.
 
@@ -824,4 +838,5 @@ def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell
                 worker.close_envs()
         except BaseException:  # noqa: BLE001 - an env failing to close must not keep the worker alive
             pass
+        _end_own_group()
         os._exit(0)
