@@ -173,8 +173,9 @@ class AsyncEnvPool:
             step their envs in their own thread (not threaded workers) where idle cores wake
             slowly (a ~40 ms probe at start-up, :func:`~torchrl_asyncpool.exchange.doorbell.
             resolve_idle_poll`). The resolved value is :attr:`idle_poll`.
-        cancel_start (callable, optional): ``() -> bool``, asked before the workers are
-            started and about every 0.1 s while they build and reset their envs; when it
+        cancel_start (callable, optional): ``() -> bool``, asked before each worker is
+            started and about every 0.1 s while they build and reset their envs (the fork
+            server's own first start, once per process, is not cut short); when it
             returns true, the start-up is abandoned: the workers are stopped (killed after 1
             s) and :class:`~torchrl_asyncpool.PoolStartCancelled` is raised (a signal handler
             that sets a flag can stop a long start-up this way; ``evaluate()`` uses it).

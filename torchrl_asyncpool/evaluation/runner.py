@@ -167,7 +167,8 @@ def evaluate(
             (results stay one per episode, in order). An episode whose env is still being
             built or reset has not started: a pool that is starting when ``stop`` is set is
             abandoned within a tenth of a second (the spec env, built in this process first,
-            is waited for), closed (its workers get a second, then are killed) and its
+            and the fork server's first start, a few seconds once per process, are waited
+            for), closed (its workers get a second, then are killed) and its
             episodes are reported not started. A running episode whose pool has to close during
             the drain (another slot's failure or timeout) runs again from its start on a new
             pool, as without a drain. Set it from another thread or a signal handler
