@@ -759,6 +759,11 @@ class _EnvWithAChild(OracleEnv):
             time.sleep(600)
         return super()._step(td)
 
+    def close(self, *args, **kwargs):  # a well-behaved env ends its child (the pool's spec env is closed)
+        self._child.kill()
+        self._child.wait()
+        return super().close(*args, **kwargs)
+
 
 def _gone_within(pid, seconds):
     import psutil
@@ -858,7 +863,7 @@ def test_cancel_start_abandons_a_slow_start_up_promptly_and_leaves_nothing():
 
 
 _ORPHAN_SCRIPT = r"""
-import subprocess, sys, time
+import os, subprocess, sys, time
 import gymnasium as gym
 import numpy as np
 from torchrl_asyncpool import AsyncEnvPool
@@ -868,7 +873,8 @@ class WithChild(gym.Env):
     observation_space = gym.spaces.Box(-1, 1, (2,), dtype=np.float32)
     action_space = gym.spaces.Discrete(2)
 
-    def __init__(self, pid_file):
+    def __init__(self, pid_file, owner):
+        self.owner = owner
         self.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         with open(pid_file, "w") as f:
             f.write(str(self.child.pid))
@@ -879,10 +885,16 @@ class WithChild(gym.Env):
     def step(self, action):
         return np.zeros(2, dtype=np.float32), 0.0, False, False, {}
 
+    def close(self):  # only the pool's spec env, built in the owner, ends its child: a worker's
+        if os.getpid() == self.owner:  # env leaves it to the worker's exit (what the test checks)
+            self.child.kill()
+            self.child.wait()
+
 
 if __name__ == "__main__":
     files = sys.argv[1:]
-    pool = AsyncEnvPool([lambda f=f: WithChild(f) for f in files], envs_per_worker=1)
+    owner = os.getpid()
+    pool = AsyncEnvPool([lambda f=f: WithChild(f, owner) for f in files], envs_per_worker=1)
     pool.recv(min_get=len(files))
     print("READY", flush=True)
     time.sleep(600)
