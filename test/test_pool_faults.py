@@ -537,6 +537,37 @@ def test_sigkilled_worker_wakes_recv_blocked_in_another_thread():
     _assert_reaped(pids)
 
 
+def _sleep_forever():
+    time.sleep(600)
+
+
+def test_a_killed_childs_exit_status_reads_the_same_from_many_threads():
+    """A fork server's child reports its status once on its sentinel pipe; ``Popen.poll`` from
+    two threads at once let the second record exit code 255 (EOF), which a script whose worker
+    was SIGKILLed once printed instead of "killed by signal 9". ``exit_code`` serializes it."""
+    from torchrl_asyncpool.forkserver import exit_code, forkserver_context
+
+    ctx = forkserver_context()
+    for _ in range(10):  # a raw ``p.join(); p.exitcode`` read 255 in 7 of 20 such rounds
+        p = ctx.Process(target=_sleep_forever, daemon=True)
+        p.start()
+        os.kill(p.pid, signal.SIGKILL)
+        barrier = threading.Barrier(8)
+        codes = []
+
+        def read():
+            barrier.wait()
+            codes.append(exit_code(p, 10.0))
+
+        threads = [threading.Thread(target=read) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert codes == [-signal.SIGKILL] * 8, codes
+        assert p.exitcode == -signal.SIGKILL
+
+
 # -- recv timeout: TimeoutError, nothing lost --------------------------------------------------
 @pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (2, False), (2, True)])
 def test_recv_timeout_loses_nothing(envs_per_worker, env_threads):

@@ -218,6 +218,22 @@ def test_policy_outputs_are_required_in_send_and_recurrent_keys_validated():
         assert pool.recv()["tag"].tolist() == [[0, 0, 1]]
 
 
+def test_send_takes_nested_and_flat_tuple_key_mappings():
+    spec = {("agent", "logp"): ((), torch.float32)}
+    with AsyncEnvPool(oracle_factories(1), policy_output_spec=spec) as pool:
+        td = pool.recv()
+        action = torch.zeros(1, dtype=torch.int64)
+        pool.send({"action": action, "agent": {"logp": torch.full((1,), 0.5)}}, td.env_indices)
+        td = pool.recv()
+        assert td["tag"].tolist() == [[0, 0, 1]]
+        pool.send({"action": action, ("agent", "logp"): torch.full((1,), 0.25)}, td.env_indices)
+        td = pool.recv()
+        assert td["tag"].tolist() == [[0, 0, 2]]
+        with pytest.raises(ValueError, match=r"miss the key \('agent', 'logp'\)"):
+            pool.send({"action": action, "logp": torch.zeros(1)}, td.env_indices)
+        pool.send({"action": action, ("agent", "logp"): torch.zeros(1)}, td.env_indices)  # still leased
+
+
 def test_a_policy_output_in_place_of_the_next_observation_is_refused_with_transitions():
     """``("next", "echo")`` is where a transition holds the env's next ``echo``: as a policy
     output it would silently replace it, so a pool that delivers transitions refuses it, also

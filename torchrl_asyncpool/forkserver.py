@@ -11,9 +11,11 @@ the server process start from; it warns once when it finds such a fork server ru
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import warnings
+from multiprocessing.connection import wait
 
-__all__ = ["PRELOAD", "forkserver_context"]
+__all__ = ["PRELOAD", "forkserver_context", "exit_code"]
 
 # Imported once by the fork server, so that every child forks with them already loaded (the
 # union of what env workers and server processes need). "__main__": the user's script is
@@ -67,3 +69,33 @@ def forkserver_context(user: str = "AsyncEnvPool"):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+# A fork server's child reports its exit status once, as 4 bytes on its sentinel pipe, and
+# ``Popen.poll`` is not thread-safe: of two threads polling the same ended child, the second
+# reads EOF and records exit code 255 (over the first one's, when it stores last), so a worker
+# SIGKILLed while both the serving thread and the learner's thread looked at it was reported
+# as "exit code 255". Every poll of our children's status goes through this lock.
+_POLL_LOCK = threading.Lock()
+
+
+def exit_code(proc, timeout: float = 0.0):
+    """``proc.exitcode`` (``None`` while it runs), after waiting up to ``timeout`` seconds for it
+    to end; safe to call from several threads at once (see ``_POLL_LOCK``).
+
+    The wait happens outside the lock, so a thread waiting on one child does not hold up
+    another thread reading a status.
+
+    Examples:
+        >>> import time
+        >>> from torchrl_asyncpool.forkserver import exit_code, forkserver_context
+        >>> p = forkserver_context().Process(target=time.sleep, args=(0,))
+        >>> p.start()
+        >>> exit_code(p, timeout=30)
+        0
+    """
+    if proc.sentinel is not None and timeout > 0:
+        wait([proc.sentinel], timeout)
+    with _POLL_LOCK:
+        proc.join(0)  # reads the status if it ended; also drops it from multiprocessing's children
+        return proc.exitcode

@@ -27,7 +27,7 @@ from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd, resolve_idle_poll
 from torchrl_asyncpool.exchange.metrics import PoolMetrics, log_metrics
 from torchrl_asyncpool.exchange.native import resolve_exchange
-from torchrl_asyncpool.forkserver import forkserver_context
+from torchrl_asyncpool.forkserver import exit_code, forkserver_context
 from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, make_adapter, remote_listener
 from torchrl_asyncpool.workers.env_specs import batched_specs, slot_specs
 from torchrl_asyncpool.workers.env_worker import worker_main
@@ -499,7 +499,9 @@ class AsyncEnvPool:
         Args:
             actions (TensorDict or mapping): batch ``[B]`` holding every action key of the
                 env spec (and every declared policy output) with its exact per-env shape and
-                dtype; other entries (observations, ...) are ignored.
+                dtype; other entries (observations, ...) are ignored. A mapping may nest
+                (``{"agent": {"action": t}}``) or name nested keys by tuple
+                (``{("agent", "action"): t}``).
             env_indices (LongTensor or sequence of ints): ``[B]`` env indices, as returned in
                 ``recv(...).env_indices``; each must be leased (received and not yet answered).
         """
@@ -665,9 +667,7 @@ class AsyncEnvPool:
 
     def death_info(self, w) -> str:
         """How worker ``w`` ended (signal or exit code), for error messages."""
-        p = self._procs[w]
-        p.join(0.05)
-        code = p.exitcode
+        code = exit_code(self._procs[w], 0.05)
         return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
     def _start_error(self, msg):
@@ -694,14 +694,14 @@ def _shutdown(procs, life_w_box, timeout):
         life_w_box[0] = -1
     deadline = time.monotonic() + timeout
     for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
+        exit_code(p, max(0.0, deadline - time.monotonic()))
     for p in procs:
-        if p.exitcode is None:
+        if exit_code(p) is None:
             p.kill()
     for p in procs:
-        p.join(1.0)
+        exit_code(p, 1.0)
     # what the envs started and left behind, a killed worker's above all
-    killed = [p.pid for p in procs if kill_process_group(p.pid, alive=p.exitcode is None)]
+    killed = [p.pid for p in procs if kill_process_group(p.pid, alive=exit_code(p) is None)]
     until = time.monotonic() + 0.5  # gone (or zombies) before close() returns, ports and devices freed
     while killed and time.monotonic() < until:
         killed = [g for g in killed if _group_alive(g)]

@@ -471,6 +471,8 @@ def _mapping_get(mapping, key):
     if not isinstance(mapping, Mapping):
         raise ValueError(f"send: actions must be a TensorDict or a mapping of tensors, got {type(mapping).__name__}.")
     key = key if isinstance(key, tuple) else (key,)
+    if key in mapping:  # a flat mapping of nested keys, as ``dict(td.items(True, True))`` gives
+        return mapping[key]
     value = mapping
     for k in key:
         if not isinstance(value, Mapping) or k not in value:

@@ -14,7 +14,7 @@ from torchrl.data.utils import CloudpickleWrapper
 
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
-from torchrl_asyncpool.forkserver import forkserver_context
+from torchrl_asyncpool.forkserver import exit_code, forkserver_context
 from torchrl_asyncpool.inference._common import InferenceServerError, ServerSpec
 from torchrl_asyncpool.inference._shared import SharedWeights, StatsBlock
 
@@ -114,7 +114,7 @@ class ProcessSlotTransport:
     @property
     def is_alive(self) -> bool:
         """Whether the server process runs and has reported no error."""
-        return self._proc is not None and self._proc.exitcode is None and self._error is None
+        return self._proc is not None and exit_code(self._proc) is None and self._error is None
 
     @property
     def error(self) -> Optional[BaseException]:
@@ -185,7 +185,7 @@ class ProcessSlotTransport:
                 except EOFError:
                     # closed without a word: the process died before server_main could report, e.g.
                     # unpickling its policy factory (an EOF stays readable: waiting again would spin)
-                    self._proc.join(1.0)
+                    exit_code(self._proc, 1.0)
                     raise InferenceServerError(
                         f"the inference server process (pid {self._proc.pid}) died during start-up "
                         f"({self._death()}) before it could report why; its traceback is on its standard "
@@ -201,8 +201,7 @@ class ProcessSlotTransport:
                 )
 
     def _death(self) -> str:
-        self._proc.join(0.2)
-        code = self._proc.exitcode
+        code = exit_code(self._proc, 0.2)
         if code is None:
             return "still running"
         return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
@@ -248,7 +247,7 @@ class ProcessSlotTransport:
         """Raises the server's error (a policy that raised, a dead server or env worker), if any."""
         if self._error is not None:
             raise self._error
-        if self._proc is not None and self._proc.exitcode is not None and not self._stopping:
+        if self._proc is not None and exit_code(self._proc) is not None and not self._stopping:
             self._drain_messages()
             if self._error is None:
                 self._error = InferenceServerError(
@@ -285,8 +284,7 @@ class ProcessSlotTransport:
         if self._monitor is not None:
             self._monitor.join(timeout)
             return not self._monitor.is_alive()
-        self._proc.join(timeout)
-        return self._proc.exitcode is not None
+        return exit_code(self._proc, timeout) is not None
 
     def close(self, timeout: float = 5.0) -> None:
         """Stops the server (closing its life pipe), kills it after ``timeout`` seconds. Idempotent."""
@@ -298,10 +296,9 @@ class ProcessSlotTransport:
             os.close(self._life_w)
             self._life_w = -1
         if self._proc is not None:
-            self._proc.join(timeout)
-            if self._proc.exitcode is None:
+            if exit_code(self._proc, timeout) is None:
                 self._proc.kill()
-                self._proc.join(2.0)
+                exit_code(self._proc, 2.0)
             if self._error is None and self._conn is not None:
                 self._drain_messages()
         if self._wake is not None:
