@@ -738,6 +738,68 @@ def test_process_mode_with_spawn_and_one_thread():
             assert server.pid == transport.pid
 
 
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_weight_updates_after_stop_are_refused(mode):
+    """A stopped server serves nothing again: new weights would never act, so they are refused
+    (thread mode used to return a version that is never served; process mode said KeyError: 'policy')."""
+    with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:
+        if mode == "thread":
+            server = InferenceServer(OracleTagPolicy())
+        else:
+            server = InferenceServer(policy_factory=OracleTagPolicy)
+        with server.start(pool):
+            _serve_until(server, 20)
+            assert server.update_policy_weights_(OracleTagPolicy(offset=1), wait=True) == 1
+        for wait in (False, True):
+            with pytest.raises(RuntimeError, match="stopped.*policy 'policy'.*create a new"):
+                server.update_policy_weights_(OracleTagPolicy(offset=2), wait=wait, timeout=5)
+        assert server.policy_version() == 1
+        assert server.stats()["policy_versions"] == {"policy": 1}  # the last stats stay readable
+
+
+def test_a_second_server_on_a_served_pool_is_refused():
+    """Two consumers on one pool lease and answer the same records (seen: 44 records answered
+    twice in 8 s by two process servers). A second start is refused until the first stops."""
+    with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:
+        first = InferenceServer(OracleTagPolicy()).start(pool)
+        try:
+            _serve_until(first, 20)
+            for second in (InferenceServer(OracleTagPolicy()), InferenceServer(policy_factory=OracleTagPolicy)):
+                with pytest.raises(RuntimeError, match="already served by InferenceServer.*stop"):
+                    second.start(pool)
+                assert not second.is_alive
+            with pytest.raises(RuntimeError, match="already served"):
+                InferenceServer(policy_factory=OracleTagPolicy).start(ProcessSlotTransport(pool))
+            _serve_until(first, 40)  # the refusals left the first server alone
+        finally:
+            first.stop()
+        with InferenceServer(policy_factory=OracleTagPolicy).start(pool) as server:  # free again
+            _serve_until(server, 20)
+
+
+def test_careless_arguments_get_clear_errors():
+    with pytest.raises(ValueError, match="'policy' is given twice"):
+        InferenceServer(OracleTagPolicy(), policies={"policy": OracleTagPolicy(offset=1)})
+    with pytest.raises(ValueError, match="'policy' is given twice"):
+        InferenceServer(policy_factory=OracleTagPolicy, policy_factories={"policy": OracleTagPolicy})
+    with pytest.raises(TypeError, match="on_batch must be callable.*got int"):
+        InferenceServer(OracleTagPolicy(), on_batch=3)
+    for bad in (None, "0.5", 0, 1.5):
+        with pytest.raises(ValueError, match="flush_fraction must be a number in \\(0, 1\\]"):
+            InferenceServer(OracleTagPolicy(), flush_fraction=bad)
+    with pytest.raises(ValueError, match="mp_start_method must be one of"):
+        InferenceServer(policy_factory=OracleTagPolicy, mp_start_method="fork")
+    with pytest.raises(ValueError, match="start_timeout must be None or a number of seconds > 0"):
+        InferenceServer(policy_factory=OracleTagPolicy, start_timeout=-1)
+    with pytest.raises(TypeError, match="policy_configs must be a dict.*got list"):
+        InferenceServer(OracleTagPolicy(), policy_configs=[1, 2])
+    with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:
+        with pytest.raises(ValueError, match="slot 0 is bound to \\['a', 'x'\\] \\(list\\)"):
+            InferenceServer(policies={"a": OracleTagPolicy()}, slot_keys=[["a", "x"]] * 2).start(pool)
+        with InferenceServer(OracleTagPolicy()).start(pool) as server:  # the refusals left the pool free
+            _serve_until(server, 20)
+
+
 # -- stats --------------------------------------------------------------------------------------
 def test_stats_keys_and_reset():
     with AsyncEnvPool(oracle_factories(4, step_delay=0.004), envs_per_worker=4) as pool:

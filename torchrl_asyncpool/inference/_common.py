@@ -229,6 +229,11 @@ def resolve_slot_keys(slot_keys, names: List[str], hashes: Dict[str, str], num_e
                 )
         else:
             name = entry
+            if not isinstance(name, str):  # a list is unhashable: `in known` would raise a bare TypeError
+                raise ValueError(
+                    f"slot {slot} is bound to {entry!r} ({type(entry).__name__}); an entry of slot_keys is a "
+                    "policy name, a BatchKey or a (policy name, config hash) tuple."
+                )
             if name not in known:
                 raise ValueError(f"slot {slot} is bound to unknown policy {name!r}; known policies: {names}.")
         out.append(known[name])

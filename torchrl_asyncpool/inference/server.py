@@ -6,6 +6,7 @@ import os
 import threading
 import traceback
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Callable, Dict, Optional
 
@@ -37,6 +38,13 @@ from torchrl_asyncpool.threads import start_daemon_thread
 __all__ = ["InferenceServer"]
 
 _MODES = ("thread", "process")
+_START_METHODS = ("forkserver", "spawn")
+
+#: the server of this process that last started on each pool, by ``id`` of the pool's
+#: ConsumerHandle (the pool hands out one handle object). Two consumers on one pool would lease
+#: and answer the same records; see ``InferenceServer._claim_pool``.
+_SERVERS = weakref.WeakValueDictionary()
+_SERVERS_LOCK = threading.Lock()
 
 
 def _delivers_errors(method):
@@ -190,6 +198,11 @@ class InferenceServer:
             for name, value in given.items():
                 if not isinstance(name, str) or not name:
                     raise TypeError(f"{what} names must be non-empty strings, got {name!r}.")
+                if name in into:  # policy= / policy_factory= took the default name already
+                    raise ValueError(
+                        f"policy name {name!r} is given twice: by {what} and by "
+                        f"{'policy=' if into is objects else 'policy_factory='}; give each policy one name."
+                    )
                 into[name] = value
         clash = sorted(set(objects) & set(factories))
         if clash:
@@ -211,6 +224,10 @@ class InferenceServer:
         self.names = list(objects) + list(factories)
         self._objects, self._factories = objects, factories
         self.mode = mode
+        if policy_configs is not None and not isinstance(policy_configs, Mapping):
+            raise TypeError(
+                f"policy_configs must be a dict {{policy name: JSON-able dict}}, got {type(policy_configs).__name__}."
+            )
         self.policy_configs = dict(policy_configs or {})
         if slot_keys is not None and (isinstance(slot_keys, (str, bytes)) or not isinstance(slot_keys, Sequence)):
             raise ValueError(
@@ -226,8 +243,12 @@ class InferenceServer:
                 f"deadline), got {timeout!r}."
             )
         self.timeout = float(timeout)
-        if not 0.0 < float(flush_fraction) <= 1.0:
-            raise ValueError(f"flush_fraction must lie in (0, 1], got {flush_fraction!r}.")
+        if (isinstance(flush_fraction, bool) or not isinstance(flush_fraction, (int, float))
+                or not 0.0 < flush_fraction <= 1.0):
+            raise ValueError(
+                f"flush_fraction must be a number in (0, 1] (the share of the slots in flight that makes a "
+                f"batch due), got {flush_fraction!r}."
+            )
         self.flush_fraction = float(flush_fraction)
         self.cpu_affinity = None if cpu_affinity is None else check_cpu_mask(cpu_affinity, "cpu_affinity")
         self.device = torch.device(device)
@@ -241,8 +262,18 @@ class InferenceServer:
         ):
             raise ValueError(f"num_threads must be None or a positive int, got {num_threads!r}.")
         self.num_threads = num_threads
+        if mp_start_method not in _START_METHODS:
+            raise ValueError(f"mp_start_method must be one of {_START_METHODS}, got {mp_start_method!r}.")
         self.mp_start_method = mp_start_method
+        if start_timeout is not None and (
+            isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not start_timeout > 0
+        ):
+            raise ValueError(f"start_timeout must be None or a number of seconds > 0, got {start_timeout!r}.")
         self.start_timeout = start_timeout
+        if on_batch is not None and not callable(on_batch):
+            raise TypeError(
+                f"on_batch must be callable as on_batch(name, request, response), got {type(on_batch).__name__}."
+            )
         self.on_batch = on_batch
         self._versions = {n: 0 for n in self.names}
         self._pending_weights: Dict[str, tuple] = {}
@@ -252,6 +283,9 @@ class InferenceServer:
         self.bucket_sizes: Dict[str, Optional[tuple]] = {}
         self._lock = threading.Lock()
         self._delivered = False
+        self._starting = False
+        self._stopped = False
+        self._handle = None
 
     # -- start-up ---------------------------------------------------------------------------
     def start(self, pool, *, hold: bool = False) -> "InferenceServer":
@@ -274,6 +308,8 @@ class InferenceServer:
 
         Raises:
             ValueError: the configuration does not fit the pool (see the class docstring).
+            RuntimeError: this server was started already, or another server of this process
+                serves the pool and was not stopped (two consumers would answer the same records).
         """
         if self._backend is not None:
             raise RuntimeError("this InferenceServer was already started; create a new one.")
@@ -281,6 +317,35 @@ class InferenceServer:
         if transport is not None and self.mode != "process":
             raise ValueError("a ProcessSlotTransport needs mode='process' (give policy factories).")
         handle = transport.handle if transport is not None else _as_handle(pool)
+        self._claim_pool(handle)
+        try:
+            return self._start(pool, transport, handle, hold)
+        finally:
+            self._starting = False
+
+    def _claim_pool(self, handle) -> None:
+        """Refuses a pool that another server of this process serves (or is starting on).
+
+        The exchange has one consumer by design: two would lease the same ready slots and
+        answer them twice. The claim is looked up, not released: a server whose serving thread
+        or process has ended (stopped, failed, killed) no longer holds its pool.
+        """
+        with _SERVERS_LOCK:
+            other = _SERVERS.get(id(handle))
+            if other is not None and other is not self and other._handle is handle and other._holds_pool():
+                raise RuntimeError(
+                    f"this pool is already served by {other!r}, started in this process; stop() it before "
+                    "starting another server on the pool (two consumers would lease and answer the same records)."
+                )
+            _SERVERS[id(handle)] = self
+            self._handle = handle
+            self._starting = True
+
+    def _holds_pool(self) -> bool:
+        """Whether this server may still lease or answer records of its pool."""
+        return self._starting or (self._backend is not None and self._backend._running)
+
+    def _start(self, pool, transport, handle, hold):
         layout = handle.layout
         targets = {**self._objects, **self._factories}
         plans, slot_key, _ = make_plans(
@@ -404,6 +469,10 @@ class InferenceServer:
 
         Returns:
             the new version.
+
+        Raises:
+            RuntimeError: the server was stopped (its weights would never act again).
+            KeyError, ValueError: the weights' names or shapes do not match the policy's.
         """
         name = self._name(name)
         self.check()
@@ -413,6 +482,12 @@ class InferenceServer:
             flat = {k: v.detach().clone() for k, v in flatten_weights(weights_or_module).items()}
         with self._lock:
             backend = self._backend
+            if self._stopped:
+                raise RuntimeError(
+                    f"the server is stopped: policy {name!r} is served no more, so these weights would never "
+                    "act. A stopped server does not start again; create a new one (weights given before its "
+                    "start act from its first batch)."
+                )
             if backend is None:
                 if flat is not None and name in self._objects:
                     _copy_into(self._objects[name], flat, name)
@@ -467,6 +542,8 @@ class InferenceServer:
         backend = self._backend
         if backend is None:
             return
+        with self._lock:  # an update_policy_weights_ in flight finishes first; later ones are refused
+            self._stopped = True
         backend.close(timeout)
         if raise_errors and backend.error is not None and not self._delivered:
             self._delivered = True
@@ -573,6 +650,11 @@ class _ThreadBackend:
     @property
     def is_alive(self):
         return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def _running(self):
+        """Whether the serving thread still runs (it may touch the pool's slots)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def check(self):
         if self.error is not None:

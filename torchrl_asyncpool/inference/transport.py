@@ -117,6 +117,11 @@ class ProcessSlotTransport:
         return self._proc is not None and exit_code(self._proc) is None and self._error is None
 
     @property
+    def _running(self) -> bool:
+        # whether the server process may still touch the pool's slots (error reported or not)
+        return self._proc is not None and exit_code(self._proc) is None
+
+    @property
     def error(self) -> Optional[BaseException]:
         """The server's first error (:class:`InferenceServerError`) seen so far, or ``None``."""
         return self._error
