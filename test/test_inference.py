@@ -777,6 +777,24 @@ def test_a_second_server_on_a_served_pool_is_refused():
             _serve_until(server, 20)
 
 
+def test_a_policy_reading_a_missing_key_is_shown_the_pool_keys():
+    """Batches carry only what the policies declare they read; the error for a typo in
+    ``in_keys`` still lists every key the pool's records provide (it listed only
+    ``env_index`` and ``valid_mask``: none of the pool's keys was read)."""
+    from tensordict.nn import TensorDictModule
+
+    typo = TensorDictModule(lambda obs: obs[..., 0].long(), in_keys=["obs"], out_keys=["action"])
+    with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:
+        with pytest.raises(ValueError, match="reads \\['obs'\\].*available keys: .*'observation'.*'tag'"):
+            InferenceServer(typo).start(pool)
+        with pytest.raises(ValueError, match="available keys: .*'observation'"):
+            InferenceServer(policy_factory=functools.partial(
+                TensorDictModule, torch.nn.Identity(), in_keys=["obs"], out_keys=["action"])).start(pool)
+    if not torch.cuda.is_available():  # torch.device(0) is the accelerator's first device
+        with pytest.raises(ValueError, match="device=0 .*accelerator"):
+            InferenceServer(OracleTagPolicy(), device=0)
+
+
 def test_careless_arguments_get_clear_errors():
     with pytest.raises(ValueError, match="'policy' is given twice"):
         InferenceServer(OracleTagPolicy(), policies={"policy": OracleTagPolicy(offset=1)})

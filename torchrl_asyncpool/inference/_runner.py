@@ -72,11 +72,14 @@ class KeyRunner:
         recurrent (dict): ``{hidden_in: hidden_out}`` keys, for clearer start-up errors.
         arena_request (TensorDict): the pool's request records (``[num_slots]``), gathered from.
         double_buffer (bool): keep two staging buffers (always on CUDA).
+        available_keys (list, optional): every request key of the pool, for the start-up error
+            of a policy that reads a key the records lack (``request_fields`` may hold only the
+            keys the policies read). Defaults to the keys of ``request_fields``.
     """
 
     def __init__(self, plan: KeyPlan, policy, request_fields, response_fields, *, device, cuda_graphs=False,
                  cuda_ctx=None, recurrent=None, arena_request: Optional[TensorDictBase] = None,
-                 double_buffer: bool = False):
+                 double_buffer: bool = False, available_keys=None):
         self.plan = plan
         self.key = plan.key
         self.policy = policy
@@ -88,6 +91,7 @@ class KeyRunner:
         self.recurrent = dict(recurrent or {})
         self.request_fields = list(request_fields) + [((ENV_INDEX,), (), torch.int64)]
         self.input_fields = self.request_fields + [((VALID_MASK,), (), torch.bool)]
+        self._available = None if available_keys is None else [*available_keys, (ENV_INDEX,), (VALID_MASK,)]
         self.response_fields = list(response_fields)
         self.response_keys = [k for k, _, _ in self.response_fields]
         self.buckets = plan.buckets
@@ -176,9 +180,10 @@ class KeyRunner:
                 wanted = []
             missing = [key_repr(k) for k in wanted if k not in provided]
             if missing:
+                available = provided if self._available is None else self._available
                 raise ValueError(
                     f"policy {name!r} (batch key {self.key}) reads {missing}, which the pool's records do not "
-                    f"provide; available keys: {sorted(map(str, (key_repr(k) for k in provided)))}."
+                    f"provide; available keys: {sorted(map(str, (key_repr(k) for k in available)))}."
                 )
         sizes = sorted({pick_bucket(self.buckets, 1), self.staging_rows})
         for rows in sizes:

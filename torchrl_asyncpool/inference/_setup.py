@@ -129,6 +129,7 @@ def build_runners(spec: ServerSpec, policies: Dict[str, object], layout, arena_r
         runner = KeyRunner(
             plan, policy, request, response, device=device, cuda_graphs=spec.cuda_graphs, cuda_ctx=ctx,
             recurrent=recurrent, arena_request=arena_request, double_buffer=spec.overlap,
+            available_keys=[f.key for f in layout.request],
         )
         runner.dry_run()
         runner.version = int(spec.initial_versions.get(plan.name, 0))

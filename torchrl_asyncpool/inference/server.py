@@ -251,7 +251,10 @@ class InferenceServer:
             )
         self.flush_fraction = float(flush_fraction)
         self.cpu_affinity = None if cpu_affinity is None else check_cpu_mask(cpu_affinity, "cpu_affinity")
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:  # torch's own text names neither the argument nor the value
+            raise ValueError(f"device={device!r} is not a device this process can use: {exc}") from exc
         self.cuda_graphs = bool(cuda_graphs)
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA device.")
