@@ -861,6 +861,28 @@ def test_a_busy_server_still_stops_promptly(mode):
         assert sorted(td.env_indices.tolist()) == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_stop_without_a_timeout_waits_and_releases_everything(mode):
+    """``stop(timeout=None)`` (TorchRL's ``shutdown(None)``) waits for the batch in hand; process
+    mode raised TypeError from the exit wait, leaving the server process a zombie and its monitor,
+    pipes and shared blocks open."""
+    with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:
+        if mode == "thread":
+            server = InferenceServer(OracleTagPolicy())
+        else:
+            server = InferenceServer(policy_factory=OracleTagPolicy)
+        server.start(pool)
+        _serve_until(server, 20)
+        pid = server.pid
+        server.shutdown(timeout=None)
+        assert not server.is_alive
+        if pid is not None:
+            assert not _alive(pid) and server._backend._proc.exitcode == 0
+            assert server._backend._stats_fd == -1 and not server._backend._monitor.is_alive()
+        td = pool.recv(min_get=2, max_get=2, timeout=10)  # nothing left leased
+        assert td.batch_size[0] == 2
+
+
 def test_stop_leaves_the_pool_usable():
     """A stopped server finishes its batch: the caller (or another server) can take over."""
     with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:

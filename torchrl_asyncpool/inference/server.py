@@ -533,12 +533,14 @@ class InferenceServer:
         return out
 
     # -- shutdown ---------------------------------------------------------------------------
-    def stop(self, timeout: float = 5.0, *, raise_errors: bool = True) -> None:
+    def stop(self, timeout: Optional[float] = 5.0, *, raise_errors: bool = True) -> None:
         """Stops serving (the current batch is finished first) and releases everything. Idempotent.
+
+        ``close`` and ``shutdown`` (TorchRL's name) are aliases.
 
         Args:
             timeout (float, optional): seconds to wait for the server to finish its batch;
-                a server process still running then is killed.
+                a server process still running then is killed. ``None`` waits as long as it takes.
             raise_errors (bool, optional): raise the error that stopped the server, if it was
                 not raised to the caller already (by :meth:`check` and the like).
         """
@@ -553,6 +555,7 @@ class InferenceServer:
             raise backend.error
 
     close = stop
+    shutdown = stop  # TorchRL's InferenceServer name
 
     def __enter__(self):
         return self

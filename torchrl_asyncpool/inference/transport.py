@@ -291,8 +291,9 @@ class ProcessSlotTransport:
             return not self._monitor.is_alive()
         return exit_code(self._proc, timeout) is not None
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stops the server (closing its life pipe), kills it after ``timeout`` seconds. Idempotent."""
+    def close(self, timeout: Optional[float] = 5.0) -> None:
+        """Stops the server (closing its life pipe), kills it after ``timeout`` seconds (``None``:
+        waits for it to end). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -301,7 +302,9 @@ class ProcessSlotTransport:
             os.close(self._life_w)
             self._life_w = -1
         if self._proc is not None:
-            if exit_code(self._proc, timeout) is None:
+            if timeout is None:  # exit_code takes seconds only; the sentinel wait takes None
+                multiprocessing.connection.wait([self._proc.sentinel])
+            if exit_code(self._proc, 0.0 if timeout is None else timeout) is None:
                 self._proc.kill()
                 exit_code(self._proc, 2.0)
             if self._error is None and self._conn is not None:
