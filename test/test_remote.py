@@ -534,3 +534,30 @@ def test_a_client_that_never_says_hello_is_dropped():
 def test_seed_is_refused_for_remote_slots():
     with pytest.raises(ValueError, match="remote env slot's host owns its env"):
         AsyncEnvPool(_slots(free_address(), 2), seed=0)
+
+
+def test_hello_deadline_holds_whatever_the_step_timeout(monkeypatch):
+    """The watchdog that enforces the hello deadline wakes at least once a second: a long
+    ``step_timeout`` (checked a tenth of it at a time) must not stretch it (it did: 10 s late
+    with step_timeout=100). The ingress runs in this process, so the deadline can be short."""
+    import queue
+
+    from torchrl_asyncpool.remote import slot as remote_slot
+
+    monkeypatch.setattr(remote_slot, "_HELLO_TIMEOUT_S", 0.2)
+    address = free_address()
+    slot = RemoteEnvSlot.like(OracleGymEnv(0), address, step_timeout=100.0)
+    slot._pool_listen(0)
+    channel = grpc.insecure_channel(address)
+    out = queue.SimpleQueue()
+    try:
+        responses = channel.stream_stream(P.METHOD)(iter(out.get, None))
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            next(responses)  # says nothing: cancelled once the hello deadline has passed
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        assert time.monotonic() - t0 < 3, f"a silent client was cancelled after {time.monotonic() - t0:.1f} s"
+    finally:
+        out.put(None)
+        channel.close()
+        slot.close()

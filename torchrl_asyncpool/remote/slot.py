@@ -382,7 +382,10 @@ class _Ingress:
         while not self._stop.is_set():
             with self._lock:
                 timeouts = [s.step_timeout for s in self.slots if s.step_timeout is not None]
-            if poller.poll(1000 * min(timeouts, default=10.0) / 10):  # the worker is stopping
+            # at most 1 s between checks, whatever the step timeouts: the hello deadline
+            # (_HELLO_TIMEOUT_S) is checked here too, and a step_timeout of 100 s must not
+            # let a silent client hold its server thread for 10 s more
+            if poller.poll(1000 * min(timeouts + [10.0]) / 10):  # the worker is stopping
                 for slot in list(self.slots):
                     slot.close()
                 return
