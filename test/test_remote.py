@@ -561,3 +561,34 @@ def test_hello_deadline_holds_whatever_the_step_timeout(monkeypatch):
         out.put(None)
         channel.close()
         slot.close()
+
+
+def test_a_malformed_hello_is_refused_with_a_reason():
+    """Bad hellos are refused as INVALID_ARGUMENT with a message, not ended silently: a deeply
+    nested JSON (a RecursionError, which ended the call with status OK and no word) and a dtype
+    numpy rejects with ValueError (whose message did not say which entry)."""
+    spec = {"observation": {"a": [[1], "float32"]}, "action": [[], "int64"]}
+    deep = P._len_field(1, b"[" * 30000 + b"]" * 30000)  # within MAX_HELLO_BYTES
+    with pytest.raises(ValueError, match="nested too deeply"):
+        P.decode_hello(deep)
+    big = {**spec, "observation": {"a": [[1], "(1000000000000000,)f8"]}}
+    with pytest.raises(ValueError, match="observation 'a' must be"):
+        P.decode_hello(P.encode_hello(big))
+    assert P.decode_hello(P.encode_hello(spec)) == spec
+    # the same, end to end: the host's call ends with the reason
+    import queue
+
+    address = free_address()
+    slot = RemoteEnvSlot.like(OracleGymEnv(0), address)
+    slot._pool_listen(0)
+    channel = grpc.insecure_channel(address)
+    out = queue.SimpleQueue()
+    try:
+        out.put(deep)
+        with pytest.raises(grpc.RpcError) as err:
+            next(channel.stream_stream(P.METHOD)(iter(out.get, None)))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nested too deeply" in err.value.details()
+    finally:
+        out.put(None)
+        channel.close()
+        slot.close()

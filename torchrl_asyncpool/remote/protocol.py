@@ -184,7 +184,7 @@ def _check_entry(what, entry) -> None:
     if ok:
         try:
             np.dtype(entry[1])
-        except TypeError:
+        except (TypeError, ValueError):  # ValueError: e.g. a subarray dtype too large, "(1000000000000000,)f8"
             ok = False
     if not ok:
         raise ValueError(f"{what} must be [shape (list of ints), numpy dtype name], got {str(entry)[:100]}.")
@@ -206,6 +206,8 @@ def decode_hello(data: bytes) -> dict:
         msg = json.loads(bytes(value).decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"hello is not UTF-8 JSON: {exc}") from None
+    except RecursionError:  # "[[[[...]]]]" within the size limit: the host must hear why, not a silent end
+        raise ValueError("hello is JSON nested too deeply (a spec is an object of [shape, dtype] lists).") from None
     if not isinstance(msg, dict) or msg.get("protocol") != PROTOCOL_VERSION:
         raise ValueError(f"hello must be a JSON object with protocol={PROTOCOL_VERSION}, got {str(msg)[:200]}.")
     obs = msg.get("observation")
