@@ -361,6 +361,8 @@ def test_bad_configurations_raise_clear_errors():
         RemoteEnvSlot("localhost", space, gym.spaces.Discrete(2))
     with pytest.raises(ValueError, match="port must be a number"):
         RemoteEnvSlot("localhost:0", space, gym.spaces.Discrete(2))
+    with pytest.raises(ValueError, match="token='' would accept hosts that send no token"):
+        RemoteEnvSlot("localhost:5000", space, gym.spaces.Discrete(2), token="")
     with pytest.raises(TypeError, match="unsupported gymnasium action space"):
         RemoteEnvSlot("localhost:5000", space, gym.spaces.Tuple([gym.spaces.Discrete(2)]))
     with pytest.raises(RuntimeError, match="stepped by a pool worker"):

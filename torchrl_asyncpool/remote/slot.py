@@ -66,7 +66,8 @@ class RemoteEnvSlot(gym.Env):
 
     Keyword Args:
         token (str, optional): hosts must send it (metadata ``x-torchrl-asyncpool-token``).
-            Defaults to ``None`` (no check).
+            Defaults to ``None`` (no check); an empty string is refused (it would admit hosts
+            that send no token, e.g. ``token=os.environ.get("TOKEN", "")`` with the variable unset).
         step_timeout (float, optional): seconds a host may take to answer a command (and to
             send its first record); a host that takes longer is dropped as if it had
             disconnected (its call is cancelled, its episode truncated, the slot freed).
@@ -99,6 +100,9 @@ class RemoteEnvSlot(gym.Env):
         _check_address(address)
         if token is not None and not isinstance(token, str):
             raise TypeError(f"token must be a str or None, got {type(token).__name__}.")
+        if token == "":  # a host that sends none matches it: an unset variable must not turn auth off
+            raise ValueError("token='' would accept hosts that send no token; pass a non-empty token, or None "
+                             "for no check.")
         if step_timeout is not None and (isinstance(step_timeout, bool) or not step_timeout > 0):
             raise ValueError(f"step_timeout must be a positive number of seconds or None, got {step_timeout!r}.")
         self.step_timeout = None if step_timeout is None else float(step_timeout)
