@@ -111,6 +111,18 @@ def test_each_address_gets_its_own_worker(dev_shm_guard):
         assert {e for e in range(3) if checker.last_step(e) is not None} == {0, 1, 2}
 
 
+def test_an_env_class_is_a_factory():
+    """``EnvHost(MyEnv, address)``: the class is called, not taken for an env (it has a ``step``
+    attribute; the host failed with "type object has no attribute 'observation_space'")."""
+    from torchrl_asyncpool.remote.torchrl_env import TorchRLEnvView
+    from torchrl_asyncpool.testing import OracleEnv
+
+    assert type(EnvHost(OracleGymEnv, "localhost:1").env) is OracleGymEnv
+    assert isinstance(EnvHost(OracleEnv, "localhost:1").env, TorchRLEnvView)
+    env = OracleGymEnv(0)
+    assert EnvHost(env, "localhost:1").env is env  # an env instance is served as is
+
+
 def test_torchrl_envs_on_both_sides(dev_shm_guard):
     """Slots laid out from a TorchRL env's specs, hosts serving TorchRL envs: the oracle holds."""
     from torchrl_asyncpool.testing import OracleEnv

@@ -49,7 +49,7 @@ class EnvHost:
     Args:
         env (gymnasium.Env, EnvBase or callable): the env (a gymnasium env, or a TorchRL env
             with an empty batch size, flat observation keys and an ``"action"`` entry), or a
-            zero-argument factory called once at the first :meth:`run`.
+            zero-argument factory (an env class included) called once at the first :meth:`run`.
         address (str): the pool's ``"host:port"``.
 
     Keyword Args:
@@ -86,7 +86,8 @@ class EnvHost:
         """The served env, seen through the gymnasium API (built on first use from a factory)."""
         from torchrl_asyncpool.remote.torchrl_env import as_gymnasium
 
-        if callable(self._env) and not hasattr(self._env, "step"):
+        # a class is a factory too (EnvHost(MyEnv, ...)), though it has a ``step`` attribute
+        if isinstance(self._env, type) or (callable(self._env) and not hasattr(self._env, "step")):
             self._env = self._env()
         self._env = as_gymnasium(self._env)
         return self._env
