@@ -336,6 +336,30 @@ def test_pool_refuses_wrong_token_wrong_spec_and_hosts_beyond_its_slots():
     assert "error" not in result
 
 
+def test_a_host_run_again_reports_only_the_slot_it_holds_now(dev_shm_guard):
+    """``slot`` is the slot held by the current run: a host that left (``max_steps``) and is
+    refused on its next run (the slot was taken meanwhile) holds none (it still said 0)."""
+    address = free_address()
+    with AsyncEnvPool(_slots(address, 1)) as pool:
+        host = EnvHost(OracleGymEnv(0), address)
+        t = threading.Thread(target=host.run, kwargs={"max_steps": 2}, daemon=True)
+        t.start()
+        while True:  # answer until the host has left and its slot waits for the next one
+            try:
+                td = pool.recv(min_get=1, timeout=0.5)
+            except TimeoutError:
+                if not t.is_alive():
+                    break
+                continue
+            _answer(pool, td)
+        assert host.slot == 0 and host.steps == 2
+        _, t2, _ = _start_host(address, 0)  # takes the freed slot
+        with pytest.raises(RemoteHostError, match="RESOURCE_EXHAUSTED"):
+            host.run()
+        assert host.slot is None
+    t2.join(10)
+
+
 def test_malformed_record_ends_the_host_stream_and_truncates_the_episode():
     address = free_address()
     with AsyncEnvPool(_slots(address, 1)) as pool:

@@ -112,6 +112,9 @@ class EnvHost:
         import gymnasium as gym
 
         grpc = P.import_grpc()
+        # the slot of an earlier run is not held now; and "accepted in this run" is what tells a
+        # pool that went away (a normal end) from a refusal below
+        self.slot = None
         env = self.env
         spec = P.spec_of_spaces(env.observation_space, env.action_space)
         codec = P.RecordCodec(spec)
