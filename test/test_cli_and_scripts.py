@@ -182,6 +182,12 @@ def test_cli_no_command_prints_help(capsys):
     assert "demo" in capsys.readouterr().out
 
 
+def test_cli_env_host_refuses_a_step_limit_with_reconnect(capsys):
+    """``--reconnect`` serves pool after pool with no step limit: ``--max-steps`` was ignored."""
+    assert cli.main(["env-host", "--address", "127.0.0.1:1", "--reconnect", "--max-steps", "10"]) == 2
+    assert "--max-steps does not apply with --reconnect" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(300)
 def test_cli_demo_smoke():
     proc = _run([*_cli_command(), "demo", "--total-frames", "1024", "--num-envs", "4", "--no-progress"],

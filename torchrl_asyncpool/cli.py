@@ -490,6 +490,10 @@ def _cmd_env_host(args: argparse.Namespace) -> int:
     if args.num_envs < 1:
         print(f"torchrl-asyncpool env-host: --num-envs must be >= 1, got {args.num_envs}.", file=sys.stderr)
         return 2
+    if args.reconnect and args.max_steps is not None:  # run_forever serves pool after pool, with no step limit
+        print("torchrl-asyncpool env-host: --max-steps does not apply with --reconnect (a host that reconnects "
+              "serves until it is stopped); give one of them.", file=sys.stderr)
+        return 2
     try:
         envs = [gym.make(args.env_id) for _ in range(args.num_envs)]
     except gym.error.Error as exc:
