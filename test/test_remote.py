@@ -630,3 +630,30 @@ def test_a_malformed_hello_is_refused_with_a_reason():
         out.put(None)
         channel.close()
         slot.close()
+
+
+def test_a_hello_while_the_pool_closes_is_told_to_try_again():
+    """A host whose hello lands after the last slot left, before the server stops, is told
+    RESOURCE_EXHAUSTED (``run_forever`` retries), not "the host's spec does not fit: None"."""
+    import queue
+
+    address = free_address()
+    slot = RemoteEnvSlot.like(OracleGymEnv(0), address)
+    slot._pool_listen(0)
+    ingress = slot._ingress
+    with ingress._lock:
+        ingress.slots.remove(slot)  # the window: the slot has left, the server still answers
+    channel = grpc.insecure_channel(address)
+    out = queue.SimpleQueue()
+    try:
+        out.put(P.encode_hello(slot._spec))
+        with pytest.raises(grpc.RpcError) as err:
+            next(channel.stream_stream(P.METHOD)(iter(out.get, None)))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+        assert "is closing" in err.value.details()
+    finally:
+        out.put(None)
+        channel.close()
+        with ingress._lock:
+            ingress.slots.append(slot)
+        slot.close()

@@ -433,6 +433,10 @@ class _Ingress:
             stream.deadline = None
         with self._lock:
             slots = sorted(self.slots, key=lambda s: s.index)
+        if not slots:  # the last slot left and the server is stopping: no spec to compare with
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the pool listening on {self.address} is closing: no remote env slot is left; "
+                          "try again later.")
         mismatch, matched = None, 0
         for slot in slots:
             diff = P.spec_difference(slot._spec, hello)
