@@ -777,6 +777,24 @@ def test_a_second_server_on_a_served_pool_is_refused():
             _serve_until(server, 20)
 
 
+def test_the_pools_own_recv_and_send_refuse_while_a_server_serves_it():
+    """``pool.recv``/``send`` are a second consumer too: refused while a server of this
+    process serves the pool, the caller's again once it stopped."""
+    with AsyncEnvPool(oracle_factories(2), envs_per_worker=2) as pool:
+        server = InferenceServer(OracleTagPolicy()).start(pool)
+        try:
+            _serve_until(server, 20)
+            with pytest.raises(RuntimeError, match="recv: this pool is served by InferenceServer.*stop"):
+                pool.recv(timeout=1.0)
+            with pytest.raises(RuntimeError, match="send: this pool is served by"):
+                pool.send({"action": torch.zeros(1, dtype=torch.int64)}, [0])
+            _serve_until(server, 40)  # the refusals left the server alone
+        finally:
+            server.stop()
+        td = pool.recv(min_get=2, timeout=30)  # what the server left ready (or answered) is the caller's now
+        pool.send({"action": oracle_action(td["tag"])}, td.env_indices)
+
+
 def test_a_policy_reading_a_missing_key_is_shown_the_pool_keys():
     """Batches carry only what the policies declare they read; the error for a typo in
     ``in_keys`` still lists every key the pool's records provide (it listed only

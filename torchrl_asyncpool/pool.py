@@ -373,6 +373,7 @@ class AsyncEnvPool:
         )
         self._pin_memory = pin_memory
         self._consumer_obj = None
+        self._served_by = None  # weakref to the InferenceServer that serves this pool (set by its start)
         self._chunk_reader = None
         self._metrics = PoolMetrics(self._arena)
 
@@ -471,7 +472,13 @@ class AsyncEnvPool:
             recurrent-state input and ``"env_index"``; its ``env_indices`` attribute
             (``LongTensor [B]``) is what :meth:`send` expects. Valid until the next
             :meth:`recv`.
+
+        Raises:
+            RuntimeError: an :class:`~torchrl_asyncpool.InferenceServer` of this process serves
+                the pool (two consumers would lease and answer the same records).
         """
+        if self._served_by is not None:
+            self._check_not_served("recv")
         return self._local_consumer().recv(min_get, max_get, timeout)
 
     def wait_ready(self, count: int = 1, timeout: float | None = None) -> int:
@@ -505,7 +512,19 @@ class AsyncEnvPool:
             env_indices (LongTensor or sequence of ints): ``[B]`` env indices, as returned in
                 ``recv(...).env_indices``; each must be leased (received and not yet answered).
         """
+        if self._served_by is not None:
+            self._check_not_served("send")
         self._local_consumer().send(actions, env_indices)
+
+    def _check_not_served(self, what: str) -> None:
+        server = self._served_by()
+        if server is not None and server._holds_pool():
+            raise RuntimeError(
+                f"{what}: this pool is served by {server!r}; its records are the server's to lease and answer "
+                "(two consumers would answer the same records). stop() the server first, or drive the pool "
+                "through the server only."
+            )
+        self._served_by = None  # the server has stopped: the pool is the caller's again
 
     def take_transitions(self, frames: int, timeout: float | None = None, check=None, reuse: bool = False):
         """Returns exactly ``frames`` transitions as one dense TensorDict (TorchRL layout).

@@ -321,6 +321,8 @@ class InferenceServer:
             raise ValueError("a ProcessSlotTransport needs mode='process' (give policy factories).")
         handle = transport.handle if transport is not None else _as_handle(pool)
         self._claim_pool(handle)
+        if hasattr(pool, "_served_by"):  # an AsyncEnvPool: its own recv/send now refuse (see there)
+            pool._served_by = weakref.ref(self)
         try:
             return self._start(pool, transport, handle, hold)
         finally:
