@@ -85,17 +85,40 @@ class Config:
     progress: bool = True
 
 
+def parse_bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
 def parse_config(argv=None) -> Config:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes", "on"), default=f.default,
-                                metavar="BOOL", help=f"(default: {f.default})")
+            parser.add_argument(flag, type=parse_bool, default=f.default, metavar="BOOL",
+                                help=f"(default: {f.default})")
         else:
             typ = {"int": int, "float": float, "str": str}[f.type] if isinstance(f.type, str) else f.type
             parser.add_argument(flag, type=typ, default=f.default, help=f"(default: {f.default})")
-    return Config(**vars(parser.parse_args(argv)))
+    cfg = Config(**vars(parser.parse_args(argv)))
+    # bad input: exit 2 with the flag's name (argparse's usage error) instead of a crash or a silent no-op
+    for name in ("num_envs", "frames_per_batch", "total_frames", "window", "buffer_size", "batch_size",
+                 "target_update_interval", "actor_update_interval", "eps_decay_frames", "hidden", "log_interval"):
+        if getattr(cfg, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}.")
+    for name in ("gamma", "eps_start", "eps_end"):
+        if not 0.0 <= getattr(cfg, name) <= 1.0:
+            parser.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(cfg, name)}.")
+    if not 0.0 < cfg.tau <= 1.0:
+        parser.error(f"--tau must be in (0, 1], got {cfg.tau}.")
+    if cfg.utd <= 0:
+        parser.error(f"--utd must be > 0 (gradient steps per collected frame), got {cfg.utd}.")
+    if cfg.learning_starts < 0:
+        parser.error(f"--learning-starts must be >= 0, got {cfg.learning_starts}.")
+    return cfg
 
 
 # ----------------------------------------------------------------------------------------------

@@ -75,17 +75,35 @@ class Config:
     progress: bool = True
 
 
+def parse_bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
 def parse_config(argv=None) -> Config:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes", "on"), default=f.default,
-                                metavar="BOOL", help=f"(default: {f.default})")
+            parser.add_argument(flag, type=parse_bool, default=f.default, metavar="BOOL",
+                                help=f"(default: {f.default})")
         else:
             typ = {"int": int, "float": float, "str": str}[f.type] if isinstance(f.type, str) else f.type
             parser.add_argument(flag, type=typ, default=f.default, help=f"(default: {f.default})")
-    return Config(**vars(parser.parse_args(argv)))
+    cfg = Config(**vars(parser.parse_args(argv)))
+    # bad input: exit 2 with the flag's name (argparse's usage error) instead of a crash or a silent no-op
+    for name in ("num_envs", "frames_per_batch", "total_frames", "window", "sgd_steps", "hidden"):
+        if getattr(cfg, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}.")
+    if not 0.0 <= cfg.gamma <= 1.0:
+        parser.error(f"--gamma must be in [0, 1], got {cfg.gamma}.")
+    for name in ("rho_bar", "c_bar"):
+        if getattr(cfg, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(cfg, name)}.")
+    return cfg
 
 
 # ----------------------------------------------------------------------------------------------

@@ -81,17 +81,39 @@ class Config:
     progress: bool = True
 
 
+def parse_bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
 def parse_config(argv=None) -> Config:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes", "on"), default=f.default,
-                                metavar="BOOL", help=f"(default: {f.default})")
+            parser.add_argument(flag, type=parse_bool, default=f.default, metavar="BOOL",
+                                help=f"(default: {f.default})")
         else:
             typ = {"int": int, "float": float, "str": str}[f.type] if isinstance(f.type, str) else f.type
             parser.add_argument(flag, type=typ, default=f.default, help=f"(default: {f.default})")
-    return Config(**vars(parser.parse_args(argv)))
+    cfg = Config(**vars(parser.parse_args(argv)))
+    # bad input: exit 2 with the flag's name (argparse's usage error) instead of a crash or a silent no-op
+    for name in ("num_envs", "frames_per_batch", "total_frames", "window", "epochs", "minibatch_size", "hidden"):
+        if getattr(cfg, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}.")
+    for name in ("gamma", "gae_lambda"):
+        if not 0.0 <= getattr(cfg, name) <= 1.0:
+            parser.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(cfg, name)}.")
+    if cfg.vector_envs < 0 or (cfg.vector_envs and cfg.num_envs % cfg.vector_envs):
+        parser.error(f"--num-envs {cfg.num_envs} must be a multiple of --vector-envs {cfg.vector_envs} (> 0).")
+    if cfg.vector_envs and cfg.remote_address:
+        parser.error("--vector-envs builds local vector envs: it cannot be combined with --remote-address.")
+    if cfg.spawn_hosts and not cfg.remote_address:
+        parser.error("--spawn-hosts true needs --remote-address HOST:PORT.")
+    return cfg
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,8 +223,6 @@ def main(argv=None) -> dict:
     optim = torch.optim.Adam(agent.parameters(), lr=cfg.lr, eps=1e-5)
 
     if cfg.vector_envs:  # a batched simulator: one factory builds vector_envs envs
-        if cfg.vector_envs < 0 or cfg.num_envs % cfg.vector_envs:
-            raise SystemExit(f"--num-envs {cfg.num_envs} must be a multiple of --vector-envs {cfg.vector_envs}.")
         factories = [functools.partial(gymnasium.make_vec, cfg.env_id, num_envs=cfg.vector_envs)]
         factories *= cfg.num_envs // cfg.vector_envs
     elif cfg.remote_address:  # slots fed by env hosts anywhere (torchrl_asyncpool.remote)
@@ -212,8 +232,6 @@ def main(argv=None) -> dict:
         factories = [functools.partial(gymnasium.make, cfg.env_id)] * cfg.num_envs
     hosts = None
     if cfg.spawn_hosts:
-        if not cfg.remote_address:
-            raise SystemExit("--spawn-hosts true needs --remote-address HOST:PORT.")
         hosts = subprocess.Popen([sys.executable, "-m", "torchrl_asyncpool.cli", "env-host", "--env-id", cfg.env_id,
                                   "--num-envs", str(cfg.num_envs), "--address", cfg.remote_address, "--no-progress"])
     collector = AsyncPoolCollector(

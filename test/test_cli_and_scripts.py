@@ -115,6 +115,50 @@ def test_script_config_flags():
         assert flag in proc.stdout
 
 
+def _load_script(name: str):
+    """Imports ``sota-implementations/<name>.py`` as a module (its ``main`` is not run)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"sota_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("ppo_cartpole", ["--progress", "flase"], "argument --progress: expected true or false, got 'flase'"),
+    ("ppo_cartpole", ["--total-frames", "-1"], "--total-frames must be >= 1"),  # lr grew with the frames
+    ("ppo_cartpole", ["--epochs", "0"], "--epochs must be >= 1"),  # torch.stack([]) after the first batch
+    ("ppo_cartpole", ["--minibatch-size", "0"], "--minibatch-size must be >= 1"),
+    ("ppo_cartpole", ["--num-envs", "8", "--vector-envs", "-2"], "must be a multiple of --vector-envs -2"),
+    # the vector envs were built locally and the address silently ignored
+    ("ppo_cartpole", ["--vector-envs", "4", "--remote-address", "127.0.0.1:1"], "cannot be combined"),
+    ("ppo_cartpole", ["--spawn-hosts", "true"], "--spawn-hosts true needs --remote-address"),
+    ("impala_cartpole", ["--sgd-steps", "0"], "--sgd-steps must be >= 1"),
+    ("impala_cartpole", ["--normalize-advantage", "nope"], "expected true or false, got 'nope'"),
+    ("dqn_cartpole", ["--total-frames", "-1"], "--total-frames must be >= 1"),  # stopped at once, 0 frames
+    ("dqn_cartpole", ["--eps-decay-frames", "0"], "--eps-decay-frames must be >= 1"),  # ZeroDivisionError
+    ("dqn_cartpole", ["--target-update-interval", "0"], "--target-update-interval must be >= 1"),
+    ("dqn_cartpole", ["--tau", "0"], "--tau must be in (0, 1]"),
+    ("dqn_cartpole", ["--utd", "0"], "--utd must be > 0"),
+])
+def test_script_flags_refuse_bad_values(script, args, message, capsys):
+    module = _load_script(script)
+    with pytest.raises(SystemExit) as exit_info:
+        module.parse_config(args)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_script_bool_flags_and_defaults_parse():
+    module = _load_script("dqn_cartpole")
+    assert module.parse_config([]) == module.Config()
+    assert module.parse_config(["--double-dqn", "FALSE", "--progress", "on"]).double_dqn is False
+
+
 def _descendants(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
