@@ -153,6 +153,14 @@ def segment_ends(batch: TensorDict) -> torch.Tensor:
     return batch["next", "done"] | last_of_env.unsqueeze(-1)
 
 
+def normalize(adv: torch.Tensor) -> torch.Tensor:
+    """Zero mean, unit std; a batch of one (the last one, when total_frames is not a multiple of
+    frames_per_batch) is only centred, as its std is undefined (NaN, which would reach the weights)."""
+    if adv.numel() < 2:
+        return adv - adv.mean()
+    return (adv - adv.mean()) / (adv.std() + 1e-8)
+
+
 class EpisodeTracker:
     """Running per-env return; returns the returns of the episodes a (grouped) batch completes."""
 
@@ -256,7 +264,7 @@ def main(argv=None) -> dict:
                     pg_adv, vs = pg_adv[0], vs[0]
                     rho = (log_pi - batch["sample_log_prob"].unsqueeze(-1)).exp()
                     if cfg.normalize_advantage:
-                        pg_adv = (pg_adv - pg_adv.mean()) / (pg_adv.std() + 1e-8)
+                        pg_adv = normalize(pg_adv)
                 loss_pi = -(log_pi * pg_adv).mean()
                 loss_v = 0.5 * (value - vs).pow(2).mean()
                 entropy = dist.entropy().mean()

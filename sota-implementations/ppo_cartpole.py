@@ -163,6 +163,14 @@ def segment_ends(batch: TensorDict) -> torch.Tensor:
     return batch["next", "done"] | last_of_env.unsqueeze(-1)
 
 
+def normalize(adv: torch.Tensor) -> torch.Tensor:
+    """Zero mean, unit std; a minibatch of one (a batch size not a multiple of the minibatch size)
+    is only centred, as its std is undefined (NaN, which would reach the weights)."""
+    if adv.numel() < 2:
+        return adv - adv.mean()
+    return (adv - adv.mean()) / (adv.std() + 1e-8)
+
+
 class EpisodeTracker:
     """Running per-env return; returns the returns of the episodes a (grouped) batch completes."""
 
@@ -278,8 +286,7 @@ def main(argv=None) -> dict:
                     dist = torch.distributions.Categorical(logits=agent.actor(mb["observation"]))
                     log_prob = dist.log_prob(mb["action"])
                     ratio = (log_prob - mb["sample_log_prob"]).exp()
-                    a = mb["advantage"].squeeze(-1)
-                    a = (a - a.mean()) / (a.std() + 1e-8)
+                    a = normalize(mb["advantage"].squeeze(-1))
                     loss_pi = -torch.min(ratio * a, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * a).mean()
                     loss_v = 0.5 * (agent.critic(mb["observation"]) - mb["value_target"]).pow(2).mean()
                     entropy = dist.entropy().mean()

@@ -7,6 +7,7 @@ which must reach the 475 target, are opt-in: ``python -m pytest -m slow test/tes
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -60,13 +61,20 @@ def _check_outputs(tmp_path: Path, png: str) -> None:
 
 
 # -- smoke: a few iterations of each script ------------------------------------------------------
+def _scalar(tmp_path: Path, name: str) -> list[float]:
+    return [float(line.split(",")[1]) for line in (tmp_path / "run" / "scalars" / f"{name}.csv").read_text().split()]
+
+
 @pytest.mark.timeout(300)
 def test_ppo_script_smoke(tmp_path):
-    proc = _run_script("ppo_cartpole.py", tmp_path, "--total-frames", "2048", "--frames-per-batch", "512",
+    # the last batch holds the one frame left (2049 = 4 x 512 + 1): a minibatch of one, whose
+    # advantage std is NaN, made the weights NaN
+    proc = _run_script("ppo_cartpole.py", tmp_path, "--total-frames", "2049", "--frames-per-batch", "512",
                        "--num-envs", "4", "--epochs", "2")
     assert "not reached" in proc.stdout
     _check_outputs(tmp_path, "ppo_cartpole.png")
-    assert len((tmp_path / "run" / "scalars" / "policy_lag.csv").read_text().splitlines()) == 4
+    assert len((tmp_path / "run" / "scalars" / "policy_lag.csv").read_text().splitlines()) == 5
+    assert all(math.isfinite(x) for x in _scalar(tmp_path, "loss_policy") + _scalar(tmp_path, "loss_value"))
 
 
 @pytest.mark.timeout(300)
@@ -92,11 +100,13 @@ def test_ppo_script_smoke_with_remote_env_hosts(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_impala_script_smoke(tmp_path):
-    proc = _run_script("impala_cartpole.py", tmp_path, "--total-frames", "1024", "--frames-per-batch", "256",
+    # the last batch holds one frame (1025 = 4 x 256 + 1): its normalised advantage was NaN
+    proc = _run_script("impala_cartpole.py", tmp_path, "--total-frames", "1025", "--frames-per-batch", "256",
                        "--num-envs", "4")
     assert "not reached" in proc.stdout
     _check_outputs(tmp_path, "impala_cartpole.png")
     assert (tmp_path / "run" / "scalars" / "policy_lag_mean.csv").is_file()
+    assert all(math.isfinite(x) for x in _scalar(tmp_path, "loss_policy") + _scalar(tmp_path, "loss_value"))
 
 
 @pytest.mark.timeout(300)
@@ -157,6 +167,16 @@ def test_script_bool_flags_and_defaults_parse():
     module = _load_script("dqn_cartpole")
     assert module.parse_config([]) == module.Config()
     assert module.parse_config(["--double-dqn", "FALSE", "--progress", "on"]).double_dqn is False
+
+
+@pytest.mark.parametrize("script", ["ppo_cartpole", "impala_cartpole"])
+def test_advantage_normalisation_of_a_single_transition_is_finite(script):
+    import torch
+
+    normalize = _load_script(script).normalize
+    assert normalize(torch.tensor([2.5])).tolist() == [0.0]
+    out = normalize(torch.tensor([1.0, 2.0, 3.0]))
+    assert abs(out.mean().item()) < 1e-6 and abs(out.std().item() - 1) < 1e-6
 
 
 def _descendants(pid: int) -> list[int]:
