@@ -265,8 +265,8 @@ def main(argv=None) -> dict:
             curve_returns += new_returns
             lag = (collector.policy_version - batch["policy_version"]).float().mean().item()
 
-            if cfg.anneal_lr:
-                optim.param_groups[0]["lr"] = cfg.lr * max(0.0, 1.0 - frames / cfg.total_frames)
+            if cfg.anneal_lr:  # linear to 0 over total_frames, from the frames before this batch (cleanrl)
+                optim.param_groups[0]["lr"] = cfg.lr * (1.0 - (frames - batch.numel()) / cfg.total_frames)
 
             # --- GAE on each env's run (done or end-of-run cuts the recursion) ---------------
             with torch.no_grad():

@@ -68,13 +68,15 @@ def _scalar(tmp_path: Path, name: str) -> list[float]:
 @pytest.mark.timeout(300)
 def test_ppo_script_smoke(tmp_path):
     # the last batch holds the one frame left (2049 = 4 x 512 + 1): a minibatch of one, whose
-    # advantage std is NaN, made the weights NaN
+    # advantage std is NaN, made the weights NaN; and the annealed lr was 0 for the last update
     proc = _run_script("ppo_cartpole.py", tmp_path, "--total-frames", "2049", "--frames-per-batch", "512",
                        "--num-envs", "4", "--epochs", "2")
     assert "not reached" in proc.stdout
     _check_outputs(tmp_path, "ppo_cartpole.png")
     assert len((tmp_path / "run" / "scalars" / "policy_lag.csv").read_text().splitlines()) == 5
     assert all(math.isfinite(x) for x in _scalar(tmp_path, "loss_policy") + _scalar(tmp_path, "loss_value"))
+    lrs = _scalar(tmp_path, "lr")
+    assert lrs[0] == 1e-3 and 0 < lrs[-1] < lrs[0]
 
 
 @pytest.mark.timeout(300)
