@@ -242,13 +242,18 @@ def main(argv=None) -> dict:
     if cfg.spawn_hosts:
         hosts = subprocess.Popen([sys.executable, "-m", "torchrl_asyncpool.cli", "env-host", "--env-id", cfg.env_id,
                                   "--num-envs", str(cfg.num_envs), "--address", cfg.remote_address, "--no-progress"])
-    collector = AsyncPoolCollector(
-        factories,
-        policy=acting,
-        frames_per_batch=cfg.frames_per_batch,
-        total_frames=cfg.total_frames,
-        seed=None if cfg.remote_address else cfg.seed,  # env i's first reset: seed + i (hosts seed their own)
-    )
+    try:
+        collector = AsyncPoolCollector(
+            factories,
+            policy=acting,
+            frames_per_batch=cfg.frames_per_batch,
+            total_frames=cfg.total_frames,
+            seed=None if cfg.remote_address else cfg.seed,  # env i's first reset: seed + i (hosts seed their own)
+        )
+    except BaseException:
+        if hosts is not None:  # no pool for them: do not leave them waiting for one
+            hosts.kill()
+        raise
     tracker = EpisodeTracker(cfg.num_envs)
     recent = deque(maxlen=cfg.window)
     curve_frames, curve_returns = [], []
