@@ -193,20 +193,20 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             ``policy=``/``policy_factory=``; any ``max_inflight_per_env`` holds, as an env has one
             request in flight at a time. ``collect_stats=False``, a ``stats_window_size`` other
             than TorchRL's default and ``service_backend="ray"`` raise :class:`ValueError`.
-        device (torch.device or str, optional), device_config (InferenceDeviceConfig, optional):
-            where the policy runs (``device``, ``device_config.policy_device``); batches are
-            stored on CPU unless ``device_config.storing_device`` says otherwise. A CUDA device
-            without CUDA raises :class:`ValueError`, and so do an ``output_device`` or
-            ``env_device`` other than the CPU: the envs step in worker processes on actions in
-            shared CPU memory.
+        device (torch.device or str, optional): where the policy runs. A CUDA device without
+            CUDA raises :class:`ValueError`. Mutually exclusive with ``device_config``
+            (:class:`ValueError`).
+        device_config (InferenceDeviceConfig, optional): TorchRL's structured device
+            configuration: the policy runs on ``device_config.policy_device`` and batches are
+            stored on CPU unless ``device_config.storing_device`` says otherwise. An
+            ``output_device`` or ``env_device`` other than the CPU raises :class:`ValueError`:
+            the envs step in worker processes on actions in shared CPU memory.
         policy_version_key (NestedKey, optional): key stamping every transition with the
             version of the policy that acted; ``None`` disables it. Defaults to
             ``"policy_version"``.
         policy_version (int, optional): initial version. Defaults to 0.
-        max_batch_size / min_batch_size / server_timeout: see above; with ``policy_factory``
-            the policy is served from a dedicated inference process (SEED style), with
-            ``policy`` from a thread of this process.
-        exploration_type (ExplorationType, optional): under which the policy acts.
+        exploration_type (ExplorationType, optional): under which the policy acts. Defaults to
+            ``ExplorationType.RANDOM``.
         create_env_kwargs (dict or list of dicts, optional): factory keyword arguments.
         envs_per_worker (int or "auto", optional): envs hosted by one worker process.
             ``"auto"`` (default) times the env: cheap CPU-bound envs are grouped about one
@@ -266,6 +266,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             Defaults to ``None``.
         post_collect_hook (callable, optional): called with each batch before it is yielded.
         verbose (bool, optional): print start-up and shutdown timings.
+
+    With ``policy_factory`` the policy is served from a dedicated inference process (SEED
+    style), with ``policy`` from a thread of this process; ``max_batch_size``,
+    ``min_batch_size`` and ``server_timeout`` configure either.
 
     TorchRL keywords that select what this collector always does (``env_backend=
     "multiprocessing"``, ``transport="auto"``, ...) are accepted; any other value of them
@@ -533,11 +537,26 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         return self._server.policy_version()
 
     def server_stats(self, *, reset: bool = False) -> dict:
-        """Inference statistics: batches/s, mean batch size, padding, inference and queueing time."""
+        """Inference statistics: batches/s, mean batch size, padding, inference and queueing time.
+
+        Args:
+            reset (bool, optional): start a new measurement window after reading. Defaults
+                to ``False``.
+
+        Returns:
+            the dict of :meth:`InferenceServer.stats <torchrl_asyncpool.InferenceServer.stats>`
+            (keys in ``torchrl_asyncpool.inference.STAT_KEYS``).
+        """
         return self._server.stats(reset=reset)
 
     def pool_metrics(self, reset: bool = False) -> dict:
-        """The exchange's health metrics (see :meth:`AsyncEnvPool.metrics`)."""
+        """The exchange's health metrics (see :meth:`AsyncEnvPool.metrics
+        <torchrl_asyncpool.AsyncEnvPool.metrics>`).
+
+        Args:
+            reset (bool, optional): start a new measurement window after reading. Defaults
+                to ``False``.
+        """
         return self._pool.metrics(reset=reset)
 
     def log_metrics(self, logger, step: int | None = None, *, reset: bool = False, prefix: str = "collector/") -> dict:
@@ -566,6 +585,14 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         since the policy lives in the server process. Weights given before the first
         iteration act from the first transition. Raises :class:`RuntimeError` once the
         collector was shut down.
+
+        Args:
+            policy_or_weights (nn.Module, TensorDict or dict, optional): the new weights.
+            weights (optional): the same, as a keyword (TorchRL's name); used when
+                ``policy_or_weights`` is ``None``.
+            policy (optional): the same, as a keyword; used when both of the above are
+                ``None``.
+            **kwargs: accepted for TorchRL compatibility and ignored.
         """
         self._ensure_started()
         source = policy_or_weights if policy_or_weights is not None else (weights if weights is not None else policy)
@@ -599,7 +626,16 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         """A quiescent boundary: while the context is open, no batch is written and (with a
         thread server) the policy does not run, so modules can be compiled or swapped. With a
         process server the server keeps answering until the envs fill their chunks and stop
-        (back-pressure). Raises :class:`RuntimeError` once the collector was shut down."""
+        (back-pressure).
+
+        Args:
+            timeout (float, optional): seconds to wait for a running policy call to finish
+                (thread server); then :class:`TimeoutError` and nothing is paused. ``None``
+                waits as long as it takes. Defaults to ``30.0``.
+
+        Raises:
+            RuntimeError: once the collector was shut down, or when it is already paused.
+        """
         self._ensure_started()
         if not self._pause_lock.acquire(blocking=False):
             raise RuntimeError("AsyncPoolCollector is already paused.")
@@ -731,7 +767,17 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             self._iteration_lock.release()
 
     def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None:
-        """Stops the background writer, the policy loop and the env workers. Idempotent."""
+        """Stops the background writer, the policy loop and the env workers. Idempotent.
+
+        Args:
+            timeout (float, optional): seconds allowed for the whole shutdown; ``None``
+                (default) means 5 seconds.
+            close_env (bool, optional): also close the pool and its env workers. Defaults to
+                ``True``.
+            raise_on_error (bool, optional): raise :class:`TimeoutError` if the background
+                writer of :meth:`start` did not stop in time, and the error it failed with (see
+                :meth:`check_errors`). Defaults to ``True``.
+        """
         if self._closed:
             return
         self._closed = True

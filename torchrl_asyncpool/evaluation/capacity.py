@@ -38,7 +38,10 @@ def check_capacity(
 
     Keyword Args:
         num_envs (int): envs at once. Defaults to 8.
-        envs_per_worker, env_threads: grouping, as in :class:`~torchrl_asyncpool.AsyncEnvPool`.
+        envs_per_worker (int or "auto", optional): envs per worker process, as in
+            :class:`~torchrl_asyncpool.AsyncEnvPool`. Defaults to ``"auto"``.
+        env_threads (bool or "auto", optional): one thread per env in a worker, as in
+            :class:`~torchrl_asyncpool.AsyncEnvPool`. Defaults to ``"auto"``.
         timeout_s (float, optional): limit for building and resetting them all
             (:class:`TimeoutError` past it). Defaults to ``None``.
         create_env_kwargs (dict, optional): keyword arguments for ``create_env_fn``.

@@ -147,9 +147,11 @@ def evaluate(
         episode_timeout_s (float, optional): wall-clock limit per episode (``"timeout"``),
             counted from the moment its env starts being built (a slot's first episode) or
             reset for it (the next ones): a creation or reset that hangs times out too.
-        envs_per_worker, env_threads: grouping of the envs in worker processes, as in
-            :class:`~torchrl_asyncpool.AsyncEnvPool` (``"auto"``: chosen from the env's
-            measured step cost and the cores).
+        envs_per_worker (int or "auto", optional): envs hosted by one worker process, as in
+            :class:`~torchrl_asyncpool.AsyncEnvPool`. Defaults to ``"auto"``: chosen from the
+            env's measured step cost and the cores.
+        env_threads (bool or "auto", optional): step each env of a worker in its own thread,
+            as in :class:`~torchrl_asyncpool.AsyncEnvPool`. Defaults to ``"auto"``.
         exploration_type (ExplorationType): under which the policy acts. Defaults to
             ``DETERMINISTIC``.
         create_env_kwargs (dict, optional): keyword arguments for ``create_env_fn``.
@@ -173,7 +175,7 @@ def evaluate(
             the drain (another slot's failure or timeout) runs again from its start on a new
             pool, as without a drain. Set it from another thread or a signal handler
             (``torchrl-asyncpool eval`` sets it on the first Ctrl-C or SIGTERM; the second one
-            aborts, see :class:`EvaluationInterrupted`).
+            aborts, see :class:`~torchrl_asyncpool.evaluation.EvaluationInterrupted`).
         progress (bool): show a progress bar of finished episodes.
         device (str or torch.device, optional): where the policy runs: each batch is copied
             there (from pinned memory, without blocking, when it is a CUDA device) and the

@@ -232,8 +232,10 @@ def _flags(terminated: bool, truncated: bool) -> dict:
 class OracleChecker:
     """Checks a stream of :class:`OracleEnv` records, env by env, in delivery order.
 
-    Call :meth:`observe` for every record a consumer receives and :meth:`sent` with the
-    action it answered (defaults to :func:`oracle_action`). Any loss, duplicate, reordering,
+    Call :meth:`observe` (or :meth:`observe_batch`) for every record a consumer receives, or
+    :meth:`observe_transitions` for TorchRL-layout transitions. The consumer must answer each
+    record with ``policy(tag)`` (:func:`oracle_action` by default): the env echoes the action it
+    received in its next record, which is checked against that. Any loss, duplicate, reordering,
     wrong step type or flag, wrong autoreset pairing or misrouted action raises
     :class:`AssertionError` naming the env and what was expected.
 
@@ -263,7 +265,21 @@ class OracleChecker:
     def observe(
         self, env_index: int, tag, step_type, reward=None, echo=None, done=None, terminated=None, truncated=None
     ) -> None:
-        """Checks one record of env ``env_index`` against the previous one of the same env."""
+        """Checks one record of env ``env_index`` against the previous one of the same env.
+
+        Args:
+            env_index (int): the env the record came from.
+            tag (tensor or sequence of 3 ints): the record's ``"tag"`` ``(env_id, episode, t)``.
+            step_type (StepType or int): the record's step type.
+            reward (float or tensor, optional): checked when given (``None`` skips it).
+            echo (int or tensor, optional): the action the env received; checked when given.
+            done (bool or tensor, optional): checked when given.
+            terminated (bool or tensor, optional): checked when given.
+            truncated (bool or tensor, optional): checked when given.
+
+        Raises:
+            AssertionError: naming the env and what was expected.
+        """
         tag = tuple(int(x) for x in (tag.tolist() if isinstance(tag, torch.Tensor) else tag))
         st = StepType(int(step_type))
         env_id, ep, t = tag
