@@ -490,6 +490,17 @@ class AsyncEnvPool:
         in bounded steps without the deadline semantics of ``recv(timeout=...)`` (which waits
         for ``max_get`` records up to its deadline). Env errors and worker deaths raise as in
         :meth:`recv`.
+
+        Args:
+            count (int, optional): records to wait for, in ``[1, num_envs]``. Defaults to ``1``.
+            timeout (float, optional): seconds to wait at most (``>= 0``); ``None`` (default)
+                waits as long as it takes.
+
+        Returns:
+            the number of records ready (fewer than ``count`` after a timeout).
+
+        Raises:
+            ValueError: for a ``count`` or ``timeout`` out of range.
         """
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= self.num_envs:
             raise ValueError(f"count must be an int in [1, num_envs={self.num_envs}], got {count!r}.")
@@ -563,7 +574,14 @@ class AsyncEnvPool:
             self._bells[bell].ring()
 
     def layout_dtype(self, key):
-        """The dtype of slot field ``key`` (an action, observation or policy output)."""
+        """The dtype of slot field ``key`` (an action, observation or policy output).
+
+        Args:
+            key (NestedKey): the field's key, as in the pool's specs.
+
+        Raises:
+            KeyError: if ``key`` is not a field of this pool.
+        """
         key = as_key(key)
         for f in self.layout.request + self.layout.response:
             if f.key == key:
@@ -594,7 +612,17 @@ class AsyncEnvPool:
 
     def log_metrics(self, logger, step: int | None = None, *, reset: bool = False, prefix: str = "pool/") -> dict:
         """Logs :meth:`metrics` to a TorchRL logger, one scalar per key (``prefix`` + key); returns
-        what it logged. See :func:`~torchrl_asyncpool.exchange.metrics.log_metrics`."""
+        what it logged. See :func:`~torchrl_asyncpool.exchange.metrics.log_metrics`.
+
+        Args:
+            logger: a TorchRL logger (anything with ``log_scalar(name, value, step=...)``).
+            step (int, optional): the step passed to the logger.
+
+        Keyword Args:
+            reset (bool, optional): start a new metrics window after reading. Defaults to
+                ``False``.
+            prefix (str, optional): prepended to each metric name. Defaults to ``"pool/"``.
+        """
         return log_metrics(logger, self.metrics(reset=reset), step, prefix)
 
     def close(self, timeout: float = 1.0) -> None:
@@ -602,6 +630,9 @@ class AsyncEnvPool:
 
         Workers are told through their life pipe (they exit at their next wake-up, closing
         their envs); any worker still running after ``timeout`` seconds is killed.
+
+        Args:
+            timeout (float, optional): seconds the workers get to exit. Defaults to ``1.0``.
         """
         if getattr(self, "_closed_for_good", False):
             return
@@ -685,7 +716,8 @@ class AsyncEnvPool:
             raise self._consumer_obj.error
 
     def death_info(self, w) -> str:
-        """How worker ``w`` ended (signal or exit code), for error messages."""
+        """How worker ``w`` (a worker index) ended, for error messages: ``"killed by signal N"``
+        or ``"exit code N"`` (``"exit code None"`` while it still runs)."""
         code = exit_code(self._procs[w], 0.05)
         return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 

@@ -437,7 +437,15 @@ class InferenceServer:
         return done
 
     def policy_version(self, name: Optional[str] = None) -> int:
-        """The latest version published for policy ``name`` (the one served once applied)."""
+        """The latest version published for policy ``name`` (the one served once applied).
+
+        Args:
+            name (str, optional): the policy's name; may be omitted when one policy is served.
+
+        Raises:
+            ValueError: if ``name`` is omitted while several policies are served.
+            KeyError: for a name that is not served.
+        """
         return self._versions[self._name(name)]
 
     def _name(self, name):
