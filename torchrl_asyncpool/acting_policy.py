@@ -75,6 +75,9 @@ class ActingPolicy(torch.nn.Module):
         return [self.carry.get(as_key(k), k) for k in in_keys]  # the carried entry stands for the key
 
     def forward(self, td):
+        """Calls the wrapped policy on ``td`` (under the exploration type, after copying the
+        carried recurrent state in) and casts the action entries to the env's dtypes; returns
+        the policy's output (``td`` when the policy returns ``None``)."""
         if self.carry:  # a shallow copy: the staged batch keeps its own entries
             td = td.copy()
             for key, slot_key in self.carry.items():

@@ -35,6 +35,7 @@ __all__ = [
     "HELD",
 ]
 
+#: chunk state words (see the module docstring for who moves a chunk from one to the next)
 FREE, FILLING, FULL, HELD = 0, 1, 2, 3
 _STEP_KEYS = ("reward", "done", "terminated", "truncated")
 _DONE_KEYS = ("done", "terminated", "truncated")

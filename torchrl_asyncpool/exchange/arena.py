@@ -41,7 +41,7 @@ __all__ = ["FieldSpec", "ArenaLayout", "Arena", "CONTROL_FIELDS", "ERROR_TEXT_BY
 
 _ALIGN = 64
 
-# (name, dtype) of the per-slot control words; all are scalars per slot.
+#: (name, dtype) of the per-slot control words; all are scalars per slot.
 CONTROL_FIELDS = (
     ("state", torch.int32),
     ("ready_time", torch.float64),

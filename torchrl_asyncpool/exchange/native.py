@@ -30,6 +30,7 @@ from torchrl_asyncpool.exchange.metrics import STAT_SLOTS
 __all__ = ["EXCHANGES", "native_available", "resolve_exchange", "describe_exchange", "build_engine", "row_copier",
            "pass_stores", "copy_into"]
 
+#: the accepted values of a pool's ``exchange=`` (see :func:`resolve_exchange`)
 EXCHANGES = ("auto", "native", "python")
 
 try:

@@ -45,6 +45,7 @@ class OracleTagPolicy(nn.Module):
         self.extra_outputs = dict(extra_outputs or {})
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        """Writes ``"action"`` (and the zero ``extra_outputs``) into ``td`` from its ``"tag"``; returns ``td``."""
         offset = self.offset.detach().round().to(torch.int64)
         td.set("action", (oracle_action(td.get("tag")) + offset) % 1000)
         for key, (shape, dtype) in self.extra_outputs.items():
@@ -74,6 +75,8 @@ class RaisingPolicy(OracleTagPolicy):
         self.fail_at_step = int(fail_at_step)
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        """As :meth:`OracleTagPolicy.forward`, but raises ``RuntimeError`` if a row's step id
+        (``tag[..., 2]``) is at least ``fail_at_step``."""
         steps = td.get("tag")[..., 2]
         if bool((steps >= self.fail_at_step).any()):
             raise RuntimeError(f"RaisingPolicy: scripted failure on a record at step {int(steps.max())}")
@@ -85,6 +88,15 @@ class MLPPolicy(nn.Module):
 
     Runs in float64 by default so that a record's action does not depend on which batch it
     was computed in (float32 matrix products may differ in the last bit between batch sizes).
+
+    Args:
+        obs_dim (int, optional): size of ``"observation"``. Defaults to ``2``.
+        num_actions (int, optional): number of logits (actions). Defaults to ``1000``.
+        hidden (int, optional): width of the two hidden layers. Defaults to ``64``.
+        seed (int, optional): seeds the initial weights. Defaults to ``0``.
+        dtype (torch.dtype, optional): parameter and compute dtype. Defaults to ``torch.float64``.
+        extra_outputs (dict, optional): ``{key: (shape, dtype)}`` of further outputs to write
+            (zeros), for pools that declare policy outputs.
 
     Examples:
         >>> import torch
@@ -110,6 +122,8 @@ class MLPPolicy(nn.Module):
         self.extra_outputs = dict(extra_outputs or {})
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        """Writes ``"action"`` (the argmax of the logits of ``"observation"``) and the zero
+        ``extra_outputs`` into ``td``; returns ``td``."""
         logits = self.net(td.get("observation").to(self.dtype))
         td.set("action", logits.argmax(-1))
         for key, (shape, dtype) in self.extra_outputs.items():
@@ -128,6 +142,9 @@ class GRUPolicy(nn.Module):
         obs_dim (int): size of ``"observation"``.
         hidden (int): hidden size; the pool must declare ``hidden_out`` with shape
             ``(hidden,)`` and this policy's dtype.
+        num_actions (int, optional): number of logits (actions). Defaults to ``1000``.
+        seed (int, optional): seeds the initial weights. Defaults to ``0``.
+        dtype (torch.dtype, optional): parameter and compute dtype. Defaults to ``torch.float64``.
 
     Examples:
         >>> import torch
@@ -154,6 +171,8 @@ class GRUPolicy(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=dtype) * 0.5)
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        """Writes ``"hidden_out"`` (one GRU step from ``"observation"``, the step id of ``"tag"``
+        and ``"hidden_in"``) and ``"action"`` into ``td``; returns ``td``."""
         # the step id makes successive observations of one episode differ
         x = torch.cat([td.get("observation").to(self.dtype), td.get("tag")[..., 2:3].to(self.dtype)], -1)
         h = self.cell(x, td.get("hidden_in").to(self.dtype))

@@ -45,6 +45,7 @@ __all__ = [
 METHOD = "/torchrl_asyncpool.EnvHost/Stream"
 #: the metadata key carrying the pool's token
 TOKEN_METADATA = "x-torchrl-asyncpool-token"
+#: the protocol version a hello and an accept carry; a hello with another one is refused
 PROTOCOL_VERSION = 1
 #: the protocol's .proto file, shipped with the package
 PROTO_FILE = __file__.rsplit("/", 1)[0] + "/env_host.proto"
@@ -192,6 +193,19 @@ def _check_entry(what, entry) -> None:
 
 # -- hello / accept -----------------------------------------------------------------------------
 def encode_hello(spec: dict) -> bytes:
+    """A host's first message (``HostMessage.hello_json``): ``spec`` as JSON, with the
+    :data:`PROTOCOL_VERSION`; :func:`decode_hello` parses it.
+
+    Args:
+        spec (dict): ``{"observation": {key: [shape, dtype]}, "action": [shape, dtype]}``, as
+            :func:`spec_of_spaces` returns.
+
+    Examples:
+        >>> from torchrl_asyncpool.remote.protocol import decode_hello, encode_hello
+        >>> spec = {"observation": {"observation": [[4], "float32"]}, "action": [[], "int64"]}
+        >>> decode_hello(encode_hello(spec)) == spec
+        True
+    """
     return _len_field(_HELLO, json.dumps({"protocol": PROTOCOL_VERSION, **spec}).encode())
 
 
@@ -220,6 +234,14 @@ def decode_hello(data: bytes) -> dict:
 
 
 def encode_accept(slot: int) -> bytes:
+    """The pool's first message to a host (``PoolMessage.accept_json``): the index of the slot
+    it fills, with the :data:`PROTOCOL_VERSION`; :func:`decode_accept` parses it.
+
+    Examples:
+        >>> from torchrl_asyncpool.remote.protocol import decode_accept, encode_accept
+        >>> decode_accept(encode_accept(3))
+        3
+    """
     return _len_field(_ACCEPT, json.dumps({"protocol": PROTOCOL_VERSION, "slot": int(slot)}).encode())
 
 

@@ -143,7 +143,12 @@ class RemoteEnvSlot(gym.Env):
     # -- gymnasium API ----------------------------------------------------------------------------
     def reset(self, *, seed=None, options=None):
         """Waits for a host if none holds the slot, tells it to reset when it sent a record
-        before, and returns its FIRST record's observation."""
+        before, and returns ``(its FIRST record's observation, {})``.
+
+        Raises:
+            ValueError: for a ``seed`` or ``options``: the host owns its env and its resets.
+            RuntimeError: for a slot that a pool worker steps (it listens in the worker).
+        """
         if seed is not None or options:
             raise ValueError(
                 f"{self._where()}: a remote host owns its env and its resets; a seed or reset options cannot be "
@@ -187,6 +192,7 @@ class RemoteEnvSlot(gym.Env):
         return self._out(obs), reward, st == _TERM, st == _TRUNC, {}
 
     def close(self):
+        """Lets go of the slot's host (its stream ends) and stops waiting for one. Idempotent."""
         with self._cond:
             self._closed = True
             stream, self._stream = self._stream, None

@@ -88,12 +88,16 @@ class TorchRLEnvView(gym.Env):
         return {k: td.get(k).numpy() for k in self._keys}
 
     def reset(self, *, seed=None, options=None):
+        """Resets the env (``env.set_seed(seed)`` first when ``seed`` is given; ``options`` is
+        ignored); returns ``(observation dict of numpy arrays, {})``."""
         if seed is not None:
             self.env.set_seed(seed)
         self._td = self.env.reset()
         return self._obs(self._td), {}
 
     def step(self, action):
+        """Steps the env with ``action`` as its ``"action"`` entry; returns ``(observation,
+        reward, terminated, truncated, {})`` as gymnasium does."""
         td = self._td.set("action", torch.as_tensor(np.asarray(action), dtype=self._action_dtype))
         nxt = self.env.step(td).get("next")
         reward = float(nxt.get(self._reward_key).reshape(-1)[0])
@@ -102,4 +106,5 @@ class TorchRLEnvView(gym.Env):
         return self._obs(nxt), reward, terminated, truncated, {}
 
     def close(self):
+        """Closes the TorchRL env."""
         self.env.close()

@@ -136,6 +136,7 @@ class TorchRLEnvAdapter:
         return value.detach().numpy() if value.requires_grad else value.numpy()
 
     def random_action(self) -> Dict:
+        """A random action ``{action key: tensor}`` drawn from the env's action spec."""
         spec = self.env.full_action_spec
         return {k: spec[k].rand() for k in self.action_keys}
 
@@ -174,6 +175,7 @@ class TorchRLEnvAdapter:
         return nxt, nxt.get(self.reward_key), terminated, truncated
 
     def close(self) -> None:
+        """Closes the env; an error while closing is swallowed (it must not mask the real one)."""
         try:
             self.env.close()
         except Exception:  # noqa: BLE001 - closing a half-broken env must not mask the real error
@@ -310,6 +312,7 @@ class GymnasiumEnvAdapter:
     takes_numpy = True
 
     def fields(self) -> Tuple[Dict, Dict]:
+        """``(request, response)`` field specs ``{key: (shape, dtype)}`` for one slot."""
         import gymnasium as gym
 
         request = {}
@@ -331,15 +334,19 @@ class GymnasiumEnvAdapter:
 
     @staticmethod
     def as_numpy(value):
+        """Observation entries as they are (gymnasium returns numpy arrays already)."""
         return value
 
     def random_action(self) -> Dict:
+        """A random ``{"action": tensor}`` sampled from the action space."""
         return {"action": torch.as_tensor(self.env.action_space.sample())}
 
     def _obs(self, obs):
         return obs if self._dict_obs else {"observation": obs}
 
     def reset(self):
+        """Resets the env (with the episode plan's seed and options, or the first seed, when
+        set); returns a mapping ``key -> numpy array`` holding the observation."""
         if self._plan is not None:
             seed, options = self._plan.next_reset()
             obs, _ = self.env.reset(seed=seed, options=options)
@@ -367,6 +374,7 @@ class GymnasiumEnvAdapter:
         return a[()] if self._discrete_scalar is None else self._discrete_scalar(a)
 
     def step(self, actions: Dict):
+        """Steps with ``actions["action"]``; returns ``(obs, reward, terminated, truncated)``."""
         obs, reward, terminated, truncated, _ = self.env.step(self._action_value(actions))
         return self._obs(obs), reward, bool(terminated), bool(truncated)
 
@@ -388,6 +396,7 @@ class GymnasiumEnvAdapter:
         return reward, bool(terminated), bool(truncated)
 
     def close(self) -> None:
+        """Closes the env; an error while closing is swallowed (it must not mask the real one)."""
         try:
             self.env.close()
         except Exception:  # noqa: BLE001 - closing a half-broken env must not mask the real error
@@ -432,9 +441,12 @@ class GymnasiumVectorAdapter(GymnasiumEnvAdapter):
         self._first_seed = _own_attr(env, FIRST_SEED_ATTR)
 
     def random_action(self) -> Dict:
+        """A random ``{"action": tensor}`` for one sub-env (from ``single_action_space``)."""
         return {"action": torch.as_tensor(self.env.single_action_space.sample())}
 
     def reset(self):
+        """Resets all ``k`` envs (sub-env ``j`` with the first seed ``+ j`` when set); returns the
+        observations, each with a leading ``k``."""
         if self._first_seed is not None:
             obs, _ = self.env.reset(seed=self._first_seed)  # sub-env j gets seed + j (gymnasium's rule)
             self._first_seed = None
