@@ -3,7 +3,7 @@
 The wrapper adds what TorchRL's collectors do around a policy call and what a strict slot
 layout needs: the exploration type, a cast of the action entries to the env's action dtypes
 (TorchRL envs accept e.g. a float one-hot; the exchange stores exact dtypes), a pause gate
-that keeps the policy idle while :meth:`AsyncPoolCollector.pause` is open, and TorchRL's
+that keeps the policy idle while :meth:`~torchrl_asyncpool.AsyncPoolCollector.pause` is open, and TorchRL's
 recurrent-state convention (see :func:`torchrl_recurrent_state`).
 """
 from __future__ import annotations

@@ -134,7 +134,8 @@ def resolve_collector_affinity(worker_affinity, driver_affinity, policy_num_thre
     pool resolves ``"auto"`` itself (it partitions only workers that step without threads);
     the auto policy mask (the first CPU, only with ``"auto"`` on both sides and
     ``policy_num_threads == 1``) applies when the pool did partition its workers. An explicit
-    ``driver_affinity`` pins the policy and :meth:`start`'s thread; ``None`` pins nothing.
+    ``driver_affinity`` pins the policy and the thread of
+    :meth:`~torchrl_asyncpool.AsyncPoolCollector.start`; ``None`` pins nothing.
     """
     for name, value in (("worker_affinity", worker_affinity), ("driver_affinity", driver_affinity)):
         if isinstance(value, str) and value != AUTO:

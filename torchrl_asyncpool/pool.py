@@ -171,8 +171,9 @@ class AsyncEnvPool:
             lowest priority. ``"auto"`` (default): the environment variable
             ``TORCHRL_ASYNCPOOL_IDLE_POLL`` (``1``/``0``) when set, else on for workers that
             step their envs in their own thread (not threaded workers) where idle cores wake
-            slowly (a ~40 ms probe at start-up, :func:`~torchrl_asyncpool.exchange.doorbell.
-            resolve_idle_poll`). The resolved value is :attr:`idle_poll`.
+            slowly (a ~40 ms probe at start-up,
+            :func:`~torchrl_asyncpool.exchange.doorbell.resolve_idle_poll`). The resolved value
+            is :attr:`idle_poll`.
         cancel_start (callable, optional): ``() -> bool``, asked before each worker is
             started and about every 0.1 s while they build and reset their envs (the fork
             server's own first start, once per process, is not cut short); when it

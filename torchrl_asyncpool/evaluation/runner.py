@@ -332,9 +332,10 @@ def evaluate(
 
 
 def resolve_policy_device(policy, device=None) -> torch.device:
-    """The device :func:`evaluate` runs ``policy`` on: ``device`` checked (``ValueError`` for
-    a bad name, a device other than CPU or CUDA, or CUDA where there is none), or when ``None``
-    the device of the policy's first parameter (the CPU when it has none).
+    """The device :func:`~torchrl_asyncpool.evaluation.evaluate` runs ``policy`` on: ``device``
+    checked (``ValueError`` for a bad name, a device other than CPU or CUDA, or CUDA where there
+    is none), or when ``None`` the device of the policy's first parameter (the CPU when it has
+    none).
 
     Examples:
         >>> import torch

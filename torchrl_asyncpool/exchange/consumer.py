@@ -53,7 +53,8 @@ class SlotConsumer:
     """Forms batches from ready slots and answers them.
 
     Args:
-        handle (ConsumerHandle): from :meth:`AsyncEnvPool.consumer_handle`.
+        handle (ConsumerHandle): from :meth:`AsyncEnvPool.consumer_handle
+            <torchrl_asyncpool.AsyncEnvPool.consumer_handle>`.
 
     Keyword Args:
         pin_memory (bool): allocate the staging buffer in pinned memory.

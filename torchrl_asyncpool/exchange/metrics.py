@@ -13,7 +13,7 @@ import numpy as np
 
 __all__ = ["PoolMetrics", "METRIC_KEYS", "STAT_SLOTS", "record_recv", "record_send", "record_wait", "log_metrics"]
 
-#: Keys of :meth:`AsyncEnvPool.metrics` and what they mean.
+#: Keys of :meth:`AsyncEnvPool.metrics <torchrl_asyncpool.AsyncEnvPool.metrics>` and what they mean.
 METRIC_KEYS = {
     "frames": "records handed out by recv since the last reset",
     "batches": "recv calls that returned a batch",
