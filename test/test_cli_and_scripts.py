@@ -262,6 +262,16 @@ def test_cli_demo_smoke():
     assert "final return" in proc.stdout
 
 
+def test_demo_ends_on_a_one_frame_batch_with_a_finite_loss():
+    """257 frames in batches of 256: the last batch holds one transition, whose advantage std
+    is NaN; normalising by it made the loss (and then the weights) NaN."""
+    import math
+
+    out = cli.train_impala_demo(total_frames=257, num_envs=2, frames_per_batch=256, progress=False)
+    assert out["frames"] == 257
+    assert math.isfinite(out["last_loss"]), out
+
+
 def test_cli_bench_missing_script(tmp_path, capsys):
     assert cli.main(["bench", "--script", str(tmp_path / "missing.py")]) == 2
     assert "was not found" in capsys.readouterr().err

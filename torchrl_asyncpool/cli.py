@@ -122,8 +122,8 @@ def train_impala_demo(
 
     Returns a dict with ``frames``, ``time_s``, ``fps`` (end-to-end frames/s, learning
     included), ``env_fps`` (the pool's), ``batch_fill_ratio``, ``mean_return`` (last
-    ``window`` episodes), ``episodes``, ``reached`` and ``mean_policy_lag``. Errors in env
-    workers or in the policy propagate.
+    ``window`` episodes), ``episodes``, ``reached``, ``mean_policy_lag`` and ``last_loss``
+    (the last update's loss). Errors in env workers or in the policy propagate.
     """
     import gymnasium
     import torch
@@ -157,6 +157,7 @@ def train_impala_demo(
     recent: deque = deque(maxlen=window)
     frames = episodes = 0
     lag_sum = 0.0
+    last_loss = float("nan")
     reached = False
     pool = {"fps": float("nan"), "batch_fill_ratio": float("nan")}
     pbar = tqdm.tqdm(total=total_frames, unit="frames", disable=not progress, dynamic_ncols=True)
@@ -190,12 +191,15 @@ def train_impala_demo(
                     next_value[None], batch["next", "reward"][None], ends[None], batch["next", "terminated"][None],
                 )
                 adv, vs = adv[0], vs[0]
-                adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+                # a 1-frame batch (the last one, when total_frames is not a multiple of the batch) is
+                # only centred: the std of one value is NaN, which would reach the weights
+                adv = adv - adv.mean() if adv.numel() < 2 else (adv - adv.mean()) / (adv.std() + 1e-8)
             loss = -(log_pi * adv).mean() + 0.25 * (value - vs).pow(2).mean() - ent_coef * dist.entropy().mean()
             optim.zero_grad()
             loss.backward()
             nn.utils.clip_grad_norm_(agent.parameters(), 0.5)
             optim.step()
+            last_loss = loss.item()
             collector.update_policy_weights_(agent.state_dict())  # copied into the acting policy
 
             pool = collector.pool_metrics()
@@ -221,6 +225,7 @@ def train_impala_demo(
         "reached": reached,
         "mean_policy_lag": lag_sum / max(it + 1, 1) if frames else float("nan"),
         "startup_s": collector.startup_time_s,
+        "last_loss": last_loss,
     }
 
 
