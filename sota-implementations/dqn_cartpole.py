@@ -34,6 +34,7 @@ import copy
 import dataclasses
 import functools
 import os
+import re
 import threading
 import time
 
@@ -58,7 +59,7 @@ class Config:
     frames_per_batch: int = 128           # transitions per replay-buffer write
     total_frames: int = 300_000           # hard stop
     target_return: float = 475.0          # stop early when the mean of the last `window` episodes reaches it
-    window: int = 20
+    window: int = 20                      # episodes in the moving mean of the return
     # DQN
     buffer_size: int = 100_000
     batch_size: int = 128
@@ -93,16 +94,35 @@ def parse_bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
 
 
+def field_help() -> dict:
+    """Each Config field's trailing comment (with its indented continuation lines), for --help."""
+    with open(__file__) as f:  # this file's own Config block
+        source = f.read().split("\nclass Config:\n", 1)[1].split("\n\n", 1)[0]
+    out, last = {}, None
+    for line in source.splitlines():
+        field = re.match(r"    (\w+): [^=]+= .*?(?:#\s*(.*))?$", line)
+        if field:
+            last = field.group(1)
+            out[last] = field.group(2) or ""
+        elif last and re.match(r"\s{8,}#", line):  # a continuation, aligned under the comment
+            out[last] += " " + line.split("#", 1)[1].strip()
+        else:
+            last = None
+    return out
+
+
 def parse_config(argv=None) -> Config:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    helps = field_help()
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
+        default = "" if f.default == "" else f" (default: {f.default})"  # "": the comment says what it means
+        text = (helps.get(f.name, "") + default).strip()
         if f.type in ("bool", bool):
-            parser.add_argument(flag, type=parse_bool, default=f.default, metavar="BOOL",
-                                help=f"(default: {f.default})")
+            parser.add_argument(flag, type=parse_bool, default=f.default, metavar="BOOL", help=text)
         else:
             typ = {"int": int, "float": float, "str": str}[f.type] if isinstance(f.type, str) else f.type
-            parser.add_argument(flag, type=typ, default=f.default, help=f"(default: {f.default})")
+            parser.add_argument(flag, type=typ, default=f.default, help=text)
     cfg = Config(**vars(parser.parse_args(argv)))
     # bad input: exit 2 with the flag's name (argparse's usage error) instead of a crash or a silent no-op
     for name in ("num_envs", "frames_per_batch", "total_frames", "window", "buffer_size", "batch_size",

@@ -120,11 +120,20 @@ def test_dqn_script_smoke(tmp_path):
     assert (tmp_path / "run" / "scalars" / "updates.csv").is_file()
 
 
-def test_script_config_flags():
-    """Every config field is a flag, and --help documents the defaults."""
-    proc = _run([sys.executable, str(SCRIPTS / "ppo_cartpole.py"), "--help"], timeout=120)
-    for flag in ("--total-frames", "--num-envs", "--log-dir", "--target-return", "--gae-lambda"):
+@pytest.mark.parametrize("script", ["ppo_cartpole.py", "impala_cartpole.py", "dqn_cartpole.py"])
+def test_script_config_flags(script):
+    """Every config field is a flag, and --help documents the defaults and what a field means
+    (its comment in the Config block, continuation lines included)."""
+    proc = _run([sys.executable, str(SCRIPTS / script), "--help"], timeout=120)
+    text = " ".join(proc.stdout.split())  # argparse wraps the help text
+    for flag in ("--total-frames", "--num-envs", "--log-dir", "--target-return"):
         assert flag in proc.stdout
+    assert "--total-frames TOTAL_FRAMES hard stop (default:" in text
+    assert "episodes in the moving mean of the return (default: 20)" in text
+    assert f"--exp-name EXP_NAME default: {script[:-3]}_<time> --plot-path" in text  # the block's last lines too
+    if script == "ppo_cartpole.py":
+        assert "--gae-lambda" in proc.stdout
+        assert "num_envs / vector_envs of them, each stepped in lockstep by one worker (default: 0)" in text
 
 
 def _load_script(name: str):
