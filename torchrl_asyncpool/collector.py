@@ -31,7 +31,7 @@ from torchrl_asyncpool.inference._runner import flatten_weights
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange.arena import as_key
 from torchrl_asyncpool.exchange.metrics import log_metrics
-from torchrl_asyncpool.pool import AsyncEnvPool
+from torchrl_asyncpool.pool import AsyncEnvPool, _shadowing_outputs
 from torchrl_asyncpool.affinity import pinned, resolve_collector_affinity
 from torchrl_asyncpool.threads import start_daemon_thread
 
@@ -440,13 +440,11 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         def policy_outputs(request, actions):
             outputs = derive_policy_outputs(probe, request, actions, policy_version_key, device=self._policy_device)
             recurrent.update(_torchrl_recurrent(outputs, request, create_env_fn, create_env_kwargs))
-            # a ("next", key) the policy writes for an env observation that is not a carried state
-            # is not kept: the env's next observation is what a transition holds there (TorchRL's
-            # env step output wins too), and the pool refuses such an output
-            observed = {as_key(k) for k in request}
-            carried = {as_key(k) for k in recurrent.values()}
-            return {k: v for k, v in outputs.items()
-                    if not (as_key(k)[0] == "next" and as_key(k)[1:] in observed and as_key(k) not in carried)}
+            # a ("next", key) the policy writes for an env entry that is not a carried state is not
+            # kept: the env's own next entry is what a transition holds there (TorchRL's env step
+            # output wins too), and the pool would refuse such an output
+            shadowing = set(_shadowing_outputs(outputs, recurrent, request))
+            return {k: v for k, v in outputs.items() if k not in shadowing}
 
         self._pool = AsyncEnvPool(
             create_env_fn,

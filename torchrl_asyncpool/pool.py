@@ -954,22 +954,28 @@ def _check_policy_outputs(spec, request, response) -> dict:
     return out
 
 
-def _check_next_outputs(outputs, recurrent, request) -> None:
-    """Refuses a policy output ``("next", *key)`` for a record entry ``key`` (an observation, the
-    reward, a flag): in a transition, ``("next", *key)`` is the env's own next entry, which the
-    output would silently replace. The one exception is TorchRL's recurrent convention as the
+def _shadowing_outputs(outputs, recurrent, request) -> list:
+    """The policy outputs ``("next", *key)`` for a record entry ``key`` (an observation, the
+    reward, a flag): in a transition, ``("next", *key)`` is the env's own next entry, which such
+    an output would silently replace. The one exception is TorchRL's recurrent convention as the
     collector maps it (``{(CARRY_KEY, *key): ("next", *key)}`` for a primer key, see
     :func:`~torchrl_asyncpool.acting_policy.torchrl_recurrent_state`): the primer's entry is
-    the policy's state, which the transitions deliver in its place."""
+    the policy's state, which the transitions deliver in its place. The pool refuses these
+    outputs (``_check_next_outputs``); the collector leaves them out (the env's entry wins)."""
     observed = {as_key(k) for k in request}
     carried = {as_key(v) for h, v in recurrent.items() if as_key(h) == (CARRY_KEY, *as_key(v)[1:])}
-    for key in outputs:
+    return [key for key in outputs
+            if len(k := as_key(key)) > 1 and k[0] == "next" and k[1:] in observed and k not in carried]
+
+
+def _check_next_outputs(outputs, recurrent, request) -> None:
+    """Refuses the outputs of :func:`_shadowing_outputs`."""
+    for key in _shadowing_outputs(outputs, recurrent, request):
         k = as_key(key)
-        if len(k) > 1 and k[0] == "next" and k[1:] in observed and k not in carried:
-            raise ValueError(
-                f"policy_output_spec key {key!r} is where the transitions hold the env's own next "
-                f"{k[1:] if len(k) > 2 else k[1]!r}; rename the output."
-            )
+        raise ValueError(
+            f"policy_output_spec key {key!r} is where the transitions hold the env's own next "
+            f"{k[1:] if len(k) > 2 else k[1]!r}; rename the output."
+        )
 
 
 def _check_recurrent(recurrent, outputs, request) -> dict:
