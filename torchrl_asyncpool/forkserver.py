@@ -79,9 +79,10 @@ def forkserver_context(user: str = "AsyncEnvPool"):
 _POLL_LOCK = threading.Lock()
 
 
-def exit_code(proc, timeout: float = 0.0):
+def exit_code(proc, timeout: float | None = 0.0):
     """``proc.exitcode`` (``None`` while it runs), after waiting up to ``timeout`` seconds for it
-    to end; safe to call from several threads at once (see ``_POLL_LOCK``).
+    to end (``None``: until it ends); safe to call from several threads at once (see
+    ``_POLL_LOCK``).
 
     The wait happens outside the lock, so a thread waiting on one child does not hold up
     another thread reading a status.
@@ -94,7 +95,7 @@ def exit_code(proc, timeout: float = 0.0):
         >>> exit_code(p, timeout=30)
         0
     """
-    if proc.sentinel is not None and timeout > 0:
+    if timeout is None or timeout > 0:
         wait([proc.sentinel], timeout)
     with _POLL_LOCK:
         proc.join(0)  # reads the status if it ended; also drops it from multiprocessing's children

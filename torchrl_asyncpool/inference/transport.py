@@ -114,7 +114,7 @@ class ProcessSlotTransport:
     @property
     def is_alive(self) -> bool:
         """Whether the server process runs and has reported no error."""
-        return self._proc is not None and exit_code(self._proc) is None and self._error is None
+        return self._running and self._error is None
 
     @property
     def _running(self) -> bool:
@@ -302,9 +302,7 @@ class ProcessSlotTransport:
             os.close(self._life_w)
             self._life_w = -1
         if self._proc is not None:
-            if timeout is None:  # exit_code takes seconds only; the sentinel wait takes None
-                multiprocessing.connection.wait([self._proc.sentinel])
-            if exit_code(self._proc, 0.0 if timeout is None else timeout) is None:
+            if exit_code(self._proc, timeout) is None:
                 self._proc.kill()
                 exit_code(self._proc, 2.0)
             if self._error is None and self._conn is not None:
