@@ -241,6 +241,12 @@ def evaluate(
                 s = summarize([r for r in results if r is not None])
                 bar.set_postfix(mean_return=s["mean_return"], failed=s["failed"], timeout=s["timeout"])
 
+        def fail_unstarted(error: str) -> None:
+            """Every episode without a result fails with ``error`` (it never started)."""
+            for i, r in enumerate(results):
+                if r is None:
+                    finish(i, EpisodeResult(episodes[i].episode_id, "failed", seed=episodes[i].seed, error=error))
+
         run: Optional[_Run] = None
         try:
             isolate = False  # after a worker died hosting several running episodes: one env per process
@@ -296,10 +302,7 @@ def evaluate(
                     done = sum(r is not None for r in results)
                     run.abandon(f"did not finish: the evaluation failed: {cause}",
                                 f"not started: the evaluation failed: {cause}")
-                    for i, r in enumerate(results):
-                        if r is None:
-                            finish(i, EpisodeResult(episodes[i].episode_id, "failed", seed=episodes[i].seed,
-                                                    error=f"not started: the evaluation failed: {cause}"))
+                    fail_unstarted(f"not started: the evaluation failed: {cause}")
                     primary = EvaluationError(
                         f"evaluate(): the evaluation failed: {cause}. {done} of {len(episodes)} episodes had ended; "
                         "every result (the others failed with this cause) is in this error's .results.", list(results))
@@ -309,10 +312,7 @@ def evaluate(
                     grace = close_timeout_s if primary is None or isinstance(primary, Exception) else 1.0
                     _close_noting(pool, min(grace, close_timeout_s), primary)
                 rerun = run.interrupted()
-            for i, r in enumerate(results):  # drained: these never started
-                if r is None:
-                    finish(i, EpisodeResult(episodes[i].episode_id, "failed", seed=episodes[i].seed,
-                                            error="not started: the evaluation was stopped"))
+            fail_unstarted("not started: the evaluation was stopped")  # drained: these never started
         except KeyboardInterrupt as exc:  # an abort: the pool is closed already (finally), results are kept
             if isinstance(exc, EvaluationInterrupted):
                 raise
@@ -320,10 +320,7 @@ def evaluate(
             if run is not None:  # the running episodes' return and length so far
                 run.abandon("did not finish: the evaluation was aborted", "not started: the evaluation was aborted",
                             ended=lambda i: results[i] is not None)
-            for i, r in enumerate(results):
-                if r is None:
-                    finish(i, EpisodeResult(episodes[i].episode_id, "failed", seed=episodes[i].seed,
-                                            error="not started: the evaluation was aborted"))
+            fail_unstarted("not started: the evaluation was aborted")
             raise EvaluationInterrupted(
                 f"evaluate(): aborted by {type(exc).__name__}; {done} of {len(episodes)} episodes had ended; every "
                 "result (the others failed: 'did not finish' or 'not started') is in this error's .results.",
