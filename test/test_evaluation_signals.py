@@ -2,6 +2,7 @@
 once, and an abort (a second Ctrl-C of ``torchrl-asyncpool eval``, a ``KeyboardInterrupt`` of
 ``evaluate()``) still keeps every finished result. The CLI tests run the real command in a fresh
 session and signal it with ``os.kill``/``os.killpg``, as a terminal or a supervisor would."""
+import contextlib
 import functools
 import json
 import os
@@ -194,15 +195,24 @@ register(id="Long-v0", entry_point="sigenvs:Long")
 '''
 
 
-def _start_cli(tmp_path, env_id, episodes, num_envs=2):
+@contextlib.contextmanager
+def _running_cli(tmp_path, env_id, episodes, num_envs=2):
+    """``torchrl-asyncpool eval`` over the signal test envs, in a session of its own; its whole
+    session is killed on the way out if it is still running (a failed assertion)."""
     (tmp_path / "sigenvs.py").write_text(_ENV_MODULE)
     exe = shutil.which("torchrl-asyncpool", path=os.path.dirname(sys.executable))
     cmd = [exe] if exe else [sys.executable, "-m", "torchrl_asyncpool.cli"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([*cmd, "eval", "--env-id", f"sigenvs:{env_id}", "--episodes", str(episodes),
+    proc = subprocess.Popen([*cmd, "eval", "--env-id", f"sigenvs:{env_id}", "--episodes", str(episodes),
                              "--num-envs", str(num_envs), "--output", str(tmp_path / "results.json"),
                              "--no-progress"], cwd=tmp_path, env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
 
 
 def _session(sid) -> list:
@@ -244,8 +254,7 @@ def test_cli_eval_a_signal_during_the_pool_start_up_abandons_it(tmp_path, signum
     terminal sends it) or SIGTERM (to the CLI) then drains at once: the start-up is abandoned, the
     pool closed, every episode written as not started, exit status 130 or 143, nothing left."""
     shm_before = _ours_in_dev_shm()
-    proc = _start_cli(tmp_path, "StartHang-v0", episodes=4)
-    try:
+    with _running_cli(tmp_path, "StartHang-v0", episodes=4) as proc:
         _wait_for(tmp_path, "resetting-", count=2, timeout=240, proc=proc)
         descendants = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         t0 = time.monotonic()
@@ -255,10 +264,6 @@ def test_cli_eval_a_signal_during_the_pool_start_up_abandons_it(tmp_path, signum
             os.kill(proc.pid, signal.SIGTERM)
         output = _finish(proc, within=60)
         took = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
     assert proc.returncode == 128 + signum, output[-3000:]
     assert took < 15, f"the start-up was not abandoned promptly: exit {took:.1f} s after the signal"
     episodes = json.loads((tmp_path / "results.json").read_text())["episodes"]
@@ -277,8 +282,7 @@ def test_cli_eval_a_second_ctrl_c_aborts_and_still_writes_the_results(tmp_path):
     finish", their steps so far), seed 3 not started; exit status 130, nothing left."""
     shm_before = _ours_in_dev_shm()
     (tmp_path / "results.json").write_text("previous")
-    proc = _start_cli(tmp_path, "Long-v0", episodes=4)
-    try:
+    with _running_cli(tmp_path, "Long-v0", episodes=4) as proc:
         _wait_for(tmp_path, "ended-0", timeout=240, proc=proc)
         _wait_for(tmp_path, "stepped-2", timeout=60, proc=proc)
         _wait_for(tmp_path, "stepped-1", timeout=60, proc=proc)
@@ -290,10 +294,6 @@ def test_cli_eval_a_second_ctrl_c_aborts_and_still_writes_the_results(tmp_path):
         os.killpg(proc.pid, signal.SIGINT)
         output = _finish(proc, within=60)
         took = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
     assert proc.returncode == 130, output[-3000:]
     assert took < 15, f"the abort took {took:.1f} s"
     assert "aborting" in output and "no results written" not in output, output[-3000:]
