@@ -405,7 +405,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             results = evaluate(make, policy, episodes, num_envs=args.num_envs, max_steps=args.max_steps,
                                episode_timeout_s=args.episode_timeout_s, stop=stop, progress=not args.no_progress,
                                device=device)
-            evaluated.set()
         except EvaluationInterrupted as exc:  # the second signal: what ended is kept, the rest failed
             aborted, results = True, exc.results
         except KeyboardInterrupt:  # the second signal as evaluate() returned (with or without its results)
