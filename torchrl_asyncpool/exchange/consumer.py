@@ -429,16 +429,44 @@ def _poll_now(fds) -> list:
     return [fd for fd, _ in p.poll(0)]
 
 
+_INDEX_RULE = "env_indices must be Python ints or a 1-D integer tensor or array (as in recv(...).env_indices)"
+
+
 def as_index(env_indices, n) -> torch.Tensor:
-    """Validates ``env_indices`` (tensor or sequence) into a contiguous CPU ``LongTensor``."""
-    if isinstance(env_indices, torch.Tensor):
-        if env_indices.dtype.is_floating_point or env_indices.dtype == torch.bool or env_indices.is_complex():
-            raise ValueError(f"env_indices must be an integer tensor, got dtype {env_indices.dtype}.")
-        idx = env_indices.reshape(-1)
+    """Validates ``env_indices`` into a contiguous CPU ``LongTensor``.
+
+    Accepted: a 1-D integer tensor or numpy array, or a sequence of Python (or numpy) ints.
+    Anything else (floats, bools, a tensor of another rank, ``None``, strings) is a
+    ``ValueError`` naming what was given: no value is rounded or flattened.
+    """
+    if isinstance(env_indices, (torch.Tensor, np.ndarray)):
+        dtype = env_indices.dtype
+        integer = (
+            not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+            if isinstance(env_indices, torch.Tensor)
+            else np.issubdtype(dtype, np.integer)
+        )
+        if not integer or env_indices.ndim != 1:
+            kind = "tensor" if isinstance(env_indices, torch.Tensor) else "array"
+            raise ValueError(
+                f"{_INDEX_RULE}; got a {env_indices.ndim}-D {kind} of dtype {dtype} "
+                f"and shape {tuple(env_indices.shape)}."
+            )
+        idx = env_indices if isinstance(env_indices, torch.Tensor) else torch.from_numpy(env_indices)
         if idx.dtype != torch.int64 or idx.device.type != "cpu":
             idx = idx.to("cpu", torch.int64)
     else:
-        idx = torch.as_tensor(list(env_indices), dtype=torch.int64)
+        if isinstance(env_indices, (str, bytes, Mapping)) or not hasattr(env_indices, "__iter__"):  # None too
+            raise ValueError(f"{_INDEX_RULE}; got {type(env_indices).__name__} {env_indices!r}.")
+        values = list(env_indices)
+        for i, v in enumerate(values):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                if isinstance(v, torch.Tensor) and v.ndim == 0 and not (v.dtype.is_floating_point or v.dtype.is_complex
+                                                                         or v.dtype == torch.bool):
+                    values[i] = int(v)  # an element of an integer tensor
+                    continue
+                raise ValueError(f"{_INDEX_RULE}; got {type(v).__name__} {v!r} at position {i} of {env_indices!r}.")
+        idx = torch.tensor(values, dtype=torch.int64)
     idx = idx.contiguous()
     a = idx.numpy()
     if a.size == 0:
