@@ -198,8 +198,8 @@ def test_weight_update_bumps_stamped_version():
 
 
 def test_bad_arguments_raise():
-    with pytest.raises(ValueError, match="env_backend"):
-        AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, env_backend="threading")
+    with pytest.raises(ValueError, match="env_backend='asyncio' is not supported"):
+        AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, env_backend="asyncio")
     with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):  # Python's convention
         AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, no_such_option=1)
     with pytest.raises(ValueError, match="exactly one"):
@@ -207,7 +207,7 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="action key"):
         AsyncPoolCollector(oracle_factories(1), policy=lambda td: td, frames_per_batch=4)
     with pytest.raises(ValueError, match="transport"):
-        AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, transport="driver")
+        AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, transport="queue")
     with pytest.raises(ValueError, match="ProcessSlotTransport"):
         AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, transport=object())
     with pytest.raises(ValueError, match="num_threads must be None or a positive int, got 0"):

@@ -50,15 +50,31 @@ _TORCHRL_STATS_WINDOW = 1024
 
 # TorchRL keywords whose only meaningful values are what this collector always does.
 _ACCEPTED_AS_IS = {
-    "backend": (None, "multiprocessing"),
-    "env_backend": (None, "multiprocessing"),
     "env_exchange": ("auto", "shm"),
-    "transport": (None, "auto"),
     "policy_backend": (None, "threading", "multiprocessing"),
     "reset_at_each_iter": (False,),
     "weight_sync": (None,),
     "weight_sync_model_id": ("policy",),
 }
+#: TorchRL's env backends: worker processes, or threads of the collector's process
+_ENV_BACKENDS = ("threading", "multiprocessing")
+
+
+class _PolicyArgumentsError(TypeError, ValueError):
+    """``policy``/``policy_factory`` given both or neither: a :class:`TypeError` as in TorchRL, and a
+    :class:`ValueError` as this collector raised before."""
+
+
+def _env_backend(torchrl_kwargs) -> str:
+    """TorchRL's rule: ``env_backend``, else ``backend``, else (unlike TorchRL 0.14, whose default
+    is about to change) ``"multiprocessing"``, TorchRL 0.15's default."""
+    env_backend, backend = torchrl_kwargs.pop("env_backend", None), torchrl_kwargs.pop("backend", None)
+    if backend is not None and torchrl_kwargs.get("policy_backend") is None and backend in _ENV_BACKENDS:
+        torchrl_kwargs["policy_backend"] = backend  # TorchRL's backend= sets both
+    chosen = env_backend if env_backend is not None else backend if backend is not None else "multiprocessing"
+    if chosen not in _ENV_BACKENDS:
+        raise ValueError(f"env_backend={chosen!r} is not supported. Expected one of {_ENV_BACKENDS}.")
+    return chosen
 
 
 def _keeps_references(replay_buffer) -> bool:
@@ -340,14 +356,37 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self._closed = False
         self._serving = False  # the server is held (no action served) until the first iteration
         # -- everything that can be checked before a process starts ------------------------------
+        if policy is not None and policy_factory is not None:
+            raise _PolicyArgumentsError(
+                "policy and policy_factory are mutually exclusive: pass exactly one of policy= or policy_factory=."
+            )
+        if policy is None and policy_factory is None:
+            raise _PolicyArgumentsError(
+                "One of policy or policy_factory must be provided (pass exactly one of policy= or policy_factory=)."
+            )
         _check_env_fns(create_env_fn)
-        # a hand-built slot transport object; None and "auto" are checked with the other keywords
-        slot_transport = torchrl_kwargs.get("transport")
+        self._num_envs = len(create_env_fn)
+        self.env_backend = _env_backend(torchrl_kwargs)
+        threads = self.env_backend == "threading"
+        # TorchRL's transport: a hand-built ProcessSlotTransport, "auto" (this collector's choice),
+        # or "driver" (the policy served from this process, also with policy_factory)
+        slot_transport = torchrl_kwargs.pop("transport", None)
+        in_driver = slot_transport == "driver"
         if slot_transport is None or isinstance(slot_transport, str):
+            if slot_transport not in (None, "auto", "driver"):
+                raise ValueError(
+                    f"transport must be a ProcessSlotTransport, 'auto', 'driver' or None, got {slot_transport!r}."
+                )
             slot_transport = None
         else:
-            del torchrl_kwargs["transport"]
             _check_slot_transport(slot_transport, policy_factory, len(create_env_fn))
+            if threads:
+                raise ValueError("ProcessSlotTransport requires both a process inference server and "
+                                 "env_backend='multiprocessing'.")
+        if threads and torchrl_kwargs.get("env_exchange") == "shm":
+            raise ValueError("env_exchange='shm' requires env_backend='multiprocessing'.")
+        if threads and worker_affinity not in ("auto", None):
+            raise ValueError("worker_affinity is only supported with env_backend='multiprocessing'.")
         for name, value in torchrl_kwargs.items():
             if name not in _ACCEPTED_AS_IS:
                 raise TypeError(f"AsyncPoolCollector() got an unexpected keyword argument {name!r}.")
@@ -356,8 +395,6 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                     f"AsyncPoolCollector does not support {name}={value!r}: env workers are always processes on "
                     f"the shared-memory exchange with a central policy loop (accepted: {_ACCEPTED_AS_IS[name]})."
                 )
-        if (policy is None) == (policy_factory is None):
-            raise ValueError("Pass exactly one of policy= or policy_factory=.")
         for what, value in (("policy", policy), ("policy_factory", policy_factory)):
             if value is not None and not callable(value):
                 raise TypeError(
@@ -377,8 +414,14 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 "server_config is mutually exclusive with max_batch_size, min_batch_size and server_timeout."
             )
         bucket_sizes = None
+        process_server = policy_factory is not None and not in_driver and not threads
         if server_config is not None:
             max_batch_size, min_batch_size, server_timeout, bucket_sizes = _server_config(server_config, policy_factory)
+            backend = getattr(server_config, "service_backend", "thread")
+            process_server = process_server if backend == "thread" else backend == "process"
+        if in_driver and process_server:
+            raise ValueError("transport='driver' serves the policy from this process; it cannot be combined with "
+                             "server_config=InferenceServerConfig(service_backend='process').")
         _check_batching(max_batch_size, min_batch_size, server_timeout)
         if device_config is not None and device is not None:
             raise ValueError("device is mutually exclusive with device_config.")
@@ -426,12 +469,12 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self._trajectories: deque = deque()
 
         t0 = time.monotonic()
-        self._server_backend = "thread" if policy is not None else "process"
+        self._server_backend = "process" if process_server else "thread"
         self._policy_device = policy_device
         # One acting policy in this process: the thread server's, or a probe for process mode
         # (built once from the factory, as TorchRL does, to learn the policy's output entries).
         probe = ActingPolicy(policy if policy is not None else policy_factory(), exploration_type)
-        self._acting = probe if policy is not None else None
+        self._acting = None if process_server else probe
         # TorchRL's recurrent convention (policy writes ("next", key) for a primer key), found once
         # the env's observations and the policy's outputs are known: the pool reads this mapping
         # as its recurrent_state after calling policy_output_spec (see _policy_outputs)
@@ -460,6 +503,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             exchange=exchange,
             seed=seed,
             idle_poll=idle_poll,
+            backend=self.env_backend,
         )
         self._num_envs = self._pool.num_envs  # a vector env factory contributes several envs
         policy_affinity = self._driver_affinity
@@ -485,7 +529,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 num_threads=policy_num_threads,
                 cpu_affinity=policy_affinity,
             )
-            if policy is not None:
+            if not process_server:
                 probe.action_dtypes = dtypes
                 probe.carry = self.recurrent_keys
                 self._server = InferenceServer(probe, mode="thread", **server_kwargs)
@@ -513,6 +557,14 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         """The underlying :class:`~torchrl_asyncpool.AsyncEnvPool`, with the envs' TorchRL specs at
         batch size ``[num_envs]`` (``collector.env.action_spec``, ``.observation_spec``, ...)."""
         return self._pool
+
+    @property
+    def _workers(self) -> list:
+        """The env workers (TorchRL's collector keeps its coordinator threads here): the pool's
+        worker processes, or its worker threads with ``env_backend="threading"``; each has
+        ``is_alive()`` and ``join(timeout)``. Empty once the pool is closed."""
+        pool = self._pool
+        return [] if pool is None or pool._closed else list(pool._procs)
 
     @property
     def server_backend(self) -> str:
@@ -840,8 +892,14 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 pass
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(num_envs={self._num_envs}, frames_per_batch={self.frames_per_batch}, "
-                f"total_frames={self.total_frames}, frames={self._frames})")
+        # also on a collector whose __init__ raised part-way (a debugger or a traceback shows it)
+        fields = [(name, getattr(self, attr, None)) for name, attr in (
+            ("num_envs", "_num_envs"), ("env_backend", "env_backend"), ("frames_per_batch", "frames_per_batch"),
+            ("total_frames", "total_frames"), ("frames", "_frames"))]
+        state = ("closed" if getattr(self, "_closed", False)
+                 else "open" if getattr(self, "_server", None) is not None else "not started")
+        return (f"{type(self).__name__}(" + ", ".join(f"{k}={v!r}" for k, v in fields if v is not None)
+                + f", {state})")
 
 
 class _Stopped(Exception):

@@ -30,11 +30,14 @@ from torchrl_asyncpool.exchange.native import resolve_exchange
 from torchrl_asyncpool.forkserver import exit_code, forkserver_context
 from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, make_adapter, remote_listener
 from torchrl_asyncpool.workers.env_specs import batched_specs, slot_specs
-from torchrl_asyncpool.workers.env_worker import worker_main
+from torchrl_asyncpool.workers.env_worker import run_worker, worker_main
+from torchrl_asyncpool.workers.thread_worker import ThreadWorker
 
 __all__ = ["AsyncEnvPool"]
 
 _START_METHODS = ("forkserver", "spawn")
+#: where the workers run: processes, or threads of the pool's own process (TorchRL's names)
+BACKENDS = ("multiprocessing", "threading")
 #: how often a start-up with ``cancel_start`` asks it
 _CANCEL_POLL_S = 0.1
 
@@ -257,6 +260,7 @@ class AsyncEnvPool:
         seed: int | None = None,
         idle_poll: bool | str = "auto",
         cancel_start: Callable[[], bool] | None = None,
+        backend: str = "multiprocessing",
     ):
         self._closed = True  # until start-up completes, close() has little to undo
         self._procs = []
@@ -266,6 +270,15 @@ class AsyncEnvPool:
         if cancel_start is not None and not callable(cancel_start):
             raise TypeError(f"cancel_start must be a callable returning a bool, got {type(cancel_start).__name__}.")
         self._cancel_start = cancel_start
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+        self.backend = backend
+        threads = backend == "threading"
+        if threads and idle_poll is True:
+            raise ValueError(
+                "idle_poll=True parks the workers' waits for an idle poller of their own process; with "
+                "backend='threading' the workers are threads of this process: leave idle_poll at 'auto' (off)."
+            )
         fns = _check_factories(create_env_fn)
         kwargs = _check_kwargs(create_env_kwargs, len(fns))
         if mp_start_method not in _START_METHODS:
@@ -296,11 +309,12 @@ class AsyncEnvPool:
                 self.envs_per_worker, self.env_threads = max(map(len, groups)), True
             else:
                 self.envs_per_worker, self.env_threads = _resolve_grouping(
-                    envs_per_worker, env_threads, spec_adapter, n
+                    envs_per_worker, env_threads, spec_adapter, n, threads
                 )
         finally:
             spec_adapter.close()
-        self.idle_poll = resolve_idle_poll(idle_poll, cpu_bound=not self.env_threads)
+        # worker threads share this process's GIL and cores with the caller: no idle poller
+        self.idle_poll = False if threads else resolve_idle_poll(idle_poll, cpu_bound=not self.env_threads)
         if seed is not None:  # after the spec env: only the workers' envs are seeded
             fns = [_SeededFactory(fn, seed + i * k_vec) for i, fn in enumerate(fns)]
         self.observation_keys = list(spec_adapter.obs_keys)
@@ -334,7 +348,8 @@ class AsyncEnvPool:
             k = self.envs_per_worker
             groups = [list(range(i, min(i + k, n))) for i in range(0, n, k)]
         self.num_workers = len(groups)
-        affinity = resolve_worker_affinity(worker_affinity, self.num_workers, threaded=self.env_threads)
+        # "auto" partitions cores between processes; threads of this process are left unpinned
+        affinity = resolve_worker_affinity(worker_affinity, self.num_workers, threaded=self.env_threads or threads)
         #: the CPU mask of each worker process (``None``: not pinned)
         self.worker_affinity = affinity
         self._slot_worker = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
@@ -385,7 +400,9 @@ class AsyncEnvPool:
             self._life_r = -1
 
     def _start_workers(self, method, groups, fns, kwargs, num_threads, affinity=None):
-        ctx = forkserver_context("AsyncEnvPool") if method == "forkserver" else mp.get_context(method)
+        threads = self.backend == "threading"
+        ctx = (mp if threads else forkserver_context("AsyncEnvPool") if method == "forkserver"
+               else mp.get_context(method))
         arena_fd, consumer_fd, life_fd = (
             InheritedFd(self._arena.fd), self._consumer.inheritable(), InheritedFd(self._life_r)
         )
@@ -393,14 +410,27 @@ class AsyncEnvPool:
             parent_conn, child_conn = ctx.Pipe()
             # the factories it builds: one per slot, or the one vector env of its slots
             made = sorted({i // self.envs_per_factory for i in slots})
+            bells = [self._bells[b].inheritable() for b in sorted(set(self._slot_bell[slots].tolist()))]
+            delivery = self._chunks.handle() if self._chunks is not None else None
+            mask = None if affinity is None else affinity[w]
+            if threads:  # the same worker loop, in a thread of this process (nothing to pickle)
+                p = ThreadWorker(
+                    run_worker,
+                    (w, slots, [fns[i] for i in made], [kwargs[i] for i in made], self.layout, arena_fd, bells,
+                     consumer_fd, life_fd, child_conn, delivery, self.env_threads, mask, self.exchange),
+                    name=f"torchrl_asyncpool-worker-{w}",
+                )
+                self._check_cancel()
+                p.start()
+                self._procs.append(p)
+                self._conns.append(parent_conn)
+                continue
             p = ctx.Process(
                 target=worker_main,
                 args=(
                     w, slots, [_picklable(fns[i]) for i in made], [kwargs[i] for i in made], self.layout,
-                    arena_fd, [self._bells[b].inheritable() for b in sorted(set(self._slot_bell[slots].tolist()))],
-                    consumer_fd, life_fd, child_conn, num_threads,
-                    self._chunks.handle() if self._chunks is not None else None, self.env_threads,
-                    None if affinity is None else affinity[w], self.exchange, self.idle_poll,
+                    arena_fd, bells, consumer_fd, life_fd, child_conn, num_threads, delivery, self.env_threads,
+                    mask, self.exchange, self.idle_poll,
                 ),
                 name=f"torchrl_asyncpool-worker-{w}",
                 daemon=True,
@@ -646,6 +676,9 @@ class AsyncEnvPool:
         self._life_r_close()
         for c in getattr(self, "_conns", []):
             c.close()
+        for p in self._procs:
+            if isinstance(p, ThreadWorker):
+                p.close()
         for b in getattr(self, "_bells", []):
             b.close()
         if hasattr(self, "_consumer"):
@@ -678,7 +711,7 @@ class AsyncEnvPool:
 
     @property
     def worker_pids(self) -> list:
-        """Process ids of the worker processes."""
+        """Process ids of the worker processes (``None`` for each worker of ``backend="threading"``)."""
         return [p.pid for p in self._procs]
 
     def __enter__(self):
@@ -747,6 +780,16 @@ def _shutdown(procs, life_w_box, timeout):
     deadline = time.monotonic() + timeout
     for p in procs:
         exit_code(p, max(0.0, deadline - time.monotonic()))
+    hung = [p for p in procs if isinstance(p, ThreadWorker) and exit_code(p) is None]
+    if hung and timeout > 0:  # a thread cannot be killed: it is left to end with its step (or with the process)
+        warnings.warn(
+            f"AsyncEnvPool(backend='threading'): worker threads {[p.name for p in hung]} did not stop within "
+            f"{timeout}s (an env step that does not return?); they are daemon threads and keep running until "
+            "their step returns or the process exits.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    procs = [p for p in procs if not isinstance(p, ThreadWorker)]
     for p in procs:
         if exit_code(p) is None:
             p.kill()
@@ -842,8 +885,9 @@ def _picklable(fn):
     return fn if isinstance(fn, CloudpickleWrapper) or type(fn).__name__ == "EnvCreator" else CloudpickleWrapper(fn)
 
 
-def _resolve_grouping(envs_per_worker, env_threads, adapter, n):
-    """``(envs per worker, threaded)``; the spec env is timed only for ``envs_per_worker="auto"``."""
+def _resolve_grouping(envs_per_worker, env_threads, adapter, n, threads=False):
+    """``(envs per worker, threaded)``; the spec env is timed only for ``envs_per_worker="auto"``.
+    ``threads``: the workers are threads of the pool's process (``backend="threading"``)."""
     if envs_per_worker != "auto" and (
         isinstance(envs_per_worker, bool) or not isinstance(envs_per_worker, int) or envs_per_worker < 1
     ):
@@ -853,8 +897,14 @@ def _resolve_grouping(envs_per_worker, env_threads, adapter, n):
     if envs_per_worker != "auto":
         k = min(envs_per_worker, n)
         return k, env_threads is True and k > 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     blocking = _probe_blocking(adapter)
+    if threads:
+        # one GIL for every worker thread: CPU-bound envs gain nothing from more threads than one
+        # (each would only add switches), envs that block each want a thread of their own
+        if blocking and env_threads is not False:
+            return 1, False
+        return (1, False) if blocking else (n, env_threads is True and n > 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threaded = blocking if env_threads == "auto" else env_threads
     if blocking and not threaded:
         return 1, False  # stepped one after the other, blocking envs must not share a process

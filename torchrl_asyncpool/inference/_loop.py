@@ -211,6 +211,7 @@ class ServingLoop:
         idx = td.env_indices.numpy().copy()  # the staging buffer is reused by the next recv
         queue, lease_t = self.consumer.last_dwell, self.consumer.last_lease_time
         self.stats.record_recv(self._waited, queue)
+        self.stats.record_queue_times(lease_t - self.ready_time[idx])
         if self.single_key:
             groups = [(0, idx)]
         else:

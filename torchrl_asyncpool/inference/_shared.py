@@ -216,9 +216,24 @@ STAT_KEYS = {
     "elapsed_s": "wall time since the last reset",
     "policy_versions": "{policy name: version currently served}",
     "per_key": "{policy name: {'batches', 'frames', 'padding_fraction', 'inference_time_s'}}",
+    # TorchRL's InferenceServer.stats() keys, with its meaning (percentiles over the last
+    # STATS_WINDOW records or policy calls of the window)
+    "requests": "records answered (TorchRL's name for frames)",
+    "requests_per_s": "records answered per second (TorchRL's name for frames_per_s)",
+    "avg_batch_size": "valid records per policy call (TorchRL's name for mean_batch_size)",
+    "p50_queue_ms": "median milliseconds a record waited ready before the server took it",
+    "p95_queue_ms": "95th percentile of the same",
+    "p50_forward_ms": "median milliseconds per policy call, from staging to outputs on the host",
+    "p95_forward_ms": "95th percentile of the same",
+    "policy_version": "version served for the first (default) policy",
 }
+#: records (queue times) and policy calls (forward times) the percentiles of STAT_KEYS cover at
+#: most: TorchRL's default ``InferenceServerConfig.stats_window_size``
+STATS_WINDOW = 1024
 
 _G_BATCHES, _G_FRAMES, _G_ROWS, _G_POLICY, _G_QUEUE, _G_SERVICE, _G_WAIT, _G_RECV, _G_UPDATES, _G_STATE = range(10)
+# how many values were ever written to the queue-time and forward-time rings (after the per-key block)
+_G_QUEUE_N, _G_FORWARD_N = 10, 11
 _GLOBAL = 16
 _PER_KEY = 8
 _K_BATCHES, _K_FRAMES, _K_ROWS, _K_POLICY, _K_VERSION = range(5)
@@ -231,15 +246,23 @@ class StatsBlock:
 
     def __init__(self, names, array: Optional[np.ndarray] = None):
         self.names = list(names)
-        self.size = _GLOBAL + _PER_KEY * len(self.names)
+        self.size = self._rings_at(len(self.names)) + 2 * STATS_WINDOW
         self.array = np.zeros(self.size, dtype=np.float64) if array is None else array
         # the server adds through a memoryview: half the cost of numpy's scalar +=, per batch
         self._sums = memoryview(self.array)
+        # the last STATS_WINDOW queue times (seconds, per record) and policy call times (per call)
+        at = self._rings_at(len(self.names))
+        self._queue_ring = self.array[at:at + STATS_WINDOW]
+        self._forward_ring = self.array[at + STATS_WINDOW:at + 2 * STATS_WINDOW]
         self.reset_baseline()
+
+    @staticmethod
+    def _rings_at(num_keys) -> int:
+        return _GLOBAL + _PER_KEY * num_keys
 
     @classmethod
     def nbytes_for(cls, num_keys) -> int:
-        return (_GLOBAL + _PER_KEY * num_keys) * 8
+        return (cls._rings_at(num_keys) + 2 * STATS_WINDOW) * 8
 
     @classmethod
     def from_fd(cls, fd, names) -> "StatsBlock":
@@ -256,8 +279,23 @@ class StatsBlock:
         a[_G_QUEUE] += queue_sum
         a[_G_RECV] += 1
 
+    def record_queue_times(self, waits: np.ndarray):
+        """Adds the per-record queue times (seconds) of one received batch to their ring."""
+        n = len(waits)
+        if n > STATS_WINDOW:
+            waits, n = waits[-STATS_WINDOW:], STATS_WINDOW
+        start = int(self._sums[_G_QUEUE_N]) % STATS_WINDOW
+        first = min(n, STATS_WINDOW - start)
+        ring = self._queue_ring
+        ring[start:start + first] = waits[:first]
+        if first < n:
+            ring[:n - first] = waits[first:]
+        self._sums[_G_QUEUE_N] += n
+
     def record_batch(self, k, b, rows, policy_s, service_sum):
         a = self._sums
+        self._forward_ring[int(a[_G_FORWARD_N]) % STATS_WINDOW] = policy_s
+        a[_G_FORWARD_N] += 1
         a[_G_BATCHES] += 1
         a[_G_FRAMES] += b
         a[_G_ROWS] += rows
@@ -310,11 +348,21 @@ class StatsBlock:
             "elapsed_s": elapsed,
             "policy_versions": {},
             "per_key": {},
+            "requests": frames,
+            "requests_per_s": frames / elapsed,
+            "avg_batch_size": frames / max(batches, 1),
         }
+        rings = (("queue", self._queue_ring, _G_QUEUE_N), ("forward", self._forward_ring, _G_FORWARD_N))
+        for name, ring, count in rings:
+            recent = _recent(ring, int(a[count]), int(d[count]))
+            out[f"p50_{name}_ms"] = _percentile(recent, 0.50) * 1e3
+            out[f"p95_{name}_ms"] = _percentile(recent, 0.95) * 1e3
         for k, name in enumerate(self.names):
             o = _GLOBAL + _PER_KEY * k
             kb, kf, kr = int(d[o + _K_BATCHES]), int(d[o + _K_FRAMES]), float(d[o + _K_ROWS])
             out["policy_versions"][name] = int(a[o + _K_VERSION])
+            if k == 0:
+                out["policy_version"] = int(a[o + _K_VERSION])
             out["per_key"][name] = {
                 "batches": kb,
                 "frames": kf,
@@ -322,3 +370,20 @@ class StatsBlock:
                 "inference_time_s": float(d[o + _K_POLICY]) / max(kb, 1),
             }
         return out
+
+
+def _recent(ring: np.ndarray, written: int, since_reset: int) -> np.ndarray:
+    """The values of ``ring`` written since the reader's last reset (at most its length), given
+    how many were ``written`` in all: the newest ends just before ``written % len(ring)``."""
+    n = min(since_reset, written, len(ring))
+    end = written % len(ring)
+    if n <= end:
+        return ring[end - n:end].copy()
+    return np.concatenate([ring[len(ring) - (n - end):], ring[:end]])
+
+
+def _percentile(values: np.ndarray, q: float) -> float:
+    """TorchRL's percentile (the sorted value at ``round((n - 1) * q)``); ``0.0`` when empty."""
+    if not len(values):
+        return 0.0
+    return float(np.sort(values)[int(round((len(values) - 1) * q))])

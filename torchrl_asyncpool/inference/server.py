@@ -406,6 +406,12 @@ class InferenceServer:
         return getattr(self._backend, "pid", None) if self.mode == "process" else None
 
     @property
+    def _process(self):
+        """The server's :class:`multiprocessing.Process` in process mode, ``None`` otherwise (where
+        TorchRL's process inference server keeps it)."""
+        return getattr(self._backend, "_proc", None) if self.mode == "process" else None
+
+    @property
     def is_alive(self) -> bool:
         """Whether the server is serving (started, not stopped, no error)."""
         return self._backend is not None and self._backend.is_alive

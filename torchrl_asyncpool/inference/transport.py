@@ -228,7 +228,7 @@ class ProcessSlotTransport:
                 if sentinel in fds:
                     if self._error is None and not self._stopping:
                         self._error = InferenceServerError(
-                            f"the inference server process (pid {self._proc.pid}) died ({self._death()}); "
+                            f"the inference server died: its process (pid {self._proc.pid}) ended ({self._death()}); "
                             "its leased slots were not answered."
                         )
                     return
@@ -256,7 +256,7 @@ class ProcessSlotTransport:
             self._drain_messages()
             if self._error is None:
                 self._error = InferenceServerError(
-                    f"the inference server process (pid {self._proc.pid}) died ({self._death()}); "
+                    f"the inference server died: its process (pid {self._proc.pid}) ended ({self._death()}); "
                     "its leased slots were not answered."
                 )
             raise self._error

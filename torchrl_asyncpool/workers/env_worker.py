@@ -49,7 +49,7 @@ from torchrl_asyncpool.exchange.native import copy_into, pass_stores, row_copier
 from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.workers.env_adapter import make_adapter, remote_listener
 
-__all__ = ["worker_main"]
+__all__ = ["worker_main", "run_worker"]
 
 # A worker hosting several cheap envs publishes a whole pass at once (one ring, one store per
 # array), so the consumer sees them as one batch: it pays ~100 us per batch whatever its size,
@@ -810,6 +810,23 @@ def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell
         torch.set_num_threads(num_threads)
     set_process_idle_poll(idle_poll)  # every wait of this worker follows its pool's choice
     _batch_scheduling()
+    try:
+        run_worker(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn,
+                   delivery, threaded, affinity, exchange)
+    finally:
+        _end_own_group()
+        os._exit(0)
+
+
+def run_worker(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn,
+               delivery=None, threaded=False, affinity=None, exchange="python"):
+    """One worker's life, in whatever runs it: builds its envs, serves their slots until the life
+    pipe hangs up, reports a failure to the consumer (through the pipe ``conn`` before the first
+    records, through the slot's error block after), and closes the envs. Never raises.
+
+    A worker process runs it from :func:`worker_main`; a pool with ``backend="threading"`` runs it
+    in a thread of the pool's own process (:class:`~torchrl_asyncpool.workers.thread_worker.ThreadWorker`).
+    """
     worker = None
     try:
         env_fns = [getattr(fn, "fn", fn) for fn in env_fns]
@@ -838,5 +855,3 @@ def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell
                 worker.close_envs()
         except BaseException:  # noqa: BLE001 - an env failing to close must not keep the worker alive
             pass
-        _end_own_group()
-        os._exit(0)
