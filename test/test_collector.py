@@ -214,22 +214,24 @@ def test_bad_arguments_raise():
         AsyncPoolCollector(oracle_factories(1), policy=oracle_policy, frames_per_batch=4, policy_num_threads=0)
 
 
-def test_torchrl_docstring_example_runs_unchanged():
-    """TorchRL's first AsyncBatchedCollector example, with the class swapped."""
+def test_torchrl_docstring_example_float_actions_are_refused_or_cast_on_request():
+    """TorchRL's first AsyncBatchedCollector example, with the class swapped. Its policy writes
+    ``nn.Linear`` outputs as the one-hot action of CartPole (an int64 ``OneHot`` spec), which
+    TorchRL truncates to integers without a word; here construction says so, and
+    ``cast_actions=True`` (the documented opt-in) runs it as TorchRL does."""
     import torch.nn as nn
     from tensordict.nn import TensorDictModule
     from torchrl.envs import GymEnv
 
     policy = TensorDictModule(nn.Linear(4, 2), in_keys=["observation"], out_keys=["action"])
-    collector = AsyncPoolCollector(
-        create_env_fn=[lambda: GymEnv("CartPole-v1")] * 4,
-        policy=policy,
-        frames_per_batch=200,
-        total_frames=1000,
-        env_backend="multiprocessing",
-    )
+    kwargs = dict(create_env_fn=[lambda: GymEnv("CartPole-v1")] * 4, policy=policy, frames_per_batch=200,
+                  total_frames=1000, env_backend="multiprocessing")
+    with pytest.raises(ValueError, match=r"'action' is torch.float32 with fractional values .*OneHot.*cast_actions"):
+        AsyncPoolCollector(**kwargs)
+    collector = AsyncPoolCollector(**kwargs, cast_actions=True)
     for batch in collector:
         assert batch.shape == (200,)
+        assert batch["action"].dtype == torch.int64
         break
     collector.shutdown()
 
@@ -272,6 +274,7 @@ def test_torchrl_second_docstring_example_runs_unchanged(device, num_envs):
         transition_chunk_size=64,
         server_config=InferenceServerConfig(max_batch_size=num_envs, min_batch_size=1, timeout=0.001),
         device_config=InferenceDeviceConfig(policy_device=device, output_device="cpu", storing_device="cpu"),
+        cast_actions=True,  # its nn.Linear writes float scores as CartPole's one-hot action (see the first example)
     )
     try:
         assert collector.server_backend == "process"
@@ -308,6 +311,7 @@ def test_torchrl_third_docstring_example_hand_built_transport(device, num_envs):
         transport=ProcessSlotTransport(request_spec, response_spec, num_slots=num_envs),
         transition_chunk_size=64,
         device_config=InferenceDeviceConfig(policy_device=device, output_device="cpu", storing_device="cpu"),
+        cast_actions=True,  # float scores as CartPole's one-hot action (see the first example)
     )
     collector.shutdown()
 
@@ -319,6 +323,7 @@ def test_torchrl_third_docstring_example_hand_built_transport(device, num_envs):
         frames_per_batch=64,
         transport=ProcessSlotTransport(request_spec, response_spec.exclude("policy_version"), num_slots=2),
         policy_version_key=None,
+        cast_actions=True,
     ).shutdown()
 
     bad_request = request_spec.clone()

@@ -30,18 +30,20 @@ CARRY_KEY = "_carried_state"
 
 
 class ActingPolicy(torch.nn.Module):
-    """Runs ``policy`` under ``exploration_type`` and casts ``action_dtypes`` entries.
+    """Runs ``policy`` under ``exploration_type`` and checks its actions with ``action_checks``.
 
     Args:
         policy (callable): ``TensorDict -> TensorDict``.
         exploration_type: the exploration type to act under (``None``: leave as is).
-        action_dtypes (dict, optional): ``{key: dtype}`` the action entries are cast to.
+        action_checks (dict, optional): ``{key: check}``: each action entry is replaced by
+            ``check(entry)``, which casts it to the env's dtype or raises (see
+            :mod:`torchrl_asyncpool.action_checks`).
         carry (dict, optional): ``{key: slot key}``: before each call ``key`` is set to the
             record's ``slot key`` entry, the recurrent state the worker carried from the previous
             step (zeros on ``FIRST``); see :func:`torchrl_recurrent_state`.
     """
 
-    def __init__(self, policy, exploration_type=None, action_dtypes=None, carry=None):
+    def __init__(self, policy, exploration_type=None, action_checks=None, carry=None):
         super().__init__()
         if isinstance(policy, torch.nn.Module):
             self.policy = policy
@@ -50,7 +52,7 @@ class ActingPolicy(torch.nn.Module):
         self.exploration_type = exploration_type
         # one context object, entered per batch (building one costs about as much as entering it)
         self._explore = set_exploration_type(exploration_type) if exploration_type is not None else None
-        self.action_dtypes = dict(action_dtypes or {})
+        self.action_checks = dict(action_checks or {})
         self.carry = dict(carry or {})
         # held by each call, and by pause() until resume(): one uncontended lock per batch
         self._gate = threading.Lock()
@@ -76,8 +78,9 @@ class ActingPolicy(torch.nn.Module):
 
     def forward(self, td):
         """Calls the wrapped policy on ``td`` (under the exploration type, after copying the
-        carried recurrent state in) and casts the action entries to the env's dtypes; returns
-        the policy's output (``td`` when the policy returns ``None``)."""
+        carried recurrent state in) and checks the action entries against the env's action spec
+        (casting them to its dtypes); returns the policy's output (``td`` when the policy returns
+        ``None``)."""
         if self.carry:  # a shallow copy: the staged batch keeps its own entries
             td = td.copy()
             for key, slot_key in self.carry.items():
@@ -89,10 +92,12 @@ class ActingPolicy(torch.nn.Module):
             else:
                 out = self._target()(td)
             out = td if out is None else out
-            for key, dtype in self.action_dtypes.items():
+            for key, check in self.action_checks.items():
                 value = out.get(key, None)
-                if value is not None and value.dtype != dtype:
-                    out.set(key, value.to(dtype))
+                if value is not None:
+                    checked = check(value)
+                    if checked is not value:
+                        out.set(key, checked)
             return out
 
     def pause(self, timeout=None) -> None:
@@ -116,14 +121,14 @@ class ActingPolicy(torch.nn.Module):
 class ActingPolicyFactory:
     """A picklable factory of :class:`ActingPolicy` around a user ``policy_factory``."""
 
-    def __init__(self, factory, exploration_type=None, action_dtypes=None, carry=None):
+    def __init__(self, factory, exploration_type=None, action_checks=None, carry=None):
         self.factory = factory
         self.exploration_type = exploration_type
-        self.action_dtypes = dict(action_dtypes or {})
+        self.action_checks = dict(action_checks or {})
         self.carry = dict(carry or {})
 
     def __call__(self):
-        return ActingPolicy(self.factory(), self.exploration_type, self.action_dtypes, self.carry)
+        return ActingPolicy(self.factory(), self.exploration_type, self.action_checks, self.carry)
 
 
 def derive_policy_outputs(policy, request: dict, actions: dict, version_key, device=None) -> dict:

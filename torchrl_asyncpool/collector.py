@@ -17,6 +17,7 @@ from torchrl.collectors._base import BaseCollector
 from torchrl.envs.utils import ExplorationType
 from torchrl.modules.inference_server import ProcessSlotTransport as TorchRLProcessSlotTransport
 
+from torchrl_asyncpool.action_checks import action_checks
 from torchrl_asyncpool.acting_policy import (
     WEIGHT_PREFIX,
     ActingPolicy,
@@ -348,6 +349,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         exchange: str = "auto",
         seed: int | None = None,
         idle_poll: bool | str = "auto",
+        cast_actions: bool = False,
+        check_action_bounds: bool = True,
         **torchrl_kwargs,
     ):
         BaseCollector.__init__(self, post_collect_hook=post_collect_hook)
@@ -366,6 +369,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             )
         _check_env_fns(create_env_fn)
         self._num_envs = len(create_env_fn)
+        for name, value in (("cast_actions", cast_actions), ("check_action_bounds", check_action_bounds)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r}.")
         self.env_backend = _env_backend(torchrl_kwargs)
         threads = self.env_backend == "threading"
         # TorchRL's transport: a hand-built ProcessSlotTransport, "auto" (this collector's choice),
@@ -514,6 +520,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 _check_slot_transport(slot_transport, policy_factory, self._num_envs)
                 _check_transport_keys(slot_transport, self._pool.layout, policy_version_key)
             dtypes = {k: self._pool.layout_dtype(k) for k in self._pool.action_keys}
+            checks = action_checks(self._pool.full_action_spec, dtypes, cast=cast_actions, bounds=check_action_bounds)
             #: ``{key: slot key}`` of the recurrent states carried in TorchRL's convention
             self.recurrent_keys = {as_key(nxt)[1:]: as_key(hin) for hin, nxt in self._pool.recurrent_state.items()}
             on_cuda = self._policy_device.type == "cuda"
@@ -530,12 +537,12 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 cpu_affinity=policy_affinity,
             )
             if not process_server:
-                probe.action_dtypes = dtypes
+                probe.action_checks = checks
                 probe.carry = self.recurrent_keys
                 self._server = InferenceServer(probe, mode="thread", **server_kwargs)
             else:
                 del probe
-                factory = ActingPolicyFactory(policy_factory, exploration_type, dtypes, self.recurrent_keys)
+                factory = ActingPolicyFactory(policy_factory, exploration_type, checks, self.recurrent_keys)
                 self._server = InferenceServer(policy_factory=factory, mode="process", **server_kwargs)
             if policy_version:
                 self._server.update_policy_weights_(None, version=int(policy_version))

@@ -235,7 +235,7 @@ class ServingLoop:
                 try:
                     pending = runner.launch(torch.from_numpy(chunk), whole)
                 except Exception as exc:  # noqa: BLE001 - reported with the key
-                    raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
+                    raise PolicyFailure(runner.key, _failure_text(runner, exc, chunk), format_exc()) from exc
                 one = chunk is idx
                 flight = _Flight(runner, pending, chunk, whole, queue if one else None, lease_t)
                 if self.overlap:
@@ -279,7 +279,7 @@ class ServingLoop:
         try:
             outputs = runner.finish(pending)
         except Exception as exc:  # noqa: BLE001
-            raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
+            raise PolicyFailure(runner.key, _failure_text(runner, exc, flight.env_idx), format_exc()) from exc
         policy_s = time.perf_counter() - pending.t_launch
         b = pending.b
         k = self.by_name[runner.plan.name][0]
@@ -297,7 +297,7 @@ class ServingLoop:
             else:
                 self.consumer.send_rows(values, env_idx, flight.lease_t)
         except ValueError as exc:
-            raise PolicyFailure(runner.key, _failure_text(runner, exc), format_exc()) from exc
+            raise PolicyFailure(runner.key, _failure_text(runner, exc, env_idx), format_exc()) from exc
         self.stats.record_batch(k, b, pending.bucket, policy_s, service)
         if self.on_batch is not None:
             from tensordict import TensorDict
@@ -312,9 +312,14 @@ class ServingLoop:
             outputs[self.version_key] = self._version_rows(k, b, version)
 
 
-def _failure_text(runner, exc) -> str:
+def _failure_text(runner, exc, env_idx=None) -> str:
+    where = ""
+    rows = getattr(exc, "rows", None)  # an InvalidActionError names the batch rows it refused
+    if rows is not None and env_idx is not None:
+        rows = [r for r in rows.tolist() if r < len(env_idx)]  # padding rows repeat real ones
+        where = f" [envs {sorted(set(env_idx[rows].tolist()))}]"
     return (
-        f"policy {runner.plan.name!r} (batch key {runner.key}) failed while serving: "
+        f"policy {runner.plan.name!r} (batch key {runner.key}) failed while serving{where}: "
         f"{type(exc).__name__}: {exc}"
     )
 

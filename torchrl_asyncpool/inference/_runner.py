@@ -196,6 +196,8 @@ class KeyRunner:
                 with torch.no_grad():
                     out = self._call(td)
             except Exception as exc:  # noqa: BLE001 - re-raised with context
+                if type(exc).__name__ == "InvalidActionError":  # the action itself is wrong: say only that
+                    raise ValueError(f"policy {name!r} writes actions the env cannot take: {exc}") from exc
                 hint = ""
                 if self.recurrent:
                     hint = (
@@ -205,7 +207,7 @@ class KeyRunner:
                     )
                 raise ValueError(
                     f"policy {name!r} (batch key {self.key}) failed on a zero batch of {rows} records built from the "
-                    f"pool's request layout {{{layout}}}: {type(exc).__name__}: {exc}.{hint}"
+                    f"pool's request layout {{{layout}}}: {type(exc).__name__}: {str(exc).rstrip('.')}.{hint}"
                 ) from exc
             for (key, shape, dtype) in self.response_fields:
                 value = out.get(key, None)

@@ -1,0 +1,175 @@
+"""What the collector checks in the actions its policy writes, before any env steps on them.
+
+A policy bug must not become silently corrupted training data: a float action for an integer
+spec is not truncated, a NaN is not turned into ``-2**63``, an index past a categorical's ``n``
+is not handed to the env. Per action key, on every batch, in the acting policy (the inference
+server's thread or process), :class:`ActionCheck`:
+
+- **dtype**: the spec's dtype is what lands in the slot. A float action for an integer or
+  boolean spec is cast only when every value is a whole number (a ``OneHotCategorical`` sample
+  is a float one-hot vector); a fractional value is refused, as it would be truncated
+  (``cast_actions=True`` is the one opt-in that casts it anyway, as ``Tensor.to`` does: toward
+  zero, and as TorchRL's collectors pass such actions on, without the bounds check below). An
+  integer or boolean action for an integer spec, and a float one for a float spec of
+  another width, are cast (the bounds below still apply).
+- **finite**: a float action with a NaN or an infinity is refused.
+- **bounds** (``check_action_bounds=True``, the default): values of a ``Categorical`` (``0 <=
+  a < n``), ``OneHot`` (zeros and exactly one 1 per row), ``Binary`` (0 or 1) or integer
+  ``Bounded`` spec (``low <= a <= high``, element-wise) are checked, and so is the range of the
+  integer dtype an integer action is cast to. Continuous bounds are not (a Gaussian policy's
+  samples outside a box are the env's to clip, as TorchRL leaves them). Specs of other types
+  only get the checks above.
+
+Shapes are checked where the actions are written into the slots (``AsyncEnvPool.send``'s rule).
+Each check is a few tensor reductions per batch (``check_action_bounds=False`` saves the bounds
+part); on a CUDA policy they synchronise the stream once per batch.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ActionCheck", "InvalidActionError", "action_checks"]
+
+
+class InvalidActionError(ValueError):
+    """An action the policy wrote does not fit the env's action spec.
+
+    Attributes:
+        key (NestedKey): the action key.
+        rows (torch.Tensor): the batch rows holding the offending actions (the inference server
+            names their envs).
+    """
+
+    def __init__(self, message: str, key, rows: torch.Tensor):
+        super().__init__(message)
+        self.key = key
+        self.rows = rows
+
+
+class ActionCheck:
+    """The checks (and the casts) of one action key; see the module docstring.
+
+    Args:
+        key (NestedKey): the action key (for messages).
+        dtype (torch.dtype): the slot's dtype (the spec's).
+        spec (TensorSpec, optional): the key's spec for one env (no batch dimension), read for
+            its bounds; ``None`` checks dtype and finiteness only.
+
+    Keyword Args:
+        cast (bool, optional): cast float actions for integer/boolean specs instead of refusing
+            them. Defaults to ``False``.
+        bounds (bool, optional): check discrete bounds. Defaults to ``True``.
+
+    Examples:
+        >>> import torch
+        >>> from torchrl.data import Categorical
+        >>> check = ActionCheck("action", torch.int64, Categorical(3))
+        >>> check(torch.tensor([0, 2]))
+        tensor([0, 2])
+        >>> try:
+        ...     check(torch.tensor([0.0, 2.7]))
+        ... except ValueError as err:
+        ...     print(str(err).split(",")[0])
+        'action' is torch.float32 with fractional values (e.g. 2.700000047683716)
+        >>> check(torch.tensor([1.0, 2.0]))  # whole numbers: cast exactly
+        tensor([1, 2])
+        >>> try:
+        ...     check(torch.tensor([1, 3]))
+        ... except ValueError as err:
+        ...     print(err)
+        'action' has values outside the Categorical spec: 3 (expected 0 <= action < 3).
+    """
+
+    def __init__(self, key, dtype: torch.dtype, spec=None, *, cast: bool = False, bounds: bool = True):
+        self.key = key
+        self.dtype = dtype
+        self.cast = cast
+        self.kind = type(spec).__name__ if spec is not None else "spec"
+        self.integer = not (dtype.is_floating_point or dtype.is_complex)
+        self.rule = None  # (kind, arguments) of the bounds check, or None
+        if bounds and spec is not None and self.integer:
+            n = getattr(getattr(spec, "space", None), "n", None)
+            name = type(spec).__name__
+            if name in ("Categorical", "DiscreteTensorSpec") and n is not None:
+                self.rule = ("range", 0, n - 1, f"0 <= action < {n}")
+            elif name in ("OneHot", "OneHotDiscreteTensorSpec"):
+                self.rule = ("onehot",)
+            elif name in ("Binary", "BinaryDiscreteTensorSpec"):
+                self.rule = ("range", 0, 1, "0 or 1")
+            elif hasattr(getattr(spec, "space", None), "low"):
+                low, high = spec.space.low, spec.space.high
+                self.rule = ("box", low.to(torch.float64), high.to(torch.float64), "low <= action <= high")
+        if bounds and self.integer and self.rule is None and dtype != torch.bool:
+            info = torch.iinfo(dtype)  # an integer action cast to this dtype must fit it
+            self.rule = ("range", info.min, info.max, f"{info.min} <= action <= {info.max} ({dtype})")
+
+    def __call__(self, value: torch.Tensor) -> torch.Tensor:
+        """Returns ``value`` (cast to the spec's dtype where the rules allow) or raises
+        :class:`InvalidActionError`."""
+        key = self.key
+        if value.dtype.is_floating_point or value.dtype.is_complex:
+            finite = torch.isfinite(value)
+            if not bool(finite.all()):
+                rows = (~finite).reshape(len(value), -1).any(-1).nonzero().squeeze(-1)
+                raise InvalidActionError(
+                    f"{key!r} holds NaN or infinite values (rows {rows.tolist()} of the batch).", key, rows
+                )
+            if self.integer and self.cast:  # the opt-in: TorchRL's unchecked cast
+                return value.to(self.dtype)
+            if self.integer:
+                fractional = (value != value.trunc()).reshape(len(value), -1).any(-1)
+                if bool(fractional.any()):
+                    rows = fractional.nonzero().squeeze(-1)
+                    raise InvalidActionError(
+                        f"{key!r} is {value.dtype} with fractional values (e.g. {value[rows[0]].tolist()}), but the "
+                        f"action spec ({self.kind}) is {self.dtype}: they would be truncated. Write integer actions "
+                        "(e.g. a categorical sample or an argmax), or pass cast_actions=True to cast them as "
+                        "Tensor.to does.", key, rows
+                    )
+        elif not self.integer:  # an integer action for a float spec: exact, as int -> float is
+            return value.to(self.dtype)
+        if self.rule is not None:
+            self._check_bounds(value)
+        return value if value.dtype == self.dtype else value.to(self.dtype)
+
+    def _check_bounds(self, value: torch.Tensor) -> None:
+        rule, key = self.rule, self.key
+        if rule[0] == "onehot":
+            ok = ((value == 0) | (value == 1)).all(-1) & (value.to(torch.int64).sum(-1) == 1)
+            bad = ~ok.reshape(len(value), -1).all(-1)
+            expected = "one-hot rows: zeros and exactly one 1"
+        else:
+            low, high, expected = rule[1], rule[2], rule[3]
+            as_float = value.to(torch.float64) if rule[0] == "box" else value
+            if rule[0] == "box":
+                low, high = low.to(value.device), high.to(value.device)
+            bad = ((as_float < low) | (as_float > high)).reshape(len(value), -1).any(-1)
+        if bool(bad.any()):
+            rows = bad.nonzero().squeeze(-1)
+            shown = value[rows[:4]].tolist()
+            shown = shown[0] if len(rows) == 1 else shown
+            raise InvalidActionError(
+                f"{key!r} has values outside the {self.kind} spec: {shown} (expected {expected}).", key, rows
+            )
+
+
+def action_checks(full_action_spec, dtypes: dict, *, cast: bool = False, bounds: bool = True) -> dict:
+    """``{key: ActionCheck}`` for every action key, from a pool's batched ``full_action_spec``
+    (leading dimension ``num_envs``) and its slot dtypes ``{key: dtype}``.
+
+    Args:
+        full_action_spec (Composite): the pool's ``full_action_spec``.
+        dtypes (dict): the action slots' dtypes.
+
+    Keyword Args:
+        cast (bool, optional): see :class:`ActionCheck`. Defaults to ``False``.
+        bounds (bool, optional): see :class:`ActionCheck`. Defaults to ``True``.
+    """
+    checks = {}
+    for key, dtype in dtypes.items():
+        try:
+            spec = full_action_spec[key][0]
+        except (KeyError, IndexError, TypeError, RuntimeError):
+            spec = None
+        checks[key] = ActionCheck(key, dtype, spec, cast=cast, bounds=bounds)
+    return checks
