@@ -9,6 +9,7 @@ loop, the inference server and the collector see an ordinary env.
 """
 from __future__ import annotations
 
+import collections
 import hmac
 import logging
 import queue
@@ -283,6 +284,7 @@ class _HostStream:
         self.ended = False
         self.deadline = None  # monotonic time by which the host must answer (step_timeout)
         self.timed_out = False
+        self.counted = False  # counted in its ingress's streams served at once
         self._out = queue.SimpleQueue()
 
     def check_deadline(self, now: float) -> None:
@@ -313,6 +315,62 @@ class _HostStream:
             yield msg
 
 
+class _BoundedExecutor(futures.Executor):
+    """The gRPC server's handler threads: at most ``limit()`` at once (read at each submit, as
+    slots join the address one by one), more work waits in a queue; a thread idle for
+    :data:`_IDLE_THREAD_S` exits, so the threads a burst of connections made do not stay."""
+
+    def __init__(self, limit, name: str):
+        self._limit, self._name = limit, name
+        self._cond = threading.Condition()
+        self._work = collections.deque()
+        self._threads = self._idle = self.peak_threads = 0
+        self._shutdown = False
+
+    def submit(self, fn, /, *args, **kwargs):
+        future = futures.Future()
+        with self._cond:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new work after shutdown")
+            self._work.append((future, fn, args, kwargs))
+            if self._idle >= len(self._work):
+                self._cond.notify()
+            elif self._threads < self._limit():
+                self._threads += 1
+                self.peak_threads = max(self.peak_threads, self._threads)
+                threading.Thread(target=self._run, name=f"{self._name}-{self._threads}", daemon=True).start()
+        return future
+
+    def _run(self):
+        while True:
+            with self._cond:
+                while not self._work and not self._shutdown:
+                    self._idle += 1
+                    woken = self._cond.wait(_IDLE_THREAD_S)
+                    self._idle -= 1
+                    if not woken and not self._work:
+                        break
+                if not self._work:
+                    self._threads -= 1
+                    return
+                future, fn, args, kwargs = self._work.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - handed to the future, as ThreadPoolExecutor does
+                future.set_exception(exc)
+            del future, fn, args, kwargs
+
+    def shutdown(self, wait=True, *, cancel_futures=False):
+        with self._cond:
+            self._shutdown = True
+            if cancel_futures:
+                while self._work:
+                    self._work.popleft()[0].cancel()
+            self._cond.notify_all()
+
+
 def _check_address(address) -> None:
     if not isinstance(address, str) or ":" not in address:
         raise ValueError(f"address must be 'host:port', got {address!r}.")
@@ -324,6 +382,17 @@ def _check_address(address) -> None:
 
 #: seconds a client has to send its hello once connected
 _HELLO_TIMEOUT_S = 10.0
+
+#: connections of one address that may wait for their hello at once, beyond one per slot: the
+#: address serves at most ``slots + HELLO_MARGIN`` streams at a time, in as many threads (plus
+#: :data:`_SPARE_THREADS`). A connection arriving when the margin is full cancels the one that
+#: has waited longest without a hello (a real host says hello at once: only silent clients lose)
+HELLO_MARGIN = 8
+#: handler threads beyond ``slots + HELLO_MARGIN``: a new stream's handler runs while the silent
+#: stream it evicts is still being cancelled
+_SPARE_THREADS = 2
+#: seconds an idle handler thread lives before it exits (threads a flood made do not stay)
+_IDLE_THREAD_S = 5.0
 
 #: gRPC server options: keepalive pings find dead hosts (a host that vanished without closing
 #: its connection) within ~20 s; no SO_REUSEPORT, so a second listener on the port fails
@@ -359,10 +428,14 @@ class _Ingress:
         grpc = P.import_grpc()
         self.address, self.token = address, token
         self.slots = []
-        self._handshakes = set()  # streams that have not sent their hello yet
+        self._handshakes = {}  # streams that have not sent their hello yet -> None, oldest first
+        self._active = 0  # stream handlers running: holding a slot, waiting for a hello, or in between
+        self.streams_evicted = self.streams_refused = 0
         limit = max(4 << 20, 2 * codec.max_message_bytes)
+        #: streams served at once: one per slot, HELLO_MARGIN more waiting for their hello
+        self._executor = _BoundedExecutor(lambda: self.max_streams + _SPARE_THREADS, "env-host-stream")
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=1024, thread_name_prefix="env-host-stream"),
+            self._executor,
             options=_KEEPALIVE + [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
         )
         service, method = P.METHOD.strip("/").split("/")
@@ -406,6 +479,11 @@ class _Ingress:
                 if stream is not None:
                     stream.check_deadline(now)
 
+    @property
+    def max_streams(self) -> int:
+        """Streams this address serves at once: one per slot plus :data:`HELLO_MARGIN`."""
+        return len(self.slots) + HELLO_MARGIN
+
     def leave(self, slot) -> None:
         with self._lock:
             if slot in self.slots:
@@ -415,6 +493,36 @@ class _Ingress:
             self._by_address.pop(self.address, None)
         self._stop.set()
         self.server.stop(grace=None)
+        self._executor.shutdown(wait=False)
+
+    def _admit(self, stream) -> bool:
+        """Counts a new stream in and registers it as waiting for its hello. False (to be
+        refused with ``RESOURCE_EXHAUSTED``) when the address already serves
+        :attr:`max_streams` streams; else, when :data:`HELLO_MARGIN` streams wait for their
+        hello already, the one that waited longest is cancelled to make room (a real host says
+        hello at once: only silent clients lose their place)."""
+        evicted = None
+        with self._lock:
+            if self._active >= self.max_streams:
+                self.streams_refused += 1
+                return False
+            self._active += 1
+            if len(self._handshakes) >= HELLO_MARGIN:
+                evicted = next(iter(self._handshakes))
+                del self._handshakes[evicted]
+                evicted.counted = False  # on its way out: no longer counted (its thread is, by the executor)
+                self._active -= 1
+                self.streams_evicted += 1
+                if self.streams_evicted & (self.streams_evicted - 1) == 0:  # logged at 1, 2, 4, 8, ... evictions
+                    _log.warning("remote env slots on %s: %d connections wait for their hello; cancelling the "
+                                 "oldest (%s; %d so far)", self.address, HELLO_MARGIN, evicted.peer,
+                                 self.streams_evicted)
+            self._handshakes[stream] = None
+            stream.counted = True
+        if evicted is not None:
+            evicted.timed_out = True
+            evicted.context.cancel()
+        return True
 
     def _handle(self, requests, context):
         grpc = P.import_grpc()
@@ -425,17 +533,28 @@ class _Ingress:
                               f"wrong or missing token (metadata {P.TOKEN_METADATA!r}) for {self.address}.")
         stream = _HostStream(requests, context)
         stream.deadline = time.monotonic() + _HELLO_TIMEOUT_S  # a silent client must not keep a thread
-        with self._lock:
-            self._handshakes.add(stream)
+        if not self._admit(stream):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self.address} serves at most {self.max_streams} streams at once (one per slot plus "
+                          f"{HELLO_MARGIN} saying hello) and all are in use; try again later.")
+        try:
+            yield from self._serve_stream(stream, requests, context, grpc)
+        finally:
+            with self._lock:
+                if stream.counted:
+                    self._active -= 1
+                self._handshakes.pop(stream, None)
+
+    def _serve_stream(self, stream, requests, context, grpc):
         try:
             hello = P.decode_hello(next(requests))
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.address}: {exc}")
-        except Exception:  # noqa: BLE001 - StopIteration, or the call was cancelled (hello timeout)
+        except Exception:  # noqa: BLE001 - StopIteration, or the call was cancelled (hello timeout, evicted)
             return
         finally:
             with self._lock:
-                self._handshakes.discard(stream)
+                self._handshakes.pop(stream, None)
             stream.deadline = None
         with self._lock:
             slots = sorted(self.slots, key=lambda s: s.index)
