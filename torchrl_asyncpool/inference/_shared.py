@@ -225,7 +225,7 @@ STAT_KEYS = {
     "p95_queue_ms": "95th percentile of the same",
     "p50_forward_ms": "median milliseconds per policy call, from staging to outputs on the host",
     "p95_forward_ms": "95th percentile of the same",
-    "policy_version": "version served for the first (default) policy",
+    "policy_version": "latest version published for the first (default) policy (served from its next batch)",
 }
 #: records (queue times) and policy calls (forward times) the percentiles of STAT_KEYS cover at
 #: most: TorchRL's default ``InferenceServerConfig.stats_window_size``
@@ -361,8 +361,6 @@ class StatsBlock:
             o = _GLOBAL + _PER_KEY * k
             kb, kf, kr = int(d[o + _K_BATCHES]), int(d[o + _K_FRAMES]), float(d[o + _K_ROWS])
             out["policy_versions"][name] = int(a[o + _K_VERSION])
-            if k == 0:
-                out["policy_version"] = int(a[o + _K_VERSION])
             out["per_key"][name] = {
                 "batches": kb,
                 "frames": kf,

@@ -544,6 +544,8 @@ class InferenceServer:
         block = self._backend.stats_block
         out = block.as_dict()
         out["mode"] = self.mode
+        # TorchRL's: the latest version given (applied or not), of the first policy when there are several
+        out["policy_version"] = next(iter(self._versions.values()), 0)
         if reset:
             block.reset_baseline()
         return out
