@@ -15,7 +15,12 @@ from tensordict import TensorDict
 from torchrl.envs import EnvBase
 
 from torchrl_asyncpool.exchange.native import copy_into
+from torchrl_asyncpool.workers import torchrl_vector_hosting
 from torchrl_asyncpool.workers.env_specs import gymnasium_specs, torchrl_specs
+
+# GymEnv(env_id, num_envs=k) as a factory: a worker (a daemonic process) builds its vector env
+# synchronously (see torchrl_vector_hosting); installed here, the module every worker imports
+torchrl_vector_hosting.install()
 
 __all__ = [
     "RESERVED_KEYS", "EPISODE_PLAN_ATTR", "FIRST_SEED_ATTR", "TorchRLEnvAdapter", "TorchRLBatchedAdapter",
@@ -77,6 +82,11 @@ def _plan_of(env):
 
 class TorchRLEnvAdapter:
     """Runs a TorchRL :class:`~torchrl.envs.EnvBase` with an empty batch size in one slot."""
+
+    #: the name of the path the env is stepped on (``torchrl_fast.adapter_path``)
+    path = "torchrl"
+    #: why a TorchRL env is not on the fast path (``None``: it is, or it is not a gym env)
+    fast_path_reason = None
 
     def __init__(self, env: EnvBase, env_index: int | None = None):
         where = _where(env_index)
@@ -210,6 +220,7 @@ class TorchRLBatchedAdapter(TorchRLEnvAdapter):
     """
 
     _batch_dims = 1
+    path = "torchrl-batched"
     #: ``False``: ended envs are reset by :meth:`reset_some`, not by the next :meth:`step`
     autoresets = False
 
@@ -267,6 +278,8 @@ class GymnasiumEnvAdapter:
     ``float32 [1]``. ``env.step`` receives what gymnasium's vector envs hand their sub-envs: a
     numpy integer scalar of the space's dtype for ``Discrete``, a fresh array for ``Box``.
     """
+
+    path = "gymnasium"
 
     def __init__(self, env, env_index: int | None = None):
         self.env = env
@@ -415,6 +428,8 @@ class GymnasiumVectorAdapter(GymnasiumEnvAdapter):
     returns its reset observation, published as a ``FIRST`` record.
     """
 
+    path = "gymnasium-vector"
+
     def __init__(self, env, env_index: int | None = None):
         import gymnasium as gym
 
@@ -461,6 +476,64 @@ class GymnasiumVectorAdapter(GymnasiumEnvAdapter):
         return self._obs(obs), reward, terminated, truncated
 
 
+def _torchrl_adapter(env, env_index):
+    from torchrl_asyncpool.workers import torchrl_fast as fast
+
+    batched = is_vector_env(env)
+    if not _wraps_gym(env):  # any other TorchRL env: TorchRL's stepping, nothing to log
+        return TorchRLBatchedAdapter(env, env_index) if batched else TorchRLEnvAdapter(env, env_index)
+    try:
+        plan = fast.fast_plan(env, batched=batched)
+    except fast.FastPathUnsupported as exc:
+        reason = str(exc)
+    else:
+        if batched:
+            adapter = fast.TorchRLGymVectorFastAdapter(env, plan, env_index)
+        else:
+            adapter = fast.TorchRLGymFastAdapter(env, plan, env_index)
+        fast._log_choice(adapter, env, env_index)
+        return adapter
+    if batched and _next_step_vector(env):
+        raise TypeError(
+            f"{_where(env_index)} is a TorchRL GymEnv(..., num_envs=k) with {reason}: TorchRL's own stepping of a "
+            "gymnasium NEXT_STEP vector env does not give valid records at episode ends, and the pool hosts it only "
+            "on its fast path (GymEnv(env_id, num_envs=k) alone, no further transforms). Return GymEnv(env_id) "
+            "factories (one per env, transforms allowed) or a gymnasium vector env instead."
+        )
+    adapter = TorchRLBatchedAdapter(env, env_index) if batched else TorchRLEnvAdapter(env, env_index)
+    adapter.fast_path_reason = reason
+    fast._log_choice(adapter, env, env_index, reason)
+    return adapter
+
+
+def _wraps_gym(env) -> bool:
+    """True for a TorchRL ``GymWrapper`` (or a ``TransformedEnv`` chain ending in one)."""
+    from torchrl.envs import TransformedEnv
+    from torchrl.envs.libs.gym import GymWrapper
+
+    while isinstance(env, TransformedEnv):
+        env = env.base_env
+    return isinstance(env, GymWrapper)
+
+
+def _next_step_vector(env) -> bool:
+    """True when ``env`` wraps a gymnasium vector env that autoresets in NEXT_STEP mode."""
+    from torchrl.envs import TransformedEnv
+
+    while isinstance(env, TransformedEnv):
+        env = env.base_env
+    try:
+        import gymnasium as gym
+
+        inner = env._env
+        if not isinstance(inner.unwrapped, gym.vector.VectorEnv):
+            return False
+        mode = inner.metadata.get("autoreset_mode", gym.vector.AutoresetMode.NEXT_STEP)
+        return getattr(mode, "value", mode) == gym.vector.AutoresetMode.NEXT_STEP.value
+    except Exception:  # noqa: BLE001 - not a gymnasium vector env
+        return False
+
+
 def _where(env_index) -> str:
     return f"env {env_index}" if env_index is not None else "the env"
 
@@ -491,9 +564,16 @@ def remote_listener(env):
 
 
 def make_adapter(env, env_index: int | None = None):
-    """Wraps whatever ``create_env_fn`` returned in the matching adapter."""
+    """Wraps whatever ``create_env_fn`` returned in the matching adapter.
+
+    A TorchRL env over a gymnasium env is stepped on the fast path
+    (:mod:`~torchrl_asyncpool.workers.torchrl_fast`) when its records are proven to be
+    TorchRL's, else through TorchRL; the choice is logged at debug level
+    (``torchrl_asyncpool.workers.torchrl_fast``) and kept in ``adapter.path`` and
+    ``adapter.fast_path_reason``.
+    """
     if isinstance(env, EnvBase):
-        return TorchRLBatchedAdapter(env, env_index) if is_vector_env(env) else TorchRLEnvAdapter(env, env_index)
+        return _torchrl_adapter(env, env_index)
     try:
         import gymnasium as gym
     except ImportError:  # pragma: no cover - gymnasium is a dependency

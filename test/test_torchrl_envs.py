@@ -1,0 +1,321 @@
+"""TorchRL env factories on the workers' fast path: the records are TorchRL's, key by key.
+
+Each equivalence test runs TorchRL's own stepping of an env (``TorchRLEnvAdapter``, which calls
+the env's ``_step``/``reset``) and the fast path (``make_adapter``) side by side from the same
+seed with the same actions, over several episodes with terminations and truncations, and
+compares the slot layout, the specs and every record: keys, dtypes, shapes, values, end flags.
+"""
+import functools
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.envs import (CatTensors, Compose, DoubleToFloat, GymEnv, GymWrapper, ObservationNorm, RewardScaling,
+                          RewardSum, StepCounter, TransformedEnv, UnsqueezeTransform)
+
+from torchrl_asyncpool import AsyncEnvPool, StepType
+from torchrl_asyncpool.testing import OracleChecker, OracleGymEnv, oracle_action
+from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, TorchRLEnvAdapter, make_adapter
+from torchrl_asyncpool.workers.env_specs import slot_specs
+from torchrl_asyncpool.workers.torchrl_fast import FAST_PATH_ATTR, adapter_path
+from torchrl_asyncpool.workers.torchrl_vector_hosting import synchronous_vector_envs
+
+
+class DriftEnv(gym.Env):
+    """float64 observations (a 3-vector and a 2-vector), a float64 Box action, random
+    terminations drawn from the env's seeded generator, rewards that are not float32-exact."""
+
+    def __init__(self, obs_dtype=np.float64, action_dtype=np.float64):
+        self.observation_space = gym.spaces.Dict({
+            "position": gym.spaces.Box(-np.inf, np.inf, (3,), obs_dtype),
+            "velocity": gym.spaces.Box(-np.inf, np.inf, (2,), obs_dtype),
+        })
+        self.action_space = gym.spaces.Box(-1, 1, (2,), action_dtype)
+        self.dtype = obs_dtype
+
+    def _obs(self):
+        return {"position": self.x.astype(self.dtype), "velocity": self.v.astype(self.dtype)}
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.x = self.np_random.normal(size=3)
+        self.v = self.np_random.normal(size=2)
+        return self._obs(), {}
+
+    def step(self, action):
+        assert np.asarray(action).dtype == self.action_space.dtype, np.asarray(action).dtype
+        self.v = self.v + 0.1 * np.asarray(action, np.float64)
+        self.x = self.x + np.concatenate([self.v, [0.01]]) / 3.0
+        reward = float(np.tanh(self.x.sum()) / 3.0)
+        return self._obs(), reward, bool(self.np_random.random() < 0.08), False, {}
+
+
+def drift(max_steps=9, **kwargs):
+    return GymWrapper(gym.wrappers.TimeLimit(DriftEnv(**kwargs), max_steps))
+
+
+def cartpole(**kwargs):
+    return GymEnv("CartPole-v1", max_episode_steps=kwargs.pop("max_episode_steps", 25), **kwargs)
+
+
+def transformed(base, *transforms):
+    return TransformedEnv(base(), Compose(*transforms) if len(transforms) > 1 else transforms[0])
+
+
+FAST_CASES = {
+    "gymenv_onehot": cartpole,
+    "gymenv_categorical": functools.partial(cartpole, categorical_action_encoding=True),
+    "gymenv_frame_skip": functools.partial(cartpole, frame_skip=3),
+    "gymenv_box_action": lambda: GymEnv("Pendulum-v1", max_episode_steps=13),
+    "gymwrapper_dict_obs": functools.partial(drift, obs_dtype=np.float32, action_dtype=np.float32),
+    "gymwrapper_scalar_box_obs": lambda: GymWrapper(OracleGymEnv(env_id=1), categorical_action_encoding=True),
+    "step_counter_reward_sum": lambda: transformed(cartpole, StepCounter(), RewardSum()),
+    "step_counter_max_steps": lambda: transformed(functools.partial(cartpole, max_episode_steps=50),
+                                                  StepCounter(max_steps=11)),
+    "reward_scaling_then_sum": lambda: transformed(cartpole, RewardScaling(loc=0.3, scale=1.7), RewardSum()),
+    "reward_scaling_standard_normal": lambda: transformed(
+        lambda: GymEnv("Pendulum-v1", max_episode_steps=13), RewardScaling(loc=-3.1, scale=0.7, standard_normal=True)),
+    "observation_norm": lambda: transformed(
+        cartpole, ObservationNorm(loc=torch.tensor([0.1, -0.2, 0.3, 0.05]), scale=torch.tensor([1.3, 0.7, 3.0, 0.9]),
+                                  in_keys=["observation"])),
+    "observation_norm_standard_normal": lambda: transformed(
+        cartpole, ObservationNorm(loc=0.25, scale=0.35, in_keys=["observation"], standard_normal=True)),
+    "double_to_float": lambda: transformed(drift, DoubleToFloat()),
+    "double_to_float_then_norm_cat": lambda: transformed(
+        drift, DoubleToFloat(), ObservationNorm(loc=0.5, scale=3.0, in_keys=["position"]),
+        CatTensors(in_keys=["position", "velocity"], out_key="observation_vector"), StepCounter(max_steps=7)),
+    "unsqueeze": lambda: transformed(cartpole, UnsqueezeTransform(-1, in_keys=["observation"]), RewardSum()),
+    "unsqueeze_positive_dim": lambda: transformed(
+        cartpole, UnsqueezeTransform(0, allow_positive_dim=True, in_keys=["observation"])),
+    "nested_transformed_env": lambda: TransformedEnv(transformed(cartpole, StepCounter()), RewardSum(),
+                                                     auto_unwrap=False),
+}
+
+
+def _actions(adapter):
+    """A random action row (numpy) from the env's action spec (torch's seeded generator)."""
+    return adapter.env.full_action_spec["action"].rand().numpy()
+
+
+def _assert_same_entries(fast, ref, keys, what):
+    for k in keys:
+        x, y = np.asarray(fast[k]), ref.get(k).numpy()
+        assert x.dtype == y.dtype, (what, k, x.dtype, y.dtype)
+        assert x.shape == y.shape, (what, k, x.shape, y.shape)
+        np.testing.assert_array_equal(x, y, err_msg=f"{what}: {k}")
+
+
+def run_side_by_side(make, steps=300, seed=7):
+    """Steps TorchRL's own env and the fast path with the same seed and actions; returns the
+    (terminations, truncations) seen. Every record is compared."""
+    ref_env, fast_env = make(), make()
+    setattr(ref_env, FIRST_SEED_ATTR, seed)
+    setattr(fast_env, FIRST_SEED_ATTR, seed)
+    ref, fast = TorchRLEnvAdapter(ref_env), make_adapter(fast_env)
+    try:
+        assert adapter_path(fast) == "torchrl-fast", fast.fast_path_reason
+        assert fast.fields() == ref.fields()
+        assert str(slot_specs(fast)) == str(slot_specs(ref))
+        keys = ref.obs_keys
+        _assert_same_entries(fast.reset(), ref.reset(), keys, "first reset")
+        torch.manual_seed(seed)
+        ends = [0, 0]
+        for t in range(steps):
+            action = _actions(fast)
+            f_obs, f_rew, f_term, f_trunc = fast.step({"action": action})
+            r_obs, r_rew, r_term, r_trunc = ref.step({"action": torch.from_numpy(np.array(action))})
+            _assert_same_entries(f_obs, r_obs, keys, f"step {t}")
+            _assert_same_entries({"reward": f_rew}, {"reward": r_rew}, ["reward"], f"step {t}")
+            assert (f_term, f_trunc) == (r_term, r_trunc), t
+            if f_term or f_trunc:
+                ends[0 if f_term else 1] += 1
+                _assert_same_entries(fast.reset(), ref.reset(), keys, f"reset after step {t}")
+        return ends
+    finally:
+        fast.close()
+        ref.close()
+
+
+@pytest.mark.parametrize("case", list(FAST_CASES))
+def test_fast_path_records_equal_torchrls(case):
+    terminations, truncations = run_side_by_side(FAST_CASES[case])
+    assert terminations + truncations >= 5, "too few episodes to compare resets"
+    if "Pendulum" not in case and case not in ("reward_scaling_standard_normal", "gymenv_box_action"):
+        assert terminations >= 1
+    assert truncations >= 1
+
+
+def test_step_into_writes_what_step_returns():
+    """The worker's per-step path (``step_into``: entries written into the slot's rows) against
+    ``step``, with and without transforms."""
+    for make in (cartpole, FAST_CASES["double_to_float_then_norm_cat"]):
+        envs = [make(), make()]
+        for env in envs:
+            setattr(env, FIRST_SEED_ATTR, 3)
+        a, b = map(make_adapter, envs)
+        try:
+            a.reset(), b.reset()
+            request = a.fields()[0]
+            views = [(k, np.zeros(request[k][0], torch.empty((), dtype=request[k][1]).numpy().dtype))
+                     for k in a.obs_keys]
+            torch.manual_seed(0)
+            for t in range(60):
+                action = _actions(a)
+                obs, rew, term, trunc = a.step({"action": action})
+                rew2, term2, trunc2 = b.step_into({"action": action}, views)
+                assert (term, trunc) == (term2, trunc2)
+                assert np.float32(np.asarray(rew).reshape(-1)[0]) == np.float32(np.asarray(rew2).reshape(-1)[0])
+                for k, v in views:
+                    np.testing.assert_array_equal(v, obs[k])
+                if term or trunc:
+                    a.reset(), b.reset()
+        finally:
+            a.close(), b.close()
+
+
+FALLBACK_CASES = {
+    "discrete_observations": (lambda: GymEnv("FrozenLake-v1"), "observation space Discrete"),
+    "float64_reward_scaling": (lambda: transformed(cartpole, RewardScaling(loc=torch.tensor(0.5, dtype=torch.float64),
+                                                                           scale=torch.tensor(2.0))),
+                               "RewardScaling: loc/scale dtype"),
+    "cat_of_mixed_dtypes": (lambda: transformed(cartpole, StepCounter(),
+                                                CatTensors(in_keys=["observation", "step_count"])),
+                            "different dtypes"),
+    "unknown_transform": (lambda: transformed(cartpole, StepCounter(), __import__("torchrl.envs").envs.RenameTransform(
+        ["observation"], ["obs"])), "transform RenameTransform"),
+    "reward_sum_in_reward_spec": (lambda: transformed(cartpole, RewardSum(reward_spec=True)),
+                                  "RewardSum(reward_spec=True)"),
+    "opted_out": (lambda: _opted_out(cartpole()), FAST_PATH_ATTR),
+}
+
+
+def _opted_out(env):
+    setattr(env, FAST_PATH_ATTR, False)
+    return env
+
+
+@pytest.mark.parametrize("case", list(FALLBACK_CASES))
+def test_unsupported_envs_fall_back_to_torchrl_stepping_with_a_reason(case, caplog):
+    make, reason = FALLBACK_CASES[case]
+    with caplog.at_level("DEBUG", logger="torchrl_asyncpool.workers.torchrl_fast"):
+        try:
+            adapter = make_adapter(make(), 5)
+        except ValueError as exc:  # the env is not hostable at all (two reward keys): TorchRL's own refusal
+            assert case == "reward_sum_in_reward_spec", exc
+            return
+    try:
+        assert adapter_path(adapter) == "torchrl"
+        assert reason in adapter.fast_path_reason
+        assert any("env 5" in r.message and reason in r.message for r in caplog.records)
+    finally:
+        adapter.close()
+
+
+def test_fast_path_choice_is_logged_at_debug_level(caplog):
+    with caplog.at_level("DEBUG", logger="torchrl_asyncpool.workers.torchrl_fast"):
+        adapter = make_adapter(cartpole(), 3)
+    adapter.close()
+    assert [r.message for r in caplog.records] == ["env 3 (GymEnv): torchrl-fast path"]
+
+
+# -- through a pool ----------------------------------------------------------------------------------
+def _policy(td):
+    """A deterministic one-hot action of the record (the same records give the same actions),
+    erratic enough that episodes end by termination as well as by the 25-step limit."""
+    obs = td["observation"]
+    return torch.nn.functional.one_hot((obs[:, 0] * 1e4).floor().long() % 2, 2)
+
+
+def _per_env_records(factories, length, seed=11, **pool_kwargs):
+    """Every env's sequence of records (all entries as lists), at least ``length`` long."""
+    seqs = {}
+    with AsyncEnvPool(factories, seed=seed, **pool_kwargs) as pool:
+        while len(seqs) < pool.num_envs or min(map(len, seqs.values())) < length:
+            td = pool.recv()
+            for row, i in enumerate(td.env_indices.tolist()):
+                rec = td[row].exclude("env_index")
+                seqs.setdefault(i, []).append({k: rec[k].tolist() for k in rec.keys(True, True)})
+            pool.send(TensorDict({"action": _policy(td)}, td.batch_size), td.env_indices)
+    return seqs
+
+
+def _assert_same_sequences(fast, ref, min_len):
+    assert fast.keys() == ref.keys()
+    for i in ref:
+        n = min(len(fast[i]), len(ref[i]))
+        assert n >= min_len, (i, n)
+        for t in range(n):
+            assert fast[i][t] == ref[i][t], (i, t, fast[i][t], ref[i][t])
+
+
+def _slow(make):
+    return _opted_out(make())
+
+
+@pytest.mark.parametrize("make", [cartpole, lambda: transformed(cartpole, StepCounter(), RewardSum())],
+                         ids=["gymenv", "transformed"])
+@pytest.mark.parametrize("envs_per_worker", [1, 3])
+def test_pool_records_on_the_fast_path_equal_torchrl_stepping(make, envs_per_worker):
+    n = 3 if envs_per_worker == 1 else 6
+    fast = _per_env_records([make] * n, length=60, envs_per_worker=envs_per_worker)
+    ref = _per_env_records([functools.partial(_slow, make)] * n, length=60, envs_per_worker=envs_per_worker)
+    _assert_same_sequences(fast, ref, min_len=60)
+    types = [r["step_type"] for seq in fast.values() for r in seq]
+    assert types.count(StepType.TRUNCATION) and types.count(StepType.TERMINATION)
+
+
+def test_gymenv_num_envs_is_hosted_as_k_slots_with_each_sub_envs_torchrl_records():
+    """Two ``GymEnv(..., num_envs=3)`` factories: six slots, sub-env ``j`` of factory ``i``
+    making exactly the records of ``GymEnv(env_id)`` seeded ``seed + 3 i + j``."""
+    vec = functools.partial(GymEnv, "CartPole-v1", num_envs=3, max_episode_steps=25)
+    with synchronous_vector_envs():  # the pool's spec env: no 3 processes started only to read specs
+        fast = _per_env_records([vec] * 2, length=60)
+    ref = _per_env_records([functools.partial(_slow, cartpole)] * 6, length=60)
+    _assert_same_sequences(fast, ref, min_len=60)
+    types = [r["step_type"] for seq in fast.values() for r in seq]
+    assert types.count(StepType.TRUNCATION) and types.count(StepType.TERMINATION)
+
+
+def test_gymenv_num_envs_with_transforms_is_refused_with_a_clear_error():
+    def make():
+        return TransformedEnv(GymEnv("CartPole-v1", num_envs=2), StepCounter())
+
+    with synchronous_vector_envs(), pytest.raises(TypeError, match=r"GymEnv\(env_id\) factories"):
+        make_adapter(make(), 0)
+
+
+def test_synchronous_vector_envs_build_gymenv_without_processes():
+    with synchronous_vector_envs():
+        env = GymEnv("CartPole-v1", num_envs=2)
+    try:
+        assert isinstance(env.base_env._env, gym.vector.SyncVectorEnv)
+        assert adapter_path(make_adapter(env)) == "torchrl-fast-vector"
+    finally:
+        env.close()
+
+
+# -- the oracle: exactly once, in order, on the fast path ------------------------------------------
+def oracle_torchrl(env_id, transforms=False):
+    env = GymWrapper(OracleGymEnv(env_id=env_id), categorical_action_encoding=True)
+    return TransformedEnv(env, Compose(StepCounter(), RewardSum())) if transforms else env
+
+
+@pytest.mark.parametrize("transforms", [False, True], ids=["gymwrapper", "transformed"])
+@pytest.mark.parametrize("num_envs,envs_per_worker", [(4, 1), (8, 4)])
+def test_oracle_exactly_once_in_order_on_the_fast_path(num_envs, envs_per_worker, transforms, dev_shm_guard):
+    assert adapter_path(make_adapter(oracle_torchrl(0, transforms))) == "torchrl-fast"
+    checker = OracleChecker()
+    factories = [functools.partial(oracle_torchrl, i, transforms) for i in range(num_envs)]
+    with AsyncEnvPool(factories, envs_per_worker=envs_per_worker) as pool:
+        for _ in range(200):
+            td = pool.recv()
+            checker.observe_batch(td)
+            if transforms:  # the transforms' state: steps and summed rewards since the episode's start
+                steps = td["tag"][:, 2]
+                assert torch.equal(td["step_count"].squeeze(-1), steps)
+                assert torch.equal(td["episode_reward"].squeeze(-1), (steps * (steps + 1) / 2).float())
+            pool.send(TensorDict({"action": oracle_action(td["tag"])}, td.batch_size), td.env_indices)
+    assert checker.records >= 200
+    assert checker.episodes_done > num_envs
