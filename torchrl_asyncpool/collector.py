@@ -274,7 +274,31 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         idle_poll (bool or "auto"): whether the workers' and the policy server's waits
             idle-poll (see :class:`~torchrl_asyncpool.AsyncEnvPool`); ``"auto"`` (default)
             turns it on for CPU-bound workers where idle cores wake slowly, or follows
-            ``TORCHRL_ASYNCPOOL_IDLE_POLL`` when that is set.
+            ``TORCHRL_ASYNCPOOL_IDLE_POLL`` when that is set. Off with ``env_backend="threading"``.
+        env_backend (str, optional): TorchRL's option: ``"multiprocessing"`` (default, TorchRL
+            0.15's default) runs the envs in worker processes; ``"threading"`` steps them in
+            threads of this process on the same shared-memory exchange, policy loop and chunk
+            delivery (every feature and guarantee holds the same): nothing is spawned (with
+            ``policy_factory=`` too, the policy is then served from a thread here unless
+            ``server_config`` asks for a process), start-up takes milliseconds and factories need
+            not be picklable. It suits tests, envs that release the GIL while they step (most
+            simulators written in C/C++, I/O-bound envs) and envs that cannot be pickled; its cost
+            is the GIL: the envs' Python work, the policy's and your training loop's take turns
+            on one core (cheap CPU-bound envs group into one worker thread). ``worker_affinity``
+            masks and ``env_exchange="shm"`` are refused with it, as in TorchRL.
+        backend (str, optional): TorchRL's option: the default of ``env_backend`` (and of
+            ``policy_backend``) when those are not given.
+        cast_actions (bool, optional): cast a float action with fractional values for an
+            integer/boolean action spec, as ``Tensor.to`` does (truncation), instead of raising.
+            Defaults to ``False``: the collector checks every action its policy writes before an
+            env steps on it (see :mod:`torchrl_asyncpool.action_checks`): dtype (whole-number
+            floats are cast exactly), NaN/inf (always refused), and the bounds of discrete specs.
+            A refused action raises :class:`ValueError` at construction (the server's first dry
+            run) or :class:`~torchrl_asyncpool.InferenceServerError` while collecting, naming the
+            policy, the key, what was given, what the spec expects and the envs.
+        check_action_bounds (bool, optional): check that actions lie in a ``Categorical``,
+            ``OneHot``, ``Binary`` or integer ``Bounded`` spec (and an integer dtype's range).
+            Defaults to ``True``; ``False`` saves a few tensor reductions per batch.
         seed (int, optional): seeds env ``i``'s first reset with ``seed + i`` (see
             :class:`~torchrl_asyncpool.AsyncEnvPool`): each env's trajectory is then
             reproducible under a deterministic policy, though the order in which transitions
@@ -288,10 +312,17 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     style), with ``policy`` from a thread of this process; ``max_batch_size``,
     ``min_batch_size`` and ``server_timeout`` configure either.
 
-    TorchRL keywords that select what this collector always does (``env_backend=
-    "multiprocessing"``, ``transport="auto"``, ...) are accepted; any other value of them
-    raises :class:`ValueError` instead of being ignored, and a keyword that neither this
-    collector nor TorchRL's takes raises :class:`TypeError`, as Python does.
+    Every keyword of TorchRL 0.14.1's ``AsyncBatchedCollector`` is accepted with TorchRL's
+    meaning or refused with TorchRL's exception type: ``transport="driver"`` serves the policy
+    from this process (also with ``policy_factory``), ``transport="auto"`` leaves the choice to
+    this collector; ``env_exchange`` (``"auto"``/``"shm"``: the exchange is always shared memory),
+    ``policy_backend`` (``"threading"``/``"multiprocessing"``), ``reset_at_each_iter=False``,
+    ``weight_sync=None`` and ``weight_sync_model_id="policy"`` take only the values that describe
+    what this collector does, and any other value raises :class:`ValueError` instead of being
+    ignored; a keyword that neither this collector nor TorchRL's takes raises
+    :class:`TypeError`, as Python does. Giving both ``policy`` and ``policy_factory``, or
+    neither, raises TorchRL's :class:`TypeError` (also a :class:`ValueError`). See
+    :doc:`coming_from_torchrl` for what differs and why.
     ``transport=`` may also be a TorchRL
     :class:`~torchrl.modules.inference_server.ProcessSlotTransport` built by hand (as in TorchRL's
     own examples): it implies ``policy_factory=``, and its request/response keys are checked

@@ -66,7 +66,8 @@ def _leaf_if_single(spec: Composite, name: str):
 
 
 class AsyncEnvPool:
-    """A pool of env worker processes exchanging records through shared memory.
+    """A pool of env workers (processes, or threads of this process) exchanging records through
+    shared memory.
 
     Each env owns one *slot* of a shared-memory arena. Workers publish records into their
     slots and ring a doorbell; :meth:`recv` gathers ready slots into a batch, :meth:`send`
@@ -177,6 +178,16 @@ class AsyncEnvPool:
             slowly (a ~40 ms probe at start-up,
             :func:`~torchrl_asyncpool.exchange.doorbell.resolve_idle_poll`). The resolved value
             is :attr:`idle_poll`.
+        backend (str, optional): ``"multiprocessing"`` (default): the workers are processes;
+            ``"threading"``: they are threads of this process, running the same worker loop on
+            the same arena, doorbells and chunk buffers (same records, same errors), with no
+            process started, no pickling of the factories and a start-up of milliseconds. The
+            GIL is the cost: use it for tests, for envs whose step releases the GIL, or for envs
+            that cannot be pickled. ``envs_per_worker="auto"`` puts cheap CPU-bound envs in one
+            worker thread and gives envs that block a thread each; ``worker_affinity="auto"``
+            pins nothing, ``idle_poll`` is off (``True`` is refused), torch's thread count and
+            signal handlers are left alone. A worker thread stuck in an env's step cannot be
+            killed: :meth:`close` warns and leaves it (a daemon thread) to end with its step.
         cancel_start (callable, optional): ``() -> bool``, asked before each worker is
             started and about every 0.1 s while they build and reset their envs (the fork
             server's own first start, once per process, is not cut short); when it
