@@ -284,3 +284,15 @@ def test_bounds_check_can_be_turned_off_and_integer_casts_must_fit():
     c = AsyncPoolCollector([CountingEnv] * 2, policy=twos, frames_per_batch=6, total_frames=6, env_backend="threading",
                            check_action_bounds=False)
     c.shutdown()
+
+
+def test_start_after_shutdown_says_the_collector_was_shut_down():
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000))
+    c = AsyncPoolCollector(oracle_factories(2), policy=oracle_policy, frames_per_batch=8, total_frames=16,
+                           replay_buffer=rb, env_backend="threading")
+    c.start()
+    c.shutdown()
+    with pytest.raises(RuntimeError, match="was shut down"):
+        c.start()

@@ -804,9 +804,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         """Collects into ``replay_buffer`` in a background thread until ``total_frames``."""
         if self.replay_buffer is None:
             raise RuntimeError("Background collection requires a replay_buffer.")
+        self._ensure_started()  # first: after shutdown() the old writer thread is still recorded
         if self._replay_thread is not None or self._iteration_lock.locked():
             raise RuntimeError("The collector is already collecting.")
-        self._ensure_started()
         self._replay_error = None
         with pinned(self._driver_affinity):
             self._replay_thread = start_daemon_thread(self._run_replay, "AsyncPoolCollector-replay")
