@@ -488,6 +488,10 @@ def _cmd_env_host(args: argparse.Namespace) -> int:
 
     from torchrl_asyncpool.remote import EnvHost, RemoteHostError
 
+    if args.protocol == 2:  # one stream for all --num-envs envs (a pool's RemoteVectorSlot)
+        from torchrl_asyncpool.remote.vector_host import serve_from_command_line
+
+        return serve_from_command_line(args)
     # gRPC's C core logs every connection the pool closes at INFO level; a host has nothing to do about it
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     token = args.token if args.token is not None else os.environ.get("TORCHRL_ASYNCPOOL_TOKEN")
@@ -652,6 +656,12 @@ def _parser() -> argparse.ArgumentParser:
     host.add_argument("--no-progress", action="store_true", help="no progress bar (steps served, slots held)")
     host.add_argument("--reconnect", action="store_true",
                       help="serve pool after pool: reconnect when the pool goes away or has no free slot")
+    host.add_argument("--protocol", type=int, choices=(1, 2), default=1,
+                      help="1: one stream and slot per env (RemoteEnvSlot); 2: all --num-envs envs over one stream "
+                           "(a pool's RemoteVectorSlot of that many envs) (default: 1)")
+    host.add_argument("--vector-mode", choices=("threads", "sync", "vector_entry_point"), default="threads",
+                      help="with --protocol 2: step the envs in threads of their own, or as a gymnasium vector env "
+                           "(gymnasium.make_vec's vectorization_mode) (default: threads)")
     host.set_defaults(func=_cmd_env_host)
     return parser
 

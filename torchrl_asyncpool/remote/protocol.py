@@ -38,24 +38,32 @@ import numpy as np
 
 __all__ = [
     "METHOD", "TOKEN_METADATA", "PROTOCOL_VERSION", "PROTO_FILE", "spec_of_spaces", "spec_difference",
-    "encode_hello", "decode_hello", "encode_accept", "decode_accept", "RecordCodec", "import_grpc",
+    "encode_hello", "decode_hello", "encode_accept", "decode_accept", "RecordCodec", "BatchCodec", "import_grpc",
+    "BATCHED_PROTOCOL", "MAX_BATCH_ENVS",
 ]
 
 #: the gRPC method an env host calls (``service EnvHost { rpc Stream }`` of ``env_host.proto``)
 METHOD = "/torchrl_asyncpool.EnvHost/Stream"
 #: the metadata key carrying the pool's token
 TOKEN_METADATA = "x-torchrl-asyncpool-token"
-#: the protocol version a hello and an accept carry; a hello with another one is refused
+#: the protocol version a hello and an accept carry for one env per stream
 PROTOCOL_VERSION = 1
+#: the protocol version of a host serving ``num_envs`` envs over one stream (batched records and
+#: commands); a hello with a version other than these two is refused
+BATCHED_PROTOCOL = 2
+#: the most envs one protocol-2 host may declare
+MAX_BATCH_ENVS = 1 << 16
 #: the protocol's .proto file, shipped with the package
 PROTO_FILE = __file__.rsplit("/", 1)[0] + "/env_host.proto"
 #: hello messages larger than this are refused (a spec is a few hundred bytes)
 MAX_HELLO_BYTES = 1 << 16
 
 # field numbers of env_host.proto
-_HELLO, _RECORD = 1, 2  # HostMessage
+_HELLO, _RECORD, _RECORDS = 1, 2, 3  # HostMessage
 _STEP_TYPE, _REWARD, _OBS = 1, 2, 3  # Record
-_ACCEPT, _ACTION, _RESET = 1, 2, 3  # PoolMessage
+_B_ENV, _B_STEP_TYPE, _B_REWARD, _B_OBS = 1, 2, 3, 4  # RecordBatch
+_ACCEPT, _ACTION, _RESET, _COMMANDS = 1, 2, 3, 4  # PoolMessage
+_C_ENV, _C_RESET, _C_ACTION = 1, 2, 3  # CommandBatch
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5  # wire types
 _DOUBLE = struct.Struct("<d")
 
@@ -192,13 +200,16 @@ def _check_entry(what, entry) -> None:
 
 
 # -- hello / accept -----------------------------------------------------------------------------
-def encode_hello(spec: dict) -> bytes:
+def encode_hello(spec: dict, num_envs: int | None = None) -> bytes:
     """A host's first message (``HostMessage.hello_json``): ``spec`` as JSON, with the
-    :data:`PROTOCOL_VERSION`; :func:`decode_hello` parses it.
+    :data:`PROTOCOL_VERSION` (one env), or :data:`BATCHED_PROTOCOL` and ``num_envs`` (a host of
+    ``num_envs`` envs over one stream); :func:`decode_hello` parses it.
 
     Args:
         spec (dict): ``{"observation": {key: [shape, dtype]}, "action": [shape, dtype]}``, as
-            :func:`spec_of_spaces` returns.
+            :func:`spec_of_spaces` returns (the spec of one env).
+        num_envs (int, optional): the envs a protocol-2 host serves. Defaults to ``None``
+            (protocol 1).
 
     Examples:
         >>> from torchrl_asyncpool.remote.protocol import decode_hello, encode_hello
@@ -206,11 +217,14 @@ def encode_hello(spec: dict) -> bytes:
         >>> decode_hello(encode_hello(spec)) == spec
         True
     """
-    return _len_field(_HELLO, json.dumps({"protocol": PROTOCOL_VERSION, **spec}).encode())
+    if num_envs is None:
+        return _len_field(_HELLO, json.dumps({"protocol": PROTOCOL_VERSION, **spec}).encode())
+    return _len_field(_HELLO, json.dumps({"protocol": BATCHED_PROTOCOL, "num_envs": int(num_envs), **spec}).encode())
 
 
 def decode_hello(data: bytes) -> dict:
-    """Parses a hello; raises ``ValueError`` saying what is wrong with it."""
+    """Parses a hello: the spec, with ``"num_envs"`` added for a protocol-2 hello; raises
+    ``ValueError`` saying what is wrong with it."""
     if len(data) > MAX_HELLO_BYTES:
         raise ValueError(f"hello of {len(data)} bytes; at most {MAX_HELLO_BYTES} are accepted.")
     field, wire, value = _one_of(data, "the first message", {_HELLO: "hello_json", _RECORD: "record"})
@@ -222,27 +236,39 @@ def decode_hello(data: bytes) -> dict:
         raise ValueError(f"hello is not UTF-8 JSON: {exc}") from None
     except RecursionError:  # "[[[[...]]]]" within the size limit: the host must hear why, not a silent end
         raise ValueError("hello is JSON nested too deeply (a spec is an object of [shape, dtype] lists).") from None
-    if not isinstance(msg, dict) or msg.get("protocol") != PROTOCOL_VERSION:
-        raise ValueError(f"hello must be a JSON object with protocol={PROTOCOL_VERSION}, got {str(msg)[:200]}.")
+    if not isinstance(msg, dict) or msg.get("protocol") not in (PROTOCOL_VERSION, BATCHED_PROTOCOL):
+        raise ValueError(f"hello must be a JSON object with protocol={PROTOCOL_VERSION} (one env) or "
+                         f"{BATCHED_PROTOCOL} (num_envs envs), got {str(msg)[:200]}.")
     obs = msg.get("observation")
     if not isinstance(obs, dict) or not obs or "action" not in msg:
         raise ValueError("hello must carry 'observation' (a non-empty object) and 'action'.")
     for k, entry in obs.items():
         _check_entry(f"observation {k!r}", entry)
     _check_entry("action", msg["action"])
-    return {"observation": obs, "action": msg["action"]}
+    if msg["protocol"] == PROTOCOL_VERSION:
+        return {"observation": obs, "action": msg["action"]}
+    k = msg.get("num_envs")
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 < k <= MAX_BATCH_ENVS:
+        raise ValueError(f"a protocol-{BATCHED_PROTOCOL} hello must carry num_envs, an int in 1..{MAX_BATCH_ENVS}, "
+                         f"got {str(k)[:50]}.")
+    return {"observation": obs, "action": msg["action"], "num_envs": k}
 
 
-def encode_accept(slot: int) -> bytes:
+def encode_accept(slot: int, num_envs: int | None = None) -> bytes:
     """The pool's first message to a host (``PoolMessage.accept_json``): the index of the slot
-    it fills, with the :data:`PROTOCOL_VERSION`; :func:`decode_accept` parses it.
+    it fills, with the :data:`PROTOCOL_VERSION`; for a protocol-2 host (``num_envs`` given), the
+    first of the ``num_envs`` consecutive slots its envs fill, with :data:`BATCHED_PROTOCOL`.
+    :func:`decode_accept` parses it.
 
     Examples:
         >>> from torchrl_asyncpool.remote.protocol import decode_accept, encode_accept
         >>> decode_accept(encode_accept(3))
         3
     """
-    return _len_field(_ACCEPT, json.dumps({"protocol": PROTOCOL_VERSION, "slot": int(slot)}).encode())
+    if num_envs is None:
+        return _len_field(_ACCEPT, json.dumps({"protocol": PROTOCOL_VERSION, "slot": int(slot)}).encode())
+    return _len_field(_ACCEPT, json.dumps({"protocol": BATCHED_PROTOCOL, "slot": int(slot),
+                                           "num_envs": int(num_envs)}).encode())
 
 
 def decode_accept(data: bytes) -> int:
@@ -330,3 +356,147 @@ class RecordCodec:
 
 
 RESET_COMMAND = _tag(_RESET, _VARINT) + _varint(1)
+
+
+# -- protocol 2: batches of records and commands ------------------------------------------------
+_U32 = np.dtype("<u4")
+_F64 = np.dtype("<f8")
+
+
+def _packed(field: int, array: np.ndarray) -> bytes:
+    data = array.tobytes()
+    return _tag(field, _LEN) + _varint(len(data)) + data
+
+
+class BatchCodec:
+    """Packs and unpacks the batched messages of protocol 2 (``RecordBatch`` from a host of
+    ``num_envs`` envs, ``CommandBatch`` from the pool) for one negotiated per-env spec.
+
+    A batch of ``n`` records is a few fields whatever ``n``: the env-local indices (packed
+    ``fixed32``), one step-type byte each, the rewards (packed ``double``) and, per observation
+    key, the ``n`` observations' raw bytes back to back. Decoding makes numpy views of the
+    message's bytes (``[n, *shape]`` per key), no Python object per record.
+
+    Args:
+        spec (dict): the per-env spec (:func:`spec_of_spaces`).
+        num_envs (int): the envs of the host.
+    """
+
+    def __init__(self, spec: dict, num_envs: int):
+        self.one = RecordCodec(spec)
+        self.num_envs = int(num_envs)
+        self.obs = self.one.obs
+        self.obs_bytes = self.one.obs_bytes
+        #: the largest message either side sends (for gRPC's message size limits)
+        self.max_message_bytes = 64 + self.num_envs * (self.one.max_message_bytes + 16)
+
+    # -- records, host -> pool ------------------------------------------------------------------
+    def pack_records(self, envs, step_types, rewards, obs: Dict) -> bytes:
+        """A ``HostMessage.records``: ``envs`` (env-local indices), their ``step_types`` and
+        ``rewards`` (one each) and ``obs`` (``{key: [n, *shape] array}``, or a ``[n, *shape]``
+        array for the single key ``"observation"``)."""
+        envs = np.ascontiguousarray(envs, _U32).reshape(-1)
+        n = len(envs)
+        parts = [_packed(_B_ENV, envs),
+                 _len_field(_B_STEP_TYPE, np.ascontiguousarray(step_types, np.uint8).reshape(n).tobytes()),
+                 _packed(_B_REWARD, np.ascontiguousarray(rewards, _F64).reshape(n))]
+        if not isinstance(obs, dict):
+            obs = {"observation": obs}
+        obs_tag = _tag(_B_OBS, _LEN)
+        for (k, shape, dt), nbytes in zip(self.obs, self.obs_bytes):
+            a = np.ascontiguousarray(obs[k], dtype=dt)
+            if a.size * dt.itemsize != n * nbytes:
+                raise ValueError(f"observation {k!r} has shape {a.shape}; {n} records of the negotiated {shape} "
+                                 "were expected.")
+            parts += [obs_tag, _varint(n * nbytes), a.tobytes()]
+        batch = b"".join(parts)
+        return _tag(_RECORDS, _LEN) + _varint(len(batch)) + batch
+
+    def unpack_records(self, data: bytes):
+        """``(envs, step_types, rewards, {key: [n, *shape] array})`` of a ``HostMessage.records``
+        (numpy views of ``data``: int64 env indices, uint8 step types, float64 rewards); raises
+        ``ValueError`` on a malformed batch (sizes that disagree, an env index out of range, a
+        step type above 3)."""
+        field, wire, batch = _one_of(data, "a host message", {_HELLO: "hello_json", _RECORD: "record",
+                                                             _RECORDS: "records"})
+        if field != _RECORDS or wire != _LEN:
+            raise ValueError("a protocol-2 host sends record batches (HostMessage.records), got "
+                             f"{'a hello' if field == _HELLO else 'a single record'}.")
+        envs = sts = rewards = None
+        entries = []
+        for field, wire, value in _fields(batch):
+            if wire != _LEN:
+                continue
+            if field == _B_ENV:
+                envs = value
+            elif field == _B_STEP_TYPE:
+                sts = value
+            elif field == _B_REWARD:
+                rewards = value
+            elif field == _B_OBS:
+                entries.append(value)
+        if envs is None or len(envs) % 4:
+            raise ValueError("a record batch needs its env indices (packed fixed32).")
+        envs = np.frombuffer(envs, _U32)
+        n = len(envs)
+        if n == 0 or n > self.num_envs:
+            raise ValueError(f"a record batch of {n} records; a host of {self.num_envs} envs sends 1..{self.num_envs}.")
+        if sts is None or len(sts) != n or rewards is None or len(rewards) != 8 * n:
+            raise ValueError(f"a record batch of {n} env indices needs {n} step-type bytes and {n} rewards (packed "
+                             f"double); got {0 if sts is None else len(sts)} and "
+                             f"{0 if rewards is None else len(rewards) / 8:g}.")
+        sts = np.frombuffer(sts, np.uint8)
+        if int(envs.max()) >= self.num_envs:
+            raise ValueError(f"record for env {int(envs.max())}; the host declared {self.num_envs} envs.")
+        if int(sts.max()) > 3:
+            raise ValueError(f"record with step type {int(sts.max())}; expected 0 (FIRST) .. 3 (TRUNCATION).")
+        if len(entries) != len(self.obs):
+            raise ValueError(f"record batch with {len(entries)} observation entries; the negotiated spec has "
+                             f"{len(self.obs)} ({[k for k, _, _ in self.obs]}).")
+        obs = {}
+        for (k, shape, dt), nbytes, value in zip(self.obs, self.obs_bytes, entries):
+            if len(value) != n * nbytes:
+                raise ValueError(f"observation {k!r}: {len(value)} bytes for {n} records of the negotiated {shape} "
+                                 f"{dt.name} ({nbytes} bytes each).")
+            obs[k] = np.frombuffer(value, dt).reshape((n, *shape))
+        return envs.astype(np.int64), sts, np.frombuffer(rewards, _F64), obs
+
+    # -- commands, pool -> host -----------------------------------------------------------------
+    def pack_commands(self, envs, resets, actions) -> bytes:
+        """A ``PoolMessage.commands``: for each of ``envs``, reset it (``resets`` true) or step
+        it with its row of ``actions`` (``[n, *action shape]``; a reset's row is sent but
+        ignored)."""
+        envs = np.ascontiguousarray(envs, _U32).reshape(-1)
+        n = len(envs)
+        a = np.ascontiguousarray(actions, dtype=self.one.action_dtype)
+        if a.size * a.itemsize != n * self.one.action_bytes:
+            raise ValueError(f"actions of shape {a.shape} for {n} commands of the negotiated action "
+                             f"{self.one.action_shape}.")
+        batch = b"".join([_packed(_C_ENV, envs),
+                          _len_field(_C_RESET, np.ascontiguousarray(resets, np.uint8).reshape(n).tobytes()),
+                          _len_field(_C_ACTION, a.tobytes())])
+        return _tag(_COMMANDS, _LEN) + _varint(len(batch)) + batch
+
+    def unpack_commands(self, data: bytes):
+        """``(envs, resets, actions)`` of a ``PoolMessage.commands``: int64 env indices, a bool
+        mask of the reset commands, the actions ``[n, *action shape]`` (a copy)."""
+        field, wire, batch = _one_of(data, "a pool message", {_ACCEPT: "accept_json", _ACTION: "action",
+                                                              _RESET: "reset", _COMMANDS: "commands"})
+        if field != _COMMANDS or wire != _LEN:
+            raise ValueError(f"malformed command batch from the pool (field {field}).")
+        envs = resets = actions = None
+        for field, wire, value in _fields(batch):
+            if wire == _LEN and field == _C_ENV:
+                envs = value
+            elif wire == _LEN and field == _C_RESET:
+                resets = value
+            elif wire == _LEN and field == _C_ACTION:
+                actions = value
+        envs = np.frombuffer(envs if envs is not None else b"", _U32)
+        n = len(envs)
+        if resets is None or len(resets) != n or actions is None or len(actions) != n * self.one.action_bytes:
+            raise ValueError(f"malformed command batch from the pool ({n} envs).")
+        if n and int(envs.max()) >= self.num_envs:
+            raise ValueError(f"command for env {int(envs.max())} of a host of {self.num_envs} envs.")
+        a = np.frombuffer(actions, self.one.action_dtype).reshape((n, *self.one.action_shape)).copy()
+        return envs.astype(np.int64), np.frombuffer(resets, np.uint8).astype(bool), a

@@ -562,8 +562,18 @@ class _Ingress:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"the pool listening on {self.address} is closing: no remote env slot is left; "
                           "try again later.")
+        num_envs = hello.pop("num_envs", None)  # None: a protocol-1 host (one env)
         mismatch, matched = None, 0
         for slot in slots:
+            k = getattr(slot, "num_envs", None)  # None: a RemoteEnvSlot, k: a RemoteVectorSlot of k envs
+            if k != num_envs:
+                mismatch = mismatch or (
+                    f"{slot._where()} takes a host of {k} envs over one stream (protocol {P.BATCHED_PROTOCOL}); "
+                    f"the host declared {'one env (protocol 1)' if num_envs is None else f'{num_envs} envs'}"
+                    if k is not None else
+                    f"{slot._where()} takes one env per stream (protocol 1); the host declared {num_envs} envs "
+                    f"(protocol {P.BATCHED_PROTOCOL})")
+                continue
             diff = P.spec_difference(slot._spec, hello)
             if diff is not None:
                 mismatch = mismatch or f"{slot._where()}: {diff}"
@@ -578,5 +588,5 @@ class _Ingress:
                           f"all {matched} remote env slots on {self.address} are taken; try again later.")
         if not context.add_callback(stream.end):  # the call ended already
             stream.end()
-        yield P.encode_accept(slot.index)
+        yield P.encode_accept(slot.index, num_envs)
         yield from stream.responses()

@@ -1,0 +1,289 @@
+"""Protocol 2: one env host serves k envs over one stream to a pool's RemoteVectorSlot."""
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from tensordict import TensorDict
+
+grpc = pytest.importorskip("grpc")
+
+from conftest import free_address  # noqa: E402
+from torchrl_asyncpool import AsyncEnvPool, StepType  # noqa: E402
+from torchrl_asyncpool.remote import EnvHost, RemoteEnvSlot, RemoteHostError, RemoteVectorSlot, VectorEnvHost  # noqa: E402
+from torchrl_asyncpool.remote import protocol as P  # noqa: E402
+from torchrl_asyncpool.remote.slot import _Ingress  # noqa: E402
+from torchrl_asyncpool.testing import OracleChecker, OracleGymEnv, oracle_action  # noqa: E402
+from torchrl_asyncpool.testing.oracle_env import oracle_episode  # noqa: E402
+
+K = 4
+
+
+def _sync_oracles(k=K, offset=0):
+    return gym.vector.SyncVectorEnv([functools.partial(OracleGymEnv, offset + j) for j in range(k)])
+
+
+def _vector_slot(address, k=K, **kwargs):
+    return functools.partial(RemoteVectorSlot.like, OracleGymEnv(0), address, num_envs=k, **kwargs)
+
+
+class _Running:
+    """A host running in a thread (``run``'s result or error in ``result``)."""
+
+    def __init__(self, host, **run_kwargs):
+        self.host, self.result = host, {}
+
+        def run():
+            try:
+                self.result["steps"] = host.run(**run_kwargs)
+            except BaseException as exc:  # noqa: BLE001 - checked by the test
+                self.result["error"] = exc
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def stop(self, timeout=10):
+        self.host.stop()
+        self.thread.join(timeout)
+        assert not self.thread.is_alive()
+
+
+def _answer(pool, td):
+    pool.send(TensorDict({"action": oracle_action(td["tag"])}, [td.shape[0]]), td.env_indices)
+
+
+def _drive(pool, checker, records, timeout=30.0):
+    n = 0
+    while n < records:
+        td = pool.recv(min_get=1, timeout=timeout)
+        checker.observe_batch(td)
+        _answer(pool, td)
+        n += td.shape[0]
+    return n
+
+
+@pytest.mark.parametrize("kind", ["gym-vector", "threads", "torchrl-batched"])
+def test_a_host_of_k_envs_feeds_exact_records_over_one_stream(dev_shm_guard, kind):
+    """Every record of every env arrives exactly once, in order (the oracle checks tags, step
+    types, rewards and the echoed actions), whichever kind of host steps the k envs."""
+    address = free_address()
+    if kind == "gym-vector":
+        envs = _sync_oracles
+    elif kind == "threads":
+        envs = [functools.partial(OracleGymEnv, j) for j in range(K)]
+    else:
+        from torchrl.envs import SerialEnv
+
+        from torchrl_asyncpool.testing import OracleEnv
+
+        def envs():
+            return SerialEnv(K, [functools.partial(OracleEnv, env_id=j) for j in range(K)])
+    running = _Running(VectorEnvHost(envs, address))
+    with AsyncEnvPool([_vector_slot(address)], start_timeout=60) as pool:
+        checker = OracleChecker()
+        _drive(pool, checker, 300)
+        assert set(checker._last) == set(range(K))
+        assert checker.episodes_done >= K
+    running.thread.join(20)
+    assert "error" not in running.result, running.result
+    assert running.host.steps > 0
+
+
+def test_several_hosts_feed_one_pool_each_on_its_address(dev_shm_guard):
+    addresses = [free_address() for _ in range(2)]
+    running = [_Running(VectorEnvHost(functools.partial(_sync_oracles, K, K * i), a)) for i, a in enumerate(addresses)]
+    with AsyncEnvPool([_vector_slot(a) for a in addresses], start_timeout=60) as pool:
+        checker = OracleChecker()
+        _drive(pool, checker, 400)
+        assert set(checker._last) == set(range(2 * K))
+    for r in running:
+        r.thread.join(20)
+        assert "error" not in r.result, r.result
+
+
+def _resume(checker, env, episode):
+    """Lets ``checker`` take env ``env`` up again at the start of ``episode`` (a new host)."""
+    if episode == 0:
+        checker._last.pop(env, None)
+    else:
+        length, _ = oracle_episode(env, episode - 1, checker.max_episode_len)
+        checker._last[env] = (env, episode - 1, length)
+
+
+@pytest.mark.parametrize("at", ["some-envs-ended", "all-episodes-open"])
+def test_a_dropped_host_ends_its_open_episodes_truncated_and_the_next_host_takes_over(dev_shm_guard, at):
+    """The host drops while the pool holds a pass of its k records: envs in an open episode get
+    TRUNCATION (their last observation, reward 0), envs whose record was terminal get the next
+    host's FIRST; then every env goes on exactly once, in order, with the new host's envs.
+    ``at``: the held pass has terminal records next to open ones (the new host is needed at
+    once), or none."""
+    address = free_address()
+    first = _Running(VectorEnvHost(_sync_oracles, address))
+    with AsyncEnvPool([_vector_slot(address)], start_timeout=60) as pool:
+        checker = OracleChecker()
+        _drive(pool, checker, 20)
+        for _ in range(500):  # hold a pass of all k records of the kind asked for
+            td = pool.recv(min_get=K, timeout=30)
+            checker.observe_batch(td)
+            ends = [StepType(int(x)).is_last() for x in td["step_type"]]
+            if (any(ends) and not all(ends)) if at == "some-envs-ended" else not any(ends):
+                break
+            _answer(pool, td)
+        else:
+            pytest.fail(f"no pass with {at}")
+        last = {int(i): (td["tag"][n].tolist(), int(td["step_type"][n])) for n, i in enumerate(td.env_indices)}
+        assert set(last) == set(range(K))
+        first.stop()
+        second = _Running(VectorEnvHost(_sync_oracles, address))
+        _answer(pool, td)
+        td = pool.recv(min_get=K, timeout=30)
+        truncated = set()
+        for n, i in enumerate(td.env_indices.tolist()):
+            tag, st = td["tag"][n].tolist(), int(td["step_type"][n])
+            before, before_st = last[i]
+            if before_st in (StepType.TERMINATION, StepType.TRUNCATION):
+                # a terminal record's next one is the next host's FIRST
+                assert st == StepType.FIRST and tag == [i, 0, 0], (i, tag, st)
+                _resume(checker, i, 0)
+                checker.observe(i, tag, st)
+            else:  # an open episode: TRUNCATION repeating its last observation, reward 0
+                assert st == StepType.TRUNCATION and tag == before, (i, tag, st, before)
+                assert float(td["reward"][n]) == 0.0 and bool(td["truncated"][n])
+                truncated.add(i)
+        _answer(pool, td)
+        # the truncated envs start over with the new host's envs: their first records when no env
+        # needed the new host at the loss, else a reset of them (their episode 1), as the new host's
+        # FIRST records of those envs went to the envs that needed one then
+        episode = 0 if len(truncated) == K else 1
+        assert (episode == 0) == (at == "all-episodes-open")
+        pending = set(truncated)
+        while pending:
+            td = pool.recv(min_get=1, timeout=30)
+            for n, i in enumerate(td.env_indices.tolist()):
+                if i in pending:
+                    assert int(td["step_type"][n]) == StepType.FIRST and td["tag"][n].tolist() == [i, episode, 0]
+                    _resume(checker, i, episode)
+                    pending.discard(i)
+                checker.observe(i, td["tag"][n], td["step_type"][n], reward=td["reward"][n], echo=td["echo"][n])
+            _answer(pool, td)
+        _drive(pool, checker, 200)
+    second.thread.join(20)
+    assert "error" not in second.result, second.result
+
+
+def test_refusals_name_the_protocol_and_the_number_of_envs():
+    address = free_address()
+    slot = RemoteVectorSlot.like(OracleGymEnv(0), address, num_envs=K)
+    slot._ingress = _Ingress.join(slot)  # listening, as its first reset does
+    try:
+        with pytest.raises(RemoteHostError, match="INVALID_ARGUMENT.*4 envs over one stream.*one env"):
+            EnvHost(OracleGymEnv(0), address).run()
+        with pytest.raises(RemoteHostError, match="INVALID_ARGUMENT.*4 envs over one stream.*declared 2 envs"):
+            VectorEnvHost(functools.partial(_sync_oracles, 2), address).run()
+    finally:
+        slot.close()
+    address = free_address()
+    single = RemoteEnvSlot.like(OracleGymEnv(0), address)
+    single._pool_listen(0)
+    try:
+        with pytest.raises(RemoteHostError, match="INVALID_ARGUMENT.*one env per stream.*declared 4 envs"):
+            VectorEnvHost(_sync_oracles, address).run()
+    finally:
+        single.close()
+
+
+def test_batch_codec_round_trips_and_refuses_malformed_batches():
+    env = OracleGymEnv(0)
+    spec = P.spec_of_spaces(env.observation_space, env.action_space)
+    codec = P.BatchCodec(spec, 3)
+    obs = {"tag": np.arange(6).reshape(2, 3), "echo": np.array([5, 6]), "observation": np.ones((2, 2), np.float32)}
+    data = codec.pack_records([2, 0], [1, 2], [0.5, 1.5], obs)
+    envs, sts, rewards, got = codec.unpack_records(data)
+    assert envs.tolist() == [2, 0] and sts.tolist() == [1, 2] and rewards.tolist() == [0.5, 1.5]
+    assert got["tag"].tolist() == obs["tag"].tolist() and got["echo"].tolist() == [5, 6]
+    envs, resets, actions = codec.unpack_commands(codec.pack_commands([1, 2], [True, False], np.array([3, 4])))
+    assert envs.tolist() == [1, 2] and resets.tolist() == [True, False] and actions.tolist() == [3, 4]
+    with pytest.raises(ValueError, match="env 3"):
+        codec.unpack_records(codec.pack_records([3], [1], [0.0], {k: v[:1] for k, v in obs.items()}))
+    with pytest.raises(ValueError, match="step type 7"):
+        codec.unpack_records(codec.pack_records([0], [7], [0.0], {k: v[:1] for k, v in obs.items()}))
+    bad = P.BatchCodec({"observation": {**spec["observation"], "tag": [[4], "int64"]}, "action": spec["action"]}, 3)
+    with pytest.raises(ValueError, match="observation 'tag'"):
+        codec.unpack_records(bad.pack_records([0], [1], [0.0], {**{k: v[:1] for k, v in obs.items()},
+                                                                "tag": np.zeros((1, 4), np.int64)}))
+    with pytest.raises(ValueError, match="num_envs"):
+        P.decode_hello(P.encode_hello(spec, 0))
+    assert P.decode_hello(P.encode_hello(spec, 3)) == {**spec, "num_envs": 3}
+
+
+def test_batched_messages_match_protoc_generated_code(tmp_path):
+    protoc = pytest.importorskip("grpc_tools.protoc")
+    import importlib
+    import shutil
+
+    shutil.copy(P.PROTO_FILE, tmp_path / "env_host.proto")
+    assert protoc.main(["protoc", f"-I{tmp_path}", f"--python_out={tmp_path}", "env_host.proto"]) == 0
+    sys.path.insert(0, str(tmp_path))
+    try:
+        sys.modules.pop("env_host_pb2", None)
+        pb = importlib.import_module("env_host_pb2")
+    finally:
+        sys.path.remove(str(tmp_path))
+    env = OracleGymEnv(0)
+    spec = P.spec_of_spaces(env.observation_space, env.action_space)
+    codec = P.BatchCodec(spec, 3)
+    obs = {"tag": np.arange(9).reshape(3, 3), "echo": np.array([5, 6, 7]), "observation": np.ones((3, 2), np.float32)}
+    msg = pb.HostMessage.FromString(codec.pack_records([0, 1, 2], [0, 1, 3], [0.0, 1.0, 2.0], obs))
+    assert msg.WhichOneof("message") == "records"
+    assert list(msg.records.env) == [0, 1, 2] and list(msg.records.reward) == [0.0, 1.0, 2.0]
+    assert list(msg.records.step_type) == [0, 1, 3]
+    tag_entry = list(spec["observation"]).index("tag")
+    assert np.frombuffer(msg.records.observation[tag_entry], np.int64).tolist() == list(range(9))
+    # protoc -> ours: a FIRST batch (all rewards 0, all step types 0)
+    entries = [np.ascontiguousarray(obs[k]).tobytes() for k in spec["observation"]]
+    theirs = pb.HostMessage(records=pb.RecordBatch(env=[2, 1, 0], step_type=bytes(3), reward=[0.0] * 3,
+                                                   observation=entries))
+    envs, sts, rewards, got = codec.unpack_records(theirs.SerializeToString())
+    assert envs.tolist() == [2, 1, 0] and sts.tolist() == [0, 0, 0] and got["echo"].tolist() == [5, 6, 7]
+    cmd = pb.PoolMessage.FromString(codec.pack_commands([0, 2], [False, True], np.array([9, 0])))
+    assert list(cmd.commands.env) == [0, 2] and cmd.commands.reset == b"\x00\x01"
+    assert np.frombuffer(cmd.commands.action, np.int64).tolist() == [9, 0]
+    ours = codec.unpack_commands(pb.PoolMessage(commands=pb.CommandBatch(
+        env=[1], reset=b"\x00", action=np.int64(4).tobytes())).SerializeToString())
+    assert ours[0].tolist() == [1] and ours[2].tolist() == [4]
+    assert '"num_envs": 3' in pb.HostMessage.FromString(P.encode_hello(spec, 3)).hello_json
+
+
+def test_env_host_command_serves_k_envs_over_one_stream(dev_shm_guard):
+    """``env-host --protocol 2 --num-envs 3``: one stream, three envs stepped by threads."""
+    import subprocess
+
+    address = free_address()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchrl_asyncpool.cli", "env-host", "--protocol", "2", "--num-envs", "3",
+         "--env-id", "CartPole-v1", "--address", address, "--no-progress", "--max-steps", "300"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        slot = functools.partial(RemoteVectorSlot.like, gym.make("CartPole-v1"), address, num_envs=3)
+        with AsyncEnvPool([slot], start_timeout=60) as pool:
+            n = 0
+            t0 = time.monotonic()
+            while n < 150 and time.monotonic() - t0 < 60:
+                td = pool.recv(min_get=1, timeout=30)
+                pool.send(TensorDict({"action": td["observation"][:, 2:3].gt(0).long().squeeze(-1)}, [td.shape[0]]),
+                          td.env_indices)
+                n += td.shape[0]
+            assert n >= 150
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "3 envs" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

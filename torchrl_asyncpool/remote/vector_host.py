@@ -1,0 +1,427 @@
+"""Host side of protocol 2: ``k`` envs served to a pool's
+:class:`~torchrl_asyncpool.remote.RemoteVectorSlot` over one stream."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import numpy as np
+
+from torchrl_asyncpool.remote import protocol as P
+from torchrl_asyncpool.remote.host import EnvHost, RemoteHostError
+from torchrl_asyncpool.step_type import StepType
+
+__all__ = ["VectorEnvHost"]
+
+_log = logging.getLogger("torchrl_asyncpool.remote")
+_FIRST, _MID, _TERM, _TRUNC = (int(s) for s in StepType)
+
+
+def _step_types(terminated, truncated):
+    terminated, truncated = np.asarray(terminated, bool).reshape(-1), np.asarray(truncated, bool).reshape(-1)
+    return np.where(terminated, _TERM, np.where(truncated, _TRUNC, _MID)).astype(np.uint8)
+
+
+class _GymVector:
+    """A gymnasium ``VectorEnv`` (NEXT_STEP autoreset): all envs stepped with one call."""
+
+    def __init__(self, vec):
+        import gymnasium as gym
+
+        mode = vec.metadata.get("autoreset_mode", gym.vector.AutoresetMode.NEXT_STEP)
+        if getattr(mode, "value", mode) != gym.vector.AutoresetMode.NEXT_STEP.value:
+            raise ValueError(f"a vector env host needs gymnasium's NEXT_STEP autoreset mode, got {mode!r}.")
+        self.env = vec
+        self.num_envs = int(vec.num_envs)
+        self.spec = P.spec_of_spaces(vec.single_observation_space, vec.single_action_space)
+        self.keys = list(self.spec["observation"])
+        self.action_shape = tuple(self.spec["action"][0])
+        self.ended = np.zeros(self.num_envs, bool)
+
+    def _obs(self, obs):
+        return {k: np.asarray(obs[k]) for k in self.keys} if isinstance(obs, dict) else {"observation": obs}
+
+    def reset(self):
+        obs, _ = self.env.reset()
+        self.ended[:] = False
+        return self._obs(obs)
+
+    def serve(self, envs, resets, actions):
+        k = self.num_envs
+        if len(envs) != k or not (np.sort(envs) == np.arange(k)).all():
+            raise ValueError(f"a vector env host steps its {k} envs together; the pool commanded {len(envs)}.")
+        full = np.empty((k, *actions.shape[1:]), actions.dtype)
+        full[envs] = actions
+        reset = np.zeros(k, bool)
+        reset[envs] = resets
+        obs, reward, terminated, truncated, _ = self.env.step(full)
+        obs = self._obs(obs)
+        sts = _step_types(terminated, truncated)
+        rewards = np.array(reward, np.float64).reshape(k)
+        sts[self.ended] = _FIRST  # NEXT_STEP: an env that ended is reset by this step
+        rewards[self.ended] = 0.0
+        extra = reset & ~self.ended  # a reset of an env that did not end (a new host taking over): reset it now
+        if extra.any():
+            fresh, _ = self.env.reset(options={"reset_mask": extra})
+            fresh = self._obs(fresh)
+            obs = {key: np.array(v) for key, v in obs.items()}
+            for key in obs:
+                obs[key][extra] = fresh[key][extra]
+            sts[extra], rewards[extra] = _FIRST, 0.0
+        self.ended = (sts == _TERM) | (sts == _TRUNC)
+        return np.arange(k), sts, rewards, obs
+
+    def close(self):
+        self.env.close()
+
+
+class _TorchRLBatched:
+    """A TorchRL env with ``batch_size=[k]``: resets with a ``"_reset"`` mask, steps with a
+    ``"_step"`` mask when some envs are being reset."""
+
+    def __init__(self, env):
+        import torch
+
+        from torchrl_asyncpool.remote.torchrl_env import _space
+
+        if len(env.batch_size) != 1:
+            raise ValueError(f"a TorchRL env host needs batch_size=[k], got {tuple(env.batch_size)}.")
+        keys = list(env.observation_spec.keys(True, True))
+        if any(not isinstance(key, str) for key in keys) or list(env.action_keys) != ["action"]:
+            raise TypeError("a remote TorchRL env needs flat observation keys and the single action key 'action'.")
+        import gymnasium as gym
+
+        self.env, self.torch = env, torch
+        self.num_envs = int(env.batch_size[0])
+        self.keys = keys
+        space = gym.spaces.Dict({k: _space(env.observation_spec[k][0], f"observation {k!r}") for k in keys})
+        self.spec = P.spec_of_spaces(space, _space(env.full_action_spec["action"][0], "the action"))
+        self._action_dtype = env.full_action_spec["action"].dtype
+        self._reward_key = env.reward_keys[0]
+        self._done_shape = tuple(env.full_done_spec["done"].shape[1:])
+        self._td = None
+
+    def _obs(self, td):
+        return {k: td.get(k).numpy() for k in self.keys}
+
+    def reset(self):
+        self._td = self.env.reset()
+        return self._obs(self._td)
+
+    def serve(self, envs, resets, actions):
+        from tensordict import TensorDict
+        from torchrl.envs.utils import step_mdp
+
+        torch, k = self.torch, self.num_envs
+        reset = np.zeros(k, bool)
+        reset[envs] = resets
+        stepping = np.zeros(k, bool)
+        stepping[envs] = ~resets
+        obs = {key: np.zeros((k, *self.env.observation_spec[key].shape[1:]),
+                             torch.empty((), dtype=self.env.observation_spec[key].dtype).numpy().dtype)
+               for key in self.keys}
+        sts, rewards = np.zeros(k, np.uint8), np.zeros(k)
+        if reset.any():
+            m = torch.from_numpy(reset)
+            out = self.env.reset(TensorDict({"_reset": m.reshape((k, *self._done_shape))}, [k]))
+            have = set(self._td.keys(True, True))
+            for key in out.keys(True, True):
+                if key != "_reset" and key in have:
+                    self._td.get(key)[m] = out.get(key)[m]
+            for key in self.keys:
+                obs[key][reset] = out.get(key).numpy()[reset]
+            sts[reset] = _FIRST
+        if stepping.any():
+            full = np.zeros((k, *actions.shape[1:]), actions.dtype)
+            full[envs] = actions
+            td = self._td.set("action", torch.as_tensor(full, dtype=self._action_dtype))
+            td.pop("_step", None)
+            if not stepping.all():
+                td.set("_step", torch.from_numpy(stepping))
+            out = self.env.step(td)
+            out.pop("_step", None)
+            nxt = out.get("next")
+            for key in self.keys:
+                obs[key][stepping] = nxt.get(key).numpy()[stepping]
+            rewards[stepping] = nxt.get(self._reward_key).reshape(k).double().numpy()[stepping]
+            done = nxt.get("done").reshape(k).numpy()
+            term = nxt.get("terminated").reshape(k).numpy() if "terminated" in nxt.keys() else done
+            trunc = nxt.get("truncated").reshape(k).numpy() if "truncated" in nxt.keys() else done & ~term
+            sts[stepping] = _step_types(term, trunc)[stepping]
+            self._td = step_mdp(out)
+        order = np.asarray(envs)
+        return order, sts[order], rewards[order], {key: v[order] for key, v in obs.items()}
+
+    def close(self):
+        self.env.close()
+
+
+class _Threaded:
+    """``k`` single envs, each built, stepped and reset by a thread of its own (envs that block:
+    their steps overlap)."""
+
+    def __init__(self, envs):
+        import gymnasium as gym
+
+        self.num_envs = len(envs)
+        self._made = [None] * self.num_envs
+        self._inbox = [queue.SimpleQueue() for _ in range(self.num_envs)]
+        self._results = queue.SimpleQueue()
+        self._threads = []
+        for j, env in enumerate(envs):
+            t = threading.Thread(target=self._run, args=(j, env), name=f"env-host-env-{j}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        built = [self._results.get() for _ in range(self.num_envs)]
+        errors = [r for r in built if isinstance(r[1], BaseException)]
+        if errors:
+            self.close()
+            raise errors[0][1]
+        first = self._made[0]
+        self.dict_obs = isinstance(first.observation_space, gym.spaces.Dict)
+        self.spec = P.spec_of_spaces(first.observation_space, first.action_space)
+        self.keys = list(self.spec["observation"])
+
+    def _run(self, j, env):
+        from torchrl_asyncpool.remote.torchrl_env import as_gymnasium
+
+        try:
+            if isinstance(env, type) or (callable(env) and not hasattr(env, "step")):
+                env = env()
+            env = self._made[j] = as_gymnasium(env)
+        except BaseException as exc:  # noqa: BLE001 - reported to the constructor
+            self._results.put((j, exc))
+            return
+        self._results.put((j, None))
+        inbox = self._inbox[j]
+        while True:
+            cmd = inbox.get()
+            if cmd is None:
+                break
+            try:
+                if cmd is True:
+                    obs, _ = env.reset()
+                    self._results.put((j, (_FIRST, 0.0, obs)))
+                else:
+                    obs, reward, terminated, truncated, _ = env.step(cmd)
+                    st = _TERM if terminated else (_TRUNC if truncated else _MID)
+                    self._results.put((j, (st, float(reward), obs)))
+            except BaseException as exc:  # noqa: BLE001 - raised by serve() in the host's thread
+                self._results.put((j, exc))
+        env.close()
+
+    def _gather(self, envs):
+        n = len(envs)
+        sts, rewards, rows = np.zeros(n, np.uint8), np.zeros(n), [None] * n
+        where = {int(j): i for i, j in enumerate(envs)}
+        for _ in range(n):
+            j, result = self._results.get()
+            if isinstance(result, BaseException):
+                raise result
+            i = where[j]
+            sts[i], rewards[i], obs = result
+            rows[i] = obs if self.dict_obs else {"observation": obs}
+        obs = {key: np.stack([np.asarray(r[key]) for r in rows]) for key in self.keys}
+        return np.asarray(envs), sts, rewards, obs
+
+    def reset(self):
+        for inbox in self._inbox:
+            inbox.put(True)
+        return self._gather(np.arange(self.num_envs))[3]
+
+    def serve(self, envs, resets, actions):
+        scalar = actions.ndim == 1 and actions.dtype.kind in "iu"
+        for j, reset, action in zip(envs.tolist(), resets.tolist(), actions):
+            self._inbox[j].put(True if reset else (int(action) if scalar else action))
+        return self._gather(envs)
+
+    def close(self):
+        for inbox in self._inbox:
+            inbox.put(None)
+        for t in self._threads:
+            t.join(10)
+
+
+def _backend(envs):
+    import gymnasium as gym
+    from torchrl.envs import EnvBase
+
+    if isinstance(envs, (list, tuple)):
+        return _Threaded(list(envs))
+    if isinstance(envs, gym.vector.VectorEnv):
+        return _GymVector(envs)
+    if isinstance(envs, EnvBase):
+        return _TorchRLBatched(envs)
+    raise TypeError(f"a vector env host serves a gymnasium VectorEnv, a TorchRL env with batch_size=[k] or a list "
+                    f"of k envs (or factories), got {type(envs).__name__}.")
+
+
+class VectorEnvHost(EnvHost):
+    """Serves ``k`` envs to a pool's :class:`~torchrl_asyncpool.remote.RemoteVectorSlot` over
+    one stream (protocol 2 of ``env_host.proto``).
+
+    One hello declares ``k`` and the per-env spec; each message to the pool carries the records
+    of the envs that answered a command (env-local index, step type, reward, observation bytes),
+    and each message from the pool carries the commands of those envs (an action, or a reset
+    after a terminal record).
+
+    Args:
+        envs: what steps the ``k`` envs: a :class:`gymnasium.vector.VectorEnv` (NEXT_STEP
+            autoreset, its default; stepped with one call), a TorchRL
+            :class:`~torchrl.envs.EnvBase` with ``batch_size=[k]`` (reset with a ``"_reset"``
+            mask, stepped with a ``"_step"`` mask while some envs reset), a list of ``k`` single
+            envs or zero-argument factories (each built and stepped by a thread of its own), or
+            a zero-argument factory of any of these, called at the first :meth:`run`.
+        address (str): the pool's ``"host:port"``.
+
+    Keyword Args:
+        token (str, optional): the pool's token. Defaults to ``None``.
+        connect_timeout (float): seconds to wait for the pool. Defaults to ``30``.
+
+    Attributes:
+        slot (int): the accept's slot (``-1``: the pool's vector slot does not know its
+            indices), ``None`` before a pool accepted the host.
+        steps (int): env steps taken (records other than ``FIRST``), all envs together.
+
+    Examples:
+        >>> import gymnasium as gym
+        >>> from torchrl_asyncpool.remote import VectorEnvHost
+        >>> make = lambda: gym.make_vec("CartPole-v1", num_envs=32, vectorization_mode="vector_entry_point")
+        >>> host = VectorEnvHost(make, "localhost:50061", connect_timeout=0.5)
+        >>> host.run()  # nothing listens there
+        Traceback (most recent call last):
+          ...
+        ConnectionError: no pool accepts connections on localhost:50061 (waited 0.5 s).
+    """
+
+    def __init__(self, envs, address: str, *, token: str | None = None, connect_timeout: float = 30.0):
+        super().__init__(envs, address, token=token, connect_timeout=connect_timeout)
+        self._backend = None
+
+    @property
+    def num_envs(self) -> int:
+        """The envs served (builds them on first use from a factory)."""
+        return self._serving().num_envs
+
+    def _serving(self):
+        if self._backend is None:
+            envs = self._env
+            if callable(envs) and not hasattr(envs, "step") and not isinstance(envs, (list, tuple)):
+                envs = envs()
+            self._backend = _backend(envs)
+        return self._backend
+
+    def close(self) -> None:
+        """Closes the served envs."""
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+
+    def run(self, max_steps: int | None = None) -> int:
+        """Serves the envs until the pool ends the stream, :meth:`stop`, or ``max_steps`` env
+        steps (all envs together; checked between passes); returns the steps taken.
+
+        Raises:
+            ConnectionError: nothing accepts connections at ``address`` within ``connect_timeout``.
+            RemoteHostError: the pool refused the host (token, spec, number of envs, no free
+                slot) or ended its stream with an error.
+        """
+        grpc = P.import_grpc()
+        self.slot = None
+        backend = self._serving()
+        k = backend.num_envs
+        codec = P.BatchCodec(backend.spec, k)
+        channel = grpc.insecure_channel(self.address, options=[
+            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
+            ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000),
+        ])
+        try:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=self.connect_timeout)
+            except grpc.FutureTimeoutError:
+                raise ConnectionError(
+                    f"no pool accepts connections on {self.address} (waited {self.connect_timeout:g} s)."
+                ) from None
+            out = queue.SimpleQueue()
+            out.put(P.encode_hello(backend.spec, k))
+            metadata = ((P.TOKEN_METADATA, self.token),) if self.token is not None else None
+            self._call = responses = channel.stream_stream(P.METHOD)(iter(out.get, None), metadata=metadata)
+            if self._stopping.is_set():
+                responses.cancel()
+            try:
+                self.slot = P.decode_accept(next(responses))
+                _log.info("env host: %d envs on %s", k, self.address)
+                obs = backend.reset()
+                out.put(codec.pack_records(np.arange(k), np.zeros(k, np.uint8), np.zeros(k), obs))
+                for msg in responses:
+                    if max_steps is not None and self.steps >= max_steps:
+                        break
+                    envs, resets, actions = codec.unpack_commands(msg)
+                    envs, sts, rewards, obs = backend.serve(envs, resets, actions)
+                    self.steps += int((sts != _FIRST).sum())
+                    out.put(codec.pack_records(envs, sts, rewards, obs))
+            except StopIteration:
+                pass
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.CANCELLED and self._stopping.is_set():
+                    return self.steps
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and self.slot is not None:
+                    _log.info("env host: the pool at %s went away (%s)", self.address, code.name)
+                    return self.steps
+                raise RemoteHostError(self.address, code.name, exc.details() or "") from None
+            finally:
+                out.put(None)
+                if self._call is not None:
+                    self._call.cancel()
+            return self.steps
+        finally:
+            channel.close()
+
+
+def serve_from_command_line(args) -> int:
+    """``torchrl-asyncpool env-host --protocol 2``: one stream for ``--num-envs`` envs of
+    ``--env-id``, stepped by threads (``--vector-mode threads``) or by a gymnasium vector env
+    (``sync``, ``vector_entry_point``); returns the command's exit status."""
+    import os
+    import sys
+
+    import gymnasium as gym
+
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    token = args.token if args.token is not None else os.environ.get("TORCHRL_ASYNCPOOL_TOKEN")
+    if args.num_envs < 1:
+        print(f"torchrl-asyncpool env-host: --num-envs must be >= 1, got {args.num_envs}.", file=sys.stderr)
+        return 2
+    if args.reconnect and args.max_steps is not None:
+        print("torchrl-asyncpool env-host: --max-steps does not apply with --reconnect (a host that reconnects "
+              "serves until it is stopped); give one of them.", file=sys.stderr)
+        return 2
+    mode = getattr(args, "vector_mode", "threads")
+    try:
+        gym.spec(args.env_id)
+    except gym.error.Error as exc:
+        print(f"torchrl-asyncpool env-host: {exc}", file=sys.stderr)
+        return 2
+    if mode == "threads":
+        envs = [lambda: gym.make(args.env_id) for _ in range(args.num_envs)]
+    else:
+        envs = gym.make_vec(args.env_id, num_envs=args.num_envs, vectorization_mode=mode)
+    host = VectorEnvHost(envs, args.address, token=token, connect_timeout=args.connect_timeout)
+    try:
+        if args.reconnect:
+            host.run_forever()
+        else:
+            steps = host.run(max_steps=args.max_steps)
+            print(f"env host: {steps} steps of {args.env_id} ({args.num_envs} envs over one stream) served to "
+                  f"{args.address}", flush=True)
+    except (ConnectionError, RemoteHostError) as exc:
+        print(f"torchrl-asyncpool env-host: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        host.stop()
+        return 130
+    finally:
+        host.close()
+    return 0
