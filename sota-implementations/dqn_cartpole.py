@@ -44,6 +44,7 @@ import torch.nn as nn
 import tqdm
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.envs import GymEnv
 from torchrl.record.loggers.csv import CSVLogger
 
 from torchrl_asyncpool import AsyncPoolCollector
@@ -253,8 +254,9 @@ def main(argv=None) -> dict:
 
     rb = ReplayBuffer(storage=LazyTensorStorage(cfg.buffer_size), batch_size=cfg.batch_size)
     stats = Stats(cfg.num_envs)
+    # TorchRL's GymEnv with categorical actions; workers step it on their fast path (gymnasium speed)
     collector = AsyncPoolCollector(
-        [functools.partial(gymnasium.make, cfg.env_id)] * cfg.num_envs,
+        [functools.partial(GymEnv, cfg.env_id, categorical_action_encoding=True)] * cfg.num_envs,
         policy=acting,
         frames_per_batch=cfg.frames_per_batch,
         total_frames=cfg.total_frames,

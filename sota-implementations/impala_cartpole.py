@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 import tqdm
 from tensordict import TensorDict
+from torchrl.envs import GymEnv
 from torchrl.objectives.value.functional import vtrace_advantage_estimate
 from torchrl.record.loggers.csv import CSVLogger
 
@@ -241,8 +242,9 @@ def main(argv=None) -> dict:
     acting = copy.deepcopy(agent)                    # the actor, in the collector's policy thread
     optim = torch.optim.Adam(agent.parameters(), lr=cfg.lr, eps=1e-5)
 
+    # TorchRL's GymEnv with categorical actions; workers step it on their fast path (gymnasium speed)
     collector = AsyncPoolCollector(
-        [functools.partial(gymnasium.make, cfg.env_id)] * cfg.num_envs,
+        [functools.partial(GymEnv, cfg.env_id, categorical_action_encoding=True)] * cfg.num_envs,
         policy=acting,
         frames_per_batch=cfg.frames_per_batch,
         total_frames=cfg.total_frames,

@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 import tqdm
 from tensordict import TensorDict
+from torchrl.envs import GymEnv
 from torchrl.objectives.value.functional import vec_generalized_advantage_estimate
 from torchrl.record.loggers.csv import CSVLogger
 
@@ -250,6 +251,10 @@ def main(argv=None) -> dict:
     acting = copy.deepcopy(agent)  # runs in the collector's policy thread
     optim = torch.optim.Adam(agent.parameters(), lr=cfg.lr, eps=1e-5)
 
+    # TorchRL's GymEnv, categorical actions (the policy samples an index); workers step it on
+    # their fast path, at the speed of the gymnasium env inside (torchrl_asyncpool.workers.torchrl_fast).
+    # --vector-envs keeps gymnasium.make_vec: CartPole's natively vectorized env steps 32 envs in
+    # one numpy call, where GymEnv(num_envs=k) steps k CartPoles one by one.
     if cfg.vector_envs:  # a batched simulator: one factory builds vector_envs envs
         factories = [functools.partial(gymnasium.make_vec, cfg.env_id, num_envs=cfg.vector_envs)]
         factories *= cfg.num_envs // cfg.vector_envs
@@ -257,7 +262,7 @@ def main(argv=None) -> dict:
         factories = [functools.partial(RemoteEnvSlot, cfg.remote_address, probe.observation_space,
                                        probe.action_space)] * cfg.num_envs
     else:
-        factories = [functools.partial(gymnasium.make, cfg.env_id)] * cfg.num_envs
+        factories = [functools.partial(GymEnv, cfg.env_id, categorical_action_encoding=True)] * cfg.num_envs
     hosts = None
     if cfg.spawn_hosts:
         hosts = subprocess.Popen([sys.executable, "-m", "torchrl_asyncpool.cli", "env-host", "--env-id", cfg.env_id,
