@@ -256,14 +256,34 @@ def _slow(make):
 
 @pytest.mark.parametrize("make", [cartpole, lambda: transformed(cartpole, StepCounter(), RewardSum())],
                          ids=["gymenv", "transformed"])
-@pytest.mark.parametrize("envs_per_worker", [1, 3])
-def test_pool_records_on_the_fast_path_equal_torchrl_stepping(make, envs_per_worker):
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (3, False), (3, True)])
+def test_pool_records_on_the_fast_path_equal_torchrl_stepping(make, envs_per_worker, env_threads):
     n = 3 if envs_per_worker == 1 else 6
-    fast = _per_env_records([make] * n, length=60, envs_per_worker=envs_per_worker)
-    ref = _per_env_records([functools.partial(_slow, make)] * n, length=60, envs_per_worker=envs_per_worker)
+    kw = dict(envs_per_worker=envs_per_worker, env_threads=env_threads)
+    fast = _per_env_records([make] * n, length=60, **kw)
+    ref = _per_env_records([functools.partial(_slow, make)] * n, length=60, **kw)
     _assert_same_sequences(fast, ref, min_len=60)
     types = [r["step_type"] for seq in fast.values() for r in seq]
     assert types.count(StepType.TRUNCATION) and types.count(StepType.TERMINATION)
+
+
+def test_evaluate_episodes_on_the_fast_path_equal_torchrl_stepping():
+    """Episode plans (a TorchRL ``set_seed`` before each planned reset, step limits) give the
+    same episodes on the fast path as through TorchRL."""
+    from torchrl_asyncpool.evaluation import Episode, evaluate
+
+    def policy(td):
+        return td.set("action", _policy(td))
+
+    episodes = [Episode(f"ep{i}", seed=s, max_steps=m) for i, (s, m) in enumerate([(5, None), (6, 9), (5, None),
+                                                                                 (7, 4), (8, None), (6, 9)])]
+    make = functools.partial(GymEnv, "CartPole-v1")
+    fast = evaluate(make, policy, episodes, num_envs=2)
+    slow = evaluate(functools.partial(_slow, make), policy, episodes, num_envs=2)
+    assert [(r.status, r.length, r.episode_return) for r in fast] == [(r.status, r.length, r.episode_return)
+                                                                       for r in slow]
+    assert {r.status for r in fast} == {"completed", "timeout"}
+    assert fast[0].length == fast[2].length and fast[1].length == fast[5].length and fast[3].length <= 4
 
 
 def test_gymenv_num_envs_is_hosted_as_k_slots_with_each_sub_envs_torchrl_records():
