@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import os
 import runpy
 import sys
 import time
@@ -49,7 +50,8 @@ commands:
   bench   Run the side-by-side collector benchmark (benchmarks/compare_collectors.py in a
           source checkout): AsyncPoolCollector against TorchRL's stock collectors and
           gymnasium's vector envs; prints the table and writes a PNG plot (--plot, default
-          compare_collectors.png). Other arguments go to the benchmark script (--quick for a
+          compare_collectors.png; needs matplotlib: pip install 'torchrl-asyncpool[benchmarks]',
+          or --plot '' for none). Other arguments go to the benchmark script (--quick for a
           short run; "torchrl-asyncpool bench -- --help" lists them). The full table takes
           several minutes; run it with nothing else busy.
 
@@ -67,6 +69,29 @@ examples:
   torchrl-asyncpool bench --quick
   TORCHRL_ASYNCPOOL_TOKEN=secret torchrl-asyncpool env-host --env-id CartPole-v1 --address pool-host:50051
 """
+
+
+def _start_fork_server() -> None:
+    """Starts the fork server that env workers fork from, with Ctrl-C ignored in it.
+
+    A terminal's Ctrl-C reaches every process of the command. ``multiprocessing``'s fork server
+    ignores it only once it has imported its preload list (torch, TorchRL: seconds, longer on a
+    busy machine); a Ctrl-C before that killed it with a traceback of its own, and the command
+    then failed with ``BrokenPipeError``/``EOFError`` instead of stopping. Started here with
+    ``SIGINT`` ignored (inherited across its ``exec``), it never takes one: the command owns the
+    shutdown of everything it started.
+    """
+    import signal
+    from multiprocessing import forkserver
+
+    from torchrl_asyncpool.forkserver import forkserver_context
+
+    forkserver_context("torchrl-asyncpool")  # sets the preload list
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,7 +185,9 @@ def train_impala_demo(
     last_loss = float("nan")
     reached = False
     pool = {"fps": float("nan"), "batch_fill_ratio": float("nan")}
-    pbar = tqdm.tqdm(total=total_frames, unit="frames", disable=not progress, dynamic_ncols=True)
+    # one rate on the bar: tqdm's own, averaged since the start (smoothing=0), the same
+    # end-to-end frames/s as the final summary
+    pbar = tqdm.tqdm(total=total_frames, unit="frames", disable=not progress, dynamic_ncols=True, smoothing=0)
     t0 = time.monotonic()
     try:
         for it, batch in enumerate(collector):
@@ -205,11 +232,14 @@ def train_impala_demo(
             pool = collector.pool_metrics()
             mean_ret = sum(recent) / len(recent) if recent else float("nan")
             pbar.update(batch.numel())
-            pbar.set_postfix(ret=f"{mean_ret:.1f}", fps=f"{frames / (time.monotonic() - t0):.0f}",
-                             fill=f"{pool['batch_fill_ratio']:.2f}")
+            pbar.set_postfix(ret=f"{mean_ret:.1f}", fill=f"{pool['batch_fill_ratio']:.2f}")
             if len(recent) == window and mean_ret >= target_return:
                 reached = True
                 break
+    except KeyboardInterrupt as exc:  # what was reached so far travels with it (the CLI's summary line)
+        exc.demo_progress = {"frames": frames, "time_s": time.monotonic() - t0, "episodes": episodes,
+                             "mean_return": sum(recent) / len(recent) if recent else float("nan")}
+        raise
     finally:
         pbar.close()
         collector.shutdown()
@@ -229,21 +259,56 @@ def train_impala_demo(
     }
 
 
+def _check_demo_env(env_id: str) -> None:
+    """Refuses (``ValueError``, one line) an env id gymnasium does not know, or an env the demo's
+    learner cannot train (a flat observation vector and a discrete action are needed)."""
+    import gymnasium as gym
+
+    try:
+        env = gym.make(env_id)
+    except gym.error.Error as exc:
+        raise ValueError(f"--env-id {env_id!r}: {exc}") from None
+    try:
+        obs, act = env.observation_space, env.action_space
+        if not (isinstance(act, gym.spaces.Discrete) and isinstance(obs, gym.spaces.Box) and len(obs.shape) == 1):
+            raise ValueError(f"--env-id {env_id!r}: the demo trains envs with a flat Box observation and a "
+                             f"Discrete action; this one has {obs} and {act}.")
+    finally:
+        env.close()
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)  # env workers are processes; the learner and policy share few cores
     from torchrl_asyncpool.exchange.native import describe_exchange
 
+    try:
+        _check_demo_env(args.env_id)
+    except ValueError as exc:
+        print(f"torchrl-asyncpool demo: {exc}", file=sys.stderr)
+        return 2
+    _start_fork_server()
     engine = describe_exchange()
     print(f"Training IMPALA on {args.env_id} with AsyncPoolCollector ({args.num_envs} envs, "
           f"up to {args.total_frames} frames, target return {args.target_return:g}; exchange: {engine})...",
           flush=True)
-    res = train_impala_demo(
-        env_id=args.env_id, total_frames=args.total_frames, num_envs=args.num_envs,
-        frames_per_batch=args.frames_per_batch, target_return=args.target_return, seed=args.seed,
-        progress=not args.no_progress,
-    )
+    try:
+        res = train_impala_demo(
+            env_id=args.env_id, total_frames=args.total_frames, num_envs=args.num_envs,
+            frames_per_batch=args.frames_per_batch, target_return=args.target_return, seed=args.seed,
+            progress=not args.no_progress,
+        )
+    except KeyboardInterrupt as exc:
+        got = getattr(exc, "demo_progress", None)
+        if got is None:  # before the first batch
+            print("\ntorchrl-asyncpool demo: interrupted before training started.", file=sys.stderr)
+        else:
+            rate = got["frames"] / got["time_s"] if got["time_s"] > 0 else float("nan")
+            print(f"\ntorchrl-asyncpool demo: interrupted after {got['frames']} frames in {got['time_s']:.1f} s "
+                  f"({rate:.0f} frames/s); mean return of the last 20 episodes: {got['mean_return']:.1f} "
+                  f"({got['episodes']} episodes).", file=sys.stderr)
+        return 130
     status = "reached" if res["reached"] else "not reached"
     print(f"frames: {res['frames']}  time: {res['time_s']:.1f}s  (collector start-up {res['startup_s']:.1f}s)")
     print(f"frames/s reached: {res['fps']:.0f} end-to-end with learning "
@@ -296,6 +361,11 @@ def _load_policy(spec: str, env_id: str):
         raise ValueError(f"--policy must be 'random' or MODULE:FACTORY, got {spec!r}.")
     import importlib
 
+    # modules in the current directory import, as with `python -m` (a console script's
+    # sys.path starts with its own bin/ folder instead)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
     factory = getattr(importlib.import_module(module), attr)
     return factory()
 
@@ -332,9 +402,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         summarize,
         write_results,
     )
-    from torchrl_asyncpool.evaluation.episodes import check_output_path
+    from torchrl_asyncpool.evaluation.episodes import EpisodeResult, check_output_path
     from torchrl_asyncpool.evaluation.runner import resolve_policy_device
 
+    episodes = None
     try:
         _check_eval_args(args)
         if args.manifest:
@@ -350,9 +421,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     except (ValueError, OSError, gym.error.Error, ImportError, AttributeError) as exc:
         print(f"torchrl-asyncpool eval: {exc}", file=sys.stderr)
         return _EVAL_USAGE
+    except KeyboardInterrupt:  # before the run: a real run still writes every episode, none started
+        if episodes is None or args.validate_only or args.capacity_smoke:
+            raise
+        results = [EpisodeResult(e.episode_id, "failed", seed=e.seed, error="not started: the evaluation was stopped")
+                   for e in episodes]
+        write_results(results, args.output)
+        print(f"\ntorchrl-asyncpool eval: interrupted before the first episode started; {len(results)} episodes "
+              f"reported not started in {args.output}.", file=sys.stderr)
+        return 130
     if args.validate_only:
         print(f"{len(episodes)} episodes of {args.env_id} are valid; nothing was run.")
         return _EVAL_OK
+    _start_fork_server()
     if args.capacity_smoke:
         from torchrl_asyncpool.errors import EnvError, WorkerDiedError
         from torchrl_asyncpool.evaluation import check_capacity
@@ -418,8 +499,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             return _EVAL_FAILED
         finally:
             evaluated.set()
-        if failure is not None:
-            traceback.print_exception(failure)
+        if failure is not None:  # the policy's own traceback, once (the summary line below says the rest)
+            traceback.print_exception(failure.__cause__ or failure)
         if results is None:  # the abort came as evaluate() returned, before its results were received
             print("torchrl-asyncpool eval: aborted; no results written.", file=sys.stderr)
             return abort_status()
@@ -437,7 +518,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
           f"{summary['timeout']} timeout, {summary['failed']} failed; mean return of the completed: {mean}; "
           f"results in {args.output}")
     if failure is not None:
-        print(f"torchrl-asyncpool eval: {failure}", file=sys.stderr)
+        cause = failure.__cause__
+        what = f"{type(cause).__name__}: {cause}" if cause is not None else str(failure)
+        print(f"torchrl-asyncpool eval: the evaluation failed ({what.rstrip('.')}); the results of the "
+              f"finished episodes are in {args.output}, the others are reported failed.", file=sys.stderr)
         return _EVAL_FAILED
     if aborted:
         print("torchrl-asyncpool eval: aborted: the episodes that were running are reported failed "
@@ -463,16 +547,32 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         extra = extra[1:]
     if args.script is None and args.plot and not any(a == "--plot" or a.startswith("--plot=") for a in extra):
         extra += ["--plot", args.plot]
+    plot = next((extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--plot"), None)
+    plot = next((a.split("=", 1)[1] for a in extra if a.startswith("--plot=")), plot)
+    if plot and "-h" not in extra and "--help" not in extra:
+        try:
+            import matplotlib  # noqa: F401 - only whether it is there
+        except ImportError:
+            print("torchrl-asyncpool bench: the plot needs matplotlib, which is not installed: "
+                  "pip install 'torchrl-asyncpool[benchmarks]' (or --plot '' for no plot).", file=sys.stderr)
+            return 2
+    if args.script is None:
+        _start_fork_server()
     print(f"Running {script} {' '.join(extra)}".rstrip(), flush=True)
     # run it as `python SCRIPT ARGS` would: its folder first on sys.path, its own argv
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(script), *extra]
     sys.path.insert(0, str(script.resolve().parent))
+    t0 = time.monotonic()
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exc:  # the script's own exit status
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
+    except KeyboardInterrupt:  # the script's own cleanup (its finally blocks) has run
+        print(f"\ntorchrl-asyncpool bench: interrupted after {time.monotonic() - t0:.1f} s; the rows printed "
+              "above are complete, no plot or JSON was written.", file=sys.stderr)
+        return 130
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
@@ -486,6 +586,12 @@ def _cmd_env_host(args: argparse.Namespace) -> int:
     import gymnasium as gym
     import tqdm
 
+    try:
+        import grpc  # noqa: F401 - only whether it is there: the hosts' threads need it
+    except ImportError:
+        print("torchrl-asyncpool env-host: needs grpcio, which is not installed: "
+              "pip install 'torchrl-asyncpool[remote]'.", file=sys.stderr)
+        return 2
     from torchrl_asyncpool.remote import EnvHost, RemoteHostError
 
     if args.protocol == 2:  # one stream for all --num-envs envs (a pool's RemoteVectorSlot)
@@ -538,6 +644,9 @@ def _cmd_env_host(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         for h in hosts:
             h.stop()
+        bar.close()
+        print(f"\ntorchrl-asyncpool env-host: interrupted; {sum(h.steps for h in hosts)} steps of {args.env_id} "
+              f"served to {args.address}.", file=sys.stderr)
         return 130
     finally:
         bar.close()
@@ -550,20 +659,50 @@ def _cmd_env_host(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """An argument error is one line naming the option (``PROG: error: argument --flag: ...``) and
+    exit status 2; ``--help`` has the usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _positive_int(text: str) -> int:
+    """An ``int`` >= 1 (argparse names the option when this raises)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the package version and which exchange runs (found only when asked: it
+    imports torch, which would make every command slow to take a Ctrl-C while it starts)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show the version and the exchange in use, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            from importlib.metadata import version
+
+            package_version = version("torchrl-asyncpool")
+        except Exception:  # noqa: BLE001 - not installed (source tree on sys.path)
+            package_version = "unknown"
+        from torchrl_asyncpool.exchange.native import describe_exchange
+
+        parser.exit(message=f"{parser.prog} {package_version} (exchange: {describe_exchange()})\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="torchrl-asyncpool", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    try:
-        from importlib.metadata import version
-
-        __version__ = version("torchrl-asyncpool")
-    except Exception:  # noqa: BLE001 - not installed (source tree on sys.path)
-        __version__ = "unknown"
-    from torchrl_asyncpool.exchange.native import describe_exchange
-
-    version_line = f"%(prog)s {__version__} (exchange: {describe_exchange()})"
-    parser.add_argument("--version", action="version", version=version_line)
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="{demo,eval,bench,env-host}")
 
     demo = sub.add_parser(
@@ -571,9 +710,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Train IMPALA (V-trace) on CartPole-v1 with AsyncPoolCollector and print the frames/s "
                     "reached and the final mean return. Stops at --target-return or --total-frames.",
     )
-    demo.add_argument("--total-frames", type=int, default=500_000, help="frame budget (default: 500000)")
-    demo.add_argument("--num-envs", type=int, default=8, help="environments (default: 8)")
-    demo.add_argument("--frames-per-batch", type=int, default=256, help="frames per learner step (default: 256)")
+    demo.add_argument("--total-frames", type=_positive_int, default=500_000, help="frame budget (default: 500000)")
+    demo.add_argument("--num-envs", type=_positive_int, default=8, help="environments (default: 8)")
+    demo.add_argument("--frames-per-batch", type=_positive_int, default=256,
+                      help="frames per learner step (default: 256)")
     demo.add_argument("--target-return", type=float, default=475.0,
                       help="stop when the mean return of the last 20 episodes reaches it (default: 475)")
     demo.add_argument("--env-id", default="CartPole-v1",
@@ -634,7 +774,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--script", default=None, help=f"benchmark script (default: {_default_benchmark()})")
     bench.add_argument("--plot", default="compare_collectors.png",
                        help="PNG plot written by the default benchmark script (default: compare_collectors.png; "
-                            "'' for none)")
+                            "'' for none); needs matplotlib: pip install 'torchrl-asyncpool[benchmarks]'")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark script")
     bench.set_defaults(func=_cmd_bench)
 
@@ -668,16 +808,30 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``torchrl-asyncpool`` console script."""
-    parser = _parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        if getattr(args, "command", None) != "bench":
-            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-        args.bench_args = [*unknown, *args.bench_args]  # options meant for the benchmark script
-    if getattr(args, "func", None) is None:
-        parser.print_help()
-        return 2
-    return args.func(args)
+    command = ""
+    try:
+        parser = _parser()
+        args, unknown = parser.parse_known_args(argv)
+        command = f" {args.command}" if getattr(args, "command", None) else ""
+        if unknown:
+            if getattr(args, "command", None) != "bench":
+                parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+            args.bench_args = [*unknown, *args.bench_args]  # options meant for the benchmark script
+        if getattr(args, "func", None) is None:
+            parser.print_help()
+            return 2
+        code = args.func(args)
+    except KeyboardInterrupt:  # not handled by the command itself (e.g. while torch is imported)
+        print(f"\ntorchrl-asyncpool{command}: interrupted.", file=sys.stderr)
+        code = 130
+    if argv is None and code in (130, 143):
+        # the command line after Ctrl-C / SIGTERM: the command has closed what it started and
+        # printed its summary; tearing the interpreter down (torch's modules) took seconds on a
+        # busy machine, so the process ends here. (Callers passing argv get the status back.)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,293 @@
+"""How the ``torchrl-asyncpool`` command fails: bad arguments, missing extras, Ctrl-C, policy errors.
+
+Each test runs the real command in a subprocess, as a user would: an argument error is one line
+naming the option and exit status 2; a missing optional extra names the extra; Ctrl-C (sent to
+the whole process group, as a terminal sends it) ends in exit status 130 with a one-line summary
+and no traceback, and nothing the command started outlives it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from torchrl_asyncpool import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli_command() -> list[str]:
+    exe = shutil.which("torchrl-asyncpool", path=os.path.dirname(sys.executable))
+    return [exe] if exe else [sys.executable, "-m", "torchrl_asyncpool.cli"]
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("PYTHONPATH", None)  # the package is installed; nothing else may leak in
+    return env
+
+
+def _run(args, cwd=ROOT, timeout=180, python_prelude=None) -> subprocess.CompletedProcess:
+    if python_prelude is None:
+        cmd = _cli_command() + list(args)
+    else:  # the CLI's main() after some set-up in the same interpreter (e.g. an extra made missing)
+        code = f"import sys; {python_prelude}; from torchrl_asyncpool.cli import main; sys.exit(main({list(args)!r}))"
+        cmd = [sys.executable, "-c", code]
+    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+# -- argument errors: exit 2, one line naming the option --------------------------------------------
+@pytest.mark.parametrize("args,flag", [
+    (["demo", "--num-envs", "0"], "--num-envs"),  # was a ZeroDivisionError
+    (["demo", "--frames-per-batch", "0"], "--frames-per-batch"),  # was a traceback
+    (["demo", "--total-frames", "-5"], "--total-frames"),
+    (["demo", "--num-envs", "eight"], "--num-envs"),
+    (["demo", "--env-id", "CartPol-v1"], "--env-id"),  # was gymnasium's 20-line traceback
+    (["demo", "--env-id", "Pendulum-v1"], "--env-id"),  # a continuous action: the demo cannot train it
+    (["eval", "--num-envs", "0", "--validate-only"], "--num-envs"),
+    (["env-host", "--num-envs", "0", "--address", "localhost:1"], "--num-envs"),
+    (["demo", "--no-such-flag"], "--no-such-flag"),
+])
+def test_an_argument_error_exits_2_with_one_line_naming_the_option(args, flag):
+    proc = _run(args)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0] and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+# -- missing optional extras: non-zero exit naming the extra, before anything runs ------------------
+def test_bench_without_matplotlib_names_the_benchmarks_extra_before_running():
+    proc = _run(["bench", "--quick", "--impls", "gym_sync"], python_prelude="sys.modules['matplotlib'] = None")
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "torchrl-asyncpool[benchmarks]" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Running" not in proc.stdout  # refused before the benchmark ran (it used to crash after its table)
+    assert "torchrl-asyncpool[benchmarks]" in _run(["bench", "--help"]).stdout
+
+
+def test_env_host_without_grpcio_names_the_remote_extra():
+    proc = _run(["env-host", "--address", "localhost:1", "--connect-timeout", "1"],
+                python_prelude="sys.modules['grpc'] = None")
+    assert proc.returncode != 0, (proc.stdout[-2000:], proc.stderr[-3000:])  # it used to exit 0
+    assert "torchrl-asyncpool[remote]" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+# -- eval's --policy and its errors ---------------------------------------------------------------
+def test_eval_imports_a_policy_module_from_the_current_directory(tmp_path):
+    (tmp_path / "mypol_cwd.py").write_text(
+        "import torch\n\n"
+        "def load_policy():\n"
+        "    return lambda td: td.set('action', torch.zeros(td.shape[0], dtype=torch.int64))\n"
+    )
+    proc = _run(["eval", "--policy", "mypol_cwd:load_policy", "--episodes", "2", "--validate-only"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # it said "No module named 'mypol_cwd'"
+    assert "are valid" in proc.stdout
+
+
+def test_an_eval_policy_error_is_printed_once(tmp_path):
+    (tmp_path / "raising_pol.py").write_text(
+        "def load_policy():\n"
+        "    def policy(td):\n"
+        "        raise RuntimeError('policy-' + 'exploded.')\n"  # the message is not in the source line
+        "    return policy\n"
+    )
+    out = tmp_path / "results.json"
+    proc = _run(["eval", "--policy", "raising_pol:load_policy", "--episodes", "2", "--num-envs", "1",
+                 "--no-progress", "--output", str(out)], cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    # the policy's traceback once (ending in its message) and the summary line: nothing twice, no ".."
+    assert proc.stderr.count("Traceback") == 1, proc.stderr[-4000:]
+    assert proc.stderr.count("policy-exploded") == 2, proc.stderr[-4000:]
+    assert ".." not in proc.stderr, proc.stderr[-4000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("torchrl-asyncpool eval: the evaluation failed")
+    assert len(json.loads(out.read_text())["episodes"]) == 2
+
+
+# -- the demo's progress bar ----------------------------------------------------------------------
+def test_the_demo_bar_shows_one_rate():
+    proc = _run(["demo", "--total-frames", "1024", "--num-envs", "2", "--frames-per-batch", "256"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bar = [line for line in proc.stderr.replace("\r", "\n").splitlines() if "frames/s" in line]
+    assert bar, proc.stderr[-3000:]
+    assert not any("fps=" in line for line in bar), bar[-1]  # it showed tqdm's rate and its own, which disagreed
+
+
+# -- Ctrl-C ---------------------------------------------------------------------------------------
+class _Command:
+    """The CLI in a session of its own; its output (stdout and stderr) is read as it comes."""
+
+    def __init__(self, args, cwd):
+        self.proc = subprocess.Popen(_cli_command() + list(args), cwd=cwd, env=_env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self._chunks = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        while True:
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            if not chunk:
+                return
+            self._chunks.append(chunk)
+
+    @property
+    def output(self) -> str:
+        return b"".join(self._chunks).decode(errors="replace").replace("\r", "\n")
+
+    def wait_for(self, predicate, timeout=180.0):
+        deadline = time.monotonic() + timeout
+        while not predicate(self):
+            assert self.proc.poll() is None, f"the command ended early:\n{self.output[-3000:]}"
+            assert time.monotonic() < deadline, f"not reached within {timeout} s:\n{self.output[-3000:]}"
+            time.sleep(0.02)
+
+    def descendants(self) -> list:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def fork_server_started(self) -> bool:
+        def is_fork_server(p):
+            try:
+                return "forkserver" in " ".join(p.cmdline())
+            except psutil.Error:
+                return False
+
+        return any(is_fork_server(p) for p in self.descendants())
+
+    def ctrl_c(self, within=30.0):
+        """Ctrl-C to the whole group; returns (exit status, seconds to exit, output)."""
+        started = self.descendants()
+        t0 = time.monotonic()
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout=within)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            pytest.fail(f"no exit within {within} s of Ctrl-C:\n{self.output[-3000:]}")
+        took = time.monotonic() - t0
+        self._reader.join(10)
+        _none_left(started)
+        return self.proc.returncode, took, self.output
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _none_left(processes, within=10.0):
+    deadline = time.monotonic() + within
+    while True:
+        alive = []
+        for p in processes:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p.pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive:
+            return
+        assert time.monotonic() < deadline, f"processes left behind after Ctrl-C: {alive}"
+        time.sleep(0.1)
+
+
+def _one_summary_line(output: str, starts: str) -> None:
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-4000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(starts), output[-3000:]
+
+
+# The promise is 2 s; the bounds below are generous multiples, for a loaded 2-core machine.
+EXIT_BOUND_S = 10.0
+
+
+def test_ctrl_c_while_the_demo_starts_exits_130_without_a_traceback(tmp_path):
+    """Ctrl-C while the fork server imports torch (a terminal sends it to every process): the
+    fork server used to die with a traceback of its own."""
+    cmd = _Command(["demo", "--no-progress"], tmp_path)
+    try:
+        cmd.wait_for(_Command.fork_server_started)
+        code, took, output = cmd.ctrl_c()
+    finally:
+        cmd.kill()
+    assert code == 130, output[-3000:]
+    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _one_summary_line(output, "torchrl-asyncpool demo: interrupted")
+
+
+def test_ctrl_c_while_the_demo_trains_exits_130_with_a_summary(tmp_path):
+    cmd = _Command(["demo"], tmp_path)
+    try:
+        cmd.wait_for(lambda c: "frames/s" in c.output)  # the bar moves: training runs
+        code, took, output = cmd.ctrl_c()
+    finally:
+        cmd.kill()
+    assert code == 130, output[-3000:]  # it used to die by SIGINT after a 16-frame traceback
+    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _one_summary_line(output, "torchrl-asyncpool demo: interrupted after")
+
+
+def test_ctrl_c_in_env_host_exits_130_with_a_summary(tmp_path):
+    cmd = _Command(["env-host", "--address", "localhost:1", "--connect-timeout", "60"], tmp_path)
+    try:
+        cmd.wait_for(lambda c: "steps" in c.output)  # the bar: the hosts wait for the pool
+        code, took, output = cmd.ctrl_c()
+    finally:
+        cmd.kill()
+    assert code == 130, output[-3000:]
+    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _one_summary_line(output, "torchrl-asyncpool env-host: interrupted; 0 steps")
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_eval_starts_writes_every_result_and_exits_130(tmp_path):
+    """Ctrl-C while the fork server imports torch: it used to kill the fork server, and eval
+    then failed with BrokenPipeError/EOFError, "no results written", exit status 3."""
+    out = tmp_path / "results.json"
+    cmd = _Command(["eval", "--episodes", "50", "--num-envs", "4", "--output", str(out)], tmp_path)
+    try:
+        cmd.wait_for(_Command.fork_server_started)
+        code, took, output = cmd.ctrl_c()
+    finally:
+        cmd.kill()
+    assert code == 130, output[-3000:]
+    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    assert "Traceback" not in output and "no results written" not in output, output[-3000:]
+    episodes = json.loads(out.read_text())["episodes"]
+    assert len(episodes) == 50
+    assert any(e.get("error", "") and e["error"].startswith("not started") for e in episodes), episodes[:3]
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_bench_exits_130_with_a_summary(tmp_path):
+    cmd = _Command(["bench", "--quick", "--impls", "asyncpool", "gym_sync", "--plot", ""], tmp_path)
+    try:
+        cmd.wait_for(lambda c: '"impl": "asyncpool"' in c.output)  # a row printed, the next cell runs
+        code, took, output = cmd.ctrl_c()
+    finally:
+        cmd.kill()
+    assert code == 130, output[-3000:]  # it used to die by SIGINT with a traceback
+    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _one_summary_line(output, "torchrl-asyncpool bench: interrupted")
+
+
+def test_a_ctrl_c_that_no_command_catches_ends_in_one_line_and_130(monkeypatch, capsys):
+    """E.g. a third Ctrl-C of eval, once its handlers are gone: 130 and one line, not a death by
+    SIGINT."""
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_env_host", interrupted)
+    assert cli.main(["env-host", "--address", "localhost:1"]) == 130
+    assert capsys.readouterr().err.strip() == "torchrl-asyncpool env-host: interrupted."
