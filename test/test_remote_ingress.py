@@ -171,3 +171,39 @@ def test_streams_beyond_the_cap_are_refused_with_resource_exhausted(monkeypatch)
         host.stop()
         runner.join(10)
         slot.close()
+
+
+def test_many_real_hosts_connecting_at_once_all_get_their_slots():
+    """Hellos may use every stream the held slots leave: 16 hosts connecting at the same moment
+    to 16 free slots all get one, none is cancelled as silent (the hello margin is 8)."""
+    address = free_address()
+    n = 16
+    slots = [RemoteEnvSlot.like(OracleGymEnv(0), address) for _ in range(n)]
+    for i, slot in enumerate(slots):
+        slot._pool_listen(i)
+    hosts = [EnvHost(OracleGymEnv(0), address) for _ in range(n)]
+    errors = []
+
+    def run(host):
+        try:
+            host.run()
+        except Exception as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(h,), daemon=True) for h in hosts]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while sum(h.slot is not None for h in hosts) < n and not errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not errors, errors
+        assert sorted(h.slot for h in hosts) == list(range(n))
+        assert slots[0]._ingress.streams_evicted == 0
+    finally:
+        for h in hosts:
+            h.stop()
+        for t in threads:
+            t.join(10)
+        for slot in slots:
+            slot.close()

@@ -383,10 +383,11 @@ def _check_address(address) -> None:
 #: seconds a client has to send its hello once connected
 _HELLO_TIMEOUT_S = 10.0
 
-#: connections of one address that may wait for their hello at once, beyond one per slot: the
-#: address serves at most ``slots + HELLO_MARGIN`` streams at a time, in as many threads (plus
-#: :data:`_SPARE_THREADS`). A connection arriving when the margin is full cancels the one that
-#: has waited longest without a hello (a real host says hello at once: only silent clients lose)
+#: streams of one address beyond one per slot, for connections saying hello: the address serves
+#: at most ``slots + HELLO_MARGIN`` streams at a time, in as many threads (plus
+#: :data:`_SPARE_THREADS`). A connection arriving at that cap cancels the one that has waited
+#: longest without a hello while a slot is free (a real host says hello at once: only silent
+#: clients lose), and is refused with RESOURCE_EXHAUSTED when every slot is held
 HELLO_MARGIN = 8
 #: handler threads beyond ``slots + HELLO_MARGIN``: a new stream's handler runs while the silent
 #: stream it evicts is still being cancelled
@@ -496,27 +497,29 @@ class _Ingress:
         self._executor.shutdown(wait=False)
 
     def _admit(self, stream) -> bool:
-        """Counts a new stream in and registers it as waiting for its hello. False (to be
-        refused with ``RESOURCE_EXHAUSTED``) when the address already serves
-        :attr:`max_streams` streams; else, when :data:`HELLO_MARGIN` streams wait for their
-        hello already, the one that waited longest is cancelled to make room (a real host says
-        hello at once: only silent clients lose their place)."""
+        """Counts a new stream in and registers it as waiting for its hello. At
+        :attr:`max_streams` streams, the one that has waited longest for its hello is cancelled
+        to make room while a slot is free (a real host says hello at once: only silent clients
+        lose their place); with every slot held, the new stream is refused instead (False:
+        ``RESOURCE_EXHAUSTED``). Hellos may use every stream the held slots leave: ``k`` hosts
+        connecting at once to ``k`` free slots all get in."""
         evicted = None
         with self._lock:
             if self._active >= self.max_streams:
-                self.streams_refused += 1
-                return False
-            self._active += 1
-            if len(self._handshakes) >= HELLO_MARGIN:
+                free = any(s._stream is None for s in self.slots)
+                if not free or not self._handshakes:
+                    self.streams_refused += 1
+                    return False
                 evicted = next(iter(self._handshakes))
                 del self._handshakes[evicted]
                 evicted.counted = False  # on its way out: no longer counted (its thread is, by the executor)
                 self._active -= 1
                 self.streams_evicted += 1
                 if self.streams_evicted & (self.streams_evicted - 1) == 0:  # logged at 1, 2, 4, 8, ... evictions
-                    _log.warning("remote env slots on %s: %d connections wait for their hello; cancelling the "
-                                 "oldest (%s; %d so far)", self.address, HELLO_MARGIN, evicted.peer,
+                    _log.warning("remote env slots on %s: %d streams at once (the cap); cancelling the one "
+                                 "silent longest (%s; %d so far)", self.address, self.max_streams, evicted.peer,
                                  self.streams_evicted)
+            self._active += 1
             self._handshakes[stream] = None
             stream.counted = True
         if evicted is not None:
@@ -536,7 +539,7 @@ class _Ingress:
         if not self._admit(stream):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{self.address} serves at most {self.max_streams} streams at once (one per slot plus "
-                          f"{HELLO_MARGIN} saying hello) and all are in use; try again later.")
+                          f"{HELLO_MARGIN} saying hello), all in use, and no slot is free; try again later.")
         try:
             yield from self._serve_stream(stream, requests, context, grpc)
         finally:
