@@ -7,6 +7,7 @@ the requirement is "within 2 s" the assertion allows ~6 s.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -231,7 +232,7 @@ class _KeySpy(torch.nn.Module):
         return td.set("action", oracle_action(td["tag"]))
 
 
-def test_batches_carry_only_what_the_policies_declare_they_read():
+def test_batches_carry_only_what_the_policies_declare_they_read(tmp_path):
     """A policy with ``in_keys`` gets those entries (plus env_index and valid_mask): the rest of
     each record is never copied out of its slot; without ``in_keys``, or with an ``on_batch``
     hook that may read anything, batches carry every entry."""
@@ -244,9 +245,29 @@ def test_batches_carry_only_what_the_policies_declare_they_read():
                 _serve_until(server, 100)
             assert spy.seen[1:] and all(keys == want | {"env_index", "valid_mask"} for keys in spy.seen[1:]), (
                 in_keys, spy.seen[-1])
+    log = tmp_path / "keys.jsonl"
     with AsyncEnvPool(oracle_factories(2)) as pool:  # process mode: the server process restricts too
-        with InferenceServer(policy_factory=OracleTagPolicy, mode="process").start(pool) as server:
+        factory = functools.partial(_KeyLogPolicy, str(log))
+        with InferenceServer(policy_factory=factory, mode="process").start(pool) as server:
             _serve_until(server, 50)
+    seen = [set(json.loads(line)) for line in log.read_text().splitlines()]
+    assert len(seen) > 1 and all(keys == {"tag", "env_index", "valid_mask"} for keys in seen[1:]), seen[-1]
+
+
+class _KeyLogPolicy(OracleTagPolicy):
+    """Declares ``in_keys = ["tag"]`` and appends the keys of each batch it sees to a file (one
+    JSON list a line), so that a server process's batches can be checked from the test."""
+
+    in_keys = ["tag"]
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def forward(self, td):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(sorted(td.keys())) + "\n")
+        return super().forward(td)
 
 
 # -- flush rule ---------------------------------------------------------------------------------
@@ -849,8 +870,11 @@ def test_stats_keys_and_reset():
             assert 1 <= s["mean_batch_size"] <= 4
             assert 0 <= s["padding_fraction"] < 1
             assert s["inference_time_s"] > 0 and s["queueing_time_s"] >= 0 and s["service_time_s"] > 0
-            server.stats(reset=True)
-            assert server.stats()["frames"] < s["frames"] + 50
+            before = server.stats(reset=True)["frames"]  # the cumulative count, then a new window
+            assert before >= s["frames"] >= 100
+            # the new window counts only what was served since: fewer than everything before it
+            # (a reset that did nothing would count on from `before`)
+            assert server.stats()["frames"] < before
     assert repr(server).startswith("InferenceServer(")
 
 
