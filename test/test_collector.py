@@ -313,18 +313,29 @@ def test_torchrl_third_docstring_example_hand_built_transport(device, num_envs):
         device_config=InferenceDeviceConfig(policy_device=device, output_device="cpu", storing_device="cpu"),
         cast_actions=True,  # float scores as CartPole's one-hot action (see the first example)
     )
-    collector.shutdown()
+    try:  # it collects: a full batch of CartPole transitions, actions cast to the one-hot's dtype, versions
+        batch = next(iter(collector))
+        assert batch.batch_size == torch.Size([1024])
+        assert batch["action"].shape == (1024, 2) and not batch["action"].is_floating_point()
+        assert "policy_version" in batch.keys() and batch["next", "observation"].shape == (1024, 4)
+    finally:
+        collector.shutdown()
 
     factory = functools.partial(_make_linear_policy, "cpu")
     # without version stamping the transport's response spec carries no version either
-    AsyncPoolCollector(
+    unstamped = AsyncPoolCollector(
         create_env_fn=[lambda: GymEnv("CartPole-v1")] * 2,
         policy_factory=factory,
         frames_per_batch=64,
         transport=ProcessSlotTransport(request_spec, response_spec.exclude("policy_version"), num_slots=2),
         policy_version_key=None,
         cast_actions=True,
-    ).shutdown()
+    )
+    try:
+        batch = next(iter(unstamped))
+        assert batch.batch_size == torch.Size([64]) and "policy_version" not in batch.keys()
+    finally:
+        unstamped.shutdown()
 
     bad_request = request_spec.clone()
     bad_request["pixels"] = torch.zeros(3, dtype=torch.uint8)
