@@ -6,7 +6,17 @@ random actions, nothing else) runs for ``--seconds`` against
 * ``local``   an AsyncEnvPool of the envs in its own worker processes (default grouping);
 * ``remote``  an AsyncEnvPool of :class:`~torchrl_asyncpool.remote.RemoteEnvSlot` slots fed by
               env hosts over gRPC on this machine (``--host-procs`` processes, each running
-              ``num_envs / host_procs`` :class:`~torchrl_asyncpool.remote.EnvHost` threads).
+              ``num_envs / host_procs`` :class:`~torchrl_asyncpool.remote.EnvHost` threads):
+              protocol 1, one stream per env, all slots on one address (one ingress worker);
+* ``remote2`` an AsyncEnvPool of :class:`~torchrl_asyncpool.remote.RemoteVectorSlot` factories of
+              ``--host-envs`` envs each (one address and ingress worker each), each fed by one
+              host process running a :class:`~torchrl_asyncpool.remote.VectorEnvHost` of that many
+              envs over one stream (protocol 2; the host's envs are a gymnasium vector env,
+              ``--p2-vector-mode``: CartPole's own vectorized env by default, ``sync`` for a
+              SyncVectorEnv of the same single envs protocol 1 hosts step).
+
+``--impls remote remote2 --envs 32`` compares the protocols through one ingress worker with
+the same 32 envs (the ingress CPU per record is the "pool workers" column).
 
 Workloads: CartPole-v1, and the 2 ms env of ``compare_collectors.py`` (84x84x3 uint8 pixels and a
 4-vector per record, 21 KB). Reports records/s, the percentage of N/latency for the 2 ms env and
@@ -15,6 +25,7 @@ Run with nothing else busy::
 
     python benchmarks/compare_remote.py
     python benchmarks/compare_remote.py --envs 4 16 --seconds 5 --json out.json
+    python benchmarks/compare_remote.py --workloads cartpole --envs 32 --impls remote remote2 --repeats 3
 """
 from __future__ import annotations
 
@@ -35,7 +46,7 @@ from tensordict import TensorDict
 from compare_collectors import make_cartpole, make_sleep
 
 from torchrl_asyncpool import AsyncEnvPool
-from torchrl_asyncpool.remote import RemoteEnvSlot
+from torchrl_asyncpool.remote import RemoteEnvSlot, RemoteVectorSlot
 
 WORKLOADS = {"cartpole": (make_cartpole, None), "sleep2ms": (make_sleep, 0.002)}
 
@@ -51,6 +62,23 @@ for t in threads:
     t.start()
 for t in threads:
     t.join()
+"""
+
+_VECTOR_HOST = """
+import sys
+sys.path.insert(0, {here!r})
+import gymnasium as gym
+from compare_collectors import make_cartpole, make_sleep
+from torchrl_asyncpool.remote import VectorEnvHost
+workload, address, k, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+make = {{"cartpole": make_cartpole, "sleep2ms": make_sleep}}[workload]
+if workload == "cartpole" and mode == "vector_entry_point":
+    envs = gym.make_vec("CartPole-v1", num_envs=k, vectorization_mode="vector_entry_point")
+elif mode == "threads":
+    envs = [make for _ in range(k)]
+else:
+    envs = gym.vector.SyncVectorEnv([make] * k)
+VectorEnvHost(envs, address).run()
 """
 
 
@@ -136,6 +164,36 @@ def remote_pool(workload, n, host_procs):
                 p.kill()
 
 
+@contextlib.contextmanager
+def remote2_pool(workload, n, host_envs, mode):
+    """A pool of ``n`` envs in RemoteVectorSlot factories of ``host_envs`` envs, each fed by one
+    protocol-2 host process; yields ``(pool, host processes)``."""
+    make, _ = WORKLOADS[workload]
+    if n % host_envs:
+        raise SystemExit(f"--envs {n} is not a multiple of --host-envs {host_envs}")
+    addresses = [_address() for _ in range(n // host_envs)]
+    here = os.path.dirname(os.path.abspath(__file__))
+    procs = [subprocess.Popen([sys.executable, "-c", _VECTOR_HOST.format(here=here), workload, a, str(host_envs), mode],
+                              stderr=subprocess.DEVNULL) for a in addresses]
+    try:
+        # a vector slot's worker starts once its host connected (the hosts retry until the pool listens)
+        slots = [functools.partial(RemoteVectorSlot.like, make(), a, num_envs=host_envs) for a in addresses]
+        with AsyncEnvPool(slots, start_timeout=120) as pool:
+            yield pool, procs
+    finally:
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def run_remote2(workload, n, seconds, host_envs, mode):
+    with remote2_pool(workload, n, host_envs, mode) as (pool, procs):
+        return _drive(pool, seconds, n, [p.pid for p in procs])
+
+
 def run_local(workload, n, seconds):
     with local_pool(workload, n) as (pool, _):
         return _drive(pool, seconds, n)
@@ -152,6 +210,13 @@ def main():
     parser.add_argument("--envs", nargs="+", type=int, default=[4, 16])
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--host-procs", type=int, default=2, help="env host processes (default: 2)")
+    parser.add_argument("--impls", nargs="+", default=["local", "remote"], choices=["local", "remote", "remote2"],
+                        help="run in this order within each repeat (default: local remote)")
+    parser.add_argument("--host-envs", type=int, default=32, help="envs per protocol-2 host (default: 32)")
+    parser.add_argument("--p2-vector-mode", default="vector_entry_point",
+                        choices=["vector_entry_point", "sync", "threads"],
+                        help="how a protocol-2 host steps its envs (default: vector_entry_point, CartPole's own "
+                             "vector env; sync: a SyncVectorEnv of single envs)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -163,13 +228,19 @@ def main():
         latency = WORKLOADS[workload][1]
         for n in args.envs:
             for rep in range(args.repeats):
-                for impl in ("local", "remote"):
-                    rate, cpu = (run_local(workload, n, args.seconds) if impl == "local"
-                                 else run_remote(workload, n, args.seconds, args.host_procs))
+                for impl in args.impls:
+                    if impl == "local":
+                        rate, cpu = run_local(workload, n, args.seconds)
+                    elif impl == "remote":
+                        rate, cpu = run_remote(workload, n, args.seconds, args.host_procs)
+                    else:
+                        rate, cpu = run_remote2(workload, n, args.seconds, args.host_envs, args.p2_vector_mode)
                     pct = None if latency is None else 100 * rate / (n / latency)
                     row = {"workload": workload, "envs": n, "impl": impl, "repeat": rep, "records_per_s": rate,
                            "pct_n_over_latency": pct, "cycle_ms": 1e3 * n / rate,
                            "host_procs": args.host_procs if impl == "remote" else None,
+                           "host_envs": args.host_envs if impl == "remote2" else None,
+                           "p2_vector_mode": args.p2_vector_mode if impl == "remote2" else None,
                            "cpu_us_per_record": cpu}
                     rows.append(row)
                     print(f"{workload:10} {n:>4} {impl:7} {rate:>10.0f} {'' if pct is None else f'{pct:.1f}':>8} "
