@@ -127,8 +127,13 @@ def test_received_batch_is_not_overwritten_by_workers():
         td = pool.recv(min_get=2)
         keep = td["tag"].clone()
         pool.send(TensorDict({"action": torch.zeros(2, dtype=torch.int64)}, [2]), td.env_indices)
-        time.sleep(0.2)  # workers have published their next records by now
+        assert pool.wait_ready(2, timeout=30) == 2  # both workers have written their next records
         assert torch.equal(td["tag"], keep)
+        # ... into the same slots, with new tags (so a view of the slots would have changed)
+        nxt = pool.recv(min_get=2)
+        order, nxt_order = td.env_indices.argsort(), nxt.env_indices.argsort()
+        assert not torch.equal(nxt["tag"][nxt_order], keep[order])
+        pool.send(TensorDict({"action": torch.zeros(2, dtype=torch.int64)}, [2]), nxt.env_indices)
 
 
 def test_metrics_keys_and_values():
