@@ -339,3 +339,52 @@ def test_oracle_exactly_once_in_order_on_the_fast_path(num_envs, envs_per_worker
             pool.send(TensorDict({"action": oracle_action(td["tag"])}, td.batch_size), td.env_indices)
     assert checker.records >= 200
     assert checker.episodes_done > num_envs
+
+
+def oracle_gymwrapper_vector(base, k, mode):
+    envs = [functools.partial(OracleGymEnv, env_id=base + j) for j in range(k)]
+    return GymWrapper(gym.vector.SyncVectorEnv(envs, autoreset_mode=mode), categorical_action_encoding=True)
+
+
+def test_gymwrapper_over_a_vector_env_is_hosted_as_k_slots_exactly_once():
+    """``GymWrapper`` over a gymnasium vector env that does not autoreset (``DISABLED``, which
+    TorchRL resets with reset masks) is hosted as ``k`` slots of one worker, through TorchRL's
+    own batched stepping."""
+    mode = gym.vector.AutoresetMode.DISABLED
+    adapter = make_adapter(oracle_gymwrapper_vector(0, 3, mode))
+    assert adapter_path(adapter) == "torchrl-batched" and "reset masks" in adapter.fast_path_reason
+    adapter.close()
+    checker = OracleChecker()
+    with AsyncEnvPool([functools.partial(oracle_gymwrapper_vector, 3 * i, 3, mode) for i in range(2)]) as pool:
+        assert pool.num_envs == 6
+        for _ in range(120):
+            td = pool.recv()
+            checker.observe_batch(td)
+            pool.send(TensorDict({"action": oracle_action(td["tag"])}, td.batch_size), td.env_indices)
+    assert checker.episodes_done > 6
+
+
+def cartpole_gymwrapper_same_step(k=3):
+    return GymWrapper(gym.vector.SyncVectorEnv([functools.partial(gym.make, "CartPole-v1", max_episode_steps=20)] * k,
+                                               autoreset_mode=gym.vector.AutoresetMode.SAME_STEP))
+
+
+def test_gymwrapper_over_a_same_step_vector_env_is_hosted_as_k_slots():
+    """``SAME_STEP`` autoreset: TorchRL's stepping (its VecGymEnvTransform swaps in the final
+    observation); every ended episode is followed by a FIRST record of the same env."""
+    adapter = make_adapter(cartpole_gymwrapper_same_step())
+    assert adapter_path(adapter) == "torchrl-batched" and "SAME_STEP" in adapter.fast_path_reason
+    adapter.close()
+    last = {}
+    with AsyncEnvPool([cartpole_gymwrapper_same_step] * 2, seed=0) as pool:
+        assert pool.num_envs == 6
+        for _ in range(150):
+            td = pool.recv()
+            for i, st in zip(td.env_indices.tolist(), td["step_type"].tolist()):
+                if last.get(i) in (StepType.TERMINATION, StepType.TRUNCATION):
+                    assert st == StepType.FIRST, (i, st)
+                elif i in last:
+                    assert st != StepType.FIRST, (i, st)
+                last[i] = st
+            pool.send(TensorDict({"action": _policy(td)}, td.batch_size), td.env_indices)
+    assert len(last) == 6

@@ -252,7 +252,10 @@ class TorchRLBatchedAdapter(TorchRLEnvAdapter):
         have = set(td.keys(True, True))
         for key in out.keys(True, True):
             if key != "_reset" and key in have:
-                td.get(key)[m] = out.get(key)[m]
+                dst = td.get(key)
+                # TorchRL's batched GymWrapper returns the end flags as [k] from _step but [k, 1]
+                # from reset: the rows keep the shape the next step reads
+                dst[m] = out.get(key)[m].reshape(dst[m].shape)
         return self._obs(out)
 
     def step(self, actions: Dict):

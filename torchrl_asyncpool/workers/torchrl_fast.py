@@ -463,7 +463,9 @@ class _Plan:
             from torchrl.envs.transforms import VecGymEnvTransform
 
             vec = [t for t in transforms if type(t) is VecGymEnvTransform]
-            if len(transforms) != 1 or len(vec) != 1 or transforms[0].native_autoreset:
+            if not vec:  # TorchRL adds it for every autoresetting vector env: DISABLED mode, reset masks
+                raise FastPathUnsupported("a vector env that does not autoreset (TorchRL resets it with reset masks)")
+            if len(transforms) != 1 or transforms[0].native_autoreset:
                 raise FastPathUnsupported("a vector GymEnv with transforms besides VecGymEnvTransform")
             transforms = []
             self._check_vector(base)
