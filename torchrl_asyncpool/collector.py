@@ -296,6 +296,12 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             A refused action raises :class:`ValueError` at construction (the server's first dry
             run) or :class:`~torchrl_asyncpool.InferenceServerError` while collecting, naming the
             policy, the key, what was given, what the spec expects and the envs.
+        on_env_failure (str, optional): ``"raise"`` (default): an env that raises ends the
+            collection with :class:`~torchrl_asyncpool.EnvError`. ``"restart"``: the env is rebuilt
+            in its worker and collection goes on; the episode it cut ends with a truncation marked
+            ``("next", "env_restarted")`` (see :doc:`failures`).
+        max_restarts_per_env, restart_window_s, max_restarts: the restart budget of
+            ``on_env_failure="restart"`` (see :class:`~torchrl_asyncpool.AsyncEnvPool`).
         check_action_bounds (bool, optional): check that actions lie in a ``Categorical``,
             ``OneHot``, ``Binary`` or integer ``Bounded`` spec (and an integer dtype's range).
             Defaults to ``True``; ``False`` saves a few tensor reductions per batch.
@@ -382,6 +388,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         idle_poll: bool | str = "auto",
         cast_actions: bool = False,
         check_action_bounds: bool = True,
+        on_env_failure: str = "raise",
+        max_restarts_per_env: int = 3,
+        restart_window_s: float = 60.0,
+        max_restarts: int | None = 100,
         **torchrl_kwargs,
     ):
         BaseCollector.__init__(self, post_collect_hook=post_collect_hook)
@@ -541,6 +551,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             seed=seed,
             idle_poll=idle_poll,
             backend=self.env_backend,
+            on_env_failure=on_env_failure,
+            max_restarts_per_env=max_restarts_per_env,
+            restart_window_s=restart_window_s,
+            max_restarts=max_restarts,
         )
         self._num_envs = self._pool.num_envs  # a vector env factory contributes several envs
         policy_affinity = self._driver_affinity

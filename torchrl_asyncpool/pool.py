@@ -30,7 +30,7 @@ from torchrl_asyncpool.exchange.native import resolve_exchange
 from torchrl_asyncpool.forkserver import exit_code, forkserver_context
 from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, make_adapter, remote_listener
 from torchrl_asyncpool.workers.env_specs import batched_specs, slot_specs
-from torchrl_asyncpool.workers.env_worker import run_worker, worker_main
+from torchrl_asyncpool.workers.env_worker import RESTARTED_KEY, RestartPolicy, run_worker, worker_main
 from torchrl_asyncpool.workers.thread_worker import ThreadWorker
 
 __all__ = ["AsyncEnvPool"]
@@ -188,6 +188,23 @@ class AsyncEnvPool:
             pins nothing, ``idle_poll`` is off (``True`` is refused), torch's thread count and
             signal handlers are left alone. A worker thread stuck in an env's step cannot be
             killed: :meth:`close` warns and leaves it (a daemon thread) to end with its step.
+        on_env_failure (str, optional): ``"raise"`` (default): an env that raises in its step or
+            reset fails the pool (:class:`~torchrl_asyncpool.EnvError`). ``"restart"``: its worker
+            closes it and builds a new one from the same factory (seeded ``seed + i + r *
+            num_envs`` for env ``i``'s ``r``-th rebuild when ``seed`` is given), and collection
+            goes on: an episode cut by a failed step ends with a ``TRUNCATION`` record at its last
+            observation (reward 0), the next record is the rebuilt env's ``FIRST``; both a cut
+            truncation and the ``FIRST`` after a failed reset carry ``env_restarted=True`` (an
+            entry every record has in this mode). Envs of the same worker lose nothing. Single
+            local envs only (not vector/batched envs, not remote slots). See :doc:`failures`.
+        max_restarts_per_env (int, optional): rebuilds allowed per env within
+            ``restart_window_s`` (default 3 in 60 s); one more failure raises the env's error,
+            with its restart history, as ``"raise"`` would.
+        restart_window_s (float, optional): the window of ``max_restarts_per_env``, in seconds.
+        max_restarts (int or None, optional): rebuilds allowed over the pool's life, all envs
+            together. Defaults to ``100``; ``None``: no overall cap. Each worker checks it against
+            the count every worker has published, so failures in several workers at the same
+            moment can overshoot it by less than one per worker.
         cancel_start (callable, optional): ``() -> bool``, asked before each worker is
             started and about every 0.1 s while they build and reset their envs (the fork
             server's own first start, once per process, is not cut short); when it
@@ -272,6 +289,10 @@ class AsyncEnvPool:
         idle_poll: bool | str = "auto",
         cancel_start: Callable[[], bool] | None = None,
         backend: str = "multiprocessing",
+        on_env_failure: str = "raise",
+        max_restarts_per_env: int = 3,
+        restart_window_s: float = 60.0,
+        max_restarts: int | None = 100,
     ):
         self._closed = True  # until start-up completes, close() has little to undo
         self._procs = []
@@ -290,6 +311,8 @@ class AsyncEnvPool:
                 "idle_poll=True parks the workers' waits for an idle poller of their own process; with "
                 "backend='threading' the workers are threads of this process: leave idle_poll at 'auto' (off)."
             )
+        self._restart = _check_restart(on_env_failure, max_restarts_per_env, restart_window_s, max_restarts)
+        self.on_env_failure = on_env_failure
         fns = _check_factories(create_env_fn)
         kwargs = _check_kwargs(create_env_kwargs, len(fns))
         if mp_start_method not in _START_METHODS:
@@ -308,6 +331,15 @@ class AsyncEnvPool:
             self.envs_per_factory = k_vec = getattr(spec_adapter, "num_envs", 1)
             self.num_envs = n = len(fns) * k_vec
             groups = None  # contiguous runs of envs_per_worker slots, unless set here
+            if self._restart is not None and (hasattr(spec_adapter, "num_envs")
+                                              or remote_listener(spec_adapter.env) is not None):
+                raise ValueError(
+                    "on_env_failure='restart' rebuilds single envs in their workers; the factories return "
+                    + ("vector or batched envs (stepped together, rebuilt together: not supported yet)"
+                       if hasattr(spec_adapter, "num_envs") else
+                       "remote env slots, whose hosts reconnect by themselves after a failure")
+                    + ". Use on_env_failure='raise'."
+                )
             if hasattr(spec_adapter, "num_envs"):
                 self.envs_per_worker, self.env_threads = _vector_grouping(envs_per_worker, env_threads, k_vec)
             elif remote_listener(spec_adapter.env) is not None:
@@ -341,6 +373,10 @@ class AsyncEnvPool:
             _check_next_outputs(outputs, recurrent, request)
         for hidden_in, hidden_out in recurrent.items():
             request[hidden_in] = outputs[hidden_out]
+        if self._restart is not None:
+            if RESTARTED_KEY in request:
+                raise ValueError(f"the env observes {RESTARTED_KEY!r}, which on_env_failure='restart' reserves.")
+            request[RESTARTED_KEY] = ((1,), torch.bool)  # set on the records an env restart produced
         self.policy_output_keys = list(outputs)
         self.recurrent_state = dict(recurrent)
         self.layout = ArenaLayout(
@@ -428,7 +464,7 @@ class AsyncEnvPool:
                 p = ThreadWorker(
                     run_worker,
                     (w, slots, [fns[i] for i in made], [kwargs[i] for i in made], self.layout, arena_fd, bells,
-                     consumer_fd, life_fd, child_conn, delivery, self.env_threads, mask, self.exchange),
+                     consumer_fd, life_fd, child_conn, delivery, self.env_threads, mask, self.exchange, self._restart),
                     name=f"torchrl_asyncpool-worker-{w}",
                 )
                 self._check_cancel()
@@ -441,7 +477,7 @@ class AsyncEnvPool:
                 args=(
                     w, slots, [_picklable(fns[i]) for i in made], [kwargs[i] for i in made], self.layout,
                     arena_fd, bells, consumer_fd, life_fd, child_conn, num_threads, delivery, self.env_threads,
-                    mask, self.exchange, self.idle_poll,
+                    mask, self.exchange, self.idle_poll, self._restart,
                 ),
                 name=f"torchrl_asyncpool-worker-{w}",
                 daemon=True,
@@ -648,9 +684,32 @@ class AsyncEnvPool:
         """
         self._check_usable_for_metrics()
         out = self._metrics.as_dict()
+        if self._restart is not None:
+            out["env_restarts"] = int(self._arena.restarts.sum())  # over the pool's life, not the window
         if reset:
             self._metrics.reset()
         return out
+
+    def restart_info(self) -> dict:
+        """``{env index: (rebuilds so far, the last failure's phase and traceback)}`` of the envs
+        that were rebuilt (``on_env_failure="restart"``); empty when none was.
+
+        Examples:
+            >>> from torchrl_asyncpool import AsyncEnvPool
+            >>> from torchrl_asyncpool.testing import OracleEnv
+            >>> with AsyncEnvPool([lambda: OracleEnv(fail_at_step=1)], on_env_failure="restart") as pool:
+            ...     td = pool.recv()
+            ...     pool.send({"action": td["tag"][:, 0] * 0}, td.env_indices)
+            ...     td = pool.recv()  # the failed step's truncation, at the last observation
+            ...     print(td["step_type"].tolist(), td["env_restarted"].tolist(), td["tag"].tolist())
+            ...     count, cause = pool.restart_info()[0]
+            [3] [[True]] [[0, 0, 0]]
+            >>> count, cause.splitlines()[0], cause.strip().splitlines()[-1]
+            (1, 'step', 'RuntimeError: OracleEnv 0: scripted failure at step 1')
+        """
+        self._check_usable_for_metrics()
+        arena = self._arena
+        return {i: (int(arena.restarts[i]), arena.read_error(i)) for i in np.flatnonzero(arena.restarts).tolist()}
 
     def log_metrics(self, logger, step: int | None = None, *, reset: bool = False, prefix: str = "pool/") -> dict:
         """Logs :meth:`metrics` to a TorchRL logger, one scalar per key (``prefix`` + key); returns
@@ -860,6 +919,19 @@ def _check_factories(create_env_fn):
         if not callable(fn):
             raise TypeError(f"create_env_fn[{i}] must be callable, got {type(fn).__name__}.")
     return list(create_env_fn)
+
+
+def _check_restart(on_env_failure, per_env, window_s, total):
+    """The workers' :class:`~torchrl_asyncpool.workers.env_worker.RestartPolicy`, or ``None`` for ``"raise"``."""
+    if on_env_failure not in ("raise", "restart"):
+        raise ValueError(f"on_env_failure must be 'raise' or 'restart', got {on_env_failure!r}.")
+    if isinstance(per_env, bool) or not isinstance(per_env, int) or per_env < 1:
+        raise ValueError(f"max_restarts_per_env must be a positive int, got {per_env!r}.")
+    if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not window_s > 0:
+        raise ValueError(f"restart_window_s must be a positive number of seconds, got {window_s!r}.")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
+        raise ValueError(f"max_restarts must be None or a positive int, got {total!r}.")
+    return RestartPolicy(per_env, float(window_s), total) if on_env_failure == "restart" else None
 
 
 def _check_seed(seed):

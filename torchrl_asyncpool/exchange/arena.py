@@ -51,6 +51,7 @@ CONTROL_FIELDS = (
     ("error_len", torch.int32),
     ("seq", torch.int64),
     ("length", torch.int32),
+    ("restarts", torch.int64),  # times the slot's env was rebuilt (AsyncEnvPool(on_env_failure="restart"))
 )
 #: Bytes of traceback text a worker can leave per slot; longer tracebacks keep their tail.
 ERROR_TEXT_BYTES = 8192

@@ -239,6 +239,11 @@ class OracleChecker:
     wrong step type or flag, wrong autoreset pairing or misrouted action raises
     :class:`AssertionError` naming the env and what was expected.
 
+    Envs rebuilt by ``on_env_failure="restart"`` are followed too: a record marked
+    ``env_restarted`` is either the truncation that cuts an episode (it repeats the last record's
+    tag with reward 0) or the first record of a rebuilt env after a failed reset; a rebuilt env
+    starts again at episode 0. :attr:`restarts` counts them.
+
     Args:
         max_episode_len (int): as passed to the envs.
         policy (callable, optional): the tag -> action map the consumer uses.
@@ -259,11 +264,14 @@ class OracleChecker:
         self._last: dict[int, tuple[int, int, int]] = {}
         self._expect_echo: dict[int, int] = {}
         self._last_transition: dict[int, tuple[int, int, int]] = {}
+        self._reborn: set[int] = set()  # envs whose next record is a rebuilt env's first
         self.records = 0
         self.episodes_done = 0
+        self.restarts = 0
 
     def observe(
-        self, env_index: int, tag, step_type, reward=None, echo=None, done=None, terminated=None, truncated=None
+        self, env_index: int, tag, step_type, reward=None, echo=None, done=None, terminated=None, truncated=None,
+        restarted=None,
     ) -> None:
         """Checks one record of env ``env_index`` against the previous one of the same env.
 
@@ -276,6 +284,7 @@ class OracleChecker:
             done (bool or tensor, optional): checked when given.
             terminated (bool or tensor, optional): checked when given.
             truncated (bool or tensor, optional): checked when given.
+            restarted (bool or tensor, optional): the record's ``env_restarted`` flag.
 
         Raises:
             AssertionError: naming the env and what was expected.
@@ -286,7 +295,30 @@ class OracleChecker:
         where = f"env {env_index}: record {tag} ({st.name})"
         assert env_id == env_index, f"{where}: tag belongs to env {env_id}"
         last = self._last.get(env_index)
-        if last is None:
+        restarted = restarted is not None and bool(torch.as_tensor(restarted).any())
+        if restarted and st == StepType.TRUNCATION:  # an episode cut by a restart, at its last record
+            assert last is not None and tag == last, f"{where}: a restart's truncation must repeat {last}"
+            if reward is not None:
+                assert float(torch.as_tensor(reward).reshape(-1)[0]) == 0.0, f"{where}: reward {reward}, expected 0"
+            for name, value, want in (("done", done, True), ("terminated", terminated, False),
+                                      ("truncated", truncated, True)):
+                if value is not None:
+                    assert bool(torch.as_tensor(value).any()) == want, f"{where}: {name} is not {want}"
+            self._reborn.add(env_index)
+            self.records += 1
+            self.restarts += 1
+            return
+        if restarted:  # the first record of an env rebuilt after its reset failed
+            assert st == StepType.FIRST, f"{where}: a restart marks only a truncation or a FIRST record"
+            if last is not None and env_index not in self._reborn:
+                length, _ = oracle_episode(env_id, last[1], self.max_episode_len)
+                assert last[2] == length, f"{where}: the env was rebuilt while its episode {last} was open"
+            self._reborn.add(env_index)
+            self.restarts += 1
+        if env_index in self._reborn:
+            self._reborn.discard(env_index)
+            exp = (env_id, 0, 0)  # a rebuilt env starts from its first episode
+        elif last is None:
             exp = (env_id, 0, 0)
         else:
             length, _ = oracle_episode(env_id, last[1], self.max_episode_len)
@@ -329,6 +361,7 @@ class OracleChecker:
                 done=td.get("done")[i],
                 terminated=td.get("terminated")[i],
                 truncated=td.get("truncated")[i],
+                restarted=td.get("env_restarted")[i] if "env_restarted" in td.keys() else None,
             )
 
     def observe_transitions(self, td: TensorDictBase) -> None:
@@ -346,19 +379,40 @@ class OracleChecker:
             k: td.get(("next", k)).reshape(len(env_index), -1).any(-1).tolist()
             for k in ("done", "terminated", "truncated")
         }
+        n = len(env_index)
+        has_flag = "env_restarted" in td.keys()
+        cut = td.get(("next", "env_restarted")).reshape(n, -1).any(-1).tolist() if has_flag else [False] * n
+        reborn = td.get("env_restarted").reshape(n, -1).any(-1).tolist() if has_flag else [False] * n
         last = self._last_transition
         for i, e in enumerate(env_index):
             tag, nxt = tuple(tags[i]), tuple(next_tags[i])
             where = f"env {e}: transition {tag} -> {nxt}"
             assert tag[0] == e and nxt[0] == e, f"{where}: tags belong to another env"
             prev = last.get(e)
-            if prev is None:
+            if reborn[i] or prev == "restart":  # a rebuilt env's first transition
+                assert tag == (e, 0, 0), f"{where}: a rebuilt env must start at episode 0"
+                if reborn[i] and prev not in (None, "restart"):
+                    length, _ = oracle_episode(e, prev[1], self.max_episode_len)
+                    assert prev[2] == length, f"{where}: the env was rebuilt while its episode {prev} was open"
+                    self.restarts += 1
+            elif prev is None:
                 assert tag[2] == 0, f"{where}: the first transition of an env must start an episode"
                 assert prev is not None or tag[1] <= 1, f"{where}: episodes were skipped"
             else:
                 length, _ = oracle_episode(e, prev[1], self.max_episode_len)
                 exp = (e, prev[1] + 1, 0) if prev[2] == length else prev
                 assert tag == exp, f"{where}: expected to start at {exp} (lost, duplicated or reordered transition)"
+            if cut[i]:  # the env failed on this step: the episode ends at its last observation
+                assert nxt == tag, f"{where}: a restart's truncation must repeat the tag"
+                assert (flags["done"][i], flags["terminated"][i], flags["truncated"][i]) == (True, False, True), (
+                    f"{where}: a restart's truncation must be done and truncated, not terminated")
+                assert rewards[i] == 0.0, f"{where}: a restart's truncation has reward {rewards[i]}, expected 0"
+                exp_action = int(self.policy(torch.tensor(tag)))
+                assert actions[i] == exp_action, f"{where}: action {actions[i]}, expected {exp_action}"
+                last[e] = "restart"
+                self.records += 1
+                self.restarts += 1
+                continue
             assert nxt == (e, tag[1], tag[2] + 1), f"{where}: next tag does not follow the tag"
             length, ending = oracle_episode(e, tag[1], self.max_episode_len)
             end = nxt[2] == length

@@ -28,6 +28,7 @@ what the thread is doing (phase, current slot, unrung records) is its own.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import os
@@ -47,9 +48,9 @@ from torchrl_asyncpool.exchange.arena import Arena, as_key
 from torchrl_asyncpool.exchange.doorbell import BellWait, Doorbell, set_process_idle_poll
 from torchrl_asyncpool.exchange.native import copy_into, pass_stores, row_copier
 from torchrl_asyncpool.step_type import StepType
-from torchrl_asyncpool.workers.env_adapter import make_adapter, remote_listener
+from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, make_adapter, remote_listener
 
-__all__ = ["worker_main", "run_worker"]
+__all__ = ["worker_main", "run_worker", "RestartPolicy", "RESTARTED_KEY"]
 
 # A worker hosting several cheap envs publishes a whole pass at once (one ring, one store per
 # array), so the consumer sees them as one batch: it pays ~100 us per batch whatever its size,
@@ -65,6 +66,59 @@ _SLOW_STEP_S = 200e-6
 _FIRST, _MID, _TERM, _TRUNC = (
     int(StepType.FIRST), int(StepType.MID), int(StepType.TERMINATION), int(StepType.TRUNCATION)
 )
+#: the request entry that marks a record produced by an env restart (see :class:`RestartPolicy`)
+RESTARTED_KEY = "env_restarted"
+
+
+class RestartPolicy:
+    """What a worker does when one of its envs raises (``AsyncEnvPool(on_env_failure="restart")``).
+
+    The env is closed and rebuilt from its factory (its ``r``-th rebuild first resets with seed
+    ``seed + i + r * num_envs`` when the pool was seeded with ``seed``: env ``i``'s seeds never
+    collide with another env's), at most ``per_env`` times per env within ``window_s`` seconds
+    and ``total`` times in the whole pool; past that budget the failure is raised as without
+    restarts, with the restart history in its text.
+
+    Args:
+        per_env (int): rebuilds allowed per env within ``window_s``.
+        window_s (float): the window of ``per_env``, in seconds.
+        total (int or None): rebuilds allowed over the pool's life, all envs together.
+    """
+
+    def __init__(self, per_env: int, window_s: float, total):
+        self.per_env, self.window_s, self.total = per_env, window_s, total
+
+    def budget(self, arena, num_slots):
+        """A worker's own tracker of this policy (not shared between processes)."""
+        return _RestartBudget(self, arena, num_slots)
+
+
+class _RestartBudget:
+    def __init__(self, policy, arena, num_slots):
+        self.policy, self.arena, self.num_slots = policy, arena, num_slots
+        self._times = {}  # env index -> deque of recent rebuild times
+        self.history = {}  # env index -> [(phase, last line of the traceback)]
+
+    def admit(self, index, phase, tb):
+        """Counts a failure of env ``index``; raises :class:`_DeferredEnvError` past the budget."""
+        now = time.monotonic()
+        recent = self._times.setdefault(index, collections.deque())
+        while recent and now - recent[0] > self.policy.window_s:
+            recent.popleft()
+        cause = next((line for line in reversed(tb.strip().splitlines()) if line.strip()), "?").strip()
+        history = self.history.setdefault(index, [])
+        history.append((phase, cause))
+        total = int(self.arena.restarts.sum())  # every worker's rebuilds, read from the arena
+        over = len(recent) >= self.policy.per_env and "per_env"
+        over = over or (self.policy.total is not None and total >= self.policy.total and "total")
+        if over:
+            what = (f"env {index} was rebuilt {len(recent)} times within {self.policy.window_s:g}s "
+                    f"(max_restarts_per_env={self.policy.per_env})" if over == "per_env"
+                    else f"the pool's envs were rebuilt {total} times (max_restarts={self.policy.total})")
+            shown = "; ".join(f"{p}: {c}" for p, c in history[-10:])
+            raise _DeferredEnvError(f"{tb}\nrestart budget exhausted: {what}; env {index}'s failures so far: {shown}")
+        recent.append(now)
+        return int(self.arena.restarts[index]) + 1
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -75,21 +129,23 @@ class _Slot:
     """Everything one hosted env needs on the hot path, resolved once."""
 
     __slots__ = ("index", "adapter", "obs", "reward", "actions", "step_into", "recurrent", "ended",
-                 "pending_first", "pending_error", "chunks", "chunk", "pos", "seq")
+                 "pending_first", "pending_error", "chunks", "chunk", "pos", "seq", "factory", "flag", "flagged",
+                 "reborn")
 
     def __init__(self, index, adapter, arena, recurrent):
         self.index = index
-        self.adapter = adapter
-        req, resp = arena.request, arena.response
-        self.obs = [(k, _np(req.get(k)[index])) for k in adapter.obs_keys]
+        req = arena.request
         self.reward = _np(req.get("reward")[index])
-        self.actions = {k: resp.get(k)[index] for k in adapter.action_keys}
-        if getattr(adapter, "takes_numpy", False):
-            self.actions = {k: _np(v) for k, v in self.actions.items()}
-        # step_into(actions, obs views) -> (reward, terminated, truncated), the observation written
-        self.step_into = getattr(adapter, "step_into", None) or functools.partial(_step_into, adapter)
+        self.bind(adapter, arena)
         # (hidden_in view, hidden_out view): the last answered state is fed back as input
-        self.recurrent = [(_np(req.get(i)[index]), _np(resp.get(o)[index])) for i, o in recurrent.items()]
+        self.recurrent = [(_np(req.get(i)[index]), _np(arena.response.get(o)[index])) for i, o in recurrent.items()]
+        # restarts (on_env_failure="restart"): (factory, kwargs) to rebuild the env; the slot's
+        # "env_restarted" flag row (None without restarts), whether it is set now, and whether the
+        # next FIRST record is the rebuilt env's first after a failed reset
+        self.factory = None
+        self.flag = _np(req.get(RESTARTED_KEY)[index]) if RESTARTED_KEY in req.keys() else None
+        self.flagged = False
+        self.reborn = False
         self.ended = False
         self.pending_first = None
         self.pending_error = None  # traceback of a failed eager reset, raised when the slot is ours again
@@ -97,6 +153,18 @@ class _Slot:
         self.chunk = -1  # chunk being filled, -1 when none
         self.pos = 0
         self.seq = 0
+
+    def bind(self, adapter, arena):
+        """Points the hot-path views at ``adapter`` (at start, and for an env rebuilt after a failure)."""
+        index = self.index
+        self.adapter = adapter
+        req, resp = arena.request, arena.response
+        self.obs = [(k, _np(req.get(k)[index])) for k in adapter.obs_keys]
+        self.actions = {k: resp.get(k)[index] for k in adapter.action_keys}
+        if getattr(adapter, "takes_numpy", False):
+            self.actions = {k: _np(v) for k, v in self.actions.items()}
+        # step_into(actions, obs views) -> (reward, terminated, truncated), the observation written
+        self.step_into = getattr(adapter, "step_into", None) or functools.partial(_step_into, adapter)
 
 
 def _step_into(adapter, actions, views):
@@ -213,7 +281,7 @@ class _Delivery:
 
 class _Worker:
     def __init__(self, worker_id, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn, delivery, threaded=False,
-                 exchange="python", affinity=None):
+                 exchange="python", affinity=None, restart=None):
         self.worker_id = worker_id
         self.threaded = threaded
         self.affinity = affinity
@@ -244,13 +312,15 @@ class _Worker:
         self.unrung = 0  # records published since the consumer's doorbell was last rung
         self.held = None  # slot indices written but not yet published (the main loop's pass)
         self.vector = None  # the adapter of a vector env hosting all the slots (stepped in lockstep)
+        # on_env_failure="restart": the budget of env rebuilds (None: a failing env fails the worker)
+        self.restarts = None if restart is None else restart.budget(a, layout.num_slots)
 
     def build(self, slot_ids, env_fns, env_kwargs):
         layout = self.layout
         recurrent = layout.recurrent
         actions = layout.action_keys
         self._expected = (
-            {f.key: (f.shape, f.dtype) for f in layout.request if f.key not in recurrent},
+            {f.key: (f.shape, f.dtype) for f in layout.request if f.key not in recurrent and f.key != (RESTARTED_KEY,)},
             {f.key: (f.shape, f.dtype) for f in layout.response if actions is None or f.key in actions},
         )
         if len(env_fns) == 1 and not self.threaded:
@@ -259,7 +329,9 @@ class _Worker:
             if hasattr(adapter, "num_envs") or len(slot_ids) > 1:  # a vector env: all the slots, one adapter
                 self._build_vector(slot_ids, adapter)
                 return
-            self.slots.append(self._add_slot(slot_ids[0], adapter))
+            slot = self._add_slot(slot_ids[0], adapter)
+            slot.factory = (env_fns[0], env_kwargs[0])
+            self.slots.append(slot)
             return
         specs = list(zip(slot_ids, env_fns, env_kwargs))
         if self.threaded:
@@ -297,7 +369,9 @@ class _Worker:
                 f"env {index}: the factory returned a gymnasium vector env, but the first factory returned a "
                 "single env (all factories must return the same kind)."
             )
-        return self._add_slot(index, adapter)
+        slot = self._add_slot(index, adapter)
+        slot.factory = (fn, kw)
+        return slot
 
     def _add_slot(self, index, adapter):
         self._phase, self._current = "construction", index
@@ -309,6 +383,52 @@ class _Worker:
             per = self.delivery.per_env
             slot.chunks = list(range(index * per, (index + 1) * per))
         return slot
+
+    # -- restarts (on_env_failure="restart") ----------------------------------------------------
+    def _rebuild(self, slot, phase):
+        """Replaces ``slot``'s env, which just raised in ``phase`` (called from the ``except``):
+        counts the failure against the budget (raising past it), closes the env and builds a new
+        one from the same factory, with the seed of its rebuild. Failures to build count too."""
+        tb = traceback.format_exc()
+        while True:
+            r = self.restarts.admit(slot.index, phase, tb)
+            _close_reporting(slot.adapter, slot.index)
+            fn, kw = slot.factory
+            self._phase, self._current = "construction", slot.index
+            try:
+                env = fn(**kw)
+                seed = getattr(env, FIRST_SEED_ATTR, None)
+                if seed is not None:  # env i's r-th rebuild: seed + i + r * num_envs, never another env's
+                    setattr(env, FIRST_SEED_ATTR, seed + r * self.layout.num_slots)
+                adapter = make_adapter(env, slot.index)
+                request, response = (_keyed(d) for d in adapter.fields())
+                _check_fields(slot.index, "observation/reward/done", self._expected[0], request)
+                _check_fields(slot.index, "action", self._expected[1], response)
+            except Exception:  # noqa: BLE001 - a failed rebuild is one more failure of this env
+                tb, phase = traceback.format_exc(), "construction"
+                continue
+            slot.bind(adapter, self.arena)
+            self.arena.write_error(slot.index, f"{phase}\n{tb}")  # the last cause, for pool.restart_info()
+            self.arena.restarts[slot.index] = r  # after the text
+            slot.pending_first = slot.pending_error = None
+            return
+
+    def _set_flag(self, slot, on):
+        """Sets or clears ``slot``'s ``env_restarted`` row (the record being written is a restart's)."""
+        slot.flag[...] = on
+        slot.flagged = on
+
+    def _restarted_reset(self, slot):
+        """The reset of a slot whose reset failed: rebuild and reset until one works (or the
+        budget runs out); its FIRST record is marked as a restart's."""
+        while True:
+            self._rebuild(slot, "reset")
+            try:
+                obs = self._timed_reset(slot)
+            except Exception:  # noqa: BLE001 - counted by the next _rebuild
+                continue
+            slot.reborn = True
+            return obs
 
     def close_envs(self, timeout: float = 30.0):
         """Closes the hosted envs; a threaded worker's threads close their own (waited for at
@@ -330,11 +450,16 @@ class _Worker:
     # -- publishing ---------------------------------------------------------------------------
     def _publish(self, slot, obs, reward, step_type, dt=None):
         """Writes one record into its slot and publishes it (or holds it for the pass);
-        ``dt``: the step's seconds, added to the slot's step timer and count."""
+        ``dt``: the step's seconds, added to the slot's step timer and count. ``obs=None``: the
+        truncation that ends an episode cut by an env restart, at the slot's last observation."""
         i = slot.index
         as_np = slot.adapter.as_numpy
-        for key, view in slot.obs:
-            copy_into(view, as_np(obs.get(key)))  # keeps the GIL (see copy_into)
+        if obs is not None:  # None: a restart's truncation keeps the last delivered observation
+            for key, view in slot.obs:
+                copy_into(view, as_np(obs.get(key)))  # keeps the GIL (see copy_into)
+        if slot.flagged != (restarted := slot.reborn or obs is None) and slot.flag is not None:
+            self._set_flag(slot, restarted)
+        slot.reborn = False
         for hidden_in, hidden_out in slot.recurrent:
             if step_type == _FIRST:
                 hidden_in[...] = 0
@@ -397,7 +522,7 @@ class _Worker:
                 self._phase, self._current = "reset", slot.index
                 raise _DeferredEnvError(slot.pending_error)
             # NEXT_STEP autoreset: the action answering a terminal record is discarded.
-            obs = slot.pending_first if slot.pending_first is not None else self._timed_reset(slot)
+            obs = slot.pending_first if slot.pending_first is not None else self._reset_or_restart(slot)
             slot.pending_first = None
             slot.ended = False
             self._publish(slot, obs, None, _FIRST)
@@ -409,7 +534,13 @@ class _Worker:
             delivery.write_root(slot)
         self._phase, self._current = "step", slot.index
         t = time.perf_counter()
-        obs, reward, terminated, truncated = slot.adapter.step(slot.actions)
+        try:
+            obs, reward, terminated, truncated = slot.adapter.step(slot.actions)
+        except Exception:
+            if self.restarts is None:
+                raise
+            self._rebuild(slot, "step")  # the episode ends here: a truncation at its last observation
+            obs, reward, terminated, truncated = None, None, False, True
         dt = time.perf_counter() - t
         st = _TERM if terminated else (_TRUNC if truncated else _MID)
         self._publish(slot, obs, reward, st, dt)
@@ -417,6 +548,14 @@ class _Worker:
             delivery.write_next(slot)
         slot.ended = st != _MID
         return slot.ended
+
+    def _reset_or_restart(self, slot):
+        if self.restarts is None:
+            return self._timed_reset(slot)
+        try:
+            return self._timed_reset(slot)
+        except Exception:  # noqa: BLE001 - the env is rebuilt
+            return self._restarted_reset(slot)
 
     def _ring(self):
         self.consumer.ring(self.unrung)
@@ -485,7 +624,10 @@ class _Worker:
             t_group = t = clock()
             for slot in stepping[start:]:
                 self._current = slot.index
-                reward, terminated, truncated = slot.step_into(slot.actions, slot.obs)
+                if slot.flag is None:
+                    reward, terminated, truncated = slot.step_into(slot.actions, slot.obs)
+                else:
+                    reward, terminated, truncated = self._step_or_restart(slot)
                 t_end = clock()
                 dt = t_end - t
                 times.append(dt)
@@ -515,6 +657,20 @@ class _Worker:
             if start < n:
                 self._publish_held()
         return ended
+
+    def _step_or_restart(self, slot):
+        """``slot.step_into`` with restarts on: a failing env is rebuilt and its episode ends with
+        a truncation (reward 0, flag set) at the last observation, which the step did not touch."""
+        try:
+            out = slot.step_into(slot.actions, slot.obs)
+        except Exception:
+            self._rebuild(slot, "step")
+            self._phase = "step"
+            self._set_flag(slot, True)
+            return np.zeros_like(slot.reward), False, True
+        if slot.flagged:
+            self._set_flag(slot, False)
+        return out
 
     def _store_one(self, slot, st, reward, dt):
         i = slot.index
@@ -550,7 +706,13 @@ class _Worker:
             try:
                 slot.pending_first = self._timed_reset(slot)
             except Exception:  # noqa: BLE001 - re-raised by _serve once the slot is ours
-                slot.pending_error = traceback.format_exc()
+                if self.restarts is None:
+                    slot.pending_error = traceback.format_exc()
+                    return
+                try:
+                    slot.pending_first = self._restarted_reset(slot)
+                except _DeferredEnvError as exc:  # past the budget: raised once the slot is ours
+                    slot.pending_error = exc.tb
 
     # -- vector env, stepped in lockstep -------------------------------------------------------
     def _run_lockstep(self):
@@ -793,7 +955,8 @@ def _batch_scheduling():
 
 
 def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn,
-                num_threads, delivery=None, threaded=False, affinity=None, exchange="python", idle_poll=False):
+                num_threads, delivery=None, threaded=False, affinity=None, exchange="python", idle_poll=False,
+                restart=None):
     """Entry point of a worker process (see the module docstring)."""
     # The parent owns shutdown (the life pipe; a dead parent closes it too): a terminal's Ctrl-C
     # reaches the whole process group, and it is the parent's to handle (evaluate() drains on it,
@@ -812,14 +975,14 @@ def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell
     _batch_scheduling()
     try:
         run_worker(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn,
-                   delivery, threaded, affinity, exchange)
+                   delivery, threaded, affinity, exchange, restart)
     finally:
         _end_own_group()
         os._exit(0)
 
 
 def run_worker(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn,
-               delivery=None, threaded=False, affinity=None, exchange="python"):
+               delivery=None, threaded=False, affinity=None, exchange="python", restart=None):
     """One worker's life, in whatever runs it: builds its envs, serves their slots until the life
     pipe hangs up, reports a failure to the consumer (through the pipe ``conn`` before the first
     records, through the slot's error block after), and closes the envs. Never raises.
@@ -831,7 +994,7 @@ def run_worker(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_
     try:
         env_fns = [getattr(fn, "fn", fn) for fn in env_fns]
         worker = _Worker(worker_id, layout, arena_fd.fd, [b.fd for b in bell_fds], consumer_fd.fd, life_fd.fd, conn,
-                         delivery, threaded, exchange, affinity)
+                         delivery, threaded, exchange, affinity, restart)
         worker.build(slot_ids, env_fns, env_kwargs)
         if not threaded:  # a threaded worker's env threads pin themselves once built
             worker.pin()

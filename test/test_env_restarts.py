@@ -1,0 +1,173 @@
+"""on_env_failure="restart": a failing env is rebuilt in its worker and collection goes on, with
+nothing lost or duplicated (the oracle env proves it), every cut episode ending in one marked
+TRUNCATION, and a budget past which the env's error is raised as without restarts."""
+import functools
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, EnvError, StepType
+from torchrl_asyncpool.testing import OracleChecker, OracleEnv, oracle_action
+
+UNLIMITED = dict(on_env_failure="restart", max_restarts_per_env=10_000, max_restarts=None)
+
+
+def failing(n, **kwargs):
+    """OracleEnv factories; each env (and each rebuilt one) fails as ``kwargs`` say."""
+    return [functools.partial(OracleEnv, env_id=i, **kwargs) for i in range(n)]
+
+
+def oracle_policy(td):
+    return td.set("action", oracle_action(td["tag"]))
+
+
+def _drive(pool, checker, steps):
+    for _ in range(steps):
+        td = pool.recv(min_get=1, timeout=30)
+        checker.observe_batch(td)
+        pool.send(TensorDict({"action": oracle_action(td["tag"])}, td.batch_size), td.env_indices)
+
+
+@pytest.mark.parametrize("backend", ["threading", "multiprocessing"])
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (3, False), (3, True)])
+def test_pool_records_stay_exact_through_step_and_reset_failures(backend, envs_per_worker, env_threads,
+                                                                  dev_shm_guard):
+    checker = OracleChecker()
+    with AsyncEnvPool(failing(6, fail_at_step=13, fail_on_reset=4), envs_per_worker=envs_per_worker,
+                      env_threads=env_threads, backend=backend, **UNLIMITED) as pool:
+        _drive(pool, checker, 300)
+        restarts = pool.metrics()["env_restarts"]
+        info = pool.restart_info()
+    assert checker.records >= 300 and checker.restarts >= 10
+    assert restarts >= checker.restarts
+    assert set(info) <= set(range(6)) and all(count >= 1 for count, _ in info.values())
+    assert any("scripted failure" in cause for _, cause in info.values())
+
+
+def test_a_cut_episode_ends_in_one_marked_truncation_at_its_last_observation():
+    with AsyncEnvPool(failing(1, fail_at_step=2), backend="threading", **UNLIMITED) as pool:
+        seen = []
+        for _ in range(6):
+            td = pool.recv(min_get=1, timeout=30)
+            seen.append((td["tag"][0].tolist(), int(td["step_type"][0]), bool(td["env_restarted"][0]),
+                         float(td["reward"][0])))
+            pool.send(TensorDict({"action": oracle_action(td["tag"])}, td.batch_size), td.env_indices)
+    k = next(i for i, (_, _, flag, _) in enumerate(seen) if flag)  # the step that failed (the env's 2nd)
+    before, cut, after = seen[k - 1], seen[k], seen[k + 1]
+    assert before[1] in (StepType.FIRST, StepType.MID)  # the episode was open
+    assert cut == (before[0], StepType.TRUNCATION, True, 0.0)  # ended at its last observation, reward 0
+    assert after[:3] == ([0, 0, 0], StepType.FIRST, False)  # the rebuilt env's first episode, unmarked
+    assert sum(flag for _, _, flag, _ in seen) == 1
+
+
+def test_collector_delivers_total_frames_exactly_once_with_marked_truncations(dev_shm_guard):
+    checker = OracleChecker()
+    c = AsyncPoolCollector(failing(8, fail_at_step=17, fail_on_reset=5), policy=oracle_policy, frames_per_batch=100,
+                           total_frames=2000, envs_per_worker=4, **UNLIMITED)
+    try:
+        frames = 0
+        for batch in c:
+            checker.observe_transitions(batch)
+            frames += batch.numel()
+            cut = batch["next", "env_restarted"].reshape(-1)
+            assert batch["next", "truncated"].reshape(-1)[cut].all()
+            assert (batch["next", "reward"].reshape(-1)[cut] == 0).all()
+        assert frames == checker.records == 2000 and checker.restarts >= 20
+        assert c.pool_metrics()["env_restarts"] >= checker.restarts
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["threading", "multiprocessing"])
+def test_past_the_budget_the_error_is_raised_with_its_history(backend):
+    with AsyncEnvPool(failing(2, fail_at_step=3), backend=backend, on_env_failure="restart",
+                      max_restarts_per_env=2, restart_window_s=600) as pool:
+        with pytest.raises(EnvError, match="restart budget exhausted: env [01] was rebuilt 2 times") as info:
+            _drive(pool, OracleChecker(), 200)
+        assert "scripted failure at step 3" in str(info.value)
+    with AsyncEnvPool(failing(4, fail_at_step=2), backend=backend, on_env_failure="restart",
+                      max_restarts_per_env=100, max_restarts=5) as pool:
+        with pytest.raises(EnvError, match=r"rebuilt (\d+) times \(max_restarts=5\)") as info:
+            _drive(pool, OracleChecker(), 200)
+        # each worker checks the count all of them published: concurrent failures overshoot by < one per worker
+        import re
+
+        assert 5 <= int(re.search(r"rebuilt (\d+) times \(max", str(info.value)).group(1)) < 5 + pool.num_workers
+
+
+def test_a_factory_that_fails_when_rebuilt_counts_against_the_budget():
+    built = []
+
+    def flaky(env_id=0):
+        built.append(env_id)
+        if len(built) > 2:  # the spec env and the first build work, every rebuild fails
+            raise RuntimeError("the simulator would not start")
+        return OracleEnv(env_id=env_id, fail_at_step=2)
+
+    with AsyncEnvPool([flaky], backend="threading", on_env_failure="restart", max_restarts_per_env=3) as pool:
+        with pytest.raises(EnvError, match="would not start"):
+            _drive(pool, OracleChecker(), 50)
+    assert len(built) == 2 + 3  # three rebuilds tried, then the budget ran out
+
+
+def test_restarted_envs_get_their_own_deterministic_seeds():
+    import gymnasium as gym
+
+    class Crashy(gym.Wrapper):
+        def __init__(self):
+            super().__init__(gym.make("CartPole-v1"))
+            self.steps = 0
+
+        def step(self, action):
+            self.steps += 1
+            if self.steps == 2:
+                raise RuntimeError("crash")
+            return self.env.step(action)
+
+    def firsts(seed):
+        out = []
+        with AsyncEnvPool([Crashy] * 2, backend="threading", seed=seed, **UNLIMITED) as pool:
+            while len(out) < 6:
+                td = pool.recv(min_get=1, timeout=30)
+                for i, st, obs in zip(td.env_indices.tolist(), td["step_type"].tolist(), td["observation"]):
+                    if st == StepType.FIRST:
+                        out.append((i, obs.tolist()))
+                pool.send({"action": torch.zeros(len(td.env_indices), dtype=torch.int64)}, td.env_indices)
+        return sorted(out)[:6]
+
+    a, b = firsts(3), firsts(3)
+    assert a == b  # the same seeds after the same failures
+    expected_env0 = [gym.make("CartPole-v1").reset(seed=3 + 0 + r * 2)[0].tolist() for r in range(3)]
+    got_env0 = [obs for i, obs in a if i == 0]
+    assert all(any(torch.allclose(torch.tensor(g), torch.tensor(e)) for e in expected_env0) for g in got_env0)
+
+
+def test_bad_restart_arguments_and_unsupported_envs_are_refused():
+    with pytest.raises(ValueError, match="on_env_failure must be 'raise' or 'restart'"):
+        AsyncEnvPool(failing(1), on_env_failure="ignore")
+    with pytest.raises(ValueError, match="max_restarts_per_env must be a positive int"):
+        AsyncEnvPool(failing(1), on_env_failure="restart", max_restarts_per_env=0)
+    with pytest.raises(ValueError, match="restart_window_s"):
+        AsyncEnvPool(failing(1), on_env_failure="restart", restart_window_s=-1)
+    import gymnasium as gym
+
+    vec = functools.partial(gym.make_vec, "CartPole-v1", num_envs=2, vectorization_mode="sync")
+    with pytest.raises(ValueError, match="vector or batched envs"):
+        AsyncEnvPool([vec], on_env_failure="restart")
+
+
+@pytest.mark.slow
+def test_long_run_with_many_faults_is_exact():
+    """>= 200k oracle-checked transitions and hundreds of faults (step and reset failures)."""
+    checker = OracleChecker()
+    c = AsyncPoolCollector(failing(16, fail_at_step=997, fail_on_reset=211), policy=oracle_policy,
+                           frames_per_batch=4000, total_frames=200_000, **UNLIMITED)
+    try:
+        frames = 0
+        for batch in c:
+            checker.observe_transitions(batch)
+            frames += batch.numel()
+        assert frames == checker.records == 200_000 and checker.restarts >= 20
+    finally:
+        c.shutdown()
