@@ -110,8 +110,9 @@ def test_a_hung_env_times_out_on_the_wall_clock():
     make = functools.partial(_Faulty, hang_seed=21)
     episodes = [Episode(f"ep{i}", seed=20 + i) for i in range(4)]
     t0 = time.monotonic()
-    results = evaluate(make, _balance, episodes, num_envs=4, envs_per_worker=1, episode_timeout_s=1.0)
-    assert time.monotonic() - t0 < 30  # the hung step sleeps 60 s; generous bound
+    # 5 s: room for a healthy episode's worker start-up on a busy machine; the hung step sleeps 60 s
+    results = evaluate(make, _balance, episodes, num_envs=4, envs_per_worker=1, episode_timeout_s=5.0)
+    assert time.monotonic() - t0 < 45  # well short of waiting the hang out
     assert results[1].status == "timeout" and "wall clock" in results[1].error
     assert [r.status for r in results] == ["completed", "timeout", "completed", "completed"]
 
@@ -444,11 +445,12 @@ def test_a_reset_that_hangs_times_out_its_episode_and_the_others_complete(which)
     make = functools.partial(_Hanging, hang_reset_seed=41)
     episodes = [Episode(f"s{s}", seed=s) for s in seeds]
     t0 = time.monotonic()
-    results = evaluate(make, _balance, episodes, num_envs=2, envs_per_worker=1, episode_timeout_s=1.5)
-    assert time.monotonic() - t0 < 40  # the hung reset sleeps 60 s
+    # 5 s: room for a healthy episode's worker start-up on a busy machine; the hung reset sleeps 60 s
+    results = evaluate(make, _balance, episodes, num_envs=2, envs_per_worker=1, episode_timeout_s=5.0)
+    assert time.monotonic() - t0 < 50  # well short of waiting the hang out
     by_id = {r.episode_id: r for r in results}
     assert by_id["s41"].status == "timeout" and by_id["s41"].length == 0, by_id["s41"]
-    assert "episode_timeout_s=1.5" in by_id["s41"].error
+    assert "episode_timeout_s=5.0" in by_id["s41"].error
     for s in (40, 42, 43):
         r = by_id[f"s{s}"]
         assert r.status == "completed" and (r.episode_return, r.length) == _alone(s)[:2], r
@@ -457,8 +459,10 @@ def test_a_reset_that_hangs_times_out_its_episode_and_the_others_complete(which)
 def test_a_start_up_hang_in_a_worker_of_several_envs_is_found_by_isolating_them():
     make = functools.partial(_Hanging, hang_reset_seed=51)
     episodes = [Episode(f"s{s}", seed=s) for s in (50, 51, 52)]
+    t0 = time.monotonic()
     results = evaluate(make, _balance, episodes, num_envs=3, envs_per_worker=3, env_threads=False,
-                       episode_timeout_s=1.5)
+                       episode_timeout_s=5.0)  # room for the healthy episodes on a busy machine
+    assert time.monotonic() - t0 < 50  # the hung reset sleeps 60 s
     assert [r.status for r in results] == ["completed", "timeout", "completed"], results
 
 
