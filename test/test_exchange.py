@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import statistics
 import time
 
 import pytest
@@ -57,8 +56,9 @@ def test_doorbell_counts_and_times_out():
 
 def test_poll_for_honours_sub_millisecond_timeouts():
     # poll(2) counts whole milliseconds and CPython rounds up: a 200 us wait used to take >= 1 ms
-    # every time (a 100 us flush deadline idled the envs a full millisecond). The median of many
-    # tries keeps a descheduled try on a busy machine from failing the test.
+    # every time (a 100 us flush deadline idled the envs a full millisecond). A low percentile of
+    # many tries keeps descheduled tries on a busy machine from failing the test: the rounding
+    # made every try last a millisecond or more.
     bell = Doorbell()
     p = select.poll()
     p.register(bell.fd, select.POLLIN)
@@ -67,7 +67,7 @@ def test_poll_for_honours_sub_millisecond_timeouts():
         t0 = time.monotonic()
         assert poll_for(p, 0.0002) == []
         took.append(time.monotonic() - t0)
-    assert statistics.median(took) < 0.00095, took
+    assert sorted(took)[3] < 0.00095, took  # the 10th percentile of 31
     bell.ring()
     assert [fd for fd, _ in poll_for(p, 0.0002)] == [bell.fd]
     assert [fd for fd, _ in poll_for(p, 5.0)] == [bell.fd]  # ready: returns at once
@@ -152,7 +152,7 @@ def test_bell_wait_lets_other_threads_run_and_honours_short_timeouts(bell_impl):
         t0 = time.monotonic()
         assert waiter.wait(0.0002) == []
         took.append(time.monotonic() - t0)
-    assert statistics.median(took) < 0.00095, took  # not poll(2)'s rounded-up millisecond
+    assert sorted(took)[3] < 0.00095, took  # 10th percentile: not poll(2)'s rounded-up millisecond
     t0 = time.monotonic()
     assert waiter.wait(0.0015) == []
     assert time.monotonic() - t0 >= 0.001
