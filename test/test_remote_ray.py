@@ -1,0 +1,114 @@
+"""Env hosts launched, restarted and stopped by Ray, on a real local Ray cluster."""
+from __future__ import annotations
+
+import functools
+import time
+
+import gymnasium as gym
+import pytest
+from tensordict import TensorDict
+
+pytest.importorskip("grpc")
+ray = pytest.importorskip("ray")
+
+from conftest import free_address  # noqa: E402
+from torchrl_asyncpool import AsyncEnvPool, StepType  # noqa: E402
+from torchrl_asyncpool.remote import RemoteVectorSlot  # noqa: E402
+from torchrl_asyncpool.remote.ray import RayEnvHosts  # noqa: E402
+from torchrl_asyncpool.testing import OracleChecker, OracleGymEnv, oracle_action  # noqa: E402
+from torchrl_asyncpool.testing.oracle_env import oracle_episode  # noqa: E402
+
+K = 4
+
+
+def _oracles(offset):
+    """A picklable factory (Ray sends it to the actors) of K oracle envs with ids offset..offset+K-1."""
+    return functools.partial(gym.vector.SyncVectorEnv, [functools.partial(OracleGymEnv, offset + j) for j in range(K)])
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _answer(pool, td):
+    pool.send(TensorDict({"action": oracle_action(td["tag"])}, [td.shape[0]]), td.env_indices)
+
+
+def _resume(checker, env, episode):
+    if episode == 0:
+        checker._last.pop(env, None)
+    else:
+        length, _ = oracle_episode(env, episode - 1, checker.max_episode_len)
+        checker._last[env] = (env, episode - 1, length)
+
+
+def test_ray_hosts_feed_a_pool_and_a_killed_host_comes_back(dev_shm_guard, ray_cluster):
+    """Two Ray actors each serve 4 oracle envs (protocol 2) to a pool; every record is checked
+    by the oracle. One actor is killed: its open episodes end TRUNCATION, Ray restarts it, and
+    its envs deliver records again within 10 s (new episodes, exact from there on), while the
+    other host's envs go on exactly once, in order."""
+    addresses = [free_address() for _ in range(2)]
+    hosts = RayEnvHosts([_oracles(K * i) for i in range(2)], addresses, num_cpus=0.5, max_restarts=2, retry_s=0.2)
+    slots = [functools.partial(RemoteVectorSlot.like, OracleGymEnv(0), a, num_envs=K) for a in addresses]
+    try:
+        hosts.start()
+        with AsyncEnvPool(slots, start_timeout=120) as pool:
+            checker = OracleChecker()
+            n = 0
+            while n < 200:
+                td = pool.recv(min_get=1, timeout=30)
+                checker.observe_batch(td)
+                _answer(pool, td)
+                n += td.shape[0]
+            pid = hosts.status()[0]["pid"]
+            ray.kill(hosts.actors[0], no_restart=False)  # its process dies; Ray starts it again
+            killed_at = time.monotonic()
+            state = {j: "open" for j in range(K)}  # the killed host's envs: open -> [truncated] -> back
+            back_at = None
+            while back_at is None or n < 600:
+                assert time.monotonic() - killed_at < 60, f"the killed host's envs did not come back: {state}"
+                td = pool.recv(min_get=1, timeout=30)
+                for i, env in enumerate(td.env_indices.tolist()):
+                    tag, st, reward = td["tag"][i].tolist(), int(td["step_type"][i]), float(td["reward"][i])
+                    last = list(checker._last[env])
+                    if env < K and state[env] == "open" and st == StepType.TRUNCATION and tag == last:
+                        assert reward == 0.0  # the open episode, ended by the pool: last observation, reward 0
+                        state[env] = "truncated"
+                        continue
+                    if env < K and state[env] != "back" and st == StepType.FIRST and tag[1] != last[1] + 1:
+                        # the restarted host's first records: its envs' episode 0, or 1 after a reset
+                        assert tag[2] == 0 and tag[1] in (0, 1), (env, tag)
+                        assert state[env] == "truncated" or tag[1] == 0, (env, tag, state[env])
+                        _resume(checker, env, tag[1])
+                        state[env] = "back"
+                    checker.observe(env, tag, st, reward=td["reward"][i], echo=td["echo"][i])
+                if back_at is None and all(s == "back" for s in state.values()):
+                    back_at = time.monotonic()
+                _answer(pool, td)
+                n += td.shape[0]
+            print(f"the killed host's envs were back after {back_at - killed_at:.2f} s")
+            assert back_at - killed_at < 10, f"back after {back_at - killed_at:.1f} s"
+            status = hosts.status()
+            assert status[0]["pid"] != pid and status[0]["steps"] > 0 and not status[0]["errors"], status
+            assert status[1]["pid"] != status[0]["pid"] and not status[1]["errors"]
+    finally:
+        hosts.stop()
+
+
+def test_start_needs_ray_initialised_and_options_are_checked():
+    hosts = RayEnvHosts(_oracles(0), ["127.0.0.1:1"], resources={"sim": 2}, max_restarts=-1)
+    assert hosts.options == {"num_cpus": 1, "resources": {"sim": 2}, "max_restarts": -1}
+    if not ray.is_initialized():
+        with pytest.raises(RuntimeError, match="ray.init"):
+            hosts.start()
+    with pytest.raises(ValueError, match="envs_per_host is for protocol 1"):
+        RayEnvHosts(print, "a:1", envs_per_host=2)
+    with pytest.raises(ValueError, match="protocol must be 1 or 2"):
+        RayEnvHosts(print, "a:1", protocol=3)
+    with pytest.raises(TypeError, match="one per address"):
+        RayEnvHosts([print], ["a:1", "a:2"])
