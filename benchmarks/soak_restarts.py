@@ -45,9 +45,10 @@ def _alive(pid: int) -> bool:
 
 
 def run(num_envs: int, frames: int, fault_every: int | None, batch: int) -> dict:
-    """One collection of ``frames`` oracle-checked transitions; ``fault_every``: transitions per
-    env failure over the pool (each env fails on every ``fault_every``-th of its own steps, so
-    the pool sees one failure about every ``fault_every`` transitions), ``None``: no faults."""
+    """One collection of ``frames`` oracle-checked transitions. ``fault_every``: each env (and
+    each rebuilt one) fails on every ``fault_every``-th of its own steps, so the pool sees one
+    failure per ``fault_every`` transitions on average, in bursts of about ``num_envs`` failures
+    every ``num_envs * fault_every`` transitions; ``None``: no faults."""
     shm_before = set(os.listdir("/dev/shm"))
     fail = {} if fault_every is None else {"fail_at_step": max(1, fault_every)}
     factories = [functools.partial(OracleEnv, env_id=i, **fail) for i in range(num_envs)]
@@ -80,7 +81,8 @@ def run(num_envs: int, frames: int, fault_every: int | None, batch: int) -> dict
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--frames", type=int, default=1_000_000, help="transitions per run")
-    p.add_argument("--fault-every", type=int, default=20_000, help="transitions per env failure (about)")
+    p.add_argument("--fault-every", type=int, default=20_000,
+                   help="transitions per env failure, on average (each env fails every this many of its steps)")
     p.add_argument("--envs", type=int, default=16, help="oracle envs")
     p.add_argument("--batch", type=int, default=4096, help="frames_per_batch")
     p.add_argument("--json", help="also write the results here")
