@@ -1,8 +1,10 @@
-"""Shared fixtures: oracle env factories and a guard that no test leaks processes or /dev/shm files."""
+"""Shared fixtures: oracle env factories, a guard that no test leaves a process behind (every
+test), and an opt-in guard that no test leaves a /dev/shm file behind (``dev_shm_guard``)."""
 import functools
 import os
 import time
 
+import psutil
 import pytest
 
 from torchrl_asyncpool.testing import OracleEnv
@@ -36,6 +38,56 @@ def start_and_check(collector, rb, frames, timeout=60.0):
         OracleChecker().observe_transitions(rb[:frames])
     finally:
         collector.shutdown()
+
+
+#: multiprocessing's helpers, started by the first test that needs them and kept for the run
+_RUN_LONG = ("from multiprocessing.forkserver import main", "from multiprocessing.resource_tracker import main")
+
+
+def _descendants() -> dict:
+    """``{pid: process}`` of this process's living descendants (zombies excluded: already ended),
+    but for multiprocessing's fork server and resource tracker (their children count)."""
+    out = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and not any(h in " ".join(p.cmdline()) for h in _RUN_LONG):
+                out[p.pid] = p
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+#: seconds a test's processes get to exit after it returned (a pool's close reaps its workers;
+#: a process started by the test may still be ending on a busy machine)
+_PROCESS_GRACE_S = 10.0
+
+
+@pytest.fixture(autouse=True)
+def process_leak_guard(request):
+    """Every test: no process it started (env workers, servers, fork-server children, subprocesses)
+    is still alive once it ended. Processes that were there before the test, and the fork server
+    and resource tracker multiprocessing keeps for the whole run, are not its own. Tests using the
+    module-scoped Ray cluster are exempt: Ray keeps its worker processes between tests."""
+    if "ray_cluster" in request.fixturenames:
+        yield
+        return
+    before = set(_descendants())
+    yield
+    deadline = time.monotonic() + _PROCESS_GRACE_S
+    while True:
+        left = {pid: p for pid, p in _descendants().items() if pid not in before}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if left:
+        described = []
+        for p in left.values():
+            try:
+                described.append(f"{p.pid} {' '.join(p.cmdline())[:160]}")
+                p.kill()  # so that one leak does not fail the tests after it
+            except psutil.Error:
+                pass
+        pytest.fail(f"processes left behind by the test: {described}", pytrace=False)
 
 
 @pytest.fixture

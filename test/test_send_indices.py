@@ -47,7 +47,7 @@ def test_a_pool_refuses_float_indices_and_stays_usable():
         td = pool.recv(min_get=2)
         order = td.env_indices.tolist()
         action = {"action": oracle_action(td["tag"])}
-        with pytest.raises(ValueError, match="float 1.0"):
+        with pytest.raises(ValueError, match=r"got float [01]\.0 at position 0"):
             pool.send(action, [float(i) for i in order])
         pool.send(action, order)  # nothing was written by the refused call
         assert pool.recv(min_get=2).batch_size[0] == 2
