@@ -20,7 +20,10 @@ sleep2ms, 16 envs (a step sleeps 2 ms and returns 84x84x3 uint8 pixels and a 4-v
 
 Cells run interleaved (every implementation once per repeat), and each is reported as a ratio
 to the ``gym`` cell of the same repeat: this machine's throughput drifts within minutes, and a
-ratio of neighbours drifts less than either. Run with nothing else busy::
+ratio of neighbours drifts less than either. Each cell also reports frames per CPU second of
+the whole process tree (driver, fork server, workers), as a ratio to ``gym`` too: on a machine
+others keep busy, frames/s mostly measures the cores they left, the CPU cost per frame much
+less so. Run with nothing else busy::
 
     python benchmarks/compare_torchrl_factories.py                   # 3 repeats, 6 s cells
     python benchmarks/compare_torchrl_factories.py --quick           # one 2 s repeat
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -111,8 +115,36 @@ WORKLOADS = {
 }
 
 
+def _tree_cpu_s() -> float:
+    """CPU seconds (user + system) used so far by this process and all its descendants still
+    running (the fork server, the pool's workers, an inference process), from ``/proc``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, cpu = {}, {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        parent[int(pid)] = int(fields[1])
+        cpu[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
+    me, total = os.getpid(), 0.0
+    for pid in cpu:
+        p = pid
+        while p > 1 and p != me:
+            p = parent.get(p, 0)
+        if p == me:
+            total += cpu[pid]
+    return total
+
+
 def run_cell(workload, impl, seconds, fpb, envs=None):
-    """``(frames/s, constructor-to-first-batch s)`` of one collector run."""
+    """``(frames/s, constructor-to-first-batch s, frames per CPU second)`` of one collector run.
+
+    Frames per CPU second (of this process and its descendants) is the efficiency a busy
+    machine disturbs least: frames/s also measures how much of the cores others left us."""
     from torchrl_asyncpool import AsyncPoolCollector
     from torchrl_asyncpool.workers.torchrl_vector_hosting import synchronous_vector_envs
 
@@ -128,14 +160,15 @@ def run_cell(workload, impl, seconds, fpb, envs=None):
         it = iter(c)
         next(it)
         startup = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _tree_cpu_s()
         frames = 0
         while time.perf_counter() - t0 < seconds:
             frames += next(it).numel()
         fps = frames / (time.perf_counter() - t0)
+        fpcpu = frames / max(_tree_cpu_s() - cpu0, 1e-9)
     finally:
         c.shutdown()
-    return fps, startup
+    return fps, startup, fpcpu
 
 
 def main(argv=None):
@@ -157,11 +190,12 @@ def main(argv=None):
                 if args.impls and impl not in args.impls and impl != "gym":
                     continue
                 try:
-                    fps, startup = run_cell(w, impl, seconds, args.frames_per_batch)
-                    row = dict(workload=w, impl=impl, rep=rep, fps=fps, startup_s=startup)
+                    fps, startup, fpcpu = run_cell(w, impl, seconds, args.frames_per_batch)
+                    row = dict(workload=w, impl=impl, rep=rep, fps=fps, startup_s=startup, frames_per_cpu_s=fpcpu,
+                               load_average=os.getloadavg()[0])
                 except Exception as e:  # noqa: BLE001 - one failing cell must not hide the others
                     row = dict(workload=w, impl=impl, rep=rep, fps=float("nan"), startup_s=float("nan"),
-                               error=f"{type(e).__name__}: {e}"[:300])
+                               frames_per_cpu_s=float("nan"), error=f"{type(e).__name__}: {e}"[:300])
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     summary = summarize(rows)
@@ -175,22 +209,28 @@ def summarize(rows):
     """Prints and returns one line per (workload, impl): median frames/s and the median of its
     per-repeat ratios to the ``gym`` cell of the same repeat."""
     ref = {(r["workload"], r["rep"]): r["fps"] for r in rows if r["impl"] == "gym"}
+    ref_cpu = {(r["workload"], r["rep"]): r.get("frames_per_cpu_s") for r in rows if r["impl"] == "gym"}
     cells = {}
     for r in rows:
         cells.setdefault((r["workload"], r["impl"]), []).append(r)
     out = []
-    print(f"\n{'workload':9} {'impl':12} {'frames/s':>9} {'x gym':>6} {'ratios':>22} {'target':>6} {'1st batch s':>11}")
+    print(f"\n{'workload':9} {'impl':12} {'frames/s':>9} {'x gym':>6} {'ratios':>22} {'target':>6} "
+          f"{'frames/cpu-s x gym':>18} {'1st batch s':>11}")
     for (w, impl), rs in cells.items():
         ok = [r for r in rs if r["fps"] == r["fps"]]
         fps = statistics.median(r["fps"] for r in ok) if ok else float("nan")
         ratios = [r["fps"] / ref[(w, r["rep"])] for r in ok if ref.get((w, r["rep"]))]
         ratio = statistics.median(ratios) if ratios else float("nan")
+        cpu_ratios = [r["frames_per_cpu_s"] / ref_cpu[(w, r["rep"])] for r in ok
+                      if r.get("frames_per_cpu_s") and ref_cpu.get((w, r["rep"]))]
+        cpu_ratio = statistics.median(cpu_ratios) if cpu_ratios else float("nan")
         target = TARGETS.get((w, impl))
         startup = statistics.median(r["startup_s"] for r in ok) if ok else float("nan")
         print(f"{w:9} {impl:12} {fps:>9.0f} {ratio:>6.2f} {' '.join(f'{x:.2f}' for x in ratios):>22} "
-              f"{'' if target is None else f'{target:.2f}':>6} {startup:>11.2f}"
+              f"{'' if target is None else f'{target:.2f}':>6} {cpu_ratio:>18.2f} {startup:>11.2f}"
               + ("".join(f"  ERROR {r['error']}" for r in rs if "error" in r)))
-        out.append(dict(workload=w, impl=impl, fps=fps, ratio=ratio, ratios=ratios, target=target, startup_s=startup))
+        out.append(dict(workload=w, impl=impl, fps=fps, ratio=ratio, ratios=ratios, target=target, startup_s=startup,
+                        cpu_ratio=cpu_ratio, cpu_ratios=cpu_ratios))
     return out
 
 
