@@ -388,3 +388,20 @@ def test_gymwrapper_over_a_same_step_vector_env_is_hosted_as_k_slots():
                 last[i] = st
             pool.send(TensorDict({"action": _policy(td)}, td.batch_size), td.env_indices)
     assert len(last) == 6
+
+
+def test_gymenv_num_envs_builds_a_sync_vector_env_only_where_async_cannot_start(monkeypatch):
+    """In a daemonic process (a pool worker) GymEnv's AsyncVectorEnv becomes a SyncVectorEnv of
+    the same factories; elsewhere TorchRL's own _async_env runs unchanged."""
+    from torchrl_asyncpool.workers import torchrl_vector_hosting as hosting
+
+    calls = []
+    monkeypatch.setattr(gym.vector, "AsyncVectorEnv", lambda fns, **kw: calls.append(len(fns)) or "async")
+    monkeypatch.setattr(hosting, "in_daemonic_process", lambda: False)
+    assert GymEnv._async_env(None, [gym.make] * 3) == "async" and calls == [3]
+    monkeypatch.setattr(hosting, "in_daemonic_process", lambda: True)
+    venv = GymEnv._async_env(None, [functools.partial(gym.make, "CartPole-v1")] * 3)
+    try:
+        assert isinstance(venv, gym.vector.SyncVectorEnv) and venv.num_envs == 3 and calls == [3]
+    finally:
+        venv.close()
