@@ -14,6 +14,7 @@ Run::
     python sota-implementations/ppo_cartpole.py --num-envs 16 --lr 5e-4 --log-dir /tmp/runs
     python sota-implementations/ppo_cartpole.py --num-envs 64 --vector-envs 32   # 2 vector envs of 32
     python sota-implementations/ppo_cartpole.py --remote-address 127.0.0.1:50051 --spawn-hosts true  # gRPC hosts
+    python sota-implementations/ppo_cartpole.py --remote-address 127.0.0.1:50051 --ray-hosts 4  # hosts as Ray actors
 
 Result on the 2-core development machine (heavily loaded by other jobs, see
 ``sota-implementations/README.md``): mean return of the last 20 episodes >= 475 after
@@ -59,6 +60,9 @@ class Config:
     remote_address: str = ""              # "HOST:PORT": the envs run in env hosts that connect there over gRPC
                                           # (`torchrl-asyncpool env-host --address HOST:PORT --num-envs N`)
     spawn_hosts: bool = False             # with remote_address: start those hosts here, one process
+    ray_hosts: int = 0                    # with remote_address: start the hosts as this many Ray actors
+                                          # (num_envs / ray_hosts envs each; torchrl_asyncpool.remote.ray),
+                                          # on the Ray cluster RAY_ADDRESS names, else on a local one
     frames_per_batch: int = 1024          # transitions per collector batch (= per PPO iteration)
     total_frames: int = 500_000           # hard stop
     target_return: float = 475.0          # stop early when the mean of the last `window` episodes reaches it
@@ -134,6 +138,10 @@ def parse_config(argv=None) -> Config:
         parser.error("--vector-envs builds local vector envs: it cannot be combined with --remote-address.")
     if cfg.spawn_hosts and not cfg.remote_address:
         parser.error("--spawn-hosts true needs --remote-address HOST:PORT.")
+    if cfg.ray_hosts and (not cfg.remote_address or cfg.spawn_hosts or cfg.ray_hosts < 0
+                          or cfg.num_envs % cfg.ray_hosts):
+        parser.error(f"--ray-hosts {cfg.ray_hosts} needs --remote-address HOST:PORT, no --spawn-hosts, and a "
+                     f"--num-envs ({cfg.num_envs}) it divides.")
     return cfg
 
 
@@ -263,10 +271,19 @@ def main(argv=None) -> dict:
                                        probe.action_space)] * cfg.num_envs
     else:
         factories = [functools.partial(GymEnv, cfg.env_id, categorical_action_encoding=True)] * cfg.num_envs
-    hosts = None
+    hosts = ray_hosts = None
     if cfg.spawn_hosts:
         hosts = subprocess.Popen([sys.executable, "-m", "torchrl_asyncpool.cli", "env-host", "--env-id", cfg.env_id,
                                   "--num-envs", str(cfg.num_envs), "--address", cfg.remote_address, "--no-progress"])
+    if cfg.ray_hosts:  # protocol-1 hosts (RemoteEnvSlot slots above) in Ray actors, restarted by Ray if they die
+        import ray
+
+        from torchrl_asyncpool.remote.ray import RayEnvHosts
+
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+        ray_hosts = RayEnvHosts(functools.partial(gymnasium.make, cfg.env_id), [cfg.remote_address] * cfg.ray_hosts,
+                                protocol=1, envs_per_host=cfg.num_envs // cfg.ray_hosts, num_cpus=0).start()
     try:
         collector = AsyncPoolCollector(
             factories,
@@ -278,6 +295,8 @@ def main(argv=None) -> dict:
     except BaseException:
         if hosts is not None:  # no pool for them: do not leave them waiting for one
             hosts.kill()
+        if ray_hosts is not None:
+            ray_hosts.stop()
         raise
     tracker = EpisodeTracker(cfg.num_envs)
     recent = deque(maxlen=cfg.window)
@@ -365,6 +384,8 @@ def main(argv=None) -> dict:
                 hosts.wait(10)
             except subprocess.TimeoutExpired:
                 hosts.kill()
+        if ray_hosts is not None:  # they would serve the next pool on the address: end the actors
+            ray_hosts.stop()
 
     elapsed = time.monotonic() - t0
     plot_curve(curve_frames, curve_returns, cfg.window, cfg.target_return, plot_path,

@@ -112,3 +112,27 @@ def test_start_needs_ray_initialised_and_options_are_checked():
         RayEnvHosts(print, "a:1", protocol=3)
     with pytest.raises(TypeError, match="one per address"):
         RayEnvHosts([print], ["a:1", "a:2"])
+
+
+def _ppo(*args, timeout=280):
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "sota-implementations", "ppo_cartpole.py")
+    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_ppo_ray_hosts_flag_is_checked():
+    out = _ppo("--ray-hosts", "3", "--num-envs", "4", "--remote-address", "127.0.0.1:1", timeout=120)
+    assert out.returncode == 2 and "--ray-hosts 3 needs" in out.stderr, out.stderr[-500:]
+
+
+@pytest.mark.slow
+def test_ppo_trains_on_hosts_started_by_ray(tmp_path):
+    """``ppo_cartpole.py --ray-hosts 2``: a local Ray cluster, two actors of two protocol-1 hosts
+    each, a short training run that ends (and ends the actors)."""
+    out = _ppo("--remote-address", free_address(), "--ray-hosts", "2", "--num-envs", "4", "--total-frames", "2048",
+               "--frames-per-batch", "512", "--progress", "false", "--log-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Frames/s" in out.stdout
