@@ -171,3 +171,56 @@ def test_long_run_with_many_faults_is_exact():
         assert frames == checker.records == 200_000 and checker.restarts >= 20
     finally:
         c.shutdown()
+
+
+def _offset_policy():
+    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+
+    return OracleTagPolicy()
+
+
+def test_a_dead_server_process_is_replaced_with_the_last_weights_and_nothing_is_lost(dev_shm_guard):
+    import os
+    import signal
+
+    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+
+    c = AsyncPoolCollector(failing(6), policy_factory=_offset_policy, frames_per_batch=60, total_frames=1800,
+                           envs_per_worker=3, on_env_failure="restart", max_restarts_per_env=5)
+    try:
+        learner = OracleTagPolicy(offset=7)
+        c.update_policy_weights_(learner)  # version 1: actions are oracle_action(tag) + 7
+        checker = OracleChecker(policy=lambda tag: (oracle_action(tag) + 7) % 1000)
+        frames, pids = 0, set()
+        for i, batch in enumerate(c):
+            checker.observe_transitions(batch)
+            frames += batch.numel()
+            assert batch["policy_version"].eq(1).all()
+            if i in (3, 12):  # kill the server process twice mid-run
+                pids.add(c.server.pid)
+                os.kill(c.server.pid, signal.SIGKILL)
+        assert frames == checker.records == 1800
+        assert c.server_stats()["server_restarts"] == 2 and c.server.pid not in pids
+    finally:
+        c.shutdown()
+
+
+def test_server_replacements_have_a_budget():
+    import os
+    import signal
+
+    c = AsyncPoolCollector(failing(2), policy_factory=_offset_policy, frames_per_batch=10, total_frames=-1,
+                           on_env_failure="restart", max_restarts_per_env=1, restart_window_s=600)
+    try:
+        it = iter(c)
+        next(it)
+        os.kill(c.server.pid, signal.SIGKILL)
+        for _ in range(3):
+            next(it)
+        assert c.server_stats()["server_restarts"] == 1
+        os.kill(c.server.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="replaced 1 times within 600s"):
+            for _ in range(200):
+                next(it)
+    finally:
+        c.shutdown()

@@ -299,7 +299,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         on_env_failure (str, optional): ``"raise"`` (default): an env that raises ends the
             collection with :class:`~torchrl_asyncpool.EnvError`. ``"restart"``: the env is rebuilt
             in its worker and collection goes on; the episode it cut ends with a truncation marked
-            ``("next", "env_restarted")`` (see :doc:`failures`).
+            ``("next", "env_restarted")``. With ``policy_factory=``, a dead inference server
+            process is replaced too (same factory, last weights and version; the records it had
+            leased are answered by the new one). See :doc:`failures`.
         max_restarts_per_env, restart_window_s, max_restarts: the restart budget of
             ``on_env_failure="restart"`` (see :class:`~torchrl_asyncpool.AsyncEnvPool`).
         check_action_bounds (bool, optional): check that actions lie in a ``Categorical``,
@@ -397,6 +399,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         BaseCollector.__init__(self, post_collect_hook=post_collect_hook)
         self._pool = None
         self._server = None
+        self._respawn = None  # replaces a dead server process (on_env_failure="restart", policy_factory=)
         self._closed = False
         self._serving = False  # the server is held (no action served) until the first iteration
         # -- everything that can be checked before a process starts ------------------------------
@@ -508,6 +511,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self._iteration_started = False
         self._iteration_lock = threading.Lock()
         self._replay_lock = threading.Lock()
+        self._server_lock = threading.Lock()  # a weight update never lands on a server being replaced
         self._pause_lock = threading.Lock()
         self._shutdown_event = threading.Event()
         self._replay_thread = None
@@ -589,6 +593,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 del probe
                 factory = ActingPolicyFactory(policy_factory, exploration_type, checks, self.recurrent_keys)
                 self._server = InferenceServer(policy_factory=factory, mode="process", **server_kwargs)
+                if on_env_failure == "restart":  # what a replacement of a dead server process needs
+                    self._respawn = _ServerRespawn(factory, server_kwargs, max_restarts_per_env, restart_window_s)
             if policy_version:
                 self._server.update_policy_weights_(None, version=int(policy_version))
             # built and validated now, serving from the first iteration (or start()): weights given
@@ -649,7 +655,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             the dict of :meth:`InferenceServer.stats <torchrl_asyncpool.InferenceServer.stats>`
             (keys in ``torchrl_asyncpool.inference.STAT_KEYS``).
         """
-        return self._server.stats(reset=reset)
+        stats = self._server.stats(reset=reset)
+        if self._respawn is not None:
+            stats["server_restarts"] = self._respawn.count  # dead server processes replaced so far
+        return stats
 
     def pool_metrics(self, reset: bool = False) -> dict:
         """The exchange's health metrics (see :meth:`AsyncEnvPool.metrics
@@ -711,7 +720,11 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 )
             else:
                 source = {WEIGHT_PREFIX + k: v for k, v in flatten_weights(source).items()}
-        self._server.update_policy_weights_(source)
+        with self._server_lock:
+            self._server.update_policy_weights_(source)
+            if self._respawn is not None and source is not None:
+                # a replacement server starts from them (a copy: the learner goes on training its own)
+                self._respawn.weights = {k: v.detach().clone() for k, v in source.items()}
 
     def _serve(self) -> None:
         """Lets the server (held since construction) answer the envs: at the first iteration."""
@@ -763,6 +776,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         try:
             self._server.check()
         except InferenceServerError as exc:
+            if self._respawn is not None and self._respawn.died(self._server):
+                with self._server_lock:
+                    self._server = self._respawn.replace(self._server, self._pool, exc)
+                return
             # the server may have seen a worker die after the check above: name that first
             self._pool.check_workers()
             if isinstance(exc.__cause__, (EnvError, WorkerDiedError)):
@@ -1108,3 +1125,51 @@ def _auto_chunk(value, layout, frames_per_batch, chunks_per_env=2) -> int:
     # together hold about one batch, so a batch is at most about one batch behind the policy
     lag_cap = frames_per_batch // (n * chunks_per_env)
     return max(1, min(lag_cap, memory_cap))
+
+
+class _ServerRespawn:
+    """Replaces a dead inference server process (``on_env_failure="restart"`` with
+    ``policy_factory=``): the slots it had leased are handed back to the exchange as ready, and a
+    new server from the same factory starts with the last weights and version, within the same
+    budget as env restarts (``per_env`` replacements within ``window_s``)."""
+
+    def __init__(self, factory, server_kwargs, per_env, window_s):
+        self.factory, self.server_kwargs = factory, server_kwargs
+        self.per_env, self.window_s = per_env, window_s
+        self.weights = None  # the last weights given to update_policy_weights_ (flat, prefixed)
+        self.times: deque = deque()
+        self.count = 0
+
+    @staticmethod
+    def died(server) -> bool:
+        """Whether ``server``'s process has ended (as opposed to a policy error, which is raised)."""
+        from torchrl_asyncpool.forkserver import exit_code
+
+        proc = server._process
+        return proc is not None and exit_code(proc) is not None
+
+    def replace(self, server, pool, error):
+        """The new server, serving ``pool``; raises ``error`` past the budget."""
+        from torchrl_asyncpool.exchange import slot_states as S
+
+        now = time.monotonic()
+        while self.times and now - self.times[0] > self.window_s:
+            self.times.popleft()
+        if len(self.times) >= self.per_env:
+            raise InferenceServerError(
+                f"{error} The server process was replaced {len(self.times)} times within {self.window_s:g}s "
+                f"(max_restarts_per_env={self.per_env}): not again."
+            ) from error
+        self.times.append(now)
+        version = server.policy_version()
+        server.stop(timeout=1.0, raise_errors=False)
+        # the records the dead server had leased are ready again: the new server answers them
+        state = pool._arena.state
+        leased = state == S.LEASED
+        state[leased] = S.OBS_READY
+        new = InferenceServer(policy_factory=self.factory, mode="process", **self.server_kwargs)
+        new.update_policy_weights_(self.weights, version=version)
+        new.start(pool)
+        pool._consumer.ring(max(1, int(leased.sum())))
+        self.count += 1
+        return new
