@@ -296,3 +296,30 @@ def test_start_after_shutdown_says_the_collector_was_shut_down():
     c.shutdown()
     with pytest.raises(RuntimeError, match="was shut down"):
         c.start()
+
+
+def test_a_worker_thread_stuck_in_a_step_is_reported_and_left_behind_at_close():
+    import warnings
+
+    gate = threading.Event()
+
+    class Stuck(OracleEnv):
+        def _step(self, td):
+            gate.wait(30)  # until the test lets it go
+            return super()._step(td)
+
+    pool = AsyncEnvPool([Stuck], backend="threading")
+    td = pool.recv(min_get=1)
+    pool.send(TensorDict({"action": oracle_action(td["tag"])}, td.batch_size), td.env_indices)
+    time.sleep(0.1)  # the worker thread is inside the step now
+    t0 = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pool.close(timeout=0.2)
+    assert time.monotonic() - t0 < 10  # no hang: the bound plus a margin
+    assert any("did not stop within 0.2s" in str(w.message) for w in caught)
+    gate.set()  # the step returns, the thread sees the closed life pipe and ends
+    deadline = time.monotonic() + 10
+    while any(t.name == "torchrl_asyncpool-worker-0" for t in threading.enumerate()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
