@@ -224,7 +224,7 @@ def test_fast_path_choice_is_logged_at_debug_level(caplog):
 def _policy(td):
     """A deterministic one-hot action of the record (the same records give the same actions),
     erratic enough that episodes end by termination as well as by the 25-step limit."""
-    obs = td["observation"]
+    obs = td["observation"].reshape(td.batch_size[0], -1)
     return torch.nn.functional.one_hot((obs[:, 0] * 1e4).floor().long() % 2, 2)
 
 
@@ -298,9 +298,33 @@ def test_gymenv_num_envs_is_hosted_as_k_slots_with_each_sub_envs_torchrl_records
     assert types.count(StepType.TRUNCATION) and types.count(StepType.TERMINATION)
 
 
-def test_gymenv_num_envs_with_transforms_is_refused_with_a_clear_error():
+def _vec_transforms():
+    return [StepCounter(), RewardScaling(loc=0.25, scale=1.5), RewardSum(),
+            ObservationNorm(loc=torch.tensor([0.1, -0.2, 0.3, 0.05]), scale=torch.tensor([1.3, 0.7, 3.0, 0.9]),
+                            in_keys=["observation"]), UnsqueezeTransform(-2, in_keys=["observation"])]
+
+
+def test_transformed_gymenv_num_envs_applies_each_sub_envs_transforms():
+    """``TransformedEnv(GymEnv(..., num_envs=3), transforms)``: sub-env ``j`` of factory ``i``
+    makes exactly the records of ``TransformedEnv(GymEnv(env_id), transforms)`` seeded
+    ``seed + 3 i + j`` (transform state restarting at every autoreset)."""
+    def vec():
+        return TransformedEnv(GymEnv("CartPole-v1", num_envs=3, max_episode_steps=25), Compose(*_vec_transforms()))
+
+    def single():
+        return _opted_out(TransformedEnv(cartpole(), Compose(*_vec_transforms())))
+
+    with synchronous_vector_envs():
+        assert adapter_path(make_adapter(vec())) == "torchrl-fast-vector"
+        fast = _per_env_records([vec] * 2, length=60)
+    ref = _per_env_records([single] * 6, length=60)
+    _assert_same_sequences(fast, ref, min_len=60)
+    assert {"step_count", "episode_reward"} <= set(fast[0][0])
+
+
+def test_gymenv_num_envs_with_unsupported_transforms_is_refused_with_a_clear_error():
     def make():
-        return TransformedEnv(GymEnv("CartPole-v1", num_envs=2), StepCounter())
+        return TransformedEnv(GymEnv("CartPole-v1", num_envs=2), StepCounter(max_steps=5))
 
     with synchronous_vector_envs(), pytest.raises(TypeError, match=r"GymEnv\(env_id\) factories"):
         make_adapter(make(), 0)

@@ -500,8 +500,8 @@ def _torchrl_adapter(env, env_index):
         raise TypeError(
             f"{_where(env_index)} is a TorchRL GymEnv(..., num_envs=k) with {reason}: TorchRL's own stepping of a "
             "gymnasium NEXT_STEP vector env does not give valid records at episode ends, and the pool hosts it only "
-            "on its fast path (GymEnv(env_id, num_envs=k) alone, no further transforms). Return GymEnv(env_id) "
-            "factories (one per env, transforms allowed) or a gymnasium vector env instead."
+            "on its fast path (GymEnv(env_id, num_envs=k), optionally transformed by the transforms the fast path "
+            "supports). Return GymEnv(env_id) factories (one per env) or a gymnasium vector env instead."
         )
     adapter = TorchRLBatchedAdapter(env, env_index) if batched else TorchRLEnvAdapter(env, env_index)
     adapter.fast_path_reason = reason

@@ -249,6 +249,15 @@ class _Fast:
     def step(self, rec: dict, reward, terminated: bool, truncated: bool):
         return reward, terminated, truncated
 
+    # A vector env's records carry a leading k; ``first`` (bool [k]) marks the rows that are a
+    # reset observation (gymnasium's NEXT_STEP autoreset), where an episode's state restarts.
+    # Elementwise transforms apply to every row alike; the stateful ones override these.
+    def vreset(self, rec: dict, k: int) -> None:
+        self.reset(rec)
+
+    def vstep(self, rec: dict, reward, terminated, truncated, first):
+        return self.step(rec, reward, terminated, truncated)
+
 
 def _only_root_reset(t):
     keys = t.parent._filtered_reset_keys if t.parent is not None else ["_reset"]
@@ -280,6 +289,15 @@ class _StepCounter(_Fast):
             truncated = True  # StepCounter ORs it into truncated (and done)
         return reward, terminated, truncated
 
+    def vreset(self, rec, k):
+        self.n = np.zeros((k, 1), np.int64)
+        rec[self.key] = self.n
+
+    def vstep(self, rec, reward, terminated, truncated, first):
+        self.n = np.where(first[:, None], 0, self.n + 1)
+        rec[self.key] = self.n
+        return reward, terminated, truncated
+
 
 class _RewardSum(_Fast):
     def __init__(self, t):
@@ -297,6 +315,15 @@ class _RewardSum(_Fast):
 
     def step(self, rec, reward, terminated, truncated):
         self.total = self.total + reward  # float32 [1] + float32 [1], as torch adds them
+        rec[self.key] = self.total
+        return reward, terminated, truncated
+
+    def vreset(self, rec, k):
+        self.total = np.zeros((k, 1), np.float32)
+        rec[self.key] = self.total
+
+    def vstep(self, rec, reward, terminated, truncated, first):
+        self.total = np.where(first[:, None], np.float32(0), self.total + reward)
         rec[self.key] = self.total
         return reward, terminated, truncated
 
@@ -430,6 +457,17 @@ class _Unsqueeze(_Fast):
         return reward, terminated, truncated
 
 
+def _check_vector_transform(t):
+    """The transforms a vector env's records take row by row (see ``_Fast.vstep``)."""
+    from torchrl.envs.transforms import CatTensors, StepCounter
+
+    if type(t) is StepCounter and t.max_steps is not None:
+        # its truncation would need the vector env to reset that env, which it does not know of
+        raise FastPathUnsupported("StepCounter(max_steps=...) over a vector env (pass max_episode_steps to GymEnv)")
+    if type(t) is CatTensors and t.dim >= 0:
+        raise FastPathUnsupported("CatTensors with a non-negative dim over a vector env")
+
+
 def _fast_transform(t, dtypes, action_dtype):
     from torchrl.envs.transforms import (CatTensors, DoubleToFloat, ObservationNorm, RewardScaling, RewardSum,
                                          StepCounter, UnsqueezeTransform)
@@ -465,10 +503,12 @@ class _Plan:
             vec = [t for t in transforms if type(t) is VecGymEnvTransform]
             if not vec:  # TorchRL adds it for every autoresetting vector env: DISABLED mode, reset masks
                 raise FastPathUnsupported("a vector env that does not autoreset (TorchRL resets it with reset masks)")
-            if len(transforms) != 1 or transforms[0].native_autoreset:
-                raise FastPathUnsupported("a vector GymEnv with transforms besides VecGymEnvTransform")
-            transforms = []
+            if transforms[0] is not vec[0] or len(vec) != 1 or vec[0].native_autoreset:
+                raise FastPathUnsupported("a vector GymEnv whose VecGymEnvTransform is not its first transform")
+            transforms = transforms[1:]
             self._check_vector(base)
+            for t in transforms:
+                _check_vector_transform(t)
         self.action_kind, aspec = _check_base(base, batched)
         self.action_dtype = _np_dtype(aspec.dtype)
         self.readers = _obs_readers(base, batched)
@@ -549,7 +589,10 @@ class _Plan:
             return a.argmax(-1)
         if kind == "categorical":
             return np.array(a)
-        return np.array(a)
+        a = np.array(a)
+        for t in reversed(self.transforms):
+            a = t.action(a)
+        return a
 
     def record(self, obs) -> dict:
         """The observation entries of a gymnasium observation, encoded as TorchRL encodes them
@@ -725,6 +768,11 @@ class TorchRLGymVectorFastAdapter(TorchRLBatchedAdapter):
     sub-envs ``seed + j`` with one ``reset(seed=...)``, as each single env's ``set_seed`` does,
     and every later reset is unseeded in both.
 
+    Transforms on top (``TransformedEnv(GymEnv(env_id, num_envs=k), ...)``) are applied row by
+    row, each sub-env's as ``TransformedEnv(GymEnv(env_id), ...)`` applies them: the supported
+    ones of :class:`TorchRLGymFastAdapter` except ``StepCounter(max_steps=...)`` (its truncation
+    would need the vector env to reset that env; pass ``max_episode_steps`` to ``GymEnv``).
+
     (TorchRL's own stepping of such an env does not give valid records at episode ends under
     gymnasium >= 1.0: with ``NEXT_STEP`` autoreset there is no final observation in the info,
     so its ``VecGymEnvTransform`` reports the terminal observation as missing and the reset
@@ -761,7 +809,11 @@ class TorchRLGymVectorFastAdapter(TorchRLBatchedAdapter):
             self.env.set_seed(self._first_seed)
             self._first_seed = None
         obs, _ = self.vec.reset()
-        return self._vrecord(obs)
+        rec = self._vrecord(obs)
+        for t in self.plan.transforms:
+            t.vreset(rec, self.num_envs)
+        self._first = np.zeros(self.num_envs, bool)
+        return rec
 
     def _vrecord(self, obs):
         k = self.num_envs
@@ -776,7 +828,13 @@ class TorchRLGymVectorFastAdapter(TorchRLBatchedAdapter):
         step ignores its action and returns its reset observation)."""
         obs, reward, terminated, truncated, _ = self.vec.step(self.plan.vector_action(actions["action"]))
         reward = np.asarray(reward, dtype=np.float32).reshape(self.num_envs, 1)
-        return self._vrecord(obs), reward, terminated, truncated
+        rec = self._vrecord(obs)
+        if self.plan.transforms:
+            first = self._first  # the envs that ended last step: their rows are reset observations
+            for t in self.plan.transforms:
+                reward, terminated, truncated = t.vstep(rec, reward, terminated, truncated, first)
+            self._first = np.asarray(terminated, bool) | np.asarray(truncated, bool)
+        return rec, reward, terminated, truncated
 
     def reset_some(self, mask):  # pragma: no cover - autoresets=True: the worker never calls it
         raise RuntimeError("a NEXT_STEP vector env resets its envs itself")
