@@ -28,6 +28,18 @@ stepping, with the reason in the debug log and in ``adapter.fast_path_reason``):
   ``CatTensors`` (inputs of one dtype) and ``UnsqueezeTransform`` (observation entries).
   Transforms with learned or shared state (``VecNorm``), with an inverse on anything but the
   action, or that need TensorDicts (``TensorDictPrimer`` specs, policies as transforms) fall back.
+* ``GymEnv(env_id, num_envs=k)`` (optionally transformed, as above except
+  ``StepCounter(max_steps=...)``): ``k`` slots of one worker stepped in lockstep, sub-env ``j``
+  with the records of ``GymEnv(env_id)`` seeded ``seed + j``
+  (:class:`TorchRLGymVectorFastAdapter`). TorchRL's own stepping cannot host it (see there), so
+  a ``num_envs`` env this module refuses is an error, not a fallback. ``GymWrapper`` over a
+  vector env that autoresets in ``SAME_STEP`` mode or not at all falls back to TorchRL's
+  batched stepping.
+
+Which path a slot takes: ``adapter.path`` (:func:`adapter_path`) and a debug log line of the
+``torchrl_asyncpool.workers.torchrl_fast`` logger when the adapter is built (in the pool's
+process for the env it reads its specs from, and in each worker). An env that must stay on
+TorchRL's stepping: set :data:`FAST_PATH_ATTR` to ``False`` on it.
 
 Before an env is put on the fast path its transform pipeline is dry-run on zero observations
 and must produce exactly the keys, shapes and dtypes of the TorchRL env's observation spec (the
