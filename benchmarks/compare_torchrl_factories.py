@@ -16,7 +16,9 @@ cartpole, 32 envs:
 sleep2ms, 16 envs (a step sleeps 2 ms and returns 84x84x3 uint8 pixels and a 4-vector):
 
 * ``gym``            the gymnasium env as the factory
-* ``gymwrapper``     ``GymWrapper`` of it
+* ``gymwrapper``     ``GymWrapper`` of it (the fast path)
+* ``torchrl_env``    the same env written as a TorchRL ``EnvBase``
+                     (``torchrl_asyncpool.testing.SleepPixelEnv``), stepped through its ``_step``
 
 Cells run interleaved (every implementation once per repeat), and each is reported as a ratio
 to the ``gym`` cell of the same repeat: this machine's throughput drifts within minutes, and a
@@ -47,7 +49,7 @@ from compare_collectors import SleepPixelGym, make_policy  # noqa: E402
 
 # target ratios to the gymnasium factories (issue 22)
 TARGETS = {("cartpole", "gymenv"): 0.80, ("cartpole", "transformed"): 0.50, ("cartpole", "gymenv_vec"): 0.80,
-           ("sleep2ms", "gymwrapper"): 0.95}
+           ("sleep2ms", "gymwrapper"): 0.95, ("sleep2ms", "torchrl_env"): 0.95}
 
 
 def _gym_cartpole():
@@ -98,6 +100,12 @@ def _gymwrapper_sleep():
     return GymWrapper(SleepPixelGym(0.002))
 
 
+def _torchrl_sleep():
+    from torchrl_asyncpool.testing import SleepPixelEnv
+
+    return SleepPixelEnv(0.002)
+
+
 # workload -> (obs key, obs dim, actions, envs, {impl: (factories(n), one-hot actions)})
 WORKLOADS = {
     "cartpole": ("observation", 4, 2, 32, {
@@ -111,6 +119,7 @@ WORKLOADS = {
     "sleep2ms": ("vector", 4, 4, 16, {
         "gym": (lambda n: [_gym_sleep] * n, False),
         "gymwrapper": (lambda n: [_gymwrapper_sleep] * n, True),
+        "torchrl_env": (lambda n: [_torchrl_sleep] * n, False),
     }),
 }
 
