@@ -287,3 +287,59 @@ def test_env_host_command_serves_k_envs_over_one_stream(dev_shm_guard):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _check_through_a_drop(pool, checker, dropped, records, deadline_s=60):
+    """Checks ``records`` more records: envs of ``dropped`` may end their open episode with a
+    TRUNCATION repeating their last record (reward 0) and then start over with a new host's
+    FIRST (its episode 0, or 1 after a reset); every other record must follow exactly.
+    Returns the envs of ``dropped`` that came back."""
+    state = {j: "open" for j in dropped}
+    n, t0 = 0, time.monotonic()
+    while n < records or any(s != "back" for s in state.values()):
+        assert time.monotonic() - t0 < deadline_s, f"the dropped envs did not come back: {state}"
+        td = pool.recv(min_get=1, timeout=30)
+        for i, env in enumerate(td.env_indices.tolist()):
+            tag, st, reward = td["tag"][i].tolist(), int(td["step_type"][i]), float(td["reward"][i])
+            last = list(checker._last[env])
+            if env in state and state[env] == "open" and st == StepType.TRUNCATION and tag == last:
+                assert reward == 0.0
+                state[env] = "truncated"
+                continue
+            if env in state and state[env] != "back" and st == StepType.FIRST and tag[1] != last[1] + 1:
+                assert tag[2] == 0 and tag[1] in (0, 1), (env, tag)
+                assert state[env] == "truncated" or tag[1] == 0, (env, tag, state[env])
+                _resume(checker, env, tag[1])
+                state[env] = "back"
+            checker.observe(env, tag, st, reward=td["reward"][i], echo=td["echo"][i])
+        _answer(pool, td)
+        n += td.shape[0]
+    return state
+
+
+def test_two_hosts_share_one_vector_slot_and_one_of_them_drops(dev_shm_guard):
+    """``host_envs``: one RemoteVectorSlot (one ingress worker) of 2k envs fed by two hosts of k;
+    both blocks deliver exactly once, in order; when one host drops, its block's open episodes
+    end TRUNCATION and a new host takes that block over while the other block goes on."""
+    address = free_address()
+    slot = functools.partial(RemoteVectorSlot.like, OracleGymEnv(0), address, num_envs=2 * K, host_envs=K)
+    hosts = [_Running(VectorEnvHost(functools.partial(_sync_oracles, K, 0), address))]
+
+    def second():  # once the first host holds envs 0..K-1 (the pool listens from its construction)
+        while hosts[0].host.slot is None and hosts[0].thread.is_alive():
+            time.sleep(0.01)
+        hosts.append(_Running(VectorEnvHost(functools.partial(_sync_oracles, K, K), address)))
+
+    threading.Thread(target=second, daemon=True).start()
+    with AsyncEnvPool([slot], start_timeout=60) as pool:
+        assert hosts[0].host.slot == 0 and hosts[1].host.slot == K
+        checker = OracleChecker()
+        _drive(pool, checker, 200)
+        assert set(checker._last) == set(range(2 * K))
+        hosts[1].stop()
+        hosts.append(_Running(VectorEnvHost(functools.partial(_sync_oracles, K, K), address)))
+        state = _check_through_a_drop(pool, checker, range(K, 2 * K), 300)
+        assert all(s == "back" for s in state.values())
+    for r in (hosts[0], hosts[2]):
+        r.thread.join(20)
+        assert "error" not in r.result, r.result

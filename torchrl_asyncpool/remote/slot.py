@@ -208,6 +208,15 @@ class RemoteEnvSlot(gym.Env):
     def _where(self) -> str:
         return f"remote env slot {self.index}" if self.index is not None else "a remote env slot"
 
+    #: streams this slot takes (the ingress's cap counts them)
+    _streams_wanted = 1
+    #: envs a host declares to take it: None for one env per stream (protocol 1)
+    _envs_per_stream = None
+
+    def _host_streams(self) -> list:
+        """The streams of the hosts holding the slot (None where none does)."""
+        return [self._stream]
+
     def _out(self, obs):
         return obs if self._dict_obs else obs["observation"]
 
@@ -475,7 +484,7 @@ class _Ingress:
                 return
             now = time.monotonic()
             with self._lock:
-                streams = [slot._stream for slot in self.slots] + list(self._handshakes)
+                streams = [st for slot in self.slots for st in slot._host_streams()] + list(self._handshakes)
             for stream in streams:
                 if stream is not None:
                     stream.check_deadline(now)
@@ -483,7 +492,7 @@ class _Ingress:
     @property
     def max_streams(self) -> int:
         """Streams this address serves at once: one per slot plus :data:`HELLO_MARGIN`."""
-        return len(self.slots) + HELLO_MARGIN
+        return sum(slot._streams_wanted for slot in self.slots) + HELLO_MARGIN
 
     def leave(self, slot) -> None:
         with self._lock:
@@ -506,7 +515,7 @@ class _Ingress:
         evicted = None
         with self._lock:
             if self._active >= self.max_streams:
-                free = any(s._stream is None for s in self.slots)
+                free = any(st is None for slot in self.slots for st in slot._host_streams())
                 if not free or not self._handshakes:
                     self.streams_refused += 1
                     return False
@@ -568,7 +577,7 @@ class _Ingress:
         num_envs = hello.pop("num_envs", None)  # None: a protocol-1 host (one env)
         mismatch, matched = None, 0
         for slot in slots:
-            k = getattr(slot, "num_envs", None)  # None: a RemoteEnvSlot, k: a RemoteVectorSlot of k envs
+            k = slot._envs_per_stream  # None: a RemoteEnvSlot, k: a RemoteVectorSlot taking hosts of k envs
             if k != num_envs:
                 mismatch = mismatch or (
                     f"{slot._where()} takes a host of {k} envs over one stream (protocol {P.BATCHED_PROTOCOL}); "
@@ -591,5 +600,5 @@ class _Ingress:
                           f"all {matched} remote env slots on {self.address} are taken; try again later.")
         if not context.add_callback(stream.end):  # the call ended already
             stream.end()
-        yield P.encode_accept(slot.index, num_envs)
+        yield P.encode_accept(getattr(stream, "accept_index", slot.index), num_envs)
         yield from stream.responses()

@@ -27,33 +27,38 @@ _FIRST, _MID, _TERM, _TRUNC = (int(s) for s in StepType)
 
 
 class RemoteVectorSlot(gym.vector.VectorEnv):
-    """``num_envs`` pool slots fed by one remote env host of ``num_envs`` envs (protocol 2).
+    """``num_envs`` pool slots fed by remote env hosts of ``host_envs`` envs each (protocol 2).
 
     Return one from a ``create_env_fn`` factory of an :class:`~torchrl_asyncpool.AsyncEnvPool`
     or :class:`~torchrl_asyncpool.AsyncPoolCollector`: the pool sees a vector env of
     ``num_envs`` envs, hosted by one worker in ``num_envs`` consecutive slots. That worker
-    listens on ``address``; a host that connects (:class:`~torchrl_asyncpool.remote.VectorEnvHost`,
-    ``torchrl-asyncpool env-host --protocol 2 --num-envs K``, or any client of ``env_host.proto``)
-    declares ``num_envs`` envs and the per-env spec, which must equal this slot's. Each pass of
-    the worker sends the host one message with a command per env (its action, or a reset after a
-    terminal record) and returns the host's records of all ``num_envs`` envs.
+    listens on ``address`` for ``num_envs / host_envs`` hosts; each host that connects
+    (:class:`~torchrl_asyncpool.remote.VectorEnvHost`, ``torchrl-asyncpool env-host --protocol 2
+    --num-envs K``, or any client of ``env_host.proto``) declares ``host_envs`` envs and the
+    per-env spec, which must equal this slot's, and takes the first free block of ``host_envs``
+    consecutive envs. Each pass of the worker sends every host one message with a command per
+    env (its action, or a reset after a terminal record) and returns all hosts' records: the
+    hosts step at the same time, so several hosts per slot add records per pass, not latency.
 
     Each factory needs an address of its own (one worker, one gRPC server per address); a
-    worker's first reset waits for its host, so the pool's start-up (``start_timeout``) lasts
-    until every address has a host. Episodes follow the pool's contract: a host that drops
-    mid-episode ends every open episode with a ``TRUNCATION`` record (last observation, reward
-    0; envs whose record was terminal get the next host's ``FIRST`` instead), and the next host
-    that connects takes the slots over. Nothing received is unpickled.
+    worker's first reset waits for all its hosts, so the pool's start-up (``start_timeout``)
+    lasts until every block has a host. Episodes follow the pool's contract: a host that drops
+    mid-episode ends every open episode of its block with a ``TRUNCATION`` record (last
+    observation, reward 0; envs whose record was terminal get the next host's ``FIRST``
+    instead), and the next host that connects takes the block over. Nothing received is
+    unpickled.
 
     Args:
         address (str): ``"host:port"`` to listen on.
         observation_space (gymnasium.spaces.Space): one env's observation space.
         action_space (gymnasium.spaces.Space): one env's action space.
-        num_envs (int): the envs of the host this slot takes.
+        num_envs (int): the envs of this slot (pool slots).
 
     Keyword Args:
+        host_envs (int, optional): the envs of each host; ``num_envs`` must be a multiple.
+            Defaults to ``num_envs`` (one host).
         token (str, optional): as :class:`~torchrl_asyncpool.remote.RemoteEnvSlot`'s.
-        step_timeout (float, optional): seconds the host may take to answer a pass (all its
+        step_timeout (float, optional): seconds a host may take to answer a pass (all its
             envs) or to send its first records; past it, the host is dropped. Defaults to
             ``None``.
 
@@ -79,7 +84,7 @@ class RemoteVectorSlot(gym.vector.VectorEnv):
     metadata = {"render_modes": [], "autoreset_mode": gym.vector.AutoresetMode.NEXT_STEP}
 
     def __init__(self, address: str, observation_space, action_space, num_envs: int, *,
-                 token: str | None = None, step_timeout: float | None = None):
+                 host_envs: int | None = None, token: str | None = None, step_timeout: float | None = None):
         _check_address(address)
         if token is not None and not isinstance(token, str):
             raise TypeError(f"token must be a str or None, got {type(token).__name__}.")
@@ -90,27 +95,39 @@ class RemoteVectorSlot(gym.vector.VectorEnv):
             raise ValueError(f"step_timeout must be a positive number of seconds or None, got {step_timeout!r}.")
         if isinstance(num_envs, bool) or not isinstance(num_envs, int) or not 0 < num_envs <= P.MAX_BATCH_ENVS:
             raise ValueError(f"num_envs must be an int in 1..{P.MAX_BATCH_ENVS}, got {num_envs!r}.")
+        host_envs = num_envs if host_envs is None else host_envs
+        if isinstance(host_envs, bool) or not isinstance(host_envs, int) or host_envs < 1 or num_envs % host_envs:
+            raise ValueError(f"host_envs must be an int >= 1 dividing num_envs={num_envs}, got {host_envs!r}.")
         self.address = address
         self.step_timeout = None if step_timeout is None else float(step_timeout)
-        self.num_envs = num_envs
+        self.num_envs, self.host_envs = num_envs, host_envs
         self.single_observation_space = observation_space
         self.single_action_space = action_space
         self.observation_space = gym.vector.utils.batch_space(observation_space, num_envs)
         self.action_space = gym.vector.utils.batch_space(action_space, num_envs)
         self._spec = P.spec_of_spaces(observation_space, action_space)
-        self._codec = P.BatchCodec(self._spec, num_envs)
+        self._codec = P.BatchCodec(self._spec, host_envs)
         self._keys = list(self._spec["observation"])
         self._dict_obs = isinstance(observation_space, gym.spaces.Dict)
         self._token = token
-        self.index = -1  # the pool's slot indices are not known here; the accept says -1
+        self.index = -1  # for the ingress's ordering and messages; the pool's slot indices are not known here
         self.hosts_connected = self.hosts_lost = 0
         self._cond = threading.Condition()
-        self._stream = None
+        self._blocks = [_Block(b * host_envs, host_envs) for b in range(num_envs // host_envs)]
         self._ingress = None
         self._closed = False
-        self._ended = np.zeros(num_envs, bool)  # the env's last record was terminal: its next one is FIRST
-        self._last_obs = None
-        self._everyone = np.arange(num_envs)
+
+    # what the ingress asks of the slots it serves
+    @property
+    def _streams_wanted(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def _envs_per_stream(self) -> int:
+        return self.host_envs
+
+    def _host_streams(self) -> list:
+        return [block.stream for block in self._blocks]
 
     @classmethod
     def like(cls, env, address: str, num_envs: int, **kwargs) -> "RemoteVectorSlot":
@@ -123,50 +140,62 @@ class RemoteVectorSlot(gym.vector.VectorEnv):
 
     # -- gymnasium vector API -------------------------------------------------------------------
     def reset(self, *, seed=None, options=None):
-        """Starts listening (first call), waits for a host and returns its ``FIRST`` records of
-        all ``num_envs`` envs.
+        """Starts listening (first call), waits for a host of every block and returns their
+        ``FIRST`` records of all ``num_envs`` envs.
 
         Raises:
-            ValueError: for a ``seed`` or ``options``: the host owns its envs and their resets.
+            ValueError: for a ``seed`` or ``options``: the hosts own their envs and their resets.
         """
         if seed is not None or options:
             raise ValueError(f"{self._where()}: a remote host owns its envs and their resets; a seed or reset "
                              "options cannot be applied from the pool (seed the envs on the host).")
         if self._ingress is None:
             self._ingress = _Ingress.join(self)
-        obs = self._first_records()
-        self._ended[:] = False
-        return self._out(obs), {}
+        parts = []
+        for block in self._blocks:
+            parts.append(self._first_records(block))
+            block.ended[:] = False
+        return self._out(self._join([p for p in parts])), {}
 
     def step(self, actions):
-        """Sends the host one command per env (``actions``' row, or a reset for an env whose last
-        record was terminal) and returns its records ``(obs, reward, terminated, truncated,
-        info)``; a host lost meanwhile ends the open episodes truncated (``info["host_lost"]``)."""
-        ended = self._ended
-        stream = self._stream
-        if stream is None:  # lost at the last pass: every env ended there, the next host's FIRST records follow
-            obs = self._first_records()
-            self._ended = np.zeros(self.num_envs, bool)
-            zeros = np.zeros(self.num_envs, bool)
-            return self._out(obs), np.zeros(self.num_envs), zeros, zeros, {}
-        try:
-            stream.send(self._codec.pack_commands(self._everyone, ended, actions))
-            obs, rewards, sts = self._read_pass(stream, ended)
-        except _HostLost as exc:
-            self._lose(stream, exc)
-            return self._lost(ended)
-        self._ended = (sts == _TERM) | (sts == _TRUNC)
-        self._last_obs = obs
-        return self._out(obs), rewards, sts == _TERM, sts == _TRUNC, {}
+        """Sends each host one command per env of its block (``actions``' row, or a reset for an
+        env whose last record was terminal) and returns all records ``(obs, reward,
+        terminated, truncated, info)``; a host lost meanwhile ends the open episodes of its
+        block truncated (``info["host_lost"]``)."""
+        for block in self._blocks:  # every host steps while the pool waits for the first one's records
+            block.sent = False
+            # a host that took the block since the last pass has sent its FIRST records unasked: they
+            # answer this pass (every env of the block ended at the last one), it gets no command now
+            if block.stream is not None and block.stream.greeted:
+                try:
+                    block.stream.send(self._codec.pack_commands(block.everyone, block.ended,
+                                                                actions[block.start:block.stop]))
+                    block.sent = True
+                except _HostLost as exc:
+                    block.lost = exc
+        obs, rewards, terminated, truncated, lost = [], [], [], [], False
+        for block in self._blocks:
+            part = self._block_step(block)
+            lost = lost or part[4]
+            for out, value in zip((obs, rewards, terminated, truncated), part):
+                out.append(value)
+        info = {"host_lost": True} if lost else {}
+        if len(self._blocks) == 1:
+            return self._out(obs[0]), rewards[0], terminated[0], truncated[0], info
+        return (self._out(self._join(obs)), np.concatenate(rewards), np.concatenate(terminated),
+                np.concatenate(truncated), info)
 
     def close(self, **kwargs):
-        """Lets go of the host (its stream ends) and stops listening. Idempotent."""
+        """Lets go of the hosts (their streams end) and stops listening. Idempotent."""
         with self._cond:
             self._closed = True
-            stream, self._stream = self._stream, None
+            streams = [block.stream for block in self._blocks]
+            for block in self._blocks:
+                block.stream = None
             self._cond.notify_all()
-        if stream is not None:
-            stream.end()
+        for stream in streams:
+            if stream is not None:
+                stream.end()
         if self._ingress is not None:
             self._ingress.leave(self)
             self._ingress = None
@@ -178,55 +207,91 @@ class RemoteVectorSlot(gym.vector.VectorEnv):
     def _out(self, obs):
         return obs if self._dict_obs else obs["observation"]
 
+    def _join(self, parts):
+        if len(parts) == 1:
+            return parts[0]
+        return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+
+    def _block_step(self, block):
+        """``(obs, rewards, terminated, truncated, lost)`` of one block's pass."""
+        h = self.host_envs
+        zeros = np.zeros(h, bool)
+        if not block.sent and block.lost is None:
+            # lost at the last pass: every env of the block ended there; the next host's FIRST records follow
+            obs = self._first_records(block)
+            block.ended = np.zeros(h, bool)
+            return obs, np.zeros(h), zeros, zeros, False
+        ended = block.ended
+        try:
+            if block.lost is not None:
+                raise block.lost
+            obs, rewards, sts = self._read_pass(block.stream, ended)
+        except _HostLost as exc:
+            block.lost = None
+            self._lose(block, block.stream, exc)
+            return self._lost(block, ended)
+        block.ended = (sts == _TERM) | (sts == _TRUNC)
+        block.last_obs = obs
+        return obs, rewards, sts == _TERM, sts == _TRUNC, False
+
     def _attach(self, stream) -> bool:
         with self._cond:
-            if self._stream is not None or self._closed:
+            if self._closed:
                 return False
-            self._stream = stream
-            self.hosts_connected += 1
-            self._cond.notify_all()
-        _log.info("%s: host %s connected", self._where(), stream.peer)
+            for block in self._blocks:
+                if block.stream is None:
+                    block.stream = stream
+                    stream.accept_index = block.start  # the accept says where the host's envs start
+                    stream.greeted = False  # its FIRST records, sent unasked, are not read yet
+                    self.hosts_connected += 1
+                    self._cond.notify_all()
+                    break
+            else:
+                return False
+        _log.info("%s: host %s connected (envs %d..%d)", self._where(), stream.peer, block.start, block.stop - 1)
         return True
 
-    def _wait_host(self):
+    def _wait_host(self, block):
         with self._cond:
-            while self._stream is None:
+            while block.stream is None:
                 if self._closed:
                     raise RuntimeError(f"{self._where()} was closed while waiting for a host.")
                 self._cond.wait()
-            return self._stream
+            return block.stream
 
-    def _first_records(self):
-        """The FIRST records of all envs from the host holding the slot, or the next one."""
+    def _first_records(self, block):
+        """The FIRST records of a block's envs from the host holding it, or the next one."""
         while True:
-            stream = self._wait_host()
+            stream = self._wait_host(block)
             try:
-                obs, _, _ = self._read_pass(stream, np.ones(self.num_envs, bool))
+                obs, _, _ = self._read_pass(stream, np.ones(self.host_envs, bool))
             except _HostLost as exc:
-                self._lose(stream, exc)
+                self._lose(block, stream, exc)
                 continue
-            self._last_obs = obs
+            stream.greeted = True
+            block.last_obs = obs
             return obs
 
-    def _lost(self, ended):
-        """The pass's records after the host was lost: the open episodes end TRUNCATION (last
+    def _lost(self, block, ended):
+        """A block's records after its host was lost: the open episodes end TRUNCATION (last
         observation, reward 0); envs whose last record was terminal need a FIRST record, which
         only the next host can give (waited for here)."""
-        k = self.num_envs
-        obs = {key: np.array(v) for key, v in self._last_obs.items()}
+        h = self.host_envs
+        obs = {key: np.array(v) for key, v in block.last_obs.items()}
         if ended.any():
-            first = self._first_records()
+            first = self._first_records(block)
             for key in obs:
                 obs[key][ended] = first[key][ended]
         truncated = ~ended
-        self._ended = truncated  # the truncated envs' next records are FIRST (a reset to the next host)
-        self._last_obs = obs
-        return self._out(obs), np.zeros(k), np.zeros(k, bool), truncated, {"host_lost": True}
+        block.ended = truncated  # the truncated envs' next records are FIRST (a reset to the next host)
+        block.last_obs = obs
+        return obs, np.zeros(h), np.zeros(h, bool), truncated, True
 
     def _read_pass(self, stream, resets):
-        """Reads record batches until every env has answered its command; returns ``(obs,
-        rewards, step types)`` in env order."""
-        k = self.num_envs
+        """Reads record batches until every env of the host has answered its command; returns
+        ``(obs, rewards, step types)`` in env order."""
+        k = self.host_envs
+        everyone = self._blocks[0].everyone
         got = None
         obs = rewards = sts = None
         while True:
@@ -235,7 +300,7 @@ class RemoteVectorSlot(gym.vector.VectorEnv):
                 envs, st, rew, part = self._codec.unpack_records(data)
             except ValueError as exc:
                 raise _ProtocolError(str(exc)) from None
-            if got is None and len(envs) == k and (envs == self._everyone).all():
+            if got is None and len(envs) == k and (envs == everyone).all():
                 obs, rewards, sts = part, rew, st  # the usual pass: views of the message, no copy
                 break
             if got is None:
@@ -243,8 +308,7 @@ class RemoteVectorSlot(gym.vector.VectorEnv):
                 obs = {key: np.empty((k, *v.shape[1:]), v.dtype) for key, v in part.items()}
                 rewards, sts = np.zeros(k), np.zeros(k, np.uint8)
             if got[envs].any() or len(np.unique(envs)) != len(envs):
-                raise _ProtocolError(f"a second record for env {int(envs[got[envs]][0]) if got[envs].any() else envs}"
-                                     " before its next command")
+                raise _ProtocolError("a second record for an env before its next command")
             got[envs] = True
             for key, v in part.items():
                 obs[key][envs] = v
@@ -272,10 +336,10 @@ class RemoteVectorSlot(gym.vector.VectorEnv):
         finally:
             stream.deadline = None
 
-    def _lose(self, stream, exc):
+    def _lose(self, block, stream, exc):
         with self._cond:
-            if self._stream is stream:
-                self._stream = None
+            if block.stream is stream:
+                block.stream = None
         if stream is not None:
             self.hosts_lost += 1
             if self._closed:
@@ -286,3 +350,16 @@ class RemoteVectorSlot(gym.vector.VectorEnv):
             else:
                 _log.warning("%s: host %s lost: %s", self._where(), stream.peer, exc)
                 stream.end()
+
+
+class _Block:
+    """The envs ``start .. start + n - 1`` of a vector slot, fed by one host."""
+
+    def __init__(self, start: int, n: int):
+        self.start, self.stop = start, start + n
+        self.everyone = np.arange(n)
+        self.stream = None
+        self.ended = np.zeros(n, bool)  # the env's last record was terminal: its next one is FIRST
+        self.last_obs = None
+        self.sent = False  # the commands of the pass in progress went out
+        self.lost = None  # the _HostLost met while sending them
