@@ -194,7 +194,11 @@ class TorchRLEnvAdapter:
 
 def _flag(td, key):
     value = td.get(key, None)
-    return None if value is None else bool(value.any())
+    if value is None:
+        return None
+    # a one-element flag (the usual [1]) read directly: ~0.2 us where .any() costs ~1 us, three
+    # times per step of every TorchRL env on TorchRL's stepping
+    return bool(value) if value.numel() == 1 else bool(value.any())
 
 
 def end_flags(td) -> Tuple[bool, bool]:
