@@ -15,7 +15,7 @@ import threading
 import warnings
 from multiprocessing.connection import wait
 
-__all__ = ["PRELOAD", "forkserver_context", "exit_code"]
+__all__ = ["PRELOAD", "forkserver_context", "exit_code", "picklable"]
 
 # Imported once by the fork server, so that every child forks with them already loaded (the
 # union of what env workers and server processes need). "__main__": the user's script is
@@ -100,3 +100,20 @@ def exit_code(proc, timeout: float | None = 0.0):
     with _POLL_LOCK:
         proc.join(0)  # reads the status if it ended; also drops it from multiprocessing's children
         return proc.exitcode
+
+
+def picklable(fn):
+    """``fn`` in a form that crosses to a child process: wrapped in TorchRL's
+    ``CloudpickleWrapper`` (lambdas, closures, functions of ``__main__``), unless it already is
+    one or is a TorchRL ``EnvCreator`` (which pickles itself).
+
+    Examples:
+        >>> from torchrl_asyncpool.forkserver import picklable
+        >>> type(picklable(lambda: 1)).__name__
+        'CloudpickleWrapper'
+        >>> picklable(picklable(len)).fn is len
+        True
+    """
+    from torchrl.data.utils import CloudpickleWrapper
+
+    return fn if isinstance(fn, CloudpickleWrapper) or type(fn).__name__ == "EnvCreator" else CloudpickleWrapper(fn)

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 from torchrl.data import Composite
-from torchrl.data.utils import CloudpickleWrapper
 
 from torchrl_asyncpool.acting_policy import CARRY_KEY
 from torchrl_asyncpool.affinity import resolve_worker_affinity
@@ -27,7 +26,7 @@ from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd, resolve_idle_poll
 from torchrl_asyncpool.exchange.metrics import PoolMetrics, log_metrics
 from torchrl_asyncpool.exchange.native import resolve_exchange
-from torchrl_asyncpool.forkserver import exit_code, forkserver_context
+from torchrl_asyncpool.forkserver import exit_code, forkserver_context, picklable
 from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, make_adapter, remote_listener
 from torchrl_asyncpool.workers.env_specs import batched_specs, slot_specs
 from torchrl_asyncpool.workers.env_worker import RESTARTED_KEY, RestartPolicy, run_worker, worker_main
@@ -475,7 +474,7 @@ class AsyncEnvPool:
             p = ctx.Process(
                 target=worker_main,
                 args=(
-                    w, slots, [_picklable(fns[i]) for i in made], [kwargs[i] for i in made], self.layout,
+                    w, slots, [picklable(fns[i]) for i in made], [kwargs[i] for i in made], self.layout,
                     arena_fd, bells, consumer_fd, life_fd, child_conn, num_threads, delivery, self.env_threads,
                     mask, self.exchange, self.idle_poll, self._restart,
                 ),
@@ -963,9 +962,6 @@ def _check_kwargs(kwargs, n):
         raise ValueError(f"create_env_kwargs must be a dict or a list of {n} dicts, got {kwargs!r}.")
     return [dict(k) for k in kwargs]
 
-
-def _picklable(fn):
-    return fn if isinstance(fn, CloudpickleWrapper) or type(fn).__name__ == "EnvCreator" else CloudpickleWrapper(fn)
 
 
 def _resolve_grouping(envs_per_worker, env_threads, adapter, n, threads=False):

@@ -10,11 +10,10 @@ import threading
 import time
 from typing import Optional
 
-from torchrl.data.utils import CloudpickleWrapper
 
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
-from torchrl_asyncpool.forkserver import exit_code, forkserver_context
+from torchrl_asyncpool.forkserver import exit_code, forkserver_context, picklable
 from torchrl_asyncpool.inference._common import InferenceServerError, ServerSpec
 from torchrl_asyncpool.inference._shared import SharedWeights, StatsBlock
 
@@ -136,9 +135,9 @@ class ProcessSlotTransport:
             raise RuntimeError("this ProcessSlotTransport was already used; create a new one.")
         method = self.mp_start_method
         ctx = forkserver_context("ProcessSlotTransport") if method == "forkserver" else mp.get_context(method)
-        spec.factories = {n: _picklable(f) for n, f in spec.factories.items()}
+        spec.factories = {n: picklable(f) for n, f in spec.factories.items()}
         if spec.on_batch is not None:
-            spec.on_batch = _picklable(spec.on_batch)
+            spec.on_batch = picklable(spec.on_batch)
         spec.num_threads = self.num_threads
         self._names = list(names)
         try:
@@ -328,9 +327,6 @@ class ProcessSlotTransport:
     def __repr__(self):
         return f"{type(self).__name__}(num_envs={self.handle.layout.num_slots}, pid={self.pid}, alive={self.is_alive})"
 
-
-def _picklable(fn):
-    return fn if isinstance(fn, CloudpickleWrapper) else CloudpickleWrapper(fn)
 
 
 def _decode(data: bytes) -> dict:
