@@ -19,7 +19,7 @@ from torchrl_asyncpool import AsyncEnvPool, StepType
 from torchrl_asyncpool.testing import OracleChecker, OracleGymEnv, oracle_action
 from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, TorchRLEnvAdapter, make_adapter
 from torchrl_asyncpool.workers.env_specs import slot_specs
-from torchrl_asyncpool.workers.torchrl_fast import FAST_PATH_ATTR, adapter_path
+from torchrl_asyncpool.workers.torchrl_fast import FAST_PATH_ATTR, adapter_path, factory_path
 from torchrl_asyncpool.workers.torchrl_vector_hosting import synchronous_vector_envs
 
 
@@ -429,3 +429,11 @@ def test_gymenv_num_envs_builds_a_sync_vector_env_only_where_async_cannot_start(
         assert isinstance(venv, gym.vector.SyncVectorEnv) and venv.num_envs == 3 and calls == [3]
     finally:
         venv.close()
+
+
+def test_factory_path_says_how_a_worker_steps_each_kind_of_factory():
+    assert factory_path(cartpole) == ("torchrl-fast", None)
+    assert factory_path(GymEnv, env_name="CartPole-v1", num_envs=2) == ("torchrl-fast-vector", None)
+    assert factory_path(functools.partial(gym.make, "CartPole-v1")) == ("gymnasium", None)
+    path, reason = factory_path(FALLBACK_CASES["unknown_transform"][0])
+    assert path == "torchrl" and "RenameTransform" in reason

@@ -50,16 +50,16 @@ the same seeds with the same actions and compares every record.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from torchrl_asyncpool.exchange.native import copy_into
-from torchrl_asyncpool.workers.env_adapter import TorchRLBatchedAdapter, TorchRLEnvAdapter
+from torchrl_asyncpool.workers.env_adapter import TorchRLBatchedAdapter, TorchRLEnvAdapter, make_adapter
 
 __all__ = ["FAST_PATH_ATTR", "FastPathUnsupported", "fast_plan", "TorchRLGymFastAdapter",
-           "TorchRLGymVectorFastAdapter", "adapter_path"]
+           "TorchRLGymVectorFastAdapter", "adapter_path", "factory_path"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,39 @@ def adapter_path(adapter) -> str:
         The adapter's ``path`` attribute (``"unknown"`` for an adapter without one).
     """
     return getattr(adapter, "path", "unknown")
+
+
+def factory_path(create_env_fn, **kwargs) -> Tuple[str, Optional[str]]:
+    """Builds one env with ``create_env_fn(**kwargs)`` as a pool worker would and says how a
+    worker steps it: ``(path, reason)``, the path as :func:`adapter_path` names it and, for a
+    TorchRL gym env kept on TorchRL's stepping, why (else ``None``). The env is closed again;
+    a ``GymEnv(..., num_envs=k)`` is built with a ``SyncVectorEnv``, as in a worker.
+
+    Args:
+        create_env_fn (callable): an env factory, as given to ``AsyncEnvPool``.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        ``(path, reason)``.
+
+    Examples:
+        >>> import functools
+        >>> from torchrl.envs import GymEnv, RenameTransform, TransformedEnv
+        >>> from torchrl_asyncpool.workers.torchrl_fast import factory_path
+        >>> factory_path(functools.partial(GymEnv, "CartPole-v1"))
+        ('torchrl-fast', None)
+        >>> factory_path(lambda: TransformedEnv(GymEnv("CartPole-v1"), RenameTransform(["observation"], ["obs"])))
+        ('torchrl', 'transform RenameTransform')
+    """
+    from torchrl_asyncpool.workers.torchrl_vector_hosting import synchronous_vector_envs
+
+    with synchronous_vector_envs():
+        env = create_env_fn(**kwargs)
+    adapter = make_adapter(env)
+    try:
+        return adapter_path(adapter), getattr(adapter, "fast_path_reason", None)
+    finally:
+        adapter.close()
 
 
 # -- the base env ---------------------------------------------------------------------------------
