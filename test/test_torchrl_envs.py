@@ -326,7 +326,9 @@ def test_gymenv_num_envs_with_unsupported_transforms_is_refused_with_a_clear_err
     def make():
         return TransformedEnv(GymEnv("CartPole-v1", num_envs=2), StepCounter(max_steps=5))
 
-    with synchronous_vector_envs(), pytest.raises(TypeError, match=r"GymEnv\(env_id\) factories"):
+    message = (r"env 0 returned TransformedEnv\(GymEnv\('CartPole-v1', num_envs=2\), \.\.\.\), which the pool "
+               r"cannot host: StepCounter\(max_steps=\.\.\.\) over a vector env.*one GymEnv\(env_id\) factory per env")
+    with synchronous_vector_envs(), pytest.raises(TypeError, match=message):
         make_adapter(make(), 0)
 
 

@@ -501,16 +501,35 @@ def _torchrl_adapter(env, env_index):
         fast._log_choice(adapter, env, env_index)
         return adapter
     if batched and _next_step_vector(env):
+        what = _describe_vector(env)
+        try:
+            env.close()
+        except Exception:  # noqa: BLE001 - the refusal below is the error to report
+            pass
         raise TypeError(
-            f"{_where(env_index)} is a TorchRL GymEnv(..., num_envs=k) with {reason}: TorchRL's own stepping of a "
-            "gymnasium NEXT_STEP vector env does not give valid records at episode ends, and the pool hosts it only "
-            "on its fast path (GymEnv(env_id, num_envs=k), optionally transformed by the transforms the fast path "
-            "supports). Return GymEnv(env_id) factories (one per env) or a gymnasium vector env instead."
+            f"create_env_fn for {_where(env_index)} returned {what}, which the pool cannot host: {reason}. TorchRL's "
+            "own stepping of a gymnasium NEXT_STEP vector env does not give valid records at episode ends, so the "
+            "pool hosts it only on its fast path (GymEnv(env_id, num_envs=k), optionally transformed by the "
+            "transforms the fast path supports, see torchrl_asyncpool.workers.torchrl_fast). Pass one "
+            "GymEnv(env_id) factory per env instead (any transforms), or a gymnasium vector env."
         )
     adapter = TorchRLBatchedAdapter(env, env_index) if batched else TorchRLEnvAdapter(env, env_index)
     adapter.fast_path_reason = reason
     fast._log_choice(adapter, env, env_index, reason)
     return adapter
+
+
+def _describe_vector(env) -> str:
+    """``TransformedEnv(GymEnv('CartPole-v1', num_envs=2), ...)``-style name of a batched gym env."""
+    from torchrl.envs import TransformedEnv
+
+    layers = 0
+    base = env
+    while isinstance(base, TransformedEnv):
+        base, layers = base.base_env, layers + 1
+    name = getattr(base, "_constructor_kwargs", {}).get("env_name")
+    inner = f"{type(base).__name__}({name!r}, num_envs={base.batch_size[0]})" if name else type(base).__name__
+    return "TransformedEnv(" * layers + inner + ", ...)" * layers
 
 
 def _wraps_gym(env) -> bool:
