@@ -165,19 +165,22 @@ def remote_pool(workload, n, host_procs):
 
 
 @contextlib.contextmanager
-def remote2_pool(workload, n, host_envs, mode):
-    """A pool of ``n`` envs in RemoteVectorSlot factories of ``host_envs`` envs, each fed by one
-    protocol-2 host process; yields ``(pool, host processes)``."""
+def remote2_pool(workload, n, host_envs, mode, hosts_per_slot=1):
+    """A pool of ``n`` envs in RemoteVectorSlot factories of ``hosts_per_slot`` hosts of
+    ``host_envs`` envs (one address and ingress worker each), each host a protocol-2 process;
+    yields ``(pool, host processes)``."""
     make, _ = WORKLOADS[workload]
-    if n % host_envs:
-        raise SystemExit(f"--envs {n} is not a multiple of --host-envs {host_envs}")
-    addresses = [_address() for _ in range(n // host_envs)]
+    per_slot = host_envs * hosts_per_slot
+    if n % per_slot:
+        raise SystemExit(f"--envs {n} is not a multiple of --host-envs {host_envs} x --hosts-per-slot {hosts_per_slot}")
+    addresses = [_address() for _ in range(n // per_slot)]
     here = os.path.dirname(os.path.abspath(__file__))
     procs = [subprocess.Popen([sys.executable, "-c", _VECTOR_HOST.format(here=here), workload, a, str(host_envs), mode],
-                              stderr=subprocess.DEVNULL) for a in addresses]
+                              stderr=subprocess.DEVNULL) for a in addresses for _ in range(hosts_per_slot)]
     try:
-        # a vector slot's worker starts once its host connected (the hosts retry until the pool listens)
-        slots = [functools.partial(RemoteVectorSlot.like, make(), a, num_envs=host_envs) for a in addresses]
+        # a vector slot's worker starts once its hosts connected (the hosts retry until the pool listens)
+        slots = [functools.partial(RemoteVectorSlot.like, make(), a, num_envs=per_slot, host_envs=host_envs)
+                 for a in addresses]
         with AsyncEnvPool(slots, start_timeout=120) as pool:
             yield pool, procs
     finally:
@@ -189,8 +192,8 @@ def remote2_pool(workload, n, host_envs, mode):
                 p.wait()
 
 
-def run_remote2(workload, n, seconds, host_envs, mode):
-    with remote2_pool(workload, n, host_envs, mode) as (pool, procs):
+def run_remote2(workload, n, seconds, host_envs, mode, hosts_per_slot=1):
+    with remote2_pool(workload, n, host_envs, mode, hosts_per_slot) as (pool, procs):
         return _drive(pool, seconds, n, [p.pid for p in procs])
 
 
@@ -213,6 +216,8 @@ def main():
     parser.add_argument("--impls", nargs="+", default=["local", "remote"], choices=["local", "remote", "remote2"],
                         help="run in this order within each repeat (default: local remote)")
     parser.add_argument("--host-envs", type=int, default=32, help="envs per protocol-2 host (default: 32)")
+    parser.add_argument("--hosts-per-slot", type=int, default=1,
+                        help="protocol-2 hosts per RemoteVectorSlot, i.e. per address and ingress worker (default: 1)")
     parser.add_argument("--p2-vector-mode", default="vector_entry_point",
                         choices=["vector_entry_point", "sync", "threads"],
                         help="how a protocol-2 host steps its envs (default: vector_entry_point, CartPole's own "
@@ -234,12 +239,14 @@ def main():
                     elif impl == "remote":
                         rate, cpu = run_remote(workload, n, args.seconds, args.host_procs)
                     else:
-                        rate, cpu = run_remote2(workload, n, args.seconds, args.host_envs, args.p2_vector_mode)
+                        rate, cpu = run_remote2(workload, n, args.seconds, args.host_envs, args.p2_vector_mode,
+                                                args.hosts_per_slot)
                     pct = None if latency is None else 100 * rate / (n / latency)
                     row = {"workload": workload, "envs": n, "impl": impl, "repeat": rep, "records_per_s": rate,
                            "pct_n_over_latency": pct, "cycle_ms": 1e3 * n / rate,
                            "host_procs": args.host_procs if impl == "remote" else None,
                            "host_envs": args.host_envs if impl == "remote2" else None,
+                           "hosts_per_slot": args.hosts_per_slot if impl == "remote2" else None,
                            "p2_vector_mode": args.p2_vector_mode if impl == "remote2" else None,
                            "cpu_us_per_record": cpu}
                     rows.append(row)
