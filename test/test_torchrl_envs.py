@@ -372,22 +372,44 @@ def oracle_gymwrapper_vector(base, k, mode):
     return GymWrapper(gym.vector.SyncVectorEnv(envs, autoreset_mode=mode), categorical_action_encoding=True)
 
 
-def test_gymwrapper_over_a_vector_env_is_hosted_as_k_slots_exactly_once():
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_path", "torchrl_stepping"])
+def test_gymwrapper_over_a_vector_env_is_hosted_as_k_slots_exactly_once(fast):
     """``GymWrapper`` over a gymnasium vector env that does not autoreset (``DISABLED``, which
-    TorchRL resets with reset masks) is hosted as ``k`` slots of one worker, through TorchRL's
-    own batched stepping."""
+    TorchRL resets with reset masks) is hosted as ``k`` slots of one worker, on the fast path
+    or through TorchRL's own batched stepping."""
     mode = gym.vector.AutoresetMode.DISABLED
-    adapter = make_adapter(oracle_gymwrapper_vector(0, 3, mode))
-    assert adapter_path(adapter) == "torchrl-batched" and "reset masks" in adapter.fast_path_reason
+
+    def make(base):
+        env = oracle_gymwrapper_vector(base, 3, mode)
+        return env if fast else _opted_out(env)
+
+    adapter = make_adapter(make(0))
+    assert adapter_path(adapter) == ("torchrl-fast-vector" if fast else "torchrl-batched")
     adapter.close()
     checker = OracleChecker()
-    with AsyncEnvPool([functools.partial(oracle_gymwrapper_vector, 3 * i, 3, mode) for i in range(2)]) as pool:
+    with AsyncEnvPool([functools.partial(make, 3 * i) for i in range(2)]) as pool:
         assert pool.num_envs == 6
         for _ in range(120):
             td = pool.recv()
             checker.observe_batch(td)
             pool.send(TensorDict({"action": oracle_action(td["tag"])}, td.batch_size), td.env_indices)
     assert checker.episodes_done > 6
+
+
+def cartpole_gymwrapper_disabled(fast=True, k=3):
+    env = GymWrapper(gym.vector.SyncVectorEnv([functools.partial(gym.make, "CartPole-v1", max_episode_steps=20)] * k,
+                                              autoreset_mode=gym.vector.AutoresetMode.DISABLED))
+    return env if fast else _opted_out(env)
+
+
+def test_gymwrapper_over_a_disabled_vector_env_makes_torchrls_records_on_the_fast_path():
+    """A vector env TorchRL resets with reset masks: the fast path's records (and its resets of
+    the ended envs) equal TorchRL's batched stepping, env by env, from the same seeds."""
+    fast = _per_env_records([cartpole_gymwrapper_disabled] * 2, length=60)
+    ref = _per_env_records([functools.partial(cartpole_gymwrapper_disabled, False)] * 2, length=60)
+    _assert_same_sequences(fast, ref, min_len=60)
+    types = [r["step_type"] for seq in fast.values() for r in seq]
+    assert types.count(StepType.TRUNCATION) and types.count(StepType.TERMINATION)
 
 
 def cartpole_gymwrapper_same_step(k=3):

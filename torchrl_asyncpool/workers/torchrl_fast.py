@@ -33,8 +33,9 @@ stepping, with the reason in the debug log and in ``adapter.fast_path_reason``):
   with the records of ``GymEnv(env_id)`` seeded ``seed + j``
   (:class:`TorchRLGymVectorFastAdapter`). TorchRL's own stepping cannot host it (see there), so
   a ``num_envs`` env this module refuses is an error, not a fallback. ``GymWrapper`` over a
-  vector env that autoresets in ``SAME_STEP`` mode or not at all falls back to TorchRL's
-  batched stepping.
+  vector env that does not autoreset (``DISABLED``, no transforms) is stepped directly too, its
+  ended envs reset with a reset mask as TorchRL does; one that autoresets in ``SAME_STEP`` mode
+  falls back to TorchRL's batched stepping.
 
 Which path a slot takes: ``adapter.path`` (:func:`adapter_path`) and a debug log line of the
 ``torchrl_asyncpool.workers.torchrl_fast`` logger when the adapter is built (in the pool's
@@ -546,12 +547,15 @@ class _Plan:
             from torchrl.envs.transforms import VecGymEnvTransform
 
             vec = [t for t in transforms if type(t) is VecGymEnvTransform]
-            if not vec:  # TorchRL adds it for every autoresetting vector env: DISABLED mode, reset masks
-                raise FastPathUnsupported("a vector env that does not autoreset (TorchRL resets it with reset masks)")
-            if transforms[0] is not vec[0] or len(vec) != 1 or vec[0].native_autoreset:
+            # TorchRL adds VecGymEnvTransform to every autoresetting vector env; without it the env
+            # does not autoreset (DISABLED) and TorchRL resets the ended envs with a reset mask
+            self.autoresets = bool(vec)
+            if not vec and transforms:
+                raise FastPathUnsupported("transforms over a vector env that does not autoreset")
+            if vec and (transforms[0] is not vec[0] or len(vec) != 1 or vec[0].native_autoreset):
                 raise FastPathUnsupported("a vector GymEnv whose VecGymEnvTransform is not its first transform")
             transforms = transforms[1:]
-            self._check_vector(base)
+            self._check_vector(base, self.autoresets)
             for t in transforms:
                 _check_vector_transform(t)
         self.action_kind, aspec = _check_base(base, batched)
@@ -568,14 +572,15 @@ class _Plan:
         self._check_layout(env, dtypes, batched)
 
     @staticmethod
-    def _check_vector(base):
+    def _check_vector(base, autoresets: bool):
         import gymnasium as gym
 
         venv = base._env
         if not isinstance(venv, (gym.vector.SyncVectorEnv, gym.vector.AsyncVectorEnv)):
             raise FastPathUnsupported(f"vector env {type(venv).__name__} (not Sync/AsyncVectorEnv)")
         mode = venv.metadata.get("autoreset_mode", gym.vector.AutoresetMode.NEXT_STEP)
-        if getattr(mode, "value", mode) != gym.vector.AutoresetMode.NEXT_STEP.value:
+        want = gym.vector.AutoresetMode.NEXT_STEP if autoresets else gym.vector.AutoresetMode.DISABLED
+        if getattr(mode, "value", mode) != want.value:
             raise FastPathUnsupported(f"vector env autoreset mode {mode}")
 
     def _dry_run(self, dtypes):
@@ -818,6 +823,10 @@ class TorchRLGymVectorFastAdapter(TorchRLBatchedAdapter):
     ones of :class:`TorchRLGymFastAdapter` except ``StepCounter(max_steps=...)`` (its truncation
     would need the vector env to reset that env; pass ``max_episode_steps`` to ``GymEnv``).
 
+    ``GymWrapper`` over a vector env that does not autoreset (``AutoresetMode.DISABLED``, no
+    transforms) is stepped the same way, its ended envs reset as TorchRL resets them, with one
+    ``reset(options={"reset_mask": mask})`` (:meth:`reset_some`, ``autoresets`` is False).
+
     (TorchRL's own stepping of such an env does not give valid records at episode ends under
     gymnasium >= 1.0: with ``NEXT_STEP`` autoreset there is no final observation in the info,
     so its ``VecGymEnvTransform`` reports the terminal observation as missing and the reset
@@ -846,6 +855,7 @@ class TorchRLGymVectorFastAdapter(TorchRLBatchedAdapter):
         self.obs_keys = list(plan.obs_keys)  # the slot layout and specs follow (no "final" entries)
         self.plan = plan
         self.vec = plan.base._env
+        self.autoresets = plan.autoresets
 
     def reset(self):
         """Resets all ``k`` envs (sub-env ``j`` seeded ``seed + j`` through TorchRL's ``set_seed``
@@ -881,8 +891,14 @@ class TorchRLGymVectorFastAdapter(TorchRLBatchedAdapter):
             self._first = np.asarray(terminated, bool) | np.asarray(truncated, bool)
         return rec, reward, terminated, truncated
 
-    def reset_some(self, mask):  # pragma: no cover - autoresets=True: the worker never calls it
-        raise RuntimeError("a NEXT_STEP vector env resets its envs itself")
+    def reset_some(self, mask):
+        """Resets the envs where ``mask`` (bool ``[k]``) is set, for a vector env that does not
+        autoreset (``DISABLED``), as TorchRL does: one ``reset(options={"reset_mask": mask})``;
+        returns the observations (rows of the other envs are unspecified)."""
+        if self.autoresets:
+            raise RuntimeError("a NEXT_STEP vector env resets its envs itself")
+        obs, _ = self.vec.reset(options={"reset_mask": np.asarray(mask, bool)})
+        return self._vrecord(obs)
 
 
 def _log_choice(adapter, env, env_index, reason=None):
