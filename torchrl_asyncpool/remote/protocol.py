@@ -135,6 +135,13 @@ def _one_of(data, what: str, names: dict):
     return found
 
 
+def window_options(max_message_bytes: int) -> list:
+    """gRPC channel/server options that let a stream carry a whole message of up to
+    ``max_message_bytes`` without waiting for HTTP/2 flow-control updates (the default window
+    is 64 KB: a 340 KB batch of pixel records would otherwise cross a few round trips)."""
+    return [("grpc.http2.lookahead_bytes", int(min(64 << 20, max(64 << 10, 2 * max_message_bytes))))]
+
+
 def import_grpc():
     """``grpc``, or an ImportError that says how to install it (an optional dependency)."""
     try:

@@ -446,7 +446,8 @@ class _Ingress:
         self._executor = _BoundedExecutor(lambda: self.max_streams + _SPARE_THREADS, "env-host-stream")
         self.server = grpc.server(
             self._executor,
-            options=_KEEPALIVE + [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+            options=_KEEPALIVE + P.window_options(codec.max_message_bytes)
+            + [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
         )
         service, method = P.METHOD.strip("/").split("/")
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(

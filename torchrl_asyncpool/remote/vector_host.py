@@ -335,7 +335,7 @@ class VectorEnvHost(EnvHost):
         channel = grpc.insecure_channel(self.address, options=[
             ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
             ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000),
-        ])
+        ] + P.window_options(codec.max_message_bytes))
         try:
             try:
                 grpc.channel_ready_future(channel).result(timeout=self.connect_timeout)
