@@ -136,7 +136,7 @@ def _unwrap(env):
         t = env.transform
         own = list(t) if type(t) is Compose else [t]
         for sub in own:
-            if type(sub) is Compose:  # nested Compose: flattened, same order
+            if type(sub) is Compose:  # not unrolled here: such an env stays on TorchRL's stepping
                 raise FastPathUnsupported("nested Compose")
         transforms = own + transforms  # the inner env's transforms run first
         env = env.base_env
@@ -158,7 +158,12 @@ def _check_base(base, batched: bool):
         # from_pixels otherwise only means pixels inside ``_env`` (the env's own "pixels" entry,
         # or gymnasium's AddRenderObservation wrapper), which the fast path steps through as is
         raise FastPathUnsupported("from_pixels=True through TorchRL's legacy pixel wrapper")
-    if base.info_dict_reader and not batched:
+    from torchrl.envs.libs.gym import terminal_obs_reader
+
+    # a vector env's only reader may be the terminal-observation one TorchRL registers itself
+    # (whose entries the fast path leaves out, see _own_leaves); any other reader adds entries
+    readers = list(base.info_dict_reader or [])
+    if any(not (batched and type(r) is terminal_obs_reader) for r in readers):
         raise FastPathUnsupported("info dict readers")
     if base.device not in (None, torch.device("cpu")):
         raise FastPathUnsupported(f"env device {base.device}")
