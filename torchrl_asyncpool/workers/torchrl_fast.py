@@ -290,8 +290,8 @@ def _own_leaves(spec, batched: bool) -> list:
 class _Fast:
     """A transform on numpy records: ``reset(rec)`` and ``step(rec, reward, term, trunc)``."""
 
-    #: keys of the action this transform converts back (its inverse), in slot dtype -> env dtype
     def action(self, action):
+        """The action row as the env below this transform takes it (its inverse, if any)."""
         return action
 
     def reset(self, rec: dict) -> None:
