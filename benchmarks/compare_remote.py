@@ -15,8 +15,13 @@ random actions, nothing else) runs for ``--seconds`` against
               ``--p2-vector-mode``: CartPole's own vectorized env by default, ``sync`` for a
               SyncVectorEnv of the same single envs protocol 1 hosts step).
 
+* ``ray``     as ``remote``, the hosts started as ``--host-procs`` Ray actors
+              (:class:`~torchrl_asyncpool.remote.ray.RayEnvHosts`, protocol 1) on a local Ray
+              cluster instead of processes (needs ``ray``).
+
 ``--impls remote remote2 --envs 32`` compares the protocols through one ingress worker with
-the same 32 envs (the ingress CPU per record is the "pool workers" column).
+the same 32 envs (the ingress CPU per record is the "pool workers" column); ``--impls remote
+ray`` the same hosts started as processes or by Ray.
 
 Workloads: CartPole-v1, and the 2 ms env of ``compare_collectors.py`` (84x84x3 uint8 pixels and a
 4-vector per record, 21 KB). Reports records/s, the percentage of N/latency for the 2 ms env and
@@ -197,6 +202,33 @@ def run_remote2(workload, n, seconds, host_envs, mode, hosts_per_slot=1):
         return _drive(pool, seconds, n, [p.pid for p in procs])
 
 
+@contextlib.contextmanager
+def ray_pool(workload, n, host_procs):
+    """As :func:`remote_pool`, the hosts started as Ray actors (protocol 1)."""
+    import ray
+
+    from torchrl_asyncpool.remote.ray import RayEnvHosts
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=host_procs, include_dashboard=False, log_to_driver=False)
+    make, _ = WORKLOADS[workload]
+    address = _address()
+    slot = functools.partial(RemoteEnvSlot.like, make(), address)
+    hosts = RayEnvHosts(make, [address] * host_procs, protocol=1, envs_per_host=n // host_procs, num_cpus=1)
+    try:
+        with AsyncEnvPool([slot] * n) as pool:
+            hosts.start()  # the actors' hosts connect once the pool listens
+            yield pool, hosts
+    finally:  # the pool closed first, as the process hosts see it
+        hosts.stop()
+
+
+def run_ray(workload, n, seconds, host_procs):
+    with ray_pool(workload, n, host_procs) as (pool, hosts):
+        pids = [st["pid"] for st in hosts.status()]
+        return _drive(pool, seconds, n, pids)
+
+
 def run_local(workload, n, seconds):
     with local_pool(workload, n) as (pool, _):
         return _drive(pool, seconds, n)
@@ -213,7 +245,8 @@ def main():
     parser.add_argument("--envs", nargs="+", type=int, default=[4, 16])
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--host-procs", type=int, default=2, help="env host processes (default: 2)")
-    parser.add_argument("--impls", nargs="+", default=["local", "remote"], choices=["local", "remote", "remote2"],
+    parser.add_argument("--impls", nargs="+", default=["local", "remote"],
+                        choices=["local", "remote", "remote2", "ray"],
                         help="run in this order within each repeat (default: local remote)")
     parser.add_argument("--host-envs", type=int, default=32, help="envs per protocol-2 host (default: 32)")
     parser.add_argument("--hosts-per-slot", type=int, default=1,
@@ -238,13 +271,15 @@ def main():
                         rate, cpu = run_local(workload, n, args.seconds)
                     elif impl == "remote":
                         rate, cpu = run_remote(workload, n, args.seconds, args.host_procs)
+                    elif impl == "ray":
+                        rate, cpu = run_ray(workload, n, args.seconds, args.host_procs)
                     else:
                         rate, cpu = run_remote2(workload, n, args.seconds, args.host_envs, args.p2_vector_mode,
                                                 args.hosts_per_slot)
                     pct = None if latency is None else 100 * rate / (n / latency)
                     row = {"workload": workload, "envs": n, "impl": impl, "repeat": rep, "records_per_s": rate,
                            "pct_n_over_latency": pct, "cycle_ms": 1e3 * n / rate,
-                           "host_procs": args.host_procs if impl == "remote" else None,
+                           "host_procs": args.host_procs if impl in ("remote", "ray") else None,
                            "host_envs": args.host_envs if impl == "remote2" else None,
                            "hosts_per_slot": args.hosts_per_slot if impl == "remote2" else None,
                            "p2_vector_mode": args.p2_vector_mode if impl == "remote2" else None,
