@@ -6,6 +6,8 @@ cartpole, 32 envs:
 
 * ``gym``            ``gymnasium.make("CartPole-v1")`` factories (the reference)
 * ``gymenv``         TorchRL ``GymEnv("CartPole-v1")`` factories (the fast path)
+* ``gymenv_cat``     ``GymEnv("CartPole-v1", categorical_action_encoding=True)`` (integer actions,
+                     the sota scripts' factory)
 * ``transformed``    ``TransformedEnv(GymEnv("CartPole-v1"), Compose(StepCounter(), RewardSum()))``
 * ``gymenv_vec``     two factories of ``GymEnv("CartPole-v1", num_envs=16)``
 * ``gym_vec``        two factories of ``gymnasium.vector.SyncVectorEnv`` of 16 CartPoles (what
@@ -64,6 +66,12 @@ def _gymenv_cartpole():
     return GymEnv("CartPole-v1")
 
 
+def _gymenv_cartpole_categorical():
+    from torchrl.envs import GymEnv
+
+    return GymEnv("CartPole-v1", categorical_action_encoding=True)
+
+
 def _gymenv_cartpole_slow():
     from torchrl_asyncpool.workers.torchrl_fast import FAST_PATH_ATTR
 
@@ -111,6 +119,7 @@ WORKLOADS = {
     "cartpole": ("observation", 4, 2, 32, {
         "gym": (lambda n: [_gym_cartpole] * n, False),
         "gymenv": (lambda n: [_gymenv_cartpole] * n, True),
+        "gymenv_cat": (lambda n: [_gymenv_cartpole_categorical] * n, False),
         "transformed": (lambda n: [_transformed_cartpole] * n, True),
         "gymenv_vec": (lambda n: [functools.partial(_gymenv_vec_cartpole, n // 2)] * 2, True),
         "gymenv_slow": (lambda n: [_gymenv_cartpole_slow] * n, True),
