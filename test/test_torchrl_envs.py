@@ -461,3 +461,26 @@ def test_factory_path_says_how_a_worker_steps_each_kind_of_factory():
     assert factory_path(functools.partial(gym.make, "CartPole-v1")) == ("gymnasium", None)
     path, reason = factory_path(FALLBACK_CASES["unknown_transform"][0])
     assert path == "torchrl" and "RenameTransform" in reason
+
+
+@pytest.mark.parametrize("backend", ["threading", "multiprocessing"])
+def test_the_pool_reports_which_path_each_slot_steps_on(backend):
+    """``pool.slot_paths`` and the ``slots_<path>`` metrics, as the workers report them."""
+    import gymnasium as gym
+    from torchrl.envs import GymEnv
+
+    from torchrl_asyncpool import AsyncEnvPool
+    from torchrl_asyncpool.testing import OracleEnv
+
+    cases = [
+        ([lambda: gym.make("CartPole-v1")] * 2, {}, "gymnasium"),
+        ([lambda: GymEnv("CartPole-v1")] * 2, {}, "torchrl-fast"),
+        ([lambda: OracleEnv(env_id=0), lambda: OracleEnv(env_id=1)], {"envs_per_worker": 2, "env_threads": True},
+         "torchrl"),
+    ]
+    for fns, kwargs, path in cases:
+        with AsyncEnvPool(fns, backend=backend, **kwargs) as pool:
+            assert pool.slot_paths == [path, path]
+            metrics = pool.metrics()
+            assert metrics["slots_" + path.replace("-", "_")] == 2
+            assert not [k for k in metrics if k.startswith("slots_") and k != "slots_" + path.replace("-", "_")]

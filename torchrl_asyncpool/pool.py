@@ -1,7 +1,9 @@
 """AsyncEnvPool v2: env worker processes around one shared-memory slot arena."""
 from __future__ import annotations
 
+import collections
 import itertools
+import logging
 import math
 import numbers
 import multiprocessing as mp
@@ -31,8 +33,11 @@ from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, make_adapter,
 from torchrl_asyncpool.workers.env_specs import batched_specs, slot_specs
 from torchrl_asyncpool.workers.env_worker import RESTARTED_KEY, RestartPolicy, run_worker, worker_main
 from torchrl_asyncpool.workers.thread_worker import ThreadWorker
+from torchrl_asyncpool.workers.torchrl_vector_hosting import synchronous_vector_envs
 
 __all__ = ["AsyncEnvPool"]
+
+_log = logging.getLogger(__name__)
 
 _START_METHODS = ("forkserver", "spawn")
 #: where the workers run: processes, or threads of the pool's own process (TorchRL's names)
@@ -322,7 +327,9 @@ class AsyncEnvPool:
             resolve_worker_affinity(worker_affinity, 0)
         _check_seed(seed)
 
-        spec_adapter = make_adapter(fns[0](**kwargs[0]), 0)
+        # a GymEnv(num_envs=k) built only to read specs steps in this process, not in k new ones
+        with synchronous_vector_envs():
+            spec_adapter = make_adapter(fns[0](**kwargs[0]), 0)
         try:
             request, response = spec_adapter.fields()
             specs = slot_specs(spec_adapter)
@@ -403,6 +410,9 @@ class AsyncEnvPool:
         self._slot_bell = np.arange(n) if self.env_threads else self._slot_worker
         self._bells = [Doorbell() for _ in range(int(self._slot_bell.max()) + 1)]
         self._conns = []
+        #: the path each slot's env is stepped on, as its worker reported it (``"gymnasium"``,
+        #: ``"torchrl-fast"``, ``"torchrl"``, ...; see :mod:`torchrl_asyncpool.workers.torchrl_fast`)
+        self.slot_paths = {}
         self._error = None
         self._closed = False
         self._life_box = [self._life_w]
@@ -419,6 +429,8 @@ class AsyncEnvPool:
             _close_noting(self, 1.0, exc, "closing the pool after its failed start-up failed too")
             raise
         self._life_r_close()
+        self.slot_paths = [self.slot_paths.get(i, "unknown") for i in range(n)]
+        _log.debug("AsyncEnvPool: the envs step on %s", dict(collections.Counter(self.slot_paths)))
 
         self._handle = ConsumerHandle(
             layout=self.layout,
@@ -521,6 +533,7 @@ class AsyncEnvPool:
                     raise self._start_death(w) from None
                 if msg[0] == "error":
                     raise self._start_error(msg)
+                self.slot_paths.update(msg[2] or {})
                 pending.pop(w, None)
             if pending:
                 self._check_cancel()  # after what arrived was read: a worker's error is not hidden by it
@@ -685,6 +698,8 @@ class AsyncEnvPool:
         out = self._metrics.as_dict()
         if self._restart is not None:
             out["env_restarts"] = int(self._arena.restarts.sum())  # over the pool's life, not the window
+        for path, count in collections.Counter(self.slot_paths).items():  # e.g. slots_torchrl_fast
+            out["slots_" + path.replace("-", "_")] = count
         if reset:
             self._metrics.reset()
         return out

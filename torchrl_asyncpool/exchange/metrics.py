@@ -27,6 +27,9 @@ METRIC_KEYS = {
     "consumer_busy_fraction": "share of wall time the consumer spent outside recv's waits",
     "env_step_time_s": "mean seconds per env step or reset, measured in the workers",
     "env_steps": "env steps and resets done by the workers since the last reset",
+    # not windowed
+    "env_restarts": "envs rebuilt after a failure over the pool's life (only with on_env_failure='restart')",
+    "slots_<path>": "slots whose env steps on <path> (slots_gymnasium, slots_torchrl_fast, slots_torchrl, ...)",
 }
 
 # Positions in the arena's consumer_stats vector.

@@ -312,6 +312,7 @@ class _Worker:
         self.unrung = 0  # records published since the consumer's doorbell was last rung
         self.held = None  # slot indices written but not yet published (the main loop's pass)
         self.vector = None  # the adapter of a vector env hosting all the slots (stepped in lockstep)
+        self.slot_paths = {}  # slot index -> the path its env is stepped on (threaded workers)
         # on_env_failure="restart": the budget of env rebuilds (None: a failing env fails the worker)
         self.restarts = None if restart is None else restart.budget(a, layout.num_slots)
 
@@ -561,10 +562,15 @@ class _Worker:
         self.consumer.ring(self.unrung)
         self.unrung = 0
 
+    def _paths(self) -> dict:
+        """``{slot index: the path its env is stepped on}`` (``adapter.path``: ``"torchrl-fast"``,
+        ``"torchrl"``, ``"gymnasium"``, ...), reported to the pool with the worker's first records."""
+        return {slot.index: getattr(slot.adapter, "path", "unknown") for slot in self.slots}
+
     # -- main loop ----------------------------------------------------------------------------
     def _started(self):
         """Tells the parent the first records are out; returns the :class:`BellWait` to wait on."""
-        self.conn.send(("ready", self.worker_id, None, None))
+        self.conn.send(("ready", self.worker_id, self._paths(), None))
         self.started = True
         bell = self.bells[0]
         # drains the bell in the wait, before the scan: a ring after that wakes the next wait
@@ -813,7 +819,7 @@ class _Worker:
             first.wait()
         self.pin()
         self._raise_thread_failure(failures)
-        self.conn.send(("ready", self.worker_id, None, None))
+        self.conn.send(("ready", self.worker_id, dict(self.slot_paths), None))
         self.started = True
         poller = select.poll()
         poller.register(self.life_fd, select.POLLIN)
@@ -843,6 +849,7 @@ class _Worker:
         slot = None
         try:
             slot = self._build_slot(*spec)
+            self.slot_paths[slot.index] = getattr(slot.adapter, "path", "unknown")  # a dict all threads share
             self.pin()
             listen = remote_listener(slot.adapter.env)
             if listen is not None:  # a remote slot: its first record waits for a host to connect
