@@ -343,3 +343,53 @@ def test_two_hosts_share_one_vector_slot_and_one_of_them_drops(dev_shm_guard):
     for r in (hosts[0], hosts[2]):
         r.thread.join(20)
         assert "error" not in r.result, r.result
+
+
+def test_a_malformed_record_batch_ends_the_host_with_invalid_argument_and_truncates(dev_shm_guard):
+    """A protocol-2 client that sends a batch whose observation bytes do not fit the spec is
+    ended with INVALID_ARGUMENT (the reason in the details) and its envs' open episodes end
+    TRUNCATION; nothing it sent is unpickled."""
+    import queue
+
+    address = free_address()
+    env = OracleGymEnv(0)
+    spec = P.spec_of_spaces(env.observation_space, env.action_space)
+    codec = P.BatchCodec(spec, 2)
+    obs = {"tag": np.array([[0, 0, 0], [1, 0, 0]]), "echo": np.array([-1, -1]),
+           "observation": np.zeros((2, 2), np.float32)}
+    result = {}
+
+    def client():
+        channel = grpc.insecure_channel(address)
+        out = queue.SimpleQueue()
+        try:
+            grpc.channel_ready_future(channel).result(timeout=30)
+            responses = channel.stream_stream(P.METHOD)(iter(out.get, None))
+            out.put(P.encode_hello(spec, 2))
+            result["slot"] = P.decode_accept(next(responses))
+            out.put(codec.pack_records([0, 1], [0, 0], [0.0, 0.0], obs))
+            envs, resets, actions = codec.unpack_commands(next(responses))
+            result["commands"] = (envs.tolist(), resets.tolist())
+            bad = codec.pack_records([0, 1], [1, 1], [1.0, 1.0], obs)
+            out.put(bad[:-4])  # the last observation entry 4 bytes short (its length prefix says more)
+            next(responses)
+        except grpc.RpcError as exc:
+            result["code"], result["details"] = exc.code(), exc.details()
+        finally:
+            out.put(None)
+            channel.close()
+
+    t = threading.Thread(target=client, daemon=True)
+    t.start()
+    slot = functools.partial(RemoteVectorSlot.like, OracleGymEnv(0), address, num_envs=2)
+    with AsyncEnvPool([slot], start_timeout=60) as pool:
+        td = pool.recv(min_get=2, timeout=30)
+        assert td["step_type"].tolist() == [0, 0]
+        _answer(pool, td)
+        td = pool.recv(min_get=2, timeout=30)  # the host broke the protocol: both episodes end TRUNCATION
+        assert [int(x) for x in td["step_type"]] == [StepType.TRUNCATION] * 2
+        assert td["tag"].tolist() == [[0, 0, 0], [1, 0, 0]] and td["reward"].sum() == 0
+        t.join(20)  # before the pool (and its server) goes: the client hears why it was ended
+    assert result["slot"] == 0 and result["commands"] == ([0, 1], [False, False])
+    assert result["code"] == grpc.StatusCode.INVALID_ARGUMENT, result
+    assert "truncated" in result["details"] or "observation" in result["details"], result["details"]
