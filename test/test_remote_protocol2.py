@@ -393,3 +393,48 @@ def test_a_malformed_record_batch_ends_the_host_with_invalid_argument_and_trunca
     assert result["slot"] == 0 and result["commands"] == ([0, 1], [False, False])
     assert result["code"] == grpc.StatusCode.INVALID_ARGUMENT, result
     assert "truncated" in result["details"] or "observation" in result["details"], result["details"]
+
+
+class _Hanging(OracleGymEnv):
+    """Hangs ``hang_s`` in its ``hang_at``-th step."""
+
+    def __init__(self, env_id, hang_at=0, hang_s=0.0):
+        super().__init__(env_id)
+        self.hang_at, self.hang_s = hang_at, hang_s
+
+    def step(self, action):
+        if self.total_steps + 1 == self.hang_at:
+            time.sleep(self.hang_s)
+        return super().step(action)
+
+
+def test_a_host_past_step_timeout_is_dropped_and_its_open_episodes_truncated(dev_shm_guard):
+    """``step_timeout`` bounds a host's whole pass: one env of a threaded host hanging for 5 s
+    gets the host dropped after 1 s (well before the env wakes), its envs' open episodes
+    truncated, and the next host takes over."""
+    address = free_address()
+    hanging = [functools.partial(_Hanging, 0, 5, 5.0), functools.partial(_Hanging, 1)]
+    first = _Running(VectorEnvHost(hanging, address))
+    slot = functools.partial(RemoteVectorSlot.like, OracleGymEnv(0), address, num_envs=2, step_timeout=1.0)
+    with AsyncEnvPool([slot], start_timeout=60) as pool:
+        checker = OracleChecker()
+        truncated = set()
+        t0 = time.monotonic()
+        while len(truncated) < 2:
+            td = pool.recv(min_get=1, timeout=30)
+            for i, env in enumerate(td.env_indices.tolist()):
+                tag, st = td["tag"][i].tolist(), int(td["step_type"][i])
+                if st == StepType.TRUNCATION and env in checker._last and tag == list(checker._last[env]):
+                    truncated.add(env)  # ended by the pool: the host was dropped
+                else:
+                    checker.observe(env, tag, st, reward=td["reward"][i], echo=td["echo"][i])
+            _answer(pool, td)
+        assert time.monotonic() - t0 < 5, "the hanging host was not dropped before its env woke"
+        second = _Running(VectorEnvHost([functools.partial(OracleGymEnv, 0), functools.partial(OracleGymEnv, 1)],
+                                        address))
+        td = pool.recv(min_get=2, timeout=30)
+        assert [int(x) for x in td["step_type"]] == [StepType.FIRST] * 2
+        assert sorted(tag[0] for tag in td["tag"].tolist()) == [0, 1]
+        _answer(pool, td)
+        second.stop()
+    first.stop(timeout=20)
