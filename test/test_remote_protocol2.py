@@ -438,3 +438,15 @@ def test_a_host_past_step_timeout_is_dropped_and_its_open_episodes_truncated(dev
         _answer(pool, td)
         second.stop()
     first.stop(timeout=20)
+
+
+def test_a_pool_of_vector_slots_refuses_a_seed_and_times_out_without_hosts(dev_shm_guard):
+    from torchrl_asyncpool import EnvError
+
+    slot = _vector_slot(free_address())
+    with pytest.raises((EnvError, ValueError), match="owns its envs"):
+        AsyncEnvPool([slot], seed=0, start_timeout=30)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="start_timeout"):  # its first reset waits for a host
+        AsyncEnvPool([_vector_slot(free_address())], start_timeout=1.0)
+    assert time.monotonic() - t0 < 15
