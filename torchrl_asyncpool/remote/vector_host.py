@@ -236,11 +236,14 @@ class _Threaded:
             self._inbox[j].put(True if reset else (int(action) if scalar else action))
         return self._gather(envs)
 
-    def close(self):
+    def close(self, timeout: float = 10.0):
+        import time
+
         for inbox in self._inbox:
             inbox.put(None)
+        deadline = time.monotonic() + timeout  # one bound for all: an env may hang in its step
         for t in self._threads:
-            t.join(10)
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 def _backend(envs):
