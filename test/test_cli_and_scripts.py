@@ -297,7 +297,7 @@ def test_cli_bench_runs_script_with_arguments(tmp_path, capsys):
 def test_cli_bench_default_script_gets_a_plot_path(tmp_path, capsys, monkeypatch):
     script = tmp_path / "compare_collectors.py"
     script.write_text("import sys\nprint('ARGS', sys.argv[1:])\n")
-    monkeypatch.setattr(cli, "_default_benchmark", lambda: script)
+    monkeypatch.setattr(cli.bench, "_default_benchmark", lambda: script)
     assert cli.main(["bench", "--quick"]) == 0
     assert "ARGS ['--quick', '--plot', 'compare_collectors.png']" in capsys.readouterr().out
     assert cli.main(["bench", "--plot", "", "--quick"]) == 0

@@ -288,6 +288,6 @@ def test_a_ctrl_c_that_no_command_catches_ends_in_one_line_and_130(monkeypatch, 
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_cmd_env_host", interrupted)
+    monkeypatch.setattr(cli.env_host, "_cmd_env_host", interrupted)
     assert cli.main(["env-host", "--address", "localhost:1"]) == 130
     assert capsys.readouterr().err.strip() == "torchrl-asyncpool env-host: interrupted."
