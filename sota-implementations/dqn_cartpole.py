@@ -78,6 +78,8 @@ class Config:
     eps_decay_frames: int = 15_000
     max_grad_norm: float = 10.0
     hidden: int = 128
+    on_env_failure: str = "raise"         # "restart": an env that raises is rebuilt and training goes on
+                                          # (its episode ends in a truncation; docs: Failures and recovery)
     seed: int = 0
     # logging
     log_interval: int = 250               # gradient steps between log lines
@@ -139,6 +141,8 @@ def parse_config(argv=None) -> Config:
         parser.error(f"--utd must be > 0 (gradient steps per collected frame), got {cfg.utd}.")
     if cfg.learning_starts < 0:
         parser.error(f"--learning-starts must be >= 0, got {cfg.learning_starts}.")
+    if cfg.on_env_failure not in ("raise", "restart"):
+        parser.error(f"--on-env-failure must be 'raise' or 'restart', got {cfg.on_env_failure!r}.")
     return cfg
 
 
@@ -263,6 +267,7 @@ def main(argv=None) -> dict:
         replay_buffer=rb,
         post_collect_hook=stats,
         seed=cfg.seed,  # env i's first reset: seed + i
+        on_env_failure=cfg.on_env_failure,
     )
     pbar = tqdm.tqdm(total=cfg.total_frames, unit="frames", disable=not cfg.progress, dynamic_ncols=True)
     updates, pauses, reached_at, next_log = 0, 0, None, cfg.log_interval
@@ -321,7 +326,8 @@ def main(argv=None) -> dict:
         collector.log_metrics(logger, step=frames)  # collector/pool/... and collector/server/...
         pbar.update(frames - pbar.n)
         pbar.set_postfix(ret=f"{mean_ret:.1f}", fps=f"{frames / elapsed:.0f}",
-                         fill=f"{pool['batch_fill_ratio']:.2f}", eps=f"{acting.eps:.2f}")
+                         fill=f"{pool['batch_fill_ratio']:.2f}", eps=f"{acting.eps:.2f}",
+                         **({"restarts": pool["env_restarts"]} if pool.get("env_restarts") else {}))
         return frames, mean_ret, len(recent)
 
     collector.start()

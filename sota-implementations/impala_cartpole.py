@@ -69,6 +69,8 @@ class Config:
     max_grad_norm: float = 0.5
     normalize_advantage: bool = True
     hidden: int = 64
+    on_env_failure: str = "raise"         # "restart": an env that raises is rebuilt and training goes on
+                                          # (its episode ends in a truncation; docs: Failures and recovery)
     seed: int = 0
     # logging
     log_dir: str = "runs"
@@ -124,6 +126,8 @@ def parse_config(argv=None) -> Config:
     for name in ("rho_bar", "c_bar"):
         if getattr(cfg, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(cfg, name)}.")
+    if cfg.on_env_failure not in ("raise", "restart"):
+        parser.error(f"--on-env-failure must be 'raise' or 'restart', got {cfg.on_env_failure!r}.")
     return cfg
 
 
@@ -249,6 +253,7 @@ def main(argv=None) -> dict:
         frames_per_batch=cfg.frames_per_batch,
         total_frames=cfg.total_frames,
         seed=cfg.seed,  # env i's first reset: seed + i
+        on_env_failure=cfg.on_env_failure,
     )
     tracker = EpisodeTracker(cfg.num_envs)
     recent = deque(maxlen=cfg.window)
@@ -320,7 +325,8 @@ def main(argv=None) -> dict:
             collector.log_metrics(logger, step=frames)  # collector/pool/... and collector/server/...
             pbar.update(batch.numel())
             pbar.set_postfix(ret=f"{mean_ret:.1f}", fps=f"{fps:.0f}", fill=f"{pool['batch_fill_ratio']:.2f}",
-                             lag=f"{lag.mean().item():.1f}")
+                             lag=f"{lag.mean().item():.1f}",
+                             **({"restarts": pool["env_restarts"]} if pool.get("env_restarts") else {}))
             if len(recent) == cfg.window and mean_ret >= cfg.target_return:
                 reached_at = (frames, elapsed)
                 break

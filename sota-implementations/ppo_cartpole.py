@@ -79,6 +79,8 @@ class Config:
     vf_coef: float = 0.5
     max_grad_norm: float = 0.5
     hidden: int = 64
+    on_env_failure: str = "raise"         # "restart": an env that raises is rebuilt and training goes on
+                                          # (its episode ends in a truncation; docs: Failures and recovery)
     seed: int = 0
     # logging
     log_dir: str = "runs"
@@ -142,6 +144,10 @@ def parse_config(argv=None) -> Config:
                           or cfg.num_envs % cfg.ray_hosts):
         parser.error(f"--ray-hosts {cfg.ray_hosts} needs --remote-address HOST:PORT, no --spawn-hosts, and a "
                      f"--num-envs ({cfg.num_envs}) it divides.")
+    if cfg.on_env_failure not in ("raise", "restart"):
+        parser.error(f"--on-env-failure must be 'raise' or 'restart', got {cfg.on_env_failure!r}.")
+    if cfg.on_env_failure == "restart" and (cfg.remote_address or cfg.vector_envs):
+        parser.error("--on-env-failure restart rebuilds local single envs: not with --remote-address or --vector-envs.")
     return cfg
 
 
@@ -291,6 +297,7 @@ def main(argv=None) -> dict:
             frames_per_batch=cfg.frames_per_batch,
             total_frames=cfg.total_frames,
             seed=None if cfg.remote_address else cfg.seed,  # env i's first reset: seed + i (hosts seed their own)
+            on_env_failure=cfg.on_env_failure,
         )
     except BaseException:
         if hosts is not None:  # no pool for them: do not leave them waiting for one
@@ -372,7 +379,8 @@ def main(argv=None) -> dict:
             collector.log_metrics(logger, step=frames)  # collector/pool/... and collector/server/...
             pbar.update(batch.numel())
             pbar.set_postfix(ret=f"{mean_ret:.1f}", fps=f"{fps:.0f}", fill=f"{pool['batch_fill_ratio']:.2f}",
-                             lag=f"{lag:.1f}")
+                             lag=f"{lag:.1f}",
+                             **({"restarts": pool["env_restarts"]} if pool.get("env_restarts") else {}))
             if len(recent) == cfg.window and mean_ret >= cfg.target_return:
                 reached_at = (frames, elapsed)
                 break

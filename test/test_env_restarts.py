@@ -224,3 +224,15 @@ def test_server_replacements_have_a_budget():
                 next(it)
     finally:
         c.shutdown()
+
+
+@pytest.mark.parametrize("script", ["ppo_cartpole", "impala_cartpole", "dqn_cartpole"])
+def test_example_scripts_take_on_env_failure(script, capsys):
+    from test_cli_and_scripts import _load_script
+
+    module = _load_script(script)
+    assert module.parse_config([]).on_env_failure == "raise"
+    assert module.parse_config(["--on-env-failure", "restart"]).on_env_failure == "restart"
+    with pytest.raises(SystemExit) as info:
+        module.parse_config(["--on-env-failure", "retry"])
+    assert info.value.code == 2 and "--on-env-failure must be 'raise' or 'restart'" in capsys.readouterr().err
