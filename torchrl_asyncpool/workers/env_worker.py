@@ -458,9 +458,11 @@ class _Worker:
         if obs is not None:  # None: a restart's truncation keeps the last delivered observation
             for key, view in slot.obs:
                 copy_into(view, as_np(obs.get(key)))  # keeps the GIL (see copy_into)
-        if slot.flagged != (restarted := slot.reborn or obs is None) and slot.flag is not None:
-            self._set_flag(slot, restarted)
-        slot.reborn = False
+        if slot.flag is not None:  # on_env_failure="restart": mark a restart's record, unmark the next one
+            restarted = slot.reborn or obs is None
+            if slot.flagged != restarted:
+                self._set_flag(slot, restarted)
+            slot.reborn = False
         for hidden_in, hidden_out in slot.recurrent:
             if step_type == _FIRST:
                 hidden_in[...] = 0
@@ -551,11 +553,11 @@ class _Worker:
         return slot.ended
 
     def _reset_or_restart(self, slot):
-        if self.restarts is None:
-            return self._timed_reset(slot)
         try:
             return self._timed_reset(slot)
-        except Exception:  # noqa: BLE001 - the env is rebuilt
+        except Exception:
+            if self.restarts is None:
+                raise
             return self._restarted_reset(slot)
 
     def _ring(self):
