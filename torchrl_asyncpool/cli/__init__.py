@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         # the command line after Ctrl-C / SIGTERM: the command has closed what it started and
         # printed its summary; tearing the interpreter down (torch's modules) took seconds on a
         # busy machine, so the process ends here. (Callers passing argv get the status back.)
+        from torchrl_asyncpool.cli._common import _stop_fork_server
+
+        _stop_fork_server()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
