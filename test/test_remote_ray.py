@@ -100,6 +100,37 @@ def test_ray_hosts_feed_a_pool_and_a_killed_host_comes_back(dev_shm_guard, ray_c
         hosts.stop()
 
 
+def test_an_env_that_raises_gets_its_actor_restarted_by_ray(dev_shm_guard, ray_cluster):
+    """An env failing inside a host actor ends the actor's process; Ray restarts it (its
+    ``max_restarts``) and the restarted host's envs deliver again."""
+    address = free_address()
+    failing = functools.partial(gym.vector.SyncVectorEnv, [functools.partial(OracleGymEnv, 0, fail_at_step=30),
+                                                           functools.partial(OracleGymEnv, 1)])
+    hosts = RayEnvHosts(failing, [address], num_cpus=0.5, max_restarts=1, retry_s=0.2)
+    slot = functools.partial(RemoteVectorSlot.like, OracleGymEnv(0), address, num_envs=2)
+    try:
+        hosts.start()
+        with AsyncEnvPool([slot], start_timeout=120) as pool:
+            pid = hosts.status()[0]["pid"]
+            restarted, back, t0 = False, set(), time.monotonic()
+            while len(back) < 2:  # after the restart: each env's FIRST record from the new actor's envs
+                assert time.monotonic() - t0 < 60, f"the failed actor's envs did not come back ({back})"
+                td = pool.recv(min_get=1, timeout=30)
+                if not restarted:
+                    try:
+                        restarted = hosts.status(timeout=5)[0]["pid"] != pid
+                    except Exception:  # noqa: BLE001 - the actor is being restarted: not answering yet
+                        pass
+                for i, env in enumerate(td.env_indices.tolist()):
+                    # env 0 fails at its 30th step, in its 5th episode or later: episodes 0 and 1
+                    # after the restart are the new actor's
+                    if restarted and int(td["step_type"][i]) == StepType.FIRST and int(td["tag"][i][1]) <= 1:
+                        back.add(env)
+                _answer(pool, td)
+    finally:
+        hosts.stop()
+
+
 def test_start_needs_ray_initialised_and_options_are_checked():
     hosts = RayEnvHosts(_oracles(0), ["127.0.0.1:1"], resources={"sim": 2}, max_restarts=-1)
     assert hosts.options == {"num_cpus": 1, "resources": {"sim": 2}, "max_restarts": -1}

@@ -35,10 +35,20 @@ class _HostActor:
             t.start()
 
     def _serve(self, host, retry_s):
+        import sys
+        import traceback
+
+        from torchrl_asyncpool.remote import RemoteHostError
+
         try:
             host.run_forever(retry_s=retry_s)
-        except Exception as exc:  # noqa: BLE001 - reported by status(): a refusal other than "no free slot"
+        except RemoteHostError as exc:  # the pool refused the host (token, spec): a restart would not help
             self.errors.append(f"{type(exc).__name__}: {exc}")
+        except BaseException:  # noqa: BLE001 - the env failed: end the process, so that Ray restarts the actor
+            sys.stderr.write(f"torchrl_asyncpool env host actor (pid {os.getpid()}) failed; exiting for Ray to "
+                             f"restart it:\n{traceback.format_exc()}")
+            sys.stderr.flush()
+            os._exit(1)
 
     def status(self) -> dict:
         """``{"pid", "steps", "slots", "errors"}`` of this actor's hosts."""
@@ -89,7 +99,9 @@ class RayEnvHosts:
         num_cpus (float): CPUs Ray reserves for each actor. Defaults to ``1``.
         resources (dict, optional): custom Ray resources of each actor (``{"simulator": 1}``).
         max_restarts (int): how many times Ray restarts an actor whose process died (``-1``:
-            always). Defaults to ``3``.
+            always). An env that raises ends its actor's process, so Ray restarts it too; a
+            pool that refuses a host (token, spec) does not (the actor stays up and
+            :meth:`status` reports the refusal). Defaults to ``3``.
         connect_timeout (float): seconds a host waits for the pool per attempt. Defaults to ``30``.
         retry_s (float): seconds between attempts. Defaults to ``1``.
         **actor_options: any other option of Ray's ``.options()`` (``runtime_env``,
