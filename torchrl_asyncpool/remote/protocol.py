@@ -415,9 +415,10 @@ class BatchCodec:
             if a.size * dt.itemsize != n * nbytes:
                 raise ValueError(f"observation {k!r} has shape {a.shape}; {n} records of the negotiated {shape} "
                                  "were expected.")
-            parts += [obs_tag, _varint(n * nbytes), a.tobytes()]
-        batch = b"".join(parts)
-        return _tag(_RECORDS, _LEN) + _varint(len(batch)) + batch
+            parts += [obs_tag, _varint(n * nbytes), memoryview(a.reshape(-1)).cast("B")]
+        # one copy of the observations: straight from the arrays into the message
+        size = sum(len(p) for p in parts)
+        return b"".join([_tag(_RECORDS, _LEN), _varint(size), *parts])
 
     def unpack_records(self, data: bytes):
         """``(envs, step_types, rewards, {key: [n, *shape] array})`` of a ``HostMessage.records``
