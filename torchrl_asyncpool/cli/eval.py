@@ -237,7 +237,8 @@ def add_parser(sub) -> None:
     which.add_argument("--episodes", type=int, default=10, help="without a manifest: N episodes (default: 10)")
     ev.add_argument("--seed", type=int, default=0, help="without a manifest: seed of the first episode")
     ev.add_argument("--policy", default="random",
-                    help="'random' (default) or MODULE:FACTORY, a function returning a TensorDict -> TensorDict policy")
+                    help="'random' (default) or MODULE:FACTORY, a function returning a TensorDict -> TensorDict policy "
+                         "(MODULE on the Python path or in the current directory)")
     ev.add_argument("--num-envs", type=int, default=8, help="episodes run at once (default: 8)")
     ev.add_argument("--device", default=None,
                     help="where the policy runs, e.g. cuda:0 (default: its parameters' device, else cpu)")
