@@ -264,7 +264,7 @@ def decode_hello(data: bytes) -> dict:
 def encode_accept(slot: int, num_envs: int | None = None) -> bytes:
     """The pool's first message to a host (``PoolMessage.accept_json``): the index of the slot
     it fills, with the :data:`PROTOCOL_VERSION`; for a protocol-2 host (``num_envs`` given), the
-    first of the ``num_envs`` consecutive slots its envs fill, with :data:`BATCHED_PROTOCOL`.
+    index of its first env among the vector slot's envs (its block), with :data:`BATCHED_PROTOCOL`.
     :func:`decode_accept` parses it.
 
     Examples:

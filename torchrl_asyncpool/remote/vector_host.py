@@ -283,8 +283,8 @@ class VectorEnvHost(EnvHost):
         connect_timeout (float): seconds to wait for the pool. Defaults to ``30``.
 
     Attributes:
-        slot (int): the accept's slot (``-1``: the pool's vector slot does not know its
-            indices), ``None`` before a pool accepted the host.
+        slot (int): where the host's envs start among the envs of the pool's vector slot
+            (its block: ``0`` for a slot of one host), ``None`` before a pool accepted the host.
         steps (int): env steps taken (records other than ``FIRST``), all envs together.
 
     Examples:
