@@ -1,10 +1,11 @@
-"""Pool side of protocol 2: ``k`` slots fed by one env host of ``k`` envs over one stream.
+"""Pool side of protocol 2: ``k`` slots fed by env hosts of ``h`` envs each, one stream per host.
 
 A :class:`RemoteVectorSlot` is a :class:`gymnasium.vector.VectorEnv` of ``k`` envs, so a pool
 factory that returns one gets ``k`` consecutive slots in one worker, stepped in lockstep (see
-"Vectorized simulators" in the quickstart): one ``step`` sends the host the ``k`` commands in
-one message and returns its ``k`` records, decoded from the message's bytes as numpy views that
-the worker copies straight into the slots' rows. Per record, the ingress costs a share of one
+"Vectorized simulators" in the quickstart): one ``step`` sends each of its ``k / h`` hosts the
+commands of its ``h`` envs in one message and returns their records, decoded from the messages'
+bytes as numpy views that the worker copies into the slots' rows (one host: straight from the
+message; several: through one concatenation). Per record, the ingress costs a share of one
 gRPC message and a few numpy operations instead of a message of its own.
 """
 from __future__ import annotations
