@@ -131,6 +131,19 @@ def test_an_env_that_raises_gets_its_actor_restarted_by_ray(dev_shm_guard, ray_c
         hosts.stop()
 
 
+def test_pool_factories_match_the_hosts():
+    env = OracleGymEnv(0)
+    two = RayEnvHosts(_oracles(0), ["10.0.0.5:50061", "10.0.0.5:50061", "10.0.0.5:50062"], token="t")
+    slots = [f() for f in two.pool_factories(env, host_envs=K, listen="localhost")]
+    assert [(s.address, s.num_envs, s.host_envs, s._token) for s in slots] == [
+        ("localhost:50061", 2 * K, K, "t"), ("localhost:50062", K, K, "t")]
+    with pytest.raises(ValueError, match="host_envs"):
+        two.pool_factories(env)
+    one = RayEnvHosts(print, ["h:50063", "h:50063"], protocol=1, envs_per_host=3)
+    factories = one.pool_factories(env)
+    assert len(factories) == 6 and factories[0]().address == "0.0.0.0:50063"
+
+
 def test_start_needs_ray_initialised_and_options_are_checked():
     hosts = RayEnvHosts(_oracles(0), ["127.0.0.1:1"], resources={"sim": 2}, max_restarts=-1)
     assert hosts.options == {"num_cpus": 1, "resources": {"sim": 2}, "max_restarts": -1}

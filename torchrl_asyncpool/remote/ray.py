@@ -120,10 +120,10 @@ class RayEnvHosts:
         On a cluster (``make_vec`` is a picklable factory of a gymnasium vector env of 32 envs)::
 
             ray.init(address="auto")
-            slots = [functools.partial(RemoteVectorSlot.like, env, f"0.0.0.0:{50061 + i}", num_envs=32)
-                     for i in range(8)]
-            with RayEnvHosts(make_vec, [f"{POOL_IP}:{50061 + i}" for i in range(8)], token=TOKEN):
-                collector = AsyncPoolCollector(slots, policy=policy, frames_per_batch=8192)
+            hosts = RayEnvHosts(make_vec, [f"{POOL_IP}:{50061 + i}" for i in range(8)], token=TOKEN)
+            with hosts:
+                collector = AsyncPoolCollector(hosts.pool_factories(env, host_envs=32), policy=policy,
+                                               frames_per_batch=8192)
                 ...
     """
 
@@ -150,6 +150,47 @@ class RayEnvHosts:
         self.options = {"num_cpus": num_cpus, "resources": dict(resources or {}), "max_restarts": max_restarts,
                         **actor_options}
         self.actors = []
+
+    def pool_factories(self, env, host_envs: int | None = None, *, listen: str = "0.0.0.0", **slot_kwargs) -> list:
+        """The pool's side of these hosts: factories for an :class:`~torchrl_asyncpool.AsyncEnvPool`
+        or :class:`~torchrl_asyncpool.AsyncPoolCollector`, one group per address, listening on
+        ``listen`` at the address's port, with the hosts' token.
+
+        Protocol 2: one :class:`~torchrl_asyncpool.remote.RemoteVectorSlot` per address, for
+        all the actors given that address (``host_envs`` envs each, which this side cannot
+        know before the actors built their envs). Protocol 1: ``envs_per_host`` x (actors on
+        the address) :class:`~torchrl_asyncpool.remote.RemoteEnvSlot` factories per address.
+
+        Args:
+            env: an env with the per-env layout (gymnasium, or TorchRL with an empty batch
+                size; only read), as for ``RemoteVectorSlot.like``.
+            host_envs (int, optional): protocol 2: the envs of each host. Required there.
+
+        Keyword Args:
+            listen (str): the interface the pool listens on. Defaults to ``"0.0.0.0"`` (every
+                interface; ``"localhost"`` for hosts on this machine only).
+            **slot_kwargs: more keyword arguments of the slots (``step_timeout``).
+        """
+        import functools
+
+        from torchrl_asyncpool.remote import RemoteEnvSlot, RemoteVectorSlot
+
+        if self.protocol == 2 and not (isinstance(host_envs, int) and host_envs > 0):
+            raise ValueError("protocol 2: pass host_envs, the envs of each host (make_envs builds them in the "
+                             "actors).")
+        counts = {}
+        for address in self.addresses:  # in order, each address once
+            counts[address] = counts.get(address, 0) + 1
+        out = []
+        for address, actors in counts.items():
+            local = f"{listen}:{address.rsplit(':', 1)[1]}"
+            if self.protocol == 2:
+                out.append(functools.partial(RemoteVectorSlot.like, env, local, num_envs=host_envs * actors,
+                                             host_envs=host_envs, token=self.token, **slot_kwargs))
+            else:
+                out += [functools.partial(RemoteEnvSlot.like, env, local, token=self.token, **slot_kwargs)] * (
+                    self.envs_per_host * actors)
+        return out
 
     def start(self) -> "RayEnvHosts":
         """Creates the actors (their hosts start connecting at once); returns ``self``.
