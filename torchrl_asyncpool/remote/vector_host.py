@@ -196,45 +196,43 @@ class _Threaded:
         self._results.put((j, None))
         inbox = self._inbox[j]
         while True:
-            cmd = inbox.get()
-            if cmd is None:
+            item = inbox.get()
+            if item is None:
                 break
+            cmd, i, batch = item
             try:
                 if cmd is True:
                     obs, _ = env.reset()
-                    self._results.put((j, (_FIRST, 0.0, obs)))
+                    st, reward = _FIRST, 0.0
                 else:
                     obs, reward, terminated, truncated, _ = env.step(cmd)
                     st = _TERM if terminated else (_TRUNC if truncated else _MID)
-                    self._results.put((j, (st, float(reward), obs)))
+                batch.put(i, st, reward, obs if self.dict_obs else {"observation": obs})
             except BaseException as exc:  # noqa: BLE001 - raised by serve() in the host's thread
-                self._results.put((j, exc))
+                batch.fail(exc)
         env.close()
 
-    def _gather(self, envs):
+    def _pass(self, envs, cmds):
+        """Hands each env its command; returns the records once all are in (each thread writes
+        its record into its row: one wake-up of this thread per pass, no per-record copy here)."""
         n = len(envs)
-        sts, rewards, rows = np.zeros(n, np.uint8), np.zeros(n), [None] * n
-        where = {int(j): i for i, j in enumerate(envs)}
-        for _ in range(n):
-            j, result = self._results.get()
-            if isinstance(result, BaseException):
-                raise result
-            i = where[j]
-            sts[i], rewards[i], obs = result
-            rows[i] = obs if self.dict_obs else {"observation": obs}
-        obs = {key: np.stack([np.asarray(r[key]) for r in rows]) for key in self.keys}
-        return np.asarray(envs), sts, rewards, obs
+        batch = _Pass(n, {key: (tuple(shape), np.dtype(dtype)) for key, (shape, dtype) in
+                          self.spec["observation"].items()})
+        for i, (j, cmd) in enumerate(zip(envs.tolist(), cmds)):
+            self._inbox[j].put((cmd, i, batch))
+        batch.done.wait()
+        if batch.error is not None:
+            raise batch.error
+        return np.asarray(envs), batch.sts, batch.rewards, batch.obs
 
     def reset(self):
-        for inbox in self._inbox:
-            inbox.put(True)
-        return self._gather(np.arange(self.num_envs))[3]
+        return self._pass(np.arange(self.num_envs), [True] * self.num_envs)[3]
 
     def serve(self, envs, resets, actions):
         scalar = actions.ndim == 1 and actions.dtype.kind in "iu"
-        for j, reset, action in zip(envs.tolist(), resets.tolist(), actions):
-            self._inbox[j].put(True if reset else (int(action) if scalar else action))
-        return self._gather(envs)
+        cmds = [True if reset else (int(action) if scalar else action)
+                for reset, action in zip(resets.tolist(), actions)]
+        return self._pass(envs, cmds)
 
     def close(self, timeout: float = 10.0):
         import time
@@ -244,6 +242,34 @@ class _Threaded:
         deadline = time.monotonic() + timeout  # one bound for all: an env may hang in its step
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+
+
+class _Pass:
+    """The records of one pass of a threaded host, written row by row by the env threads."""
+
+    def __init__(self, n, layout):
+        self.obs = {key: np.empty((n, *shape), dtype) for key, (shape, dtype) in layout.items()}
+        self.sts, self.rewards = np.zeros(n, np.uint8), np.zeros(n)
+        self.error = None
+        self.done = threading.Event()
+        self._left = n
+        self._lock = threading.Lock()
+
+    def put(self, i, st, reward, obs):
+        for key, rows in self.obs.items():
+            rows[i] = np.asarray(obs[key]).reshape(rows.shape[1:])  # a [1] value fits a () entry
+        self.sts[i], self.rewards[i] = st, reward
+        self._count()
+
+    def fail(self, exc):
+        self.error = self.error or exc
+        self._count()
+
+    def _count(self):
+        with self._lock:
+            self._left -= 1
+            if self._left == 0:
+                self.done.set()
 
 
 def _backend(envs):
