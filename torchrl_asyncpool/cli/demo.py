@@ -83,8 +83,11 @@ def train_impala_demo(
     acting = copy.deepcopy(agent)
     optim = torch.optim.Adam(agent.parameters(), lr=lr, eps=1e-5)
 
+    from torchrl.envs import GymEnv
+
+    # TorchRL's GymEnv, as a TorchRL user writes it; the workers step it on their fast path
     collector = AsyncPoolCollector(
-        [functools.partial(gymnasium.make, env_id)] * num_envs,
+        [functools.partial(GymEnv, env_id, categorical_action_encoding=True)] * num_envs,
         policy=acting,
         frames_per_batch=frames_per_batch,
         total_frames=total_frames,
