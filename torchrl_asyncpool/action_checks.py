@@ -26,6 +26,7 @@ part); on a CUDA policy they synchronise the stream once per batch.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["ActionCheck", "InvalidActionError", "action_checks"]
@@ -99,6 +100,7 @@ class ActionCheck:
             elif hasattr(getattr(spec, "space", None), "low"):
                 low, high = spec.space.low, spec.space.high
                 self.rule = ("box", low.to(torch.float64), high.to(torch.float64), "low <= action <= high")
+                self._box_np = (self.rule[1].numpy(), self.rule[2].numpy())
         if bounds and self.integer and self.rule is None and dtype != torch.bool:
             info = torch.iinfo(dtype)  # an integer action cast to this dtype must fit it
             self.rule = ("range", info.min, info.max, f"{info.min} <= action <= {info.max} ({dtype})")
@@ -106,6 +108,39 @@ class ActionCheck:
     def __call__(self, value: torch.Tensor) -> torch.Tensor:
         """Returns ``value`` (cast to the spec's dtype where the rules allow) or raises
         :class:`InvalidActionError`."""
+        if value.device.type == "cpu":
+            # the common case, a batch that passes, in a few numpy reductions (a fifth of torch's
+            # cost on small batches); anything else is looked at again below to say what is wrong
+            try:
+                fine = self._fine((value.detach() if value.requires_grad else value).numpy())
+            except TypeError:  # a dtype numpy lacks (bfloat16)
+                fine = None
+            if fine:
+                return value if value.dtype == self.dtype else value.to(self.dtype)
+        return self._checked(value)
+
+    def _fine(self, a: np.ndarray) -> bool:
+        """Whether the batch ``a`` passes every check (the rules of :meth:`_checked`)."""
+        if a.dtype.kind in "fc":
+            if not np.isfinite(a).all():
+                return False
+            if self.integer and not self.cast and (a != np.trunc(a)).any():
+                return False
+            if not self.integer or self.cast:
+                return True  # float specs have no bounds checked; cast_actions skips them
+        elif not self.integer:
+            return True
+        rule = self.rule
+        if rule is None or not a.size:
+            return True
+        if rule[0] == "onehot":
+            return bool(((a == 0) | (a == 1)).all() and (a.sum(-1, dtype=np.int64) == 1).all())
+        if rule[0] == "box":
+            low, high = self._box_np
+            return bool((a >= low).all() and (a <= high).all())
+        return bool(a.min() >= rule[1] and a.max() <= rule[2])
+
+    def _checked(self, value: torch.Tensor) -> torch.Tensor:
         key = self.key
         if value.dtype.is_floating_point or value.dtype.is_complex:
             finite = torch.isfinite(value)
