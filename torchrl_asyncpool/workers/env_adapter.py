@@ -152,6 +152,13 @@ class TorchRLEnvAdapter:
 
     def reset(self):
         """Resets the env; returns a mapping ``key -> tensor`` holding the observation."""
+        self._seed_reset()
+        self._td = self.env.reset()
+        return self._td
+
+    def _seed_reset(self):
+        """Seeds the coming reset through TorchRL's ``set_seed`` when a seed is due: the episode
+        plan's, or the first reset's; a plan's reset options are refused (a TorchRL env has none)."""
         if self._plan is not None:
             seed, options = self._plan.next_reset()
             if options is not None:
@@ -161,10 +168,8 @@ class TorchRLEnvAdapter:
             if seed is not None:
                 self.env.set_seed(seed)
         elif self._first_seed is not None:
-            self.env.set_seed(self._first_seed)
+            self.env.set_seed(self._first_seed)  # TorchRL's seeding: gymnasium reset(seed=...) once
         self._first_seed = None
-        self._td = self.env.reset()
-        return self._td
 
     def _planned_step(self, actions: Dict):
         obs, reward, terminated, truncated = TorchRLEnvAdapter.step(self, actions)

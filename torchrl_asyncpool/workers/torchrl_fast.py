@@ -741,17 +741,7 @@ class TorchRLGymFastAdapter(TorchRLEnvAdapter):
     def reset(self):
         """Resets the gymnasium env (seeded through TorchRL's ``set_seed`` when a seed is due);
         returns the record's observation entries (numpy)."""
-        if self._plan is not None:
-            seed, options = self._plan.next_reset()
-            if options is not None:
-                raise ValueError(
-                    f"episode reset options {options!r} need a gymnasium env; a TorchRL env is reset with a seed only."
-                )
-            if seed is not None:
-                self.env.set_seed(seed)
-        elif self._first_seed is not None:
-            self.env.set_seed(self._first_seed)  # TorchRL's seeding: gymnasium reset(seed=...) once
-        self._first_seed = None
+        self._seed_reset()
         obs, _ = self.gym.reset()
         rec = self.plan.record(obs)
         for t in self.transforms:
