@@ -319,7 +319,7 @@ def _failure_text(runner, exc, env_idx=None) -> str:
         rows = [r for r in rows.tolist() if r < len(env_idx)]  # padding rows repeat real ones
         where = f" [envs {sorted(set(env_idx[rows].tolist()))}]"
     return (
-        f"policy {runner.plan.name!r} (batch key {runner.key}) failed while serving{where}: "
+        f"policy {runner.plan.name!r} failed while serving{where}: "
         f"{type(exc).__name__}: {exc}"
     )
 

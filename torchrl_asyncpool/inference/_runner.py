@@ -182,7 +182,7 @@ class KeyRunner:
             if missing:
                 available = provided if self._available is None else self._available
                 raise ValueError(
-                    f"policy {name!r} (batch key {self.key}) reads {missing}, which the pool's records do not "
+                    f"policy {name!r} reads {missing}, which the pool's records do not "
                     f"provide; available keys: {sorted(map(str, (key_repr(k) for k in available)))}."
                 )
         sizes = sorted({pick_bucket(self.buckets, 1), self.staging_rows})
@@ -206,7 +206,7 @@ class KeyRunner:
                         "check that they match the policy's hidden size."
                     )
                 raise ValueError(
-                    f"policy {name!r} (batch key {self.key}) failed on a zero batch of {rows} records built from the "
+                    f"policy {name!r} failed on a zero batch of {rows} records built from the "
                     f"pool's request layout {{{layout}}}: {type(exc).__name__}: {str(exc).rstrip('.')}.{hint}"
                 ) from exc
             for (key, shape, dtype) in self.response_fields:
@@ -214,7 +214,7 @@ class KeyRunner:
                 what = "recurrent state output" if key in self._rec_out_keys() else "declared action/policy output"
                 if value is None:
                     raise ValueError(
-                        f"policy {name!r} (batch key {self.key}) does not write {what} {key_repr(key)!r}; "
+                        f"policy {name!r} does not write {what} {key_repr(key)!r}; "
                         f"it wrote {sorted(map(str, (key_repr(k) for k in out.keys(True, True))))}."
                     )
                 want = (rows, *shape)
@@ -225,7 +225,7 @@ class KeyRunner:
                         else type(value).__name__
                     )
                     raise ValueError(
-                        f"policy {name!r} (batch key {self.key}) writes {what} {key_repr(key)!r} with {got} for a "
+                        f"policy {name!r} writes {what} {key_repr(key)!r} with {got} for a "
                         f"batch of {rows}; the pool declares per-env shape {tuple(shape)} and dtype {dtype}, so "
                         f"shape {want} is expected."
                     )
