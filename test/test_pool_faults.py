@@ -959,3 +959,36 @@ def test_a_parent_killed_without_closing_its_pool_leaves_no_env_children(tmp_pat
                 os.kill(c, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_traceback_from_an_env_class_of_the_users_script_names_its_file_and_line(tmp_path):
+    """A class defined in the script that builds the pool crosses to the workers by reference
+    (the fork server imports the script), not by value, whose code says ``<dynamic-code>``."""
+    import textwrap
+
+    script = tmp_path / "my_training.py"
+    script.write_text(textwrap.dedent('''
+        import torch
+        from tensordict import TensorDict
+        from torchrl_asyncpool import AsyncEnvPool
+        from torchrl_asyncpool.testing import OracleEnv
+
+
+        class Broken(OracleEnv):
+            def _step(self, td):
+                raise RuntimeError("boom in my env")
+
+
+        if __name__ == "__main__":
+            with AsyncEnvPool([Broken]) as pool:
+                td = pool.recv()
+                pool.send(TensorDict({"action": torch.zeros(1, dtype=torch.int64)}, [1]), td.env_indices)
+                try:
+                    pool.recv(timeout=60)
+                except Exception as exc:
+                    print(exc)
+    '''))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert "boom in my env" in proc.stdout, proc.stdout + proc.stderr
+    assert f'File "{script}", line 10, in _step' in proc.stdout
+    assert "<dynamic-code>" not in proc.stdout

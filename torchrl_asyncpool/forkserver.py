@@ -11,6 +11,7 @@ the server process start from; it warns once when it finds such a fork server ru
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import threading
 import warnings
 from multiprocessing.connection import wait
@@ -103,17 +104,43 @@ def exit_code(proc, timeout: float | None = 0.0):
 
 
 def picklable(fn):
-    """``fn`` in a form that crosses to a child process: wrapped in TorchRL's
-    ``CloudpickleWrapper`` (lambdas, closures, functions of ``__main__``), unless it already is
-    one or is a TorchRL ``EnvCreator`` (which pickles itself).
+    """``fn`` in a form that crosses to a child process started from the fork server.
+
+    A module-level class or function (one of the user's script too: the fork server imports the
+    script, see :data:`PRELOAD`) goes as it is, pickled by reference, so tracebacks from the
+    child name its file and line. Anything else (a lambda, a closure, a function of an
+    interactive session) is wrapped in TorchRL's ``CloudpickleWrapper``, which pickles it by
+    value (its tracebacks then say ``<dynamic-code>``). A ``CloudpickleWrapper`` or a TorchRL
+    ``EnvCreator`` (which pickles itself) is left as it is.
 
     Examples:
         >>> from torchrl_asyncpool.forkserver import picklable
         >>> type(picklable(lambda: 1)).__name__
         'CloudpickleWrapper'
-        >>> picklable(picklable(len)).fn is len
+        >>> picklable(len) is len
         True
+        >>> picklable(picklable(lambda: 1)).fn()
+        1
     """
     from torchrl.data.utils import CloudpickleWrapper
 
-    return fn if isinstance(fn, CloudpickleWrapper) or type(fn).__name__ == "EnvCreator" else CloudpickleWrapper(fn)
+    if isinstance(fn, CloudpickleWrapper) or type(fn).__name__ == "EnvCreator":
+        return fn
+    return fn if _by_reference(fn) else CloudpickleWrapper(fn)
+
+
+def _by_reference(fn) -> bool:
+    """Whether plain pickle carries ``fn`` by reference to something the child can import: it
+    pickles, and nothing in it is of a ``__main__`` the fork server cannot import (an interactive
+    session, a script read from standard input)."""
+    import pickle
+    import sys
+
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None)
+    importable_main = bool(main_file) and os.path.isfile(main_file)
+    try:
+        data = pickle.dumps(fn)
+    except Exception:  # noqa: BLE001 - lambdas, closures, local classes: by value then
+        return False
+    return importable_main or b"__main__" not in data
