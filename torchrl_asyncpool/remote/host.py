@@ -111,17 +111,49 @@ class EnvHost:
         """
         import gymnasium as gym
 
-        grpc = P.import_grpc()
         # the slot of an earlier run is not held now; and "accepted in this run" is what tells a
-        # pool that went away (a normal end) from a refusal below
+        # pool that went away (a normal end) from a refusal (see _stream)
         self.slot = None
         env = self.env
         spec = P.spec_of_spaces(env.observation_space, env.action_space)
         codec = P.RecordCodec(spec)
         dict_obs = isinstance(env.observation_space, gym.spaces.Dict)
+
+        def serve(responses, send):
+            def record(st, reward, obs):
+                send(codec.pack_record(st, reward, obs if dict_obs else {"observation": obs}))
+
+            _log.info("env host: holding slot %d of %s", self.slot, self.address)
+            obs, _ = env.reset()
+            record(_FIRST, 0.0, obs)
+            for cmd in responses:
+                action = codec.unpack_command(cmd)
+                if action is None:
+                    obs, _ = env.reset()
+                    record(_FIRST, 0.0, obs)
+                    continue
+                if max_steps is not None and self.steps >= max_steps:
+                    break
+                obs, reward, terminated, truncated, _ = env.step(action)
+                self.steps += 1
+                record(_TERM if terminated else (_TRUNC if truncated else _MID), reward, obs)
+
+        return self._stream(P.encode_hello(spec), serve)
+
+    def _stream(self, hello: bytes, serve, channel_options=()) -> int:
+        """The life of one stream, whatever the host serves over it: connects, sends ``hello``,
+        and once the pool accepts (``self.slot``) calls ``serve(responses, send)``, which answers
+        the pool's messages until they end (or returns to leave). A pool that goes away after
+        accepting, or :meth:`stop`, ends it normally; returns the steps taken.
+
+        Raises:
+            ConnectionError: nothing accepts connections at ``address`` within ``connect_timeout``.
+            RemoteHostError: the pool refused the host or ended its stream with an error.
+        """
+        grpc = P.import_grpc()
         channel = grpc.insecure_channel(self.address, options=[
             ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
-            ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000), *channel_options,
         ])
         try:
             try:
@@ -131,31 +163,14 @@ class EnvHost:
                     f"no pool accepts connections on {self.address} (waited {self.connect_timeout:g} s)."
                 ) from None
             out = queue.SimpleQueue()  # the request stream: messages until a None ends it
-            out.put(P.encode_hello(spec))
+            out.put(hello)
             metadata = ((P.TOKEN_METADATA, self.token),) if self.token is not None else None
             self._call = responses = channel.stream_stream(P.METHOD)(iter(out.get, None), metadata=metadata)
             if self._stopping.is_set():
                 responses.cancel()
-
-            def record(st, reward, obs):
-                out.put(codec.pack_record(st, reward, obs if dict_obs else {"observation": obs}))
-
             try:
                 self.slot = P.decode_accept(next(responses))
-                _log.info("env host: holding slot %d of %s", self.slot, self.address)
-                obs, _ = env.reset()
-                record(_FIRST, 0.0, obs)
-                for cmd in responses:
-                    action = codec.unpack_command(cmd)
-                    if action is None:
-                        obs, _ = env.reset()
-                        record(_FIRST, 0.0, obs)
-                        continue
-                    if max_steps is not None and self.steps >= max_steps:
-                        break
-                    obs, reward, terminated, truncated, _ = env.step(action)
-                    self.steps += 1
-                    record(_TERM if terminated else (_TRUNC if truncated else _MID), reward, obs)
+                serve(responses, out.put)
             except StopIteration:  # the pool ended the stream before accepting
                 pass
             except grpc.RpcError as exc:

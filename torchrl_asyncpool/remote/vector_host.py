@@ -356,57 +356,24 @@ class VectorEnvHost(EnvHost):
             RemoteHostError: the pool refused the host (token, spec, number of envs, no free
                 slot) or ended its stream with an error.
         """
-        grpc = P.import_grpc()
-        self.slot = None
+        self.slot = None  # see EnvHost.run
         backend = self._serving()
         k = backend.num_envs
         codec = P.BatchCodec(backend.spec, k)
-        channel = grpc.insecure_channel(self.address, options=[
-            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
-            ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000),
-        ] + P.window_options(codec.max_message_bytes))
-        try:
-            try:
-                grpc.channel_ready_future(channel).result(timeout=self.connect_timeout)
-            except grpc.FutureTimeoutError:
-                raise ConnectionError(
-                    f"no pool accepts connections on {self.address} (waited {self.connect_timeout:g} s)."
-                ) from None
-            out = queue.SimpleQueue()
-            out.put(P.encode_hello(backend.spec, k))
-            metadata = ((P.TOKEN_METADATA, self.token),) if self.token is not None else None
-            self._call = responses = channel.stream_stream(P.METHOD)(iter(out.get, None), metadata=metadata)
-            if self._stopping.is_set():
-                responses.cancel()
-            try:
-                self.slot = P.decode_accept(next(responses))
-                _log.info("env host: %d envs on %s", k, self.address)
-                obs = backend.reset()
-                out.put(codec.pack_records(np.arange(k), np.zeros(k, np.uint8), np.zeros(k), obs))
-                for msg in responses:
-                    if max_steps is not None and self.steps >= max_steps:
-                        break
-                    envs, resets, actions = codec.unpack_commands(msg)
-                    envs, sts, rewards, obs = backend.serve(envs, resets, actions)
-                    self.steps += int((sts != _FIRST).sum())
-                    out.put(codec.pack_records(envs, sts, rewards, obs))
-            except StopIteration:
-                pass
-            except grpc.RpcError as exc:
-                code = exc.code()
-                if code == grpc.StatusCode.CANCELLED and self._stopping.is_set():
-                    return self.steps
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and self.slot is not None:
-                    _log.info("env host: the pool at %s went away (%s)", self.address, code.name)
-                    return self.steps
-                raise RemoteHostError(self.address, code.name, exc.details() or "") from None
-            finally:
-                out.put(None)
-                if self._call is not None:
-                    self._call.cancel()
-            return self.steps
-        finally:
-            channel.close()
+
+        def serve(responses, send):
+            _log.info("env host: %d envs on %s", k, self.address)
+            obs = backend.reset()
+            send(codec.pack_records(np.arange(k), np.zeros(k, np.uint8), np.zeros(k), obs))
+            for msg in responses:
+                if max_steps is not None and self.steps >= max_steps:
+                    break
+                envs, resets, actions = codec.unpack_commands(msg)
+                envs, sts, rewards, obs = backend.serve(envs, resets, actions)
+                self.steps += int((sts != _FIRST).sum())
+                send(codec.pack_records(envs, sts, rewards, obs))
+
+        return self._stream(P.encode_hello(backend.spec, k), serve, P.window_options(codec.max_message_bytes))
 
 
 def serve_from_command_line(args) -> int:
