@@ -428,3 +428,16 @@ def test_copy_into_keeps_the_gil_where_numpy_lets_it_go():
         spinner.join()
         sys.setswitchinterval(interval)
     assert kept == 0 and let_go > 0, (kept, let_go)
+
+
+@needs_native
+def test_the_c_enums_match_the_python_ones():
+    # the C sources compare slot states and step types through enums in csrc/native.h; the module
+    # exports them so that a renumbering on either side fails here instead of corrupting records
+    from torchrl_asyncpool import StepType
+    from torchrl_asyncpool.exchange import _native
+
+    for value, name in S.NAMES.items():
+        assert getattr(_native, f"SLOT_{name}") == value, name
+    for step in StepType:
+        assert getattr(_native, f"STEP_{step.name}") == int(step), step.name

@@ -1,7 +1,8 @@
 """Which exchange a consumer runs: the pure-Python reference or the optional C engine.
 
-The C engine (``torchrl_asyncpool/exchange/_native.c``, built with the package when a C
-compiler and the Python headers are there) does the consumer's two hot operations in one
+The C engine (the extension ``torchrl_asyncpool.exchange._native``, built from
+``torchrl_asyncpool/exchange/csrc/`` with the package when a C compiler and the Python headers
+are there) does the consumer's two hot operations in one
 call each: ``lease`` (scan the state words, take the oldest ready slots up to the cap, copy
 their records into the staging buffer, mark them leased) and ``answer`` (copy the actions
 into the response fields, mark the slots answered, ring each worker once). Everything around
