@@ -2,38 +2,30 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-import operator
 import threading
 import time
 import warnings
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from tensordict import TensorDictBase
 from torchrl.collectors import AsyncBatchedCollector
 from torchrl.collectors._base import BaseCollector
 from torchrl.envs.utils import ExplorationType
-from torchrl.modules.inference_server import ProcessSlotTransport as TorchRLProcessSlotTransport
 
 from torchrl_asyncpool.action_checks import action_checks
-from torchrl_asyncpool.acting_policy import (
-    WEIGHT_PREFIX,
-    ActingPolicy,
-    ActingPolicyFactory,
-    derive_policy_outputs,
-    primer_keys,
-    torchrl_recurrent_candidates,
-    torchrl_recurrent_state,
-)
+from torchrl_asyncpool.acting_policy import WEIGHT_PREFIX, ActingPolicy, ActingPolicyFactory
+from torchrl_asyncpool.collector_config import CollectorConfig, as_int, check_slot_transport, check_transport_keys
 from torchrl_asyncpool.inference import InferenceServer, InferenceServerError
 from torchrl_asyncpool.inference._runner import flatten_weights
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
-from torchrl_asyncpool.exchange.arena import as_key
 from torchrl_asyncpool.exchange.metrics import log_metrics
-from torchrl_asyncpool.pool import AsyncEnvPool, _shadowing_outputs
-from torchrl_asyncpool.affinity import pinned, resolve_collector_affinity
+from torchrl_asyncpool.policy_layout import PolicyLayout
+from torchrl_asyncpool.pool import AsyncEnvPool
+from torchrl_asyncpool.affinity import pinned
 from torchrl_asyncpool.threads import start_daemon_thread
 
 __all__ = ["AsyncPoolCollector"]
@@ -46,88 +38,6 @@ _AUTO_CHUNK_BYTES = 256 * 2**20
 # CartPole throughput and 10 % on a 2 ms env against 0.1 ms; 0 against 0.1 ms: CartPole equal,
 # 2 ms env +3-8 % with 16 envs and +0-3 % with 64 (benchmarks/README.md).
 _DEFAULT_FLUSH_TIMEOUT_S = 0.0
-#: TorchRL's default ``InferenceServerConfig.stats_window_size``
-_TORCHRL_STATS_WINDOW = 1024
-
-# TorchRL keywords whose only meaningful values are what this collector always does.
-_ACCEPTED_AS_IS = {
-    "env_exchange": ("auto", "shm"),
-    "policy_backend": (None, "threading", "multiprocessing"),
-    "reset_at_each_iter": (False,),
-    "weight_sync": (None,),
-    "weight_sync_model_id": ("policy",),
-}
-#: TorchRL's env backends: worker processes, or threads of the collector's process
-_ENV_BACKENDS = ("threading", "multiprocessing")
-
-
-class _PolicyArgumentsError(TypeError, ValueError):
-    """``policy``/``policy_factory`` given both or neither: a :class:`TypeError` as in TorchRL, and a
-    :class:`ValueError` as this collector raised before."""
-
-
-def _env_backend(torchrl_kwargs) -> str:
-    """TorchRL's rule: ``env_backend``, else ``backend``, else (unlike TorchRL 0.14, whose default
-    is about to change) ``"multiprocessing"``, TorchRL 0.15's default."""
-    env_backend, backend = torchrl_kwargs.pop("env_backend", None), torchrl_kwargs.pop("backend", None)
-    if backend is not None and torchrl_kwargs.get("policy_backend") is None and backend in _ENV_BACKENDS:
-        torchrl_kwargs["policy_backend"] = backend  # TorchRL's backend= sets both
-    chosen = env_backend if env_backend is not None else backend if backend is not None else "multiprocessing"
-    if chosen not in _ENV_BACKENDS:
-        raise ValueError(f"env_backend={chosen!r} is not supported. Expected one of {_ENV_BACKENDS}.")
-    return chosen
-
-
-def _keeps_references(replay_buffer) -> bool:
-    """Whether ``replay_buffer`` stores the TensorDicts it is given rather than copies of them."""
-    from torchrl.data import ListStorage
-
-    return isinstance(getattr(replay_buffer, "storage", None), ListStorage)
-
-
-def _check_slot_transport(transport, policy_factory, num_envs: int) -> None:
-    """Validates a TorchRL ``ProcessSlotTransport`` given as ``transport=``.
-
-    TorchRL's hand-built slot layouts select its process inference server; here the slot
-    layouts are always derived from the env and one policy pass, so the transport's specs are
-    only checked against them (:func:`_check_transport_keys`) and its own slots stay unused.
-    """
-    if not isinstance(transport, TorchRLProcessSlotTransport):
-        raise ValueError(
-            f"AsyncPoolCollector accepts transport=None, 'auto' or a torchrl ProcessSlotTransport, got "
-            f"{type(transport).__name__}: env workers always reach the inference server through the "
-            "shared-memory exchange."
-        )
-    if policy_factory is None:
-        raise ValueError("transport=ProcessSlotTransport(...) implies the process inference server: pass "
-                         "policy_factory= instead of policy=.")
-    num_slots = getattr(transport, "_num_slots", num_envs)
-    if num_slots < num_envs:
-        raise ValueError(f"transport has {num_slots} slots but create_env_fn has {num_envs} envs; "
-                         "a ProcessSlotTransport needs one slot per env.")
-
-
-def _check_transport_keys(transport, layout, policy_version_key) -> None:
-    """The transport's request keys must be env observations, its response keys policy outputs."""
-
-    def keys(name):
-        return {as_key(k) for k in getattr(transport, name, ()) if not str(as_key(k)[-1]).startswith("_")}
-
-    observed = {f.key for f in layout.request}
-    answered = {f.key for f in layout.response} | (
-        {as_key(policy_version_key)} if policy_version_key is not None else set()
-    )
-    for what, given, have in (
-        ("request", keys("_request_keys"), observed),
-        ("response", keys("_response_keys"), answered),
-    ):
-        missing = sorted(given - have)
-        if missing:
-            raise ValueError(
-                f"transport {what}_spec has keys {missing} that the "
-                f"{'env does not observe' if what == 'request' else 'policy does not return'} "
-                f"(available: {sorted(have)})."
-            )
 
 
 class AsyncPoolCollector(AsyncBatchedCollector):
@@ -146,7 +56,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     The envs are built and reset when the collector is constructed, and the inference server
     is started and validated then too, but no action is served before the first iteration
     (or :meth:`start`): weights given to :meth:`update_policy_weights_` before then act from
-    the first transition, as TorchRL applies them before any request is served.
+    the first transition, as TorchRL applies them before any request is served. Before the
+    workers start, one env is built (and closed) in this process and the policy runs once on a
+    zero record, to learn what the policy writes (see :mod:`torchrl_asyncpool.policy_layout`).
 
     Recurrent policies in TorchRL's setup (an ``LSTMModule``/``GRUModule`` whose
     ``make_tensordict_primer()`` is in the env, usually with ``InitTracker``) work as with
@@ -154,9 +66,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     ``key`` (zeros when an episode starts), carried by the env's worker in its slot, and
     batches hold the state the policy read at ``key`` and the one it wrote at
     ``("next", key)``. It applies to the policy's ``("next", key)`` outputs for which ``key``
-    is a ``TensorDictPrimer`` entry of the env (one env is built in this process to read its
-    transforms, only when the policy writes such an entry); any other ``("next", key)`` the
-    env observes is the env's, as in TorchRL.
+    is a ``TensorDictPrimer`` entry of the env (read from the transforms of the env built in
+    this process); any other ``("next", key)`` the env observes is the env's, as in TorchRL.
 
     Args:
         create_env_fn (list of callables): one factory per env (a list, as in TorchRL:
@@ -402,199 +313,58 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self._respawn = None  # replaces a dead server process (on_env_failure="restart", policy_factory=)
         self._closed = False
         self._serving = False  # the server is held (no action served) until the first iteration
-        # -- everything that can be checked before a process starts ------------------------------
-        if policy is not None and policy_factory is not None:
-            raise _PolicyArgumentsError(
-                "policy and policy_factory are mutually exclusive: pass exactly one of policy= or policy_factory=."
-            )
-        if policy is None and policy_factory is None:
-            raise _PolicyArgumentsError(
-                "One of policy or policy_factory must be provided (pass exactly one of policy= or policy_factory=)."
-            )
-        _check_env_fns(create_env_fn)
-        self._num_envs = len(create_env_fn)
-        for name, value in (("cast_actions", cast_actions), ("check_action_bounds", check_action_bounds)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {value!r}.")
-        self.env_backend = _env_backend(torchrl_kwargs)
-        threads = self.env_backend == "threading"
-        # TorchRL's transport: a hand-built ProcessSlotTransport, "auto" (this collector's choice),
-        # or "driver" (the policy served from this process, also with policy_factory)
-        slot_transport = torchrl_kwargs.pop("transport", None)
-        in_driver = slot_transport == "driver"
-        if slot_transport is None or isinstance(slot_transport, str):
-            if slot_transport not in (None, "auto", "driver"):
-                raise ValueError(
-                    f"transport must be a ProcessSlotTransport, 'auto', 'driver' or None, got {slot_transport!r}."
-                )
-            slot_transport = None
-        else:
-            _check_slot_transport(slot_transport, policy_factory, len(create_env_fn))
-            if threads:
-                raise ValueError("ProcessSlotTransport requires both a process inference server and "
-                                 "env_backend='multiprocessing'.")
-        if threads and torchrl_kwargs.get("env_exchange") == "shm":
-            raise ValueError("env_exchange='shm' requires env_backend='multiprocessing'.")
-        if threads and worker_affinity not in ("auto", None):
-            raise ValueError("worker_affinity is only supported with env_backend='multiprocessing'.")
-        for name, value in torchrl_kwargs.items():
-            if name not in _ACCEPTED_AS_IS:
-                raise TypeError(f"AsyncPoolCollector() got an unexpected keyword argument {name!r}.")
-            if value not in _ACCEPTED_AS_IS[name]:
-                raise ValueError(
-                    f"AsyncPoolCollector does not support {name}={value!r}: env workers are always processes on "
-                    f"the shared-memory exchange with a central policy loop (accepted: {_ACCEPTED_AS_IS[name]})."
-                )
-        for what, value in (("policy", policy), ("policy_factory", policy_factory)):
-            if value is not None and not callable(value):
-                raise TypeError(
-                    f"{what} must be callable ("
-                    + ("a TensorDict -> TensorDict policy such as a TensorDictModule" if what == "policy"
-                       else "a zero-argument callable returning the policy")
-                    + f"), got {type(value).__name__}."
-                )
-        given = frames_per_batch, total_frames
-        frames_per_batch, total_frames = _as_int(frames_per_batch), _as_int(total_frames)
-        if frames_per_batch is None or frames_per_batch < 1:
-            raise ValueError(f"frames_per_batch must be a positive int, got {given[0]!r}.")
-        if total_frames is None or (total_frames < 1 and total_frames != -1):
-            raise ValueError(f"total_frames must be -1 (endless) or a positive int, got {given[1]!r}.")
-        if server_config is not None and any(v is not None for v in (max_batch_size, min_batch_size, server_timeout)):
-            raise ValueError(
-                "server_config is mutually exclusive with max_batch_size, min_batch_size and server_timeout."
-            )
-        bucket_sizes = None
-        process_server = policy_factory is not None and not in_driver and not threads
-        if server_config is not None:
-            max_batch_size, min_batch_size, server_timeout, bucket_sizes = _server_config(server_config, policy_factory)
-            backend = getattr(server_config, "service_backend", "thread")
-            process_server = process_server if backend == "thread" else backend == "process"
-        if in_driver and process_server:
-            raise ValueError("transport='driver' serves the policy from this process; it cannot be combined with "
-                             "server_config=InferenceServerConfig(service_backend='process').")
-        _check_batching(max_batch_size, min_batch_size, server_timeout)
-        if device_config is not None and device is not None:
-            raise ValueError("device is mutually exclusive with device_config.")
-        policy_device, self._storing_device = _devices(device, device_config)
-        worker_affinity, self._driver_affinity, auto_policy_affinity = resolve_collector_affinity(
-            worker_affinity, driver_affinity, policy_num_threads
+        with contextlib.suppress(TypeError):  # for the repr of a collector whose construction fails
+            self._num_envs = len(create_env_fn)
+        # 1. every argument checked and translated, before any env is built or process started
+        config = CollectorConfig.from_arguments(
+            create_env_fn, policy=policy, policy_factory=policy_factory, frames_per_batch=frames_per_batch,
+            total_frames=total_frames, max_batch_size=max_batch_size, min_batch_size=min_batch_size,
+            server_timeout=server_timeout, server_config=server_config, device=device, device_config=device_config,
+            worker_affinity=worker_affinity, driver_affinity=driver_affinity, replay_buffer=replay_buffer,
+            torchrl_kwargs=torchrl_kwargs,
+            exploration_type=exploration_type, yield_completed_trajectories=yield_completed_trajectories,
+            return_same_td=return_same_td, verbose=verbose, policy_version=policy_version,
+            policy_version_key=policy_version_key, envs_per_worker=envs_per_worker, env_threads=env_threads,
+            transition_chunk_size=transition_chunk_size, chunks_per_env=chunks_per_env,
+            policy_num_threads=policy_num_threads, exchange=exchange, seed=seed, idle_poll=idle_poll,
+            cast_actions=cast_actions, check_action_bounds=check_action_bounds, on_env_failure=on_env_failure,
+            max_restarts_per_env=max_restarts_per_env, restart_window_s=restart_window_s, max_restarts=max_restarts,
         )
+        self.env_backend = config.env_backend
         self._policy = policy
         self._policy_factory = policy_factory
         #: read by TorchRL's ``BaseCollector.__len__`` and ``stats()``
-        self.requested_frames_per_batch = frames_per_batch
-        self.frames_per_batch = frames_per_batch
-        self.total_frames = total_frames
+        self.requested_frames_per_batch = config.frames_per_batch
+        self.frames_per_batch = config.frames_per_batch
+        self.total_frames = config.total_frames
         self.replay_buffer = replay_buffer
         self._postproc = postproc
         self.yield_completed_trajectories = yield_completed_trajectories
-        if not isinstance(return_same_td, bool):
-            raise TypeError(f"return_same_td must be a bool, got {return_same_td!r}.")
-        if return_same_td and yield_completed_trajectories:
-            raise ValueError(
-                "return_same_td=True does not apply with yield_completed_trajectories=True: each trajectory is a "
-                "new TensorDict of its own length."
-            )
-        if return_same_td and replay_buffer is not None and _keeps_references(replay_buffer):
-            raise ValueError(
-                "return_same_td=True with a replay buffer whose storage keeps references "
-                f"({type(replay_buffer.storage).__name__}): every stored batch would be the same reused tensors. "
-                "Use a LazyTensorStorage or LazyMemmapStorage, or return_same_td=False."
-            )
         self.return_same_td = return_same_td
         self.verbose = verbose
         self.policy_version_key = policy_version_key
         self.exploration_type = exploration_type
-        self._num_envs = len(create_env_fn)
-        self._frames = 0
-        self._iter = -1
-        self._iteration_started = False
-        self._iteration_lock = threading.Lock()
-        self._replay_lock = threading.Lock()
-        self._server_lock = threading.Lock()  # a weight update never lands on a server being replaced
-        self._pause_lock = threading.Lock()
-        self._shutdown_event = threading.Event()
-        self._replay_thread = None
-        self._replay_error = None
-        self._traj_parts: dict[int, list] = {}
-        self._trajectories: deque = deque()
+        self._server_backend = config.server_backend
+        self._policy_device = config.policy_device
+        self._storing_device = config.storing_device
+        self._driver_affinity = config.driver_affinity
+        self._init_collection_state()
 
         t0 = time.monotonic()
-        self._server_backend = "process" if process_server else "thread"
-        self._policy_device = policy_device
-        # One acting policy in this process: the thread server's, or a probe for process mode
-        # (built once from the factory, as TorchRL does, to learn the policy's output entries).
-        probe = ActingPolicy(policy if policy is not None else policy_factory(), exploration_type)
-        self._acting = None if process_server else probe
-        # TorchRL's recurrent convention (policy writes ("next", key) for a primer key), found once
-        # the env's observations and the policy's outputs are known: the pool reads this mapping
-        # as its recurrent_state after calling policy_output_spec (see _policy_outputs)
-        recurrent: dict = {}
-
-        def policy_outputs(request, actions):
-            outputs = derive_policy_outputs(probe, request, actions, policy_version_key, device=self._policy_device)
-            recurrent.update(_torchrl_recurrent(outputs, request, create_env_fn, create_env_kwargs))
-            # a ("next", key) the policy writes for an env entry that is not a carried state is not
-            # kept: the env's own next entry is what a transition holds there (TorchRL's env step
-            # output wins too), and the pool would refuse such an output
-            shadowing = set(_shadowing_outputs(outputs, recurrent, request))
-            return {k: v for k, v in outputs.items() if k not in shadowing}
-
-        self._pool = AsyncEnvPool(
-            create_env_fn,
-            create_env_kwargs=create_env_kwargs,
-            envs_per_worker=envs_per_worker,
-            env_threads=env_threads,
-            policy_output_spec=policy_outputs,
-            recurrent_state=recurrent,
-            transition_chunk_size=lambda layout: _auto_chunk(transition_chunk_size, layout, frames_per_batch,
-                                                             chunks_per_env),
-            chunks_per_env=chunks_per_env,
-            worker_affinity=worker_affinity,
-            exchange=exchange,
-            seed=seed,
-            idle_poll=idle_poll,
-            backend=self.env_backend,
-            on_env_failure=on_env_failure,
-            max_restarts_per_env=max_restarts_per_env,
-            restart_window_s=restart_window_s,
-            max_restarts=max_restarts,
-        )
+        # 2. what the policy writes and which recurrent states the workers carry for it: one env
+        # built here, and one acting policy in this process (the thread server's, or, built once
+        # from the factory as TorchRL does, a probe of the process server's policy)
+        acting = ActingPolicy(policy if policy is not None else policy_factory(), exploration_type)
+        self._acting = None if config.process_server else acting
+        layout = PolicyLayout.probe(acting, create_env_fn, create_env_kwargs, version_key=policy_version_key,
+                                    device=config.policy_device)
+        #: ``{key: slot key}`` of the recurrent states carried in TorchRL's convention
+        self.recurrent_keys = layout.recurrent_keys
+        # 3. the assembly: env workers and their slots, then the inference server serving them
+        self._pool = self._build_pool(create_env_fn, create_env_kwargs, config, layout)
         self._num_envs = self._pool.num_envs  # a vector env factory contributes several envs
-        policy_affinity = self._driver_affinity
-        if auto_policy_affinity is not None and self._pool.worker_affinity is not None:
-            policy_affinity = auto_policy_affinity  # the workers were partitioned off this CPU
         try:
-            if slot_transport is not None:
-                _check_slot_transport(slot_transport, policy_factory, self._num_envs)
-                _check_transport_keys(slot_transport, self._pool.layout, policy_version_key)
-            dtypes = {k: self._pool.layout_dtype(k) for k in self._pool.action_keys}
-            checks = action_checks(self._pool.full_action_spec, dtypes, cast=cast_actions, bounds=check_action_bounds)
-            #: ``{key: slot key}`` of the recurrent states carried in TorchRL's convention
-            self.recurrent_keys = {as_key(nxt)[1:]: as_key(hin) for hin, nxt in self._pool.recurrent_state.items()}
-            on_cuda = self._policy_device.type == "cuda"
-            server_kwargs = dict(
-                max_get=max_batch_size,
-                min_get=min_batch_size or 1,
-                timeout=_DEFAULT_FLUSH_TIMEOUT_S if server_timeout is None else server_timeout,
-                device=self._policy_device,
-                policy_version_key=policy_version_key,
-                # padding buys fixed shapes for CUDA graphs; on CPU it only costs compute and a copy
-                bucket_sizes=bucket_sizes if bucket_sizes is not None else ("auto" if on_cuda else None),
-                cuda_graphs=bucket_sizes is not None and on_cuda,  # server_config.static_batch_size
-                num_threads=policy_num_threads,
-                cpu_affinity=policy_affinity,
-            )
-            if not process_server:
-                probe.action_checks = checks
-                probe.carry = self.recurrent_keys
-                self._server = InferenceServer(probe, mode="thread", **server_kwargs)
-            else:
-                del probe
-                factory = ActingPolicyFactory(policy_factory, exploration_type, checks, self.recurrent_keys)
-                self._server = InferenceServer(policy_factory=factory, mode="process", **server_kwargs)
-                if on_env_failure == "restart":  # what a replacement of a dead server process needs
-                    self._respawn = _ServerRespawn(factory, server_kwargs, max_restarts_per_env, restart_window_s)
+            self._server = self._build_server(config, acting, policy_factory)
             if policy_version:
                 self._server.update_policy_weights_(None, version=int(policy_version))
             # built and validated now, serving from the first iteration (or start()): weights given
@@ -608,6 +378,86 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             print(f"AsyncPoolCollector: {self._num_envs} envs in {self._pool.num_workers} workers, "
                   f"{self._server_backend} inference server, idle polling {'on' if self._pool.idle_poll else 'off'}, "
                   f"started in {self.startup_time_s:.2f}s")
+
+    def _init_collection_state(self) -> None:
+        """What iterating, :meth:`start` and :meth:`pause` keep: counts, locks, the background writer."""
+        self._frames = 0
+        self._iter = -1
+        self._iteration_started = False
+        self._iteration_lock = threading.Lock()
+        self._replay_lock = threading.Lock()
+        self._server_lock = threading.Lock()  # a weight update never lands on a server being replaced
+        self._pause_lock = threading.Lock()
+        self._shutdown_event = threading.Event()
+        self._replay_thread = None
+        self._replay_error = None
+        self._traj_parts: dict[int, list] = {}
+        self._trajectories: deque = deque()
+
+    @staticmethod
+    def _build_pool(create_env_fn, create_env_kwargs, config: CollectorConfig, layout: PolicyLayout) -> AsyncEnvPool:
+        """The env workers, their slots (the env's records with the policy's ``layout``) and the
+        chunk buffers that deliver their transitions."""
+        return AsyncEnvPool(
+            create_env_fn,
+            create_env_kwargs=create_env_kwargs,
+            envs_per_worker=config.envs_per_worker,
+            env_threads=config.env_threads,
+            policy_output_spec=layout.outputs,
+            recurrent_state=layout.recurrent,
+            # "auto" is sized from the slot layout, which the pool knows once it read the env's specs
+            transition_chunk_size=functools.partial(_auto_chunk, config.transition_chunk_size,
+                                                    frames_per_batch=config.frames_per_batch,
+                                                    chunks_per_env=config.chunks_per_env),
+            chunks_per_env=config.chunks_per_env,
+            worker_affinity=config.worker_affinity,
+            exchange=config.exchange,
+            seed=config.seed,
+            idle_poll=config.idle_poll,
+            backend=config.env_backend,
+            on_env_failure=config.on_env_failure,
+            max_restarts_per_env=config.max_restarts_per_env,
+            restart_window_s=config.restart_window_s,
+            max_restarts=config.max_restarts,
+        )
+
+    def _build_server(self, config: CollectorConfig, acting: ActingPolicy, policy_factory) -> InferenceServer:
+        """The inference server for the pool: ``acting`` served from a thread of this process, or
+        ``policy_factory``'s policy from a process of its own; not started."""
+        pool = self._pool
+        if config.slot_transport is not None:
+            check_slot_transport(config.slot_transport, policy_factory, pool.num_envs)
+            check_transport_keys(config.slot_transport, pool.layout, config.policy_version_key)
+        policy_affinity = config.driver_affinity
+        if config.auto_policy_affinity is not None and pool.worker_affinity is not None:
+            policy_affinity = config.auto_policy_affinity  # the workers were partitioned off this CPU
+        dtypes = {k: pool.layout_dtype(k) for k in pool.action_keys}
+        checks = action_checks(pool.full_action_spec, dtypes, cast=config.cast_actions,
+                               bounds=config.check_action_bounds)
+        on_cuda = config.policy_device.type == "cuda"
+        buckets = config.bucket_sizes
+        server_kwargs = dict(
+            max_get=config.max_batch_size,
+            min_get=config.min_batch_size or 1,
+            timeout=_DEFAULT_FLUSH_TIMEOUT_S if config.server_timeout is None else config.server_timeout,
+            device=config.policy_device,
+            policy_version_key=config.policy_version_key,
+            # padding buys fixed shapes for CUDA graphs; on CPU it only costs compute and a copy
+            bucket_sizes=buckets if buckets is not None else ("auto" if on_cuda else None),
+            cuda_graphs=buckets is not None and on_cuda,  # server_config.static_batch_size
+            num_threads=config.policy_num_threads,
+            cpu_affinity=policy_affinity,
+        )
+        if not config.process_server:
+            acting.action_checks = checks
+            acting.carry = self.recurrent_keys
+            return InferenceServer(acting, mode="thread", **server_kwargs)
+        factory = ActingPolicyFactory(policy_factory, config.exploration_type, checks, self.recurrent_keys)
+        server = InferenceServer(policy_factory=factory, mode="process", **server_kwargs)
+        if config.on_env_failure == "restart":  # what a replacement of a dead server process needs
+            self._respawn = _ServerRespawn(factory, server_kwargs, config.max_restarts_per_env,
+                                           config.restart_window_s)
+        return server
 
     # -- TorchRL collector surface ----------------------------------------------------------
     @property
@@ -948,7 +798,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         if "frames" not in state_dict:
             return
         given = state_dict["frames"]
-        frames = _as_int(given)  # an int, or a numpy / 0-d tensor integer from a saved checkpoint
+        frames = as_int(given)  # an int, or a numpy / 0-d tensor integer from a saved checkpoint
         if frames is None or frames < 0:
             raise ValueError(f"state_dict['frames'] must be a non-negative integer, got {given!r}.")
         self._frames = frames
@@ -973,139 +823,6 @@ class AsyncPoolCollector(AsyncBatchedCollector):
 
 class _Stopped(Exception):
     """Internal: shutdown interrupted a blocked rollout."""
-
-
-def _as_int(value):
-    """``value`` as an int when it is an integer (a Python, numpy or 0-d tensor one, as
-    :func:`operator.index` accepts; not a bool), else ``None``."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
-def _check_env_fns(create_env_fn) -> None:
-    """TorchRL's ``create_env_fn`` is a list of factories, one per env (no single callable and count)."""
-    if callable(create_env_fn) or isinstance(create_env_fn, (str, bytes)) or not isinstance(create_env_fn, Sequence):
-        raise TypeError(
-            "create_env_fn must be a list of env factories, one callable per env (for n copies of one env: "
-            f"[make_env] * n), got {type(create_env_fn).__name__}."
-        )
-    if not len(create_env_fn):
-        raise TypeError("create_env_fn must be a non-empty list of env factories, got an empty one.")
-
-
-def _check_batching(max_batch_size, min_batch_size, server_timeout) -> None:
-    """The inference batching options, checked before any process starts."""
-    sizes = {}
-    for name, value in (("max_batch_size", max_batch_size), ("min_batch_size", min_batch_size)):
-        if value is None:
-            continue
-        n = _as_int(value)
-        if n is None or n < 1:
-            raise ValueError(f"{name} must be None or a positive int, got {value!r}.")
-        sizes[name] = n
-    if len(sizes) == 2 and sizes["min_batch_size"] > sizes["max_batch_size"]:
-        raise ValueError(
-            f"min_batch_size={sizes['min_batch_size']} must not exceed max_batch_size={sizes['max_batch_size']}."
-        )
-    if server_timeout is not None and (
-        isinstance(server_timeout, bool) or not isinstance(server_timeout, (int, float)) or not server_timeout >= 0
-    ):
-        raise ValueError(f"server_timeout must be None or a number of seconds >= 0, got {server_timeout!r}.")
-
-
-def _server_config(config, policy_factory):
-    """``(max_batch_size, min_batch_size, server_timeout, bucket_sizes)`` from TorchRL's
-    ``InferenceServerConfig``; every field is honoured or refused by name."""
-    backend = getattr(config, "service_backend", "thread")
-    if backend == "process" and policy_factory is None:
-        raise TypeError(  # TorchRL's own error for this combination
-            "InferenceServerConfig(service_backend='process') requires policy_factory so the policy can be "
-            "constructed inside the server process."
-        )
-    if backend not in ("thread", "process"):
-        raise ValueError(
-            f"server_config.service_backend={backend!r} is not supported: the policy is served from a thread of this "
-            "process (policy=) or from a dedicated server process (policy_factory=)."
-        )
-    if getattr(config, "collect_stats", True) is not True:
-        raise ValueError(
-            "server_config.collect_stats=False is not supported: this server always keeps its statistics (a few "
-            "additions per batch, see server_stats()); leave collect_stats=True."
-        )
-    window = getattr(config, "stats_window_size", _TORCHRL_STATS_WINDOW)
-    if window != _TORCHRL_STATS_WINDOW:
-        raise ValueError(
-            f"server_config.stats_window_size={window!r} is not supported: this server keeps sums over a window "
-            "that server_stats(reset=True) restarts, not percentiles over recent samples; leave it at "
-            f"{_TORCHRL_STATS_WINDOW}."
-        )
-    inflight = getattr(config, "max_inflight_per_env", None)
-    if inflight is not None and (_as_int(inflight) is None or inflight < 1):
-        raise ValueError(f"server_config.max_inflight_per_env must be None or a positive int, got {inflight!r}.")
-    # any bound holds here: an env has one request in flight (it waits for its action to step)
-    static = getattr(config, "static_batch_size", None)
-    buckets = None
-    if static is not None:
-        size = _as_int(static)
-        if size is None or size < 1 or size < config.max_batch_size:
-            raise ValueError(
-                f"server_config.static_batch_size must be a positive int >= max_batch_size={config.max_batch_size}, "
-                f"got {static!r}."
-            )
-        buckets = (size,)  # every batch padded to it (a CUDA graph per size on CUDA)
-    return config.max_batch_size, config.min_batch_size, config.timeout, buckets
-
-
-def _devices(device, device_config):
-    """``(policy device, storing device or None)``; devices this collector cannot honour are refused."""
-    if device_config is not None:
-        policy_device = getattr(device_config, "policy_device", None)
-        storing = getattr(device_config, "storing_device", None)
-        for name in ("output_device", "env_device"):
-            value = getattr(device_config, name, None)
-            if value is not None and torch.device(value).type != "cpu":
-                raise ValueError(
-                    f"device_config.{name}={str(value)!r} is not supported: the envs step in worker processes on "
-                    "actions in shared CPU memory, and the policy outputs travel with them; leave it None or 'cpu' "
-                    "(storing_device moves the batches)."
-                )
-        names = ("device_config.policy_device", "device_config.storing_device")
-    else:
-        policy_device, storing = device, None
-        names = ("device", "storing_device")
-    policy_device = torch.device("cpu") if policy_device is None else torch.device(policy_device)
-    storing = None if storing is None else torch.device(storing)
-    for name, value in zip(names, (policy_device, storing)):
-        if value is not None and value.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"{name}={str(value)!r}, but CUDA is not available in this process.")
-    return policy_device, storing
-
-
-def _torchrl_recurrent(outputs, request, create_env_fn, create_env_kwargs) -> dict:
-    """The pool's ``recurrent_state`` for TorchRL's recurrent convention (see
-    :func:`~torchrl_asyncpool.acting_policy.torchrl_recurrent_state`). Only when the policy writes
-    ``("next", key)`` for an observed ``key`` is one more env built here, to read its primers."""
-    if not torchrl_recurrent_candidates(outputs, request):
-        return {}
-    if create_env_kwargs is None:
-        kwargs = {}
-    elif isinstance(create_env_kwargs, Mapping):
-        kwargs = dict(create_env_kwargs)
-    else:
-        kwargs = dict(list(create_env_kwargs)[0])
-    env = create_env_fn[0](**kwargs)
-    try:
-        primers = primer_keys(env)
-    finally:
-        close = getattr(env, "close", None)
-        if close is not None:
-            with contextlib.suppress(Exception):
-                close()
-    return torchrl_recurrent_state(outputs, request, primers)
 
 
 def _auto_chunk(value, layout, frames_per_batch, chunks_per_env=2) -> int:

@@ -1,0 +1,93 @@
+"""What the collector's policy writes, and which recurrent states the env workers carry for it.
+
+An :class:`~torchrl_asyncpool.AsyncPoolCollector` learns both before it builds its pool, and
+hands them to the pool as plain values (``policy_output_spec=layout.outputs``,
+``recurrent_state=layout.recurrent``):
+
+1. one env is built in this process (:meth:`PolicyLayout.probe`) to read the fields of its
+   records (observations, reward, flags) and of its actions;
+2. the acting policy runs once on a zero record
+   (:func:`~torchrl_asyncpool.acting_policy.derive_policy_outputs`): what it writes besides the
+   actions are its outputs, carried in the slots and delivered in the transitions;
+3. TorchRL's recurrent convention (:func:`~torchrl_asyncpool.acting_policy.torchrl_recurrent_state`):
+   a policy output ``("next", *key)`` for a ``key`` that one of the env's ``TensorDictPrimer``
+   transforms declares is a recurrent state; the worker carries it to the env's next record;
+4. any other output ``("next", *key)`` for an entry the env records is left out: in a
+   transition that place holds the env's own next entry (TorchRL's env step output wins too).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+from torchrl_asyncpool.acting_policy import (
+    derive_policy_outputs,
+    primer_keys,
+    torchrl_recurrent_candidates,
+    torchrl_recurrent_state,
+)
+from torchrl_asyncpool.exchange.arena import as_key
+from torchrl_asyncpool.pool import _check_factories, _check_kwargs, _shadowing_outputs
+from torchrl_asyncpool.workers.env_adapter import make_adapter
+from torchrl_asyncpool.workers.torchrl_vector_hosting import synchronous_vector_envs
+
+__all__ = ["PolicyLayout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLayout:
+    """The policy's side of the slot layout.
+
+    Attributes:
+        outputs (dict): ``{key: (shape, dtype)}`` of what the policy writes besides the actions
+            (and the policy version key), the pool's ``policy_output_spec``.
+        recurrent (dict): ``{slot key: ("next", *key)}``, the pool's ``recurrent_state``: the
+            worker fills each record's ``slot key`` with the ``("next", *key)`` the policy wrote
+            for the env's previous record (zeros on ``FIRST``).
+    """
+
+    outputs: Mapping
+    recurrent: Mapping
+
+    @property
+    def recurrent_keys(self) -> dict:
+        """``{key: slot key}``: where the policy reads each carried state, and the slot entry that
+        carries it (:class:`~torchrl_asyncpool.acting_policy.ActingPolicy`'s ``carry``)."""
+        return {as_key(nxt)[1:]: as_key(hin) for hin, nxt in self.recurrent.items()}
+
+    @classmethod
+    def from_fields(cls, outputs: Mapping, request: Mapping, primers=()) -> PolicyLayout:
+        """The layout for a policy writing ``outputs`` on records of fields ``request`` from an
+        env whose ``TensorDictPrimer`` keys are ``primers`` (steps 3 and 4 above)."""
+        recurrent = torchrl_recurrent_state(outputs, request, primers)
+        shadowing = set(_shadowing_outputs(outputs, recurrent, request))
+        return cls(outputs={k: v for k, v in outputs.items() if k not in shadowing}, recurrent=recurrent)
+
+    @classmethod
+    def probe(cls, policy: Callable, create_env_fn: Sequence[Callable], create_env_kwargs=None, *,
+              version_key="policy_version", device=None) -> PolicyLayout:
+        """Builds the first env of ``create_env_fn`` here (and closes it) and runs ``policy`` once.
+
+        Args:
+            policy (callable): the acting policy (``TensorDict -> TensorDict``).
+            create_env_fn (list of callables): the collector's env factories.
+            create_env_kwargs (dict or list of dicts, optional): their keyword arguments.
+
+        Keyword Args:
+            version_key (NestedKey, optional): the policy version key stamped on every record
+                (``None``: none).
+            device (torch.device, optional): where the policy's parameters live.
+        """
+        fns = _check_factories(create_env_fn)
+        kwargs = _check_kwargs(create_env_kwargs, len(fns))
+        # a GymEnv(num_envs=k) built only to read fields steps in this process, not in k new ones
+        with synchronous_vector_envs():
+            env = fns[0](**kwargs[0])
+            adapter = make_adapter(env, 0)
+        try:
+            request, actions = adapter.fields()
+            outputs = derive_policy_outputs(policy, dict(request), dict(actions), version_key, device=device)
+            primers = primer_keys(env) if torchrl_recurrent_candidates(outputs, request) else ()
+        finally:
+            adapter.close()
+        return cls.from_fields(outputs, request, primers)
