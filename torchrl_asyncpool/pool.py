@@ -28,7 +28,7 @@ from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd, resolve_idle_poll
 from torchrl_asyncpool.exchange.metrics import PoolMetrics, log_metrics
 from torchrl_asyncpool.exchange.native import resolve_exchange
-from torchrl_asyncpool.forkserver import exit_code, forkserver_context, picklable
+from torchrl_asyncpool.forkserver import ensure_fd_capacity, exit_code, forkserver_context, picklable, ship_fds
 from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, make_adapter, remote_listener
 from torchrl_asyncpool.workers.env_specs import batched_specs, slot_specs
 from torchrl_asyncpool.workers.env_worker import RESTARTED_KEY, RestartPolicy, run_worker, worker_main
@@ -408,6 +408,11 @@ class AsyncEnvPool:
         self._slot_worker = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
         # a threaded worker's slots each wait on their own doorbell; otherwise one per worker
         self._slot_bell = np.arange(n) if self.env_threads else self._slot_worker
+        # the bells, and a pipe, a sentinel and a data pipe per worker process: no limit of ours caps
+        # them (see forkserver.ship_fds for how a worker or a server gets them), the soft RLIMIT_NOFILE
+        # is raised where it would (before the fork server starts: it and the workers inherit it)
+        ensure_fd_capacity(int(self._slot_bell.max()) + 1 + (0 if threads else 4 * self.num_workers),
+                           f"AsyncEnvPool ({n} envs, {self.num_workers} workers)")
         self._bells = [Doorbell() for _ in range(int(self._slot_bell.max()) + 1)]
         self._conns = []
         #: the path each slot's env is stepped on, as its worker reported it (``"gymnasium"``,
@@ -494,7 +499,8 @@ class AsyncEnvPool:
                 daemon=True,
             )
             self._check_cancel()  # between starts (the fork server's own first start is not cut short)
-            p.start()
+            with ship_fds():  # the bells (one per env for threaded workers) go after the start message
+                p.start()
             child_conn.close()
             self._procs.append(p)
             self._conns.append(parent_conn)

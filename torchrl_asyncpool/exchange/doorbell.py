@@ -177,7 +177,11 @@ class InheritedFd:
 
     Under ``fork`` the child inherits it as is; under ``forkserver``/``spawn`` pickling
     goes through :class:`multiprocessing.reduction.DupFd`, which ships the descriptor with
-    the process start-up message (the only time anything is pickled).
+    the process start-up message (the only time anything is pickled). A fork server's start
+    message holds about 250 descriptors: inside
+    :func:`~torchrl_asyncpool.forkserver.ship_fds` (how pools and inference servers start
+    their processes) they are sent right after the start instead, in batches, any number of
+    them; see :func:`~torchrl_asyncpool.forkserver.reduce_inherited_fd`.
     """
 
     __slots__ = ("fd",)
@@ -186,13 +190,9 @@ class InheritedFd:
         self.fd = fd
 
     def __reduce__(self):
-        from multiprocessing import reduction
+        from torchrl_asyncpool.forkserver import reduce_inherited_fd
 
-        return (_rebuild_fd, (reduction.DupFd(self.fd),))
-
-
-def _rebuild_fd(dupfd) -> InheritedFd:
-    return InheritedFd(dupfd.detach())
+        return reduce_inherited_fd(self.fd)
 
 
 class Doorbell:

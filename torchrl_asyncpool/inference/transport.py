@@ -13,7 +13,7 @@ from typing import Optional
 
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
-from torchrl_asyncpool.forkserver import exit_code, forkserver_context, picklable
+from torchrl_asyncpool.forkserver import exit_code, forkserver_context, picklable, ship_fds
 from torchrl_asyncpool.inference._common import InferenceServerError, ServerSpec
 from torchrl_asyncpool.inference._shared import SharedWeights, StatsBlock
 
@@ -161,7 +161,8 @@ class ProcessSlotTransport:
                     name="torchrl_asyncpool-inference-server",
                     daemon=True,
                 )
-                proc.start()
+                with ship_fds():  # the handle's bells (one per env for threaded workers) go after the start
+                    proc.start()
                 self._proc = proc
             finally:
                 writer.close()
