@@ -3,33 +3,33 @@
 Loop (per wake-up of the worker's doorbell)::
 
     drain doorbell -> the hosted slots in ACTION_READY, in slot order:
-        if the last record was terminal: discard the action, write the (already reset) FIRST
-        else: [copy the answered record and its action into the env's chunk], step, write
+        if the last record was terminal: discard the action, stage the (already reset) FIRST
+        else: [copy the answered record and its action into the env's chunk], step, stage
               MID / TERMINATION / TRUNCATION, [copy it into the chunk as "next"]
-    -> publish what the pass wrote: ready times, then state words, one store each; one ring
+    -> publish what the pass staged: ready times, then state words, one store each; one ring
     -> reset the envs that just ended (eagerly, while the consumer computes the discarded action)
     -> block in poll(doorbell, parent life pipe)
 
-A pass publishes its records together so that the consumer leases them as one batch (see
-``_HOLD_S`` for the bounds); slots hosted by the same worker are otherwise stepped as their
-actions arrive, not in lockstep. Nothing here allocates shared memory or pickles a tensor:
-records are copied into the arena through numpy views, the state word is set after the data,
-and the consumer's doorbell is rung after the state word.
+Every record is written by one :class:`~torchrl_asyncpool.workers.record_writer.RecordWriter`
+(step types, end flags, rewards, timers, recurrent inputs, restart flags, state words, the
+ring); the env's own step writes only the observation, straight into the slot's rows. A pass
+publishes its records together so that the consumer leases them as one batch (see ``_HOLD_S``
+for the bounds); slots hosted by the same worker are otherwise stepped as their actions
+arrive, not in lockstep. Nothing here allocates shared memory or pickles a tensor.
 
-A worker whose factory returned a gymnasium vector env (``k`` slots, one adapter) runs
-:meth:`_Worker._run_lockstep` instead: it waits until all ``k`` slots are answered and steps
-them with one call; the vector env's own NEXT_STEP autoreset yields the ``FIRST`` records.
+A worker whose factory returned a vector env (``k`` slots, one adapter) runs
+:meth:`_Worker._run_lockstep` instead: it waits until all ``k`` slots are answered, steps them
+with one call and writes their records as one block of adjacent slots.
 
 Threaded workers (``threaded=True``, for envs that block: sleep, I/O, a simulator that releases
 the GIL) run the same per-slot logic in one thread per hosted slot, each slot with its own
-doorbell, so the slots' blocking steps overlap inside one process. Each thread works on a
-shallow copy of the worker: the shared arrays are the same objects, the bookkeeping that says
-what the thread is doing (phase, current slot, unrung records) is its own.
+doorbell, so the slots' blocking steps overlap inside one process. The per-slot logic is a
+:class:`_Stepper` (with its own writer and its own note of what it is doing): the pass loop
+has one, each env thread its own; the :class:`_Worker` holds what they share.
 """
 from __future__ import annotations
 
 import collections
-import copy
 import functools
 import os
 import select
@@ -46,9 +46,10 @@ from torchrl_asyncpool.delivery import chunks as C
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, as_key
 from torchrl_asyncpool.exchange.doorbell import BellWait, Doorbell, set_process_idle_poll
-from torchrl_asyncpool.exchange.native import copy_into, pass_stores, row_copier
+from torchrl_asyncpool.exchange.native import copy_into, row_copier
 from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, make_adapter, remote_listener
+from torchrl_asyncpool.workers.record_writer import RESTARTED_KEY, RecordWriter
 
 __all__ = ["worker_main", "run_worker", "RestartPolicy", "RESTARTED_KEY"]
 
@@ -66,8 +67,6 @@ _SLOW_STEP_S = 200e-6
 _FIRST, _MID, _TERM, _TRUNC = (
     int(StepType.FIRST), int(StepType.MID), int(StepType.TERMINATION), int(StepType.TRUNCATION)
 )
-#: the request entry that marks a record produced by an env restart (see :class:`RestartPolicy`)
-RESTARTED_KEY = "env_restarted"
 
 
 class RestartPolicy:
@@ -128,27 +127,20 @@ def _np(t: torch.Tensor) -> np.ndarray:
 class _Slot:
     """Everything one hosted env needs on the hot path, resolved once."""
 
-    __slots__ = ("index", "adapter", "obs", "reward", "actions", "step_into", "recurrent", "ended",
-                 "pending_first", "pending_error", "chunks", "chunk", "pos", "seq", "factory", "flag", "flagged",
-                 "reborn")
+    __slots__ = ("index", "adapter", "obs", "actions", "step_into", "ended", "pending_first", "pending_error",
+                 "reset_dt", "chunks", "chunk", "pos", "seq", "factory", "reborn")
 
-    def __init__(self, index, adapter, arena, recurrent):
+    def __init__(self, index, adapter, arena):
         self.index = index
-        req = arena.request
-        self.reward = _np(req.get("reward")[index])
         self.bind(adapter, arena)
-        # (hidden_in view, hidden_out view): the last answered state is fed back as input
-        self.recurrent = [(_np(req.get(i)[index]), _np(arena.response.get(o)[index])) for i, o in recurrent.items()]
-        # restarts (on_env_failure="restart"): (factory, kwargs) to rebuild the env; the slot's
-        # "env_restarted" flag row (None without restarts), whether it is set now, and whether the
-        # next FIRST record is the rebuilt env's first after a failed reset
+        # restarts (on_env_failure="restart"): (factory, kwargs) to rebuild the env, and whether
+        # the next FIRST record is the rebuilt env's first after a failed reset
         self.factory = None
-        self.flag = _np(req.get(RESTARTED_KEY)[index]) if RESTARTED_KEY in req.keys() else None
-        self.flagged = False
         self.reborn = False
         self.ended = False
         self.pending_first = None
         self.pending_error = None  # traceback of a failed eager reset, raised when the slot is ours again
+        self.reset_dt = 0.0  # seconds of resets not yet counted in a published record
         self.chunks = []  # chunk ids owned by this env
         self.chunk = -1  # chunk being filled, -1 when none
         self.pos = 0
@@ -165,6 +157,12 @@ class _Slot:
             self.actions = {k: _np(v) for k, v in self.actions.items()}
         # step_into(actions, obs views) -> (reward, terminated, truncated), the observation written
         self.step_into = getattr(adapter, "step_into", None) or functools.partial(_step_into, adapter)
+
+    def write_obs(self, obs):
+        """Copies an observation (as the adapter's ``step``/``reset`` return it) into the slot's rows."""
+        as_np = self.adapter.as_numpy
+        for key, view in self.obs:
+            copy_into(view, as_np(obs.get(key)))  # keeps the GIL (see copy_into)
 
 
 def _step_into(adapter, actions, views):
@@ -280,57 +278,60 @@ class _Delivery:
 
 
 class _Worker:
+    """What a worker's slots share: the arena, the doorbells, the chunk buffers, the hosted slots
+    and the restart budget. The per-slot work (stepping, resetting, rebuilding, writing records)
+    is a :class:`_Stepper`'s: the pass loop has one for all the slots, each env thread of a
+    threaded worker its own."""
+
     def __init__(self, worker_id, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn, delivery, threaded=False,
                  exchange="python", affinity=None, restart=None):
         self.worker_id = worker_id
         self.threaded = threaded
         self.affinity = affinity
         self.layout = layout
-        self._phase, self._current = "construction", None
+        self.exchange = exchange
         self.started = False
         self.conn = conn
         self.arena = a = Arena.attach(layout, arena_fd)
         self.bells = [Doorbell(fd) for fd in bell_fds]  # one, or one per slot when threaded
+        self.consumer_fd = consumer_fd
         self.consumer = Doorbell(consumer_fd)
         self.life_fd = life_fd
-        self.state, self.ready_time = a.state, a.ready_time
-        self.step_time, self.step_count = a.step_time, a.step_count
-        self.step_type = _np(a.request.get("step_type"))
-        self.done = _np(a.request.get("done"))
-        self.terminated = _np(a.request.get("terminated"))
-        self.truncated = _np(a.request.get("truncated"))
-        self.reward = _np(a.request.get("reward"))
-        # one (k, 1, ...) reshape per pass broadcasts a step type over each slot's flag row
-        self._flag_dims = (1,) * (self.done.ndim - 1)
+        self.state = a.state
         self.delivery = _Delivery(delivery, a, exchange) if delivery is not None else None
-        # a pass's stores and its publish in C (None: the numpy stores of _store_group/_publish_held)
-        self._pass = pass_stores(exchange, a, self.reward, self.step_type, self.done, self.terminated,
-                                 self.truncated, consumer_fd)
-        self.slots = []  # hosted slots (empty when threaded: each thread holds its own)
-        self._threads = []
-        self._stop_w = -1
-        self.unrung = 0  # records published since the consumer's doorbell was last rung
-        self.held = None  # slot indices written but not yet published (the main loop's pass)
-        self.vector = None  # the adapter of a vector env hosting all the slots (stepped in lockstep)
-        self.slot_paths = {}  # slot index -> the path its env is stepped on (threaded workers)
         # on_env_failure="restart": the budget of env rebuilds (None: a failing env fails the worker)
         self.restarts = None if restart is None else restart.budget(a, layout.num_slots)
-
-    def build(self, slot_ids, env_fns, env_kwargs):
-        layout = self.layout
-        recurrent = layout.recurrent
-        actions = layout.action_keys
-        self._expected = (
+        recurrent, actions = layout.recurrent, layout.action_keys
+        self.expected = (  # the fields every env must declare: (request, response) {key: (shape, dtype)}
             {f.key: (f.shape, f.dtype) for f in layout.request if f.key not in recurrent and f.key != (RESTARTED_KEY,)},
             {f.key: (f.shape, f.dtype) for f in layout.response if actions is None or f.key in actions},
         )
+        self.stepper = _Stepper(self)  # the pass loop's (and the start-up's)
+        self.slots = []  # hosted slots (empty when threaded: each thread holds its own)
+        self._specs = []
+        self._threads = []
+        self._stop_w = -1
+        self.vector = None  # the adapter of a vector env hosting all the slots (stepped in lockstep)
+        self.slot_paths = {}  # slot index -> the path its env is stepped on (threaded workers)
+
+    # where the worker is, for its failure report: the pass loop's stepper's (threads report their own)
+    @property
+    def _phase(self):
+        return self.stepper.phase
+
+    @property
+    def _current(self):
+        return self.stepper.current
+
+    def build(self, slot_ids, env_fns, env_kwargs):
+        stepper = self.stepper
         if len(env_fns) == 1 and not self.threaded:
-            self._phase, self._current = "construction", slot_ids[0]
+            stepper.note("construction", slot_ids[0])
             adapter = make_adapter(env_fns[0](**env_kwargs[0]), slot_ids[0])
             if hasattr(adapter, "num_envs") or len(slot_ids) > 1:  # a vector env: all the slots, one adapter
                 self._build_vector(slot_ids, adapter)
                 return
-            slot = self._add_slot(slot_ids[0], adapter)
+            slot = stepper.add_slot(slot_ids[0], adapter)
             slot.factory = (env_fns[0], env_kwargs[0])
             self.slots.append(slot)
             return
@@ -341,7 +342,7 @@ class _Worker:
             self._specs = specs
             return
         for spec in specs:
-            self.slots.append(self._build_slot(*spec))
+            self.slots.append(stepper.build_slot(*spec))
 
     def _build_vector(self, slot_ids, adapter):
         if not hasattr(adapter, "num_envs"):
@@ -358,78 +359,8 @@ class _Worker:
                 "(every factory must return the same number of envs)."
             )
         for index in slot_ids:
-            self.slots.append(self._add_slot(index, adapter))
+            self.slots.append(self.stepper.add_slot(index, adapter))
         self.vector = adapter
-
-    def _build_slot(self, index, fn, kw):
-        self._phase, self._current = "construction", index
-        adapter = make_adapter(fn(**kw), index)
-        if hasattr(adapter, "num_envs"):
-            adapter.close()
-            raise ValueError(
-                f"env {index}: the factory returned a gymnasium vector env, but the first factory returned a "
-                "single env (all factories must return the same kind)."
-            )
-        slot = self._add_slot(index, adapter)
-        slot.factory = (fn, kw)
-        return slot
-
-    def _add_slot(self, index, adapter):
-        self._phase, self._current = "construction", index
-        request, response = (_keyed(d) for d in adapter.fields())
-        _check_fields(index, "observation/reward/done", self._expected[0], request)
-        _check_fields(index, "action", self._expected[1], response)
-        slot = _Slot(index, adapter, self.arena, self.layout.recurrent)
-        if self.delivery is not None:
-            per = self.delivery.per_env
-            slot.chunks = list(range(index * per, (index + 1) * per))
-        return slot
-
-    # -- restarts (on_env_failure="restart") ----------------------------------------------------
-    def _rebuild(self, slot, phase):
-        """Replaces ``slot``'s env, which just raised in ``phase`` (called from the ``except``):
-        counts the failure against the budget (raising past it), closes the env and builds a new
-        one from the same factory, with the seed of its rebuild. Failures to build count too."""
-        tb = traceback.format_exc()
-        while True:
-            r = self.restarts.admit(slot.index, phase, tb)
-            _close_reporting(slot.adapter, slot.index)
-            fn, kw = slot.factory
-            self._phase, self._current = "construction", slot.index
-            try:
-                env = fn(**kw)
-                seed = getattr(env, FIRST_SEED_ATTR, None)
-                if seed is not None:  # env i's r-th rebuild: seed + i + r * num_envs, never another env's
-                    setattr(env, FIRST_SEED_ATTR, seed + r * self.layout.num_slots)
-                adapter = make_adapter(env, slot.index)
-                request, response = (_keyed(d) for d in adapter.fields())
-                _check_fields(slot.index, "observation/reward/done", self._expected[0], request)
-                _check_fields(slot.index, "action", self._expected[1], response)
-            except Exception:  # noqa: BLE001 - a failed rebuild is one more failure of this env
-                tb, phase = traceback.format_exc(), "construction"
-                continue
-            slot.bind(adapter, self.arena)
-            self.arena.write_error(slot.index, f"{phase}\n{tb}")  # the last cause, for pool.restart_info()
-            self.arena.restarts[slot.index] = r  # after the text
-            slot.pending_first = slot.pending_error = None
-            return
-
-    def _set_flag(self, slot, on):
-        """Sets or clears ``slot``'s ``env_restarted`` row (the record being written is a restart's)."""
-        slot.flag[...] = on
-        slot.flagged = on
-
-    def _restarted_reset(self, slot):
-        """The reset of a slot whose reset failed: rebuild and reset until one works (or the
-        budget runs out); its FIRST record is marked as a restart's."""
-        while True:
-            self._rebuild(slot, "reset")
-            try:
-                obs = self._timed_reset(slot)
-            except Exception:  # noqa: BLE001 - counted by the next _rebuild
-                continue
-            slot.reborn = True
-            return obs
 
     def close_envs(self, timeout: float = 30.0):
         """Closes the hosted envs; a threaded worker's threads close their own (waited for at
@@ -448,147 +379,39 @@ class _Worker:
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
 
-    # -- publishing ---------------------------------------------------------------------------
-    def _publish(self, slot, obs, reward, step_type, dt=None):
-        """Writes one record into its slot and publishes it (or holds it for the pass);
-        ``dt``: the step's seconds, added to the slot's step timer and count. ``obs=None``: the
-        truncation that ends an episode cut by an env restart, at the slot's last observation."""
-        i = slot.index
-        as_np = slot.adapter.as_numpy
-        if obs is not None:  # None: a restart's truncation keeps the last delivered observation
-            for key, view in slot.obs:
-                copy_into(view, as_np(obs.get(key)))  # keeps the GIL (see copy_into)
-        if slot.flag is not None:  # on_env_failure="restart": mark a restart's record, unmark the next one
-            restarted = slot.reborn or obs is None
-            if slot.flagged != restarted:
-                self._set_flag(slot, restarted)
-            slot.reborn = False
-        for hidden_in, hidden_out in slot.recurrent:
-            if step_type == _FIRST:
-                hidden_in[...] = 0
-            else:
-                hidden_in[...] = hidden_out
-        if self._pass is not None and self.held is None:
-            # the flags, reward, timers, publish and ring in one call (False: a reward numpy stores)
-            if self._pass.record(i, step_type, 0 if reward is None else as_np(reward), -1.0 if dt is None else dt,
-                                 time.monotonic()):
-                return
-        if dt is not None:
-            self.step_time[i] += dt
-            self.step_count[i] += 1
-        if reward is None:
-            slot.reward[...] = 0
-        else:
-            slot.reward[...] = as_np(reward)
-        self._store_step_types(i, step_type)
-        if self.held is not None:  # published with the rest of the pass (see _HOLD_S)
-            self.held.append(i)
-            return
-        self.ready_time[i] = time.monotonic()
-        self.state[i] = S.OBS_READY  # after the data: the consumer may read it from now on
-        self.unrung += 1
-
-    def _store_step_types(self, target, st):
-        """``step_type`` and the three end flags of the records ``target``: one index and an int
-        step type, or an index array and an int8 array of step types."""
-        self.step_type[target] = st
-        flag = st if np.ndim(st) == 0 else st.reshape((len(st), *self._flag_dims))
-        self.terminated[target] = flag == _TERM
-        self.truncated[target] = flag == _TRUNC
-        self.done[target] = flag >= _TERM
-
-    def _publish_held(self):
-        """Publishes the records held back this pass: one store per array, one ring."""
-        held = self.held
-        if self._pass is not None:
-            self._pass.publish(held, time.monotonic())
-            held.clear()
-            return
-        target = held[0] if len(held) == 1 else held  # a scalar store costs less than a fancy one
-        self.ready_time[target] = time.monotonic()
-        self.state[target] = S.OBS_READY  # after the data
-        self.consumer.ring(len(held))
-        held.clear()
-
-    def _timed_reset(self, slot):
-        self._phase, self._current = "reset", slot.index
-        t = time.perf_counter()
-        obs = slot.adapter.reset()
-        self.step_time[slot.index] += time.perf_counter() - t
-        self.step_count[slot.index] += 1
-        return obs
-
-    def _serve(self, slot):
-        """Answers one ACTION_READY slot; returns None (blocked), False, or True (episode ended)."""
-        if slot.ended:
-            if slot.pending_error is not None:
-                self._phase, self._current = "reset", slot.index
-                raise _DeferredEnvError(slot.pending_error)
-            # NEXT_STEP autoreset: the action answering a terminal record is discarded.
-            obs = slot.pending_first if slot.pending_first is not None else self._reset_or_restart(slot)
-            slot.pending_first = None
-            slot.ended = False
-            self._publish(slot, obs, None, _FIRST)
-            return False
-        delivery = self.delivery
-        if delivery is not None:
-            if not delivery.claim(slot):
-                return None  # back-pressure: the driver holds every chunk of this env
-            delivery.write_root(slot)
-        self._phase, self._current = "step", slot.index
-        t = time.perf_counter()
-        try:
-            obs, reward, terminated, truncated = slot.adapter.step(slot.actions)
-        except Exception:
-            if self.restarts is None:
-                raise
-            self._rebuild(slot, "step")  # the episode ends here: a truncation at its last observation
-            obs, reward, terminated, truncated = None, None, False, True
-        dt = time.perf_counter() - t
-        st = _TERM if terminated else (_TRUNC if truncated else _MID)
-        self._publish(slot, obs, reward, st, dt)
-        if delivery is not None:
-            delivery.write_next(slot)
-        slot.ended = st != _MID
-        return slot.ended
-
-    def _reset_or_restart(self, slot):
-        try:
-            return self._timed_reset(slot)
-        except Exception:
-            if self.restarts is None:
-                raise
-            return self._restarted_reset(slot)
-
-    def _ring(self):
-        self.consumer.ring(self.unrung)
-        self.unrung = 0
-
     def _paths(self) -> dict:
         """``{slot index: the path its env is stepped on}`` (``adapter.path``: ``"torchrl-fast"``,
         ``"torchrl"``, ``"gymnasium"``, ...), reported to the pool with the worker's first records."""
         return {slot.index: getattr(slot.adapter, "path", "unknown") for slot in self.slots}
+
+    def pin(self):
+        """Applies the worker's CPU mask to the calling thread (pid 0: this thread only).
+
+        Called once the envs are built, not at process start: building envs (imports,
+        simulators loading assets) then runs on every core, which matters when the default
+        partition puts every worker on one core of two."""
+        if self.affinity is not None:
+            os.sched_setaffinity(0, self.affinity)
 
     # -- main loop ----------------------------------------------------------------------------
     def _started(self):
         """Tells the parent the first records are out; returns the :class:`BellWait` to wait on."""
         self.conn.send(("ready", self.worker_id, self._paths(), None))
         self.started = True
-        bell = self.bells[0]
         # drains the bell in the wait, before the scan: a ring after that wakes the next wait
-        return BellWait(bell, (self.life_fd,))
+        return BellWait(self.bells[0], (self.life_fd,))
 
     def run(self):
         if self.threaded:
             return self._run_threaded()
         if self.vector is not None:
             return self._run_lockstep()
+        stepper, writer = self.stepper, self.stepper.writer
         for slot in self.slots:
-            self._publish(slot, self._timed_reset(slot), None, _FIRST)
-        self._ring()
+            stepper.record_first(slot, stepper.timed_reset(slot))
+        writer.publish()
         waiter = self._started()
-        state, slots = self.state, self.slots
-        held = self.held = []
+        state, slots, delivery = self.state, self.slots, self.delivery
         while True:
             for fd in waiter.wait():
                 if fd == self.life_fd:
@@ -599,133 +422,23 @@ class _Worker:
             stepping = []
             for slot in ready:
                 if slot.ended:
-                    self._serve(slot)  # a FIRST record: no step, nothing to deliver
-                elif self.delivery is None or self.delivery.claim(slot):
+                    stepper.serve(slot)  # a FIRST record: no step, nothing to deliver
+                elif delivery is None or delivery.claim(slot):
                     stepping.append(slot)
                 # else back-pressure: the driver holds every chunk of this env; the action waits
             if len(stepping) > 1:
-                ended = self._step_pass(stepping)
+                ended = stepper.step_pass(stepping)
             else:  # one env to step (a slow env's usual pass): the per-slot path costs less
-                ended = [slot for slot in stepping if self._serve(slot)]
-            if held:
-                self._publish_held()
+                ended = [slot for slot in stepping if stepper.serve(slot)]
+            writer.publish()  # what is left of the pass: its last group, the FIRST records
             for slot in ended:
-                self._eager_reset(slot)
-
-    def _step_pass(self, stepping):
-        """Steps ``stepping`` (claimed, ACTION_READY, not ended) in order; returns those whose
-        episode ended. Per slot only the step and its observation copy run in Python; the
-        chunk rows, flags, rewards and counters are written with one store per array for a
-        group of slots, published together; a group closes early after a slow step or once
-        its first record has waited :data:`_HOLD_S` (see there)."""
-        delivery = self.delivery
-        n = len(stepping)
-        idx = np.array([s.index for s in stepping], np.int64)
-        if delivery is not None:  # the answered records, before any step overwrites them
-            rows = delivery.write_root_rows(stepping, idx)
-        ended = []
-        start = 0
-        clock = time.perf_counter
-        self._phase = "step"
-        while start < n:
-            group, sts, rewards, times = [], [], [], []
-            t_group = t = clock()
-            for slot in stepping[start:]:
-                self._current = slot.index
-                if slot.flag is None:
-                    reward, terminated, truncated = slot.step_into(slot.actions, slot.obs)
-                else:
-                    reward, terminated, truncated = self._step_or_restart(slot)
-                t_end = clock()
-                dt = t_end - t
-                times.append(dt)
-                t = t_end
-                rewards.append(reward)
-                st = _TERM if terminated else (_TRUNC if truncated else _MID)
-                if slot.recurrent:
-                    for hidden_in, hidden_out in slot.recurrent:
-                        hidden_in[...] = hidden_out
-                sts.append(st)
-                group.append(slot)
-                if st != _MID:
-                    slot.ended = True
-                    ended.append(slot)
-                if dt > _SLOW_STEP_S or t_end - t_group > _HOLD_S:
-                    break
-            k = len(group)
-            gidx = idx[start:start + k]
-            if k == 1:  # slow envs publish one by one: scalar stores cost less than fancy indexing
-                self._store_one(group[0], sts[0], rewards[0], times[0])
-            else:
-                self._store_group(group, gidx, sts, rewards, times)
-                if delivery is not None:
-                    delivery.write_next_rows(group, gidx, rows[start:start + k])
-            self.held.extend(gidx.tolist())
-            start += k
-            if start < n:
-                self._publish_held()
-        return ended
-
-    def _step_or_restart(self, slot):
-        """``slot.step_into`` with restarts on: a failing env is rebuilt and its episode ends with
-        a truncation (reward 0, flag set) at the last observation, which the step did not touch."""
-        try:
-            out = slot.step_into(slot.actions, slot.obs)
-        except Exception:
-            self._rebuild(slot, "step")
-            self._phase = "step"
-            self._set_flag(slot, True)
-            return np.zeros_like(slot.reward), False, True
-        if slot.flagged:
-            self._set_flag(slot, False)
-        return out
-
-    def _store_one(self, slot, st, reward, dt):
-        i = slot.index
-        self.reward[i] = reward
-        self._store_step_types(i, st)
-        self.step_time[i] += dt
-        self.step_count[i] += 1
-        if self.delivery is not None:
-            self.delivery.write_next(slot)
-
-    def _store_group(self, group, gidx, sts, rewards, times):
-        if self._pass is not None and self._pass.store(gidx, sts, rewards, times):
-            return
-        k = len(group)
-        try:
-            self.reward[gidx] = np.asarray(rewards, self.reward.dtype).reshape((k, *self.reward.shape[1:]))
-        except ValueError:  # rewards of mixed shapes (a float here, a [1] array there): one by one
-            for i, r in zip(gidx.tolist(), rewards):
-                self.reward[i] = r
-        self._store_step_types(gidx, np.array(sts, np.int8))
-        self.step_time[gidx] += times
-        self.step_count[gidx] += 1
-
-    def _eager_reset(self, slot):
-        # Eager reset hides reset latency behind the consumer's (discarded) answer. The slot
-        # belongs to the consumer meanwhile, so a failure waits for its answer.
-        if _plan_done(slot.adapter):
-            # the env's planned episodes are all run (evaluate()): a reset now would be an extra,
-            # unseeded one that nobody asked for (and whose hang or crash would be blamed on no
-            # episode); if the consumer answers the terminal record anyway, _serve resets then
-            return
-        if slot.pending_first is None and self.state[slot.index] != S.ACTION_READY:
-            try:
-                slot.pending_first = self._timed_reset(slot)
-            except Exception:  # noqa: BLE001 - re-raised by _serve once the slot is ours
-                if self.restarts is None:
-                    slot.pending_error = traceback.format_exc()
-                    return
-                try:
-                    slot.pending_first = self._restarted_reset(slot)
-                except _DeferredEnvError as exc:  # past the budget: raised once the slot is ours
-                    slot.pending_error = exc.tb
+                stepper.eager_reset(slot)
 
     # -- vector env, stepped in lockstep -------------------------------------------------------
     def _run_lockstep(self):
         """The loop of :meth:`run` for one vector env hosting all the worker's slots: a pass
-        waits until every slot is answered, then steps all of them with one call.
+        waits until every slot is answered, then steps all of them with one call, and writes
+        their records as one block.
 
         A gymnasium vector env autoresets in NEXT_STEP mode: an env that ended last pass
         ignores its action and returns its reset observation, published as ``FIRST`` (no
@@ -733,39 +446,31 @@ class _Worker:
         False): the pass after an env ended resets only the ended envs and publishes their
         ``FIRST`` records; the others' answered actions wait for the next pass."""
         vec, slots, delivery = self.vector, self.slots, self.delivery
+        stepper, writer = self.stepper, self.stepper.writer
         autoresets = getattr(vec, "autoresets", True)
         k, lo = len(slots), slots[0].index
         rows = slice(lo, lo + k)
         req, resp = self.arena.request, self.arena.response
         obs_rows = [(key, _np(req.get(key))[rows]) for key in vec.obs_keys]
         actions = {key: _np(resp.get(key))[rows] for key in vec.action_keys}
-        recurrent = [(_np(req.get(i))[rows], _np(resp.get(o))[rows]) for i, o in self.layout.recurrent.items()]
-        state, reward = self.state[rows], self.reward[rows]
-        ready_time, step_time, step_count = self.ready_time[rows], self.step_time[rows], self.step_count[rows]
+        reward_shape = writer.reward[rows].shape
+        state = self.state[rows]
         idx = np.arange(lo, lo + k)
         first = np.full(k, _FIRST, np.int8)
-        everyone = slice(None)
 
-        def publish(obs, rew, st, dt, sel=everyone):
-            """Writes the records of the envs ``sel`` (all, or a bool mask); ``rew=None``: 0."""
+        def write_obs(obs, mask=None):
             for key, view in obs_rows:
-                view[sel] = obs[key][sel]
-            reward[sel] = 0 if rew is None else rew[sel]
-            self._store_step_types(idx[sel], st[sel])
-            is_first = st == _FIRST
-            for hidden_in, hidden_out in recurrent:  # zeros on FIRST, else the last answer's state
-                mask = is_first.reshape((k,) + (1,) * (hidden_in.ndim - 1))
-                hidden_in[sel] = np.where(mask, 0, hidden_out)[sel]
-            step_time[sel] += dt / (k if sel is everyone else max(int(sel.sum()), 1))
-            step_count[sel] += 1
-            ready_time[sel] = time.monotonic()
-            state[sel] = S.OBS_READY  # after the data: the consumer may read them from now on
+                if mask is None:
+                    view[...] = obs[key]
+                else:
+                    view[mask] = obs[key][mask]
 
-        self._phase, self._current = "reset", lo
+        stepper.note("reset", lo)
         t = time.perf_counter()
         obs = vec.reset()
-        publish(obs, None, first, time.perf_counter() - t)
-        self.consumer.ring(k)
+        write_obs(obs)
+        writer.add_block(lo, first, None, time.perf_counter() - t)
+        writer.publish()
         waiter = self._started()
         ended = np.zeros(k, bool)  # the env's last record was terminal: its next one is FIRST
         while True:
@@ -775,11 +480,12 @@ class _Worker:
             if not (state == S.ACTION_READY).all():
                 continue
             if not autoresets and ended.any():  # reset the ended envs only; the others wait
-                self._phase, self._current = "reset", lo + int(np.flatnonzero(ended)[0])
+                stepper.note("reset", lo + int(np.flatnonzero(ended)[0]))
                 t = time.perf_counter()
                 obs = vec.reset_some(ended)
-                publish(obs, None, first, time.perf_counter() - t, ended)
-                self.consumer.ring(int(ended.sum()))
+                write_obs(obs, ended)
+                writer.add_block(lo, first, None, time.perf_counter() - t, ended)
+                writer.publish()
                 ended = np.zeros(k, bool)
                 continue
             stepping = np.flatnonzero(~ended)
@@ -787,20 +493,21 @@ class _Worker:
                 if not all([delivery.claim(slots[j]) for j in stepping]):
                     continue  # back-pressure: the driver frees a chunk and rings this worker
                 moving = [slots[j] for j in stepping]
-                rows = delivery.write_root_rows(moving, idx[stepping])
-            self._phase, self._current = "step", lo
+                chunk_rows = delivery.write_root_rows(moving, idx[stepping])
+            stepper.note("step", lo)
             t = time.perf_counter()
             obs, rew, term, trunc = vec.step(actions)
             dt = time.perf_counter() - t
             term, trunc = np.asarray(term, bool), np.asarray(trunc, bool)
             st = np.where(ended, _FIRST, np.where(term, _TERM, np.where(trunc, _TRUNC, _MID))).astype(np.int8)
-            rew = np.array(rew, reward.dtype).reshape(reward.shape)  # a copy: FIRST rows are zeroed
+            rew = np.array(rew, writer.reward.dtype).reshape(reward_shape)  # a copy: FIRST rows are zeroed
             rew[ended] = 0
-            publish(obs, rew, st, dt)
+            write_obs(obs)
+            writer.add_block(lo, st, rew, dt)
             if delivery is not None and len(stepping):  # copied from the request rows, which are ours
-                delivery.write_next_rows(moving, idx[stepping], rows)
+                delivery.write_next_rows(moving, idx[stepping], chunk_rows)
+            writer.publish()
             ended = (st == _TERM) | (st == _TRUNC)
-            self.consumer.ring(k)
 
     # -- threaded worker ----------------------------------------------------------------------
     def _run_threaded(self):
@@ -808,12 +515,10 @@ class _Worker:
         stop_r, self._stop_w = os.pipe()
         failures = []  # (phase, env index, traceback) of the threads that raised
         firsts = []
-        for (index, fn, kw), bell in zip(self._specs, self.bells):
-            view = copy.copy(self)  # shared arrays, own phase/current/unrung (see module doc)
+        for spec, bell in zip(self._specs, self.bells):
             first = threading.Event()
-            t = threading.Thread(target=view._slot_thread,
-                                 args=((index, fn, kw), bell, stop_r, first, failures, failed_w),
-                                 name=f"env-{index}", daemon=True)
+            t = threading.Thread(target=self._slot_thread, args=(spec, bell, stop_r, first, failures, failed_w),
+                                 name=f"env-{spec[0]}", daemon=True)
             t.start()
             self._threads.append(t)
             firsts.append(first)
@@ -832,33 +537,28 @@ class _Worker:
                     return
                 self._raise_thread_failure(failures)
 
-    def pin(self):
-        """Applies the worker's CPU mask to the calling thread (pid 0: this thread only).
-
-        Called once the envs are built, not at process start: building envs (imports,
-        simulators loading assets) then runs on every core, which matters when the default
-        partition puts every worker on one core of two."""
-        if self.affinity is not None:
-            os.sched_setaffinity(0, self.affinity)
-
     def _raise_thread_failure(self, failures):
         if failures:
-            self._phase, self._current, tb = failures[0]
+            phase, current, tb = failures[0]
+            self.stepper.note(phase, current)
             raise _DeferredEnvError(tb)
 
     def _slot_thread(self, spec, bell, stop_fd, first, failures, failed_w):
-        """One hosted env, start to end: build, reset, the loop of :meth:`run` for its slot, close."""
+        """One hosted env, start to end, with its own stepper: build, reset, the loop of
+        :meth:`run` for its slot, close."""
         slot = None
+        stepper = _Stepper(self)
+        writer = stepper.writer
         try:
-            slot = self._build_slot(*spec)
+            slot = stepper.build_slot(*spec)
             self.slot_paths[slot.index] = getattr(slot.adapter, "path", "unknown")  # a dict all threads share
             self.pin()
             listen = remote_listener(slot.adapter.env)
             if listen is not None:  # a remote slot: its first record waits for a host to connect
                 listen(slot.index, stop_fd)
                 first.set()
-            self._publish(slot, self._timed_reset(slot), None, _FIRST)
-            self._ring()
+            stepper.record_first(slot, stepper.timed_reset(slot))
+            writer.publish()
             first.set()
             waiter = BellWait(bell, (self.life_fd, stop_fd))  # one GIL hand-over per wait, drain included
             state, i = self.state, slot.index
@@ -868,19 +568,238 @@ class _Worker:
                         return
                 if state[i] != S.ACTION_READY:
                     continue
-                ended = self._serve(slot)
-                if self.unrung:
-                    self._ring()
+                ended = stepper.serve(slot)
+                writer.publish()
                 if ended:
-                    self._eager_reset(slot)
+                    stepper.eager_reset(slot)
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which reports it
             tb = exc.tb if isinstance(exc, _DeferredEnvError) else traceback.format_exc()
-            failures.append((self._phase, self._current if self._current is not None else spec[0], tb))
+            failures.append((stepper.phase, stepper.current if stepper.current is not None else spec[0], tb))
             first.set()
             os.write(failed_w, b"x")
         finally:
             if slot is not None:
                 _close_reporting(slot.adapter, slot.index)
+
+
+class _Stepper:
+    """Serves slots of a worker: steps, resets and rebuilds their envs, and writes their records
+    through its own :class:`~torchrl_asyncpool.workers.record_writer.RecordWriter`. It also notes
+    what it is doing (phase and slot), which a failure report names."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.writer = RecordWriter(worker.arena, worker.consumer_fd, worker.exchange)
+        self.delivery = worker.delivery
+        self.restarts = worker.restarts
+        self.phase, self.current = "construction", None
+
+    def note(self, phase, current):
+        self.phase, self.current = phase, current
+
+    # -- building -----------------------------------------------------------------------------
+    def build_slot(self, index, fn, kw):
+        self.note("construction", index)
+        adapter = make_adapter(fn(**kw), index)
+        if hasattr(adapter, "num_envs"):
+            adapter.close()
+            raise ValueError(
+                f"env {index}: the factory returned a gymnasium vector env, but the first factory returned a "
+                "single env (all factories must return the same kind)."
+            )
+        slot = self.add_slot(index, adapter)
+        slot.factory = (fn, kw)
+        return slot
+
+    def add_slot(self, index, adapter):
+        self.note("construction", index)
+        self.check_fields(index, adapter)
+        slot = _Slot(index, adapter, self.worker.arena)
+        if self.delivery is not None:
+            per = self.delivery.per_env
+            slot.chunks = list(range(index * per, (index + 1) * per))
+        return slot
+
+    def check_fields(self, index, adapter):
+        expected = self.worker.expected
+        request, response = (_keyed(d) for d in adapter.fields())
+        _check_fields(index, "observation/reward/done", expected[0], request)
+        _check_fields(index, "action", expected[1], response)
+
+    # -- records ------------------------------------------------------------------------------
+    def record_first(self, slot, obs):
+        """Stages ``slot``'s FIRST record: ``obs`` (a reset's) into its rows, with the seconds its
+        resets took since its last record; marked as a restart's after a rebuilt env's reset."""
+        slot.write_obs(obs)
+        self.writer.add(slot.index, _FIRST, None, slot.reset_dt, slot.reborn)
+        slot.reset_dt = 0.0
+        slot.reborn = False
+
+    def timed_reset(self, slot):
+        self.note("reset", slot.index)
+        t = time.perf_counter()
+        obs = slot.adapter.reset()
+        slot.reset_dt += time.perf_counter() - t
+        return obs
+
+    def serve(self, slot):
+        """Answers one ACTION_READY slot; returns None (blocked), False, or True (episode ended).
+        Its record is staged (and stored, when the chunk buffers copy it); the caller publishes."""
+        if slot.ended:
+            if slot.pending_error is not None:
+                self.note("reset", slot.index)
+                raise _DeferredEnvError(slot.pending_error)
+            # NEXT_STEP autoreset: the action answering a terminal record is discarded.
+            obs = slot.pending_first if slot.pending_first is not None else self._reset_or_restart(slot)
+            slot.pending_first = None
+            slot.ended = False
+            self.record_first(slot, obs)
+            return False
+        delivery = self.delivery
+        if delivery is not None:
+            if not delivery.claim(slot):
+                return None  # back-pressure: the driver holds every chunk of this env
+            delivery.write_root(slot)
+        self.note("step", slot.index)
+        t = time.perf_counter()
+        reward, st, restarted = self._step(slot)
+        self.writer.add(slot.index, st, reward, time.perf_counter() - t, restarted)
+        if delivery is not None:
+            self.writer.store()  # the chunk copy reads the stored rows
+            delivery.write_next(slot)
+        slot.ended = st != _MID
+        return slot.ended
+
+    def _step(self, slot):
+        """Steps ``slot``'s env into its rows: ``(reward, step type, restarted)``. With restarts on,
+        an env that raises is rebuilt and its episode ends as a truncation (reward 0, marked as a
+        restart's) at its last observation, which the failed step did not touch."""
+        try:
+            reward, terminated, truncated = slot.step_into(slot.actions, slot.obs)
+        except Exception:
+            if self.restarts is None:
+                raise
+            self._rebuild(slot, "step")
+            self.note("step", slot.index)
+            return None, _TRUNC, True
+        return reward, (_TERM if terminated else (_TRUNC if truncated else _MID)), False
+
+    def step_pass(self, stepping):
+        """Steps ``stepping`` (claimed, ACTION_READY, not ended) in order; returns those whose
+        episode ended. Per slot only the step (with its observation copy) and the staging of
+        its record run in Python; the records are stored one store per array for a group of
+        slots, published together; a group closes early after a slow step or once its first
+        record has waited :data:`_HOLD_S` (see there). The last group is left unpublished, for
+        the caller's publish of the pass."""
+        delivery, writer = self.delivery, self.writer
+        n = len(stepping)
+        idx = np.array([s.index for s in stepping], np.int64)
+        if delivery is not None:  # the answered records, before any step overwrites them
+            rows = delivery.write_root_rows(stepping, idx)
+        ended = []
+        start = 0
+        clock = time.perf_counter
+        add = writer.add
+        plain = self.restarts is None  # no restarts: the step inline, one call less per record
+        self.phase = "step"
+        while start < n:
+            k = 0
+            t_group = t = clock()
+            for slot in stepping[start:]:
+                self.current = slot.index
+                if plain:
+                    reward, terminated, truncated = slot.step_into(slot.actions, slot.obs)
+                    st, restarted = (_TERM if terminated else (_TRUNC if truncated else _MID)), False
+                else:
+                    reward, st, restarted = self._step(slot)
+                t_end = clock()
+                dt = t_end - t
+                t = t_end
+                add(slot.index, st, reward, dt, restarted)
+                k += 1
+                if st != _MID:
+                    slot.ended = True
+                    ended.append(slot)
+                if dt > _SLOW_STEP_S or t_end - t_group > _HOLD_S:
+                    break
+            if delivery is not None:
+                writer.store()  # the chunk copies read the stored rows
+                if k == 1:
+                    delivery.write_next(stepping[start])
+                else:
+                    delivery.write_next_rows(stepping[start:start + k], idx[start:start + k], rows[start:start + k])
+            start += k
+            if start < n:
+                writer.publish()
+        return ended
+
+    # -- resets and restarts ------------------------------------------------------------------
+    def _reset_or_restart(self, slot):
+        try:
+            return self.timed_reset(slot)
+        except Exception:
+            if self.restarts is None:
+                raise
+            return self._restarted_reset(slot)
+
+    def eager_reset(self, slot):
+        # Eager reset hides reset latency behind the consumer's (discarded) answer. The slot
+        # belongs to the consumer meanwhile, so a failure waits for its answer.
+        if _plan_done(slot.adapter):
+            # the env's planned episodes are all run (evaluate()): a reset now would be an extra,
+            # unseeded one that nobody asked for (and whose hang or crash would be blamed on no
+            # episode); if the consumer answers the terminal record anyway, serve resets then
+            return
+        if slot.pending_first is None and self.worker.state[slot.index] != S.ACTION_READY:
+            try:
+                slot.pending_first = self.timed_reset(slot)
+            except Exception:  # noqa: BLE001 - re-raised by serve once the slot is ours
+                if self.restarts is None:
+                    slot.pending_error = traceback.format_exc()
+                    return
+                try:
+                    slot.pending_first = self._restarted_reset(slot)
+                except _DeferredEnvError as exc:  # past the budget: raised once the slot is ours
+                    slot.pending_error = exc.tb
+
+    def _rebuild(self, slot, phase):
+        """Replaces ``slot``'s env, which just raised in ``phase`` (called from the ``except``):
+        counts the failure against the budget (raising past it), closes the env and builds a new
+        one from the same factory, with the seed of its rebuild. Failures to build count too."""
+        tb = traceback.format_exc()
+        arena, num_slots = self.worker.arena, self.worker.layout.num_slots
+        while True:
+            r = self.restarts.admit(slot.index, phase, tb)
+            _close_reporting(slot.adapter, slot.index)
+            fn, kw = slot.factory
+            self.note("construction", slot.index)
+            try:
+                env = fn(**kw)
+                seed = getattr(env, FIRST_SEED_ATTR, None)
+                if seed is not None:  # env i's r-th rebuild: seed + i + r * num_envs, never another env's
+                    setattr(env, FIRST_SEED_ATTR, seed + r * num_slots)
+                adapter = make_adapter(env, slot.index)
+                self.check_fields(slot.index, adapter)
+            except Exception:  # noqa: BLE001 - a failed rebuild is one more failure of this env
+                tb, phase = traceback.format_exc(), "construction"
+                continue
+            slot.bind(adapter, arena)
+            arena.write_error(slot.index, f"{phase}\n{tb}")  # the last cause, for pool.restart_info()
+            arena.restarts[slot.index] = r  # after the text
+            slot.pending_first = slot.pending_error = None
+            return
+
+    def _restarted_reset(self, slot):
+        """The reset of a slot whose reset failed: rebuild and reset until one works (or the
+        budget runs out); its FIRST record is marked as a restart's."""
+        while True:
+            self._rebuild(slot, "reset")
+            try:
+                obs = self.timed_reset(slot)
+            except Exception:  # noqa: BLE001 - counted by the next _rebuild
+                continue
+            slot.reborn = True
+            return obs
 
 
 class _DeferredEnvError(Exception):
