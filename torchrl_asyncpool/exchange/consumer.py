@@ -21,15 +21,14 @@ from torchrl_asyncpool.errors import EnvError, WorkerDiedError
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd, poll_for
-from torchrl_asyncpool.exchange.gather import RowGather, numpy_or_none
-from torchrl_asyncpool.exchange.metrics import record_recv, record_send, record_wait
+from torchrl_asyncpool.exchange.gather import numpy_or_none
+from torchrl_asyncpool.exchange.metrics import record_wait
 from torchrl_asyncpool.exchange.native import build_engine
 
 __all__ = ["ConsumerHandle", "SlotConsumer"]
 
 #: how often a consumer that does not block looks for dead workers (see ``_check_sentinels``)
 _SENTINEL_PERIOD_S = 0.005
-_NUM_STATES = max(S.NAMES) + 1
 
 
 @dataclass
@@ -70,10 +69,7 @@ class SlotConsumer:
         self.action_keys = list(handle.action_keys)
         self.response_keys = [f.key if len(f.key) > 1 else f.key[0] for f in handle.layout.response]
         self._bell = Doorbell(handle.consumer_bell.fd)
-        self._bells = [Doorbell(b.fd) for b in handle.bells]
-        self._slot_bell = np.asarray(handle.slot_bell)
         self._slot_worker = np.asarray(handle.slot_worker)
-        self._one_slot_per_bell = len(self._bells) == self._slot_bell.size
         self._last_sentinel_check = 0.0
         self._death_info = death_info
         self._poller = select.poll()
@@ -98,18 +94,16 @@ class SlotConsumer:
         # numpy views of the response fields (None for dtypes numpy lacks): a fancy-index store
         # costs a few us less than torch's index_copy_ dispatch, once per key and batch
         self._response_np = [numpy_or_none(dst) for _, dst in self._response]
-        self._fills = {}  # response field -> (int value, one row of it), for the C engine
-        # the C engine (exchange.native), or None: the Python exchange below does the same work
-        self._engine = build_engine(
-            handle.exchange, self.arena, self._staging_env_index_np,
-            [(k, numpy_or_none(self.arena.request.get(k)), numpy_or_none(self._staging.get(k))) for k in keys],
-            list(zip(self.response_keys, self._response_np)),
-            [b.fd for b in handle.bells], self._slot_bell,
+        self._fills = {}  # response field -> (int value, one row of it)
+        # lease, answer and scan: the C engine or the pure-Python reference (exchange.native), one
+        # interface; the consumer never asks which
+        engine_args = (
+            self.arena, self._staging_env_index_np,
+            [(k, self.arena.request.get(k), self._staging.get(k)) for k in keys],
+            self._response, [b.fd for b in handle.bells], np.asarray(handle.slot_bell),
         )
-        # the Python exchange's row gathers (the engine gathers for itself)
-        self._gather = [] if self._engine is not None else [
-            RowGather(self.arena.request.get(k), self._staging.get(k)) for k in keys
-        ]
+        self._engine = build_engine(handle.exchange, *engine_args)
+        self._reference_args = engine_args  # close() swaps in the Python engine over the same buffers
         # a memoryview adds a Python float to an element in half the time numpy's scalar += takes
         self._stats = memoryview(self.arena.consumer_stats)
         self._last_exit = None
@@ -153,9 +147,7 @@ class SlotConsumer:
             for fd, _ in events:
                 if fd != self._bell.fd:
                     self.raise_worker_errors()
-        if max_get is not None and self._engine is None:
-            ready = self._oldest(ready, max_get)
-        return self._lease(ready, cap, waited)
+        return self._lease(cap, waited)
 
     def lease_ready(self, cap: int, extras: Optional[dict] = None) -> Optional[TensorDictBase]:
         """Leases what is ready now (oldest first, at most ``cap``) for a serving loop that has
@@ -168,32 +160,14 @@ class SlotConsumer:
         if self.error is not None:
             raise self.error
         self._check_sentinels(time.monotonic())
-        if self._engine is not None:
-            return self._lease(None, cap, 0.0, extras)
-        ready = np.flatnonzero(self.arena.state == S.OBS_READY)
-        if ready.size == 0:
-            return None
-        return self._lease(self._oldest(ready, cap), cap, 0.0, extras)
+        return self._lease(cap, 0.0, extras)
 
     def scan_states(self, oldest: bool = False):
         """``(obs_ready, action_ready, errors, oldest_ready_time)``: slots in ``OBS_READY``,
         ``ACTION_READY`` and ``ERROR``, and the earliest ``ready_time`` of the ready ones
-        (``inf`` when none; only computed when ``oldest`` is set, on the Python exchange)."""
-        if self._engine is not None:
-            return self._engine.scan()
-        state = self.arena.state
-        counts = np.bincount(state, minlength=_NUM_STATES)
-        first = float("inf")
-        if oldest and counts[S.OBS_READY]:
-            first = float(self.arena.ready_time[state == S.OBS_READY].min())
-        return int(counts[S.OBS_READY]), int(counts[S.ACTION_READY]), int(counts[S.ERROR]), first
-
-    def _oldest(self, ready: np.ndarray, cap: int) -> np.ndarray:
-        """The ``cap`` longest-waiting of the ``ready`` slots (all of them if fewer), in slot order."""
-        if ready.size <= cap:
-            return ready
-        oldest = np.argsort(self.arena.ready_time[ready], kind="stable")[:cap]
-        return np.sort(ready[oldest])
+        (``inf`` when none). ``oldest`` is accepted for callers that said whether they need it;
+        both engines always compute it (one pass over the slots)."""
+        return self._engine.scan()
 
     def _check_sentinels(self, now: float) -> None:
         """Raises if a worker died, looking at most every :data:`_SENTINEL_PERIOD_S`: a consumer
@@ -231,24 +205,13 @@ class SlotConsumer:
                 if fd != self._bell.fd:
                     self.raise_worker_errors()
 
-    def _lease(self, ready: Optional[np.ndarray], cap: int, waited: float,
-               extras: Optional[dict] = None) -> Optional[TensorDictBase]:
-        """Leases ``ready`` (the Python exchange), or up to ``cap`` of the oldest ready slots
-        (the C engine, which scans for itself); ``None`` if the engine found none."""
+    def _lease(self, cap: int, waited: float, extras: Optional[dict] = None) -> Optional[TensorDictBase]:
+        """Leases up to ``cap`` of the oldest ready slots (the engine scans for itself and adds
+        the batch to the stats); ``None`` if it found none."""
         now = time.monotonic()
-        if self._engine is not None:
-            b, dwell = self._engine.lease(cap, now, waited)  # and adds the batch to the stats
-            if b == 0:
-                return None
-        else:
-            b = int(ready.size)
-            self.arena.state[ready] = S.LEASED
-            self.arena.lease_time[ready] = now
-            dwell = float(now * b - self.arena.ready_time[ready].sum())
-            for gather in self._gather:
-                gather(ready)
-            self._staging_env_index_np[:b] = ready
-            record_recv(self._stats, b, cap, dwell, waited)
+        b, dwell = self._engine.lease(cap, now, waited)
+        if b == 0:
+            return None
         self.last_lease_time, self.last_dwell = now, dwell  # a serving loop's stats reuse them
         rows = self._batch_rows.get((b, extras is not None))
         if rows is None:
@@ -286,7 +249,7 @@ class SlotConsumer:
                 )
             _check_rows(key, dst, value, b)
             values.append(value)
-        self._write(values, idx, idx_np, None)
+        self._write(values, idx_np, None)
 
     def send_rows(self, values: Sequence, idx, lease_time: Optional[float] = None) -> None:
         """:meth:`send` for the caller that leased ``idx`` itself (a serving loop).
@@ -303,54 +266,29 @@ class SlotConsumer:
         idx_np = idx if idx.__class__ is np.ndarray else idx.numpy()
         if idx_np.dtype != np.int64 or not idx_np.flags.c_contiguous:
             idx_np = np.ascontiguousarray(idx_np, np.int64)
-        if self._engine is None:
-            for (key, dst), value in zip(self._response, values):
-                if value.__class__ is not int:
-                    _check_rows(key, dst, value, idx_np.size)
-        self._write(values, idx, idx_np, lease_time)
+        self._write(values, idx_np, lease_time)
 
-    def _write(self, values, idx, idx_np: np.ndarray, lease_time: Optional[float]) -> None:
-        """Writes answers into their slots, hands the slots back and rings their workers.
-        The Python exchange takes checked values; the C engine's path checks its own."""
-        if self._engine is not None:
-            b = idx_np.size
-            rows = [self._fill_row(k, v) if v.__class__ is int else self._row_array(k, v, b)
-                    for k, v in enumerate(values)]
-            # copies, marks ACTION_READY, rings each worker once and adds the answers to the stats
-            self._engine.answer(idx_np, rows, time.monotonic(), -1.0 if lease_time is None else lease_time)
-            return
-        if idx.__class__ is np.ndarray:
-            idx = torch.from_numpy(idx)
-        for (_, dst), dst_np, value in zip(self._response, self._response_np, values):
-            if value.__class__ is int:  # one value for every row (send_rows only)
-                if dst_np is not None:
-                    dst_np[idx_np] = value
-                else:
-                    dst.index_fill_(0, idx, value)
-                continue
-            if value.device.type != "cpu":
-                value = value.cpu()
-            if dst_np is not None:
-                dst_np[idx_np] = (value.detach() if value.requires_grad else value).numpy()
-            else:
-                dst.index_copy_(0, idx, value)
+    def _write(self, values, idx_np: np.ndarray, lease_time: Optional[float]) -> None:
+        """Writes answers into their slots, hands the slots back and rings their workers (the
+        engine's ``answer``, which also adds them to the stats). Each value is checked here."""
         b = idx_np.size
-        now = time.monotonic()
-        dwell = (
-            b * (now - lease_time) if lease_time is not None else float(now * b - self.arena.lease_time[idx_np].sum())
-        )
-        record_send(self._stats, b, dwell)
-        self.arena.state[idx_np] = S.ACTION_READY  # after the data
-        self._ring_workers(idx_np)
+        rows = [self._fill_row(k, v) if v.__class__ is int else self._row_array(k, v, b)
+                for k, v in enumerate(values)]
+        self._engine.answer(idx_np, rows, time.monotonic(), -1.0 if lease_time is None else lease_time)
 
-    def _row_array(self, k: int, value, b: int) -> np.ndarray:
-        """``value`` as ``b`` C-contiguous numpy rows of response field ``k`` (for the C engine);
-        ``ValueError`` naming the key unless it is a tensor of the field's row shape and dtype."""
+    def _row_array(self, k: int, value, b: int):
+        """``value`` as ``b`` C-contiguous numpy rows of response field ``k`` (a contiguous CPU
+        tensor for a field numpy cannot view, which only the Python engine serves); ``ValueError``
+        naming the key unless it is a tensor of the field's row shape and dtype."""
+        dst = self._response_np[k]
+        if dst is None:
+            key, dst_t = self._response[k]
+            _check_rows(key, dst_t, value, b)
+            return value.detach().cpu().contiguous()
         try:
             arr = value.numpy()  # fails for non-tensors, device tensors and tensors that need grad
         except (AttributeError, TypeError, RuntimeError):
             arr = None
-        dst = self._response_np[k]
         if (arr is None or arr.dtype != dst.dtype or arr.ndim != dst.ndim or arr.shape[0] != b
                 or arr.shape[1:] != dst.shape[1:] or not arr.flags.c_contiguous):
             key, dst_t = self._response[k]
@@ -358,19 +296,19 @@ class SlotConsumer:
             arr = value.detach().cpu().contiguous().numpy()
         return arr
 
-    def _fill_row(self, k: int, value: int) -> bytes:
-        """One row of response field ``k`` filled with ``value`` (cached for the last value)."""
+    def _fill_row(self, k: int, value: int):
+        """One row of response field ``k`` filled with ``value`` (cached for the last value):
+        bytes, or a tensor for a field numpy cannot view."""
         cached = self._fills.get(k)
         if cached is None or cached[0] != value:
             dst = self._response_np[k]
-            cached = self._fills[k] = (value, np.full(dst.shape[1:], value, dst.dtype).tobytes())
+            if dst is None:
+                dst_t = self._response[k][1]
+                row = torch.full(dst_t.shape[1:], value, dtype=dst_t.dtype)
+            else:
+                row = np.full(dst.shape[1:], value, dst.dtype).tobytes()
+            cached = self._fills[k] = (value, row)
         return cached[1]
-
-    def _ring_workers(self, idx_np: np.ndarray) -> None:
-        """One ring per doorbell (worker, or slot of a threaded worker) of the answered slots."""
-        bells = self._slot_bell[idx_np].tolist()
-        for b in (set(bells) if len(bells) > 1 and not self._one_slot_per_bell else bells):
-            self._bells[b].ring()
 
     # -- faults -----------------------------------------------------------------------------
     def raise_worker_errors(self) -> None:
@@ -399,7 +337,9 @@ class SlotConsumer:
     def close(self) -> None:
         """Drops this process's mapping (descriptors belong to the handle's owner)."""
         self._batch_rows.clear()
-        self._engine = None  # lets go of the arena buffers it holds; later calls take the Python path
+        # the C engine holds exports of the arena's buffers: let them go; a later call (a serving
+        # thread finishing its batch) runs on the Python engine over the same arrays
+        self._engine = build_engine("python", *self._reference_args)
 
 
 def _leaf_tree(td: TensorDictBase) -> dict:

@@ -1,20 +1,23 @@
 """Which exchange a consumer runs: the pure-Python reference or the optional C engine.
 
-The C engine (the extension ``torchrl_asyncpool.exchange._native``, built from
-``torchrl_asyncpool/exchange/csrc/`` with the package when a C compiler and the Python headers
-are there) does the consumer's two hot operations in one
-call each: ``lease`` (scan the state words, take the oldest ready slots up to the cap, copy
-their records into the staging buffer, mark them leased) and ``answer`` (copy the actions
-into the response fields, mark the slots answered, ring each worker once). Everything around
-them (argument checks, TensorDicts, errors, metrics) stays in Python, in
-:class:`~torchrl_asyncpool.exchange.consumer.SlotConsumer`, and behaves the same with either.
+The consumer's two hot operations run in an *engine*, one call each: ``lease`` (scan the state
+words, take the oldest ready slots up to the cap, copy their records into the staging buffer,
+mark them leased) and ``answer`` (copy the actions into the response fields, mark the slots
+answered, ring each worker once), plus ``scan`` (count the states). There are two engines with
+one interface: the C ``Engine`` of the extension ``torchrl_asyncpool.exchange._native`` (built
+from ``torchrl_asyncpool/exchange/csrc/`` with the package when a C compiler and the Python
+headers are there) and the pure-Python
+:class:`~torchrl_asyncpool.exchange.reference_engine.ReferenceEngine`, its executable
+specification. :func:`build_engine` returns one or the other; everything around them (argument
+checks, TensorDicts, errors) stays in
+:class:`~torchrl_asyncpool.exchange.consumer.SlotConsumer`, which calls either the same way.
 
 The names, as :class:`~torchrl_asyncpool.AsyncEnvPool`'s ``exchange`` argument takes them:
 
 * ``"auto"`` (default): the C engine when it is built and every field of the slot layout is
   one numpy can view (bfloat16 fields, say, are not), else Python;
 * ``"native"``: the C engine, or a clear error saying why it cannot run;
-* ``"python"``: the pure-Python exchange (the reference implementation).
+* ``"python"``: the pure-Python engine (the reference implementation).
 
 The environment variable ``TORCHRL_ASYNCPOOL_EXCHANGE`` overrides ``"auto"`` (not an explicit
 choice), e.g. to compare the two on the same script.
@@ -114,43 +117,53 @@ def _enabled(exchange: str) -> bool:
 
 def build_engine(exchange: str, arena, staging_env_index: np.ndarray, gathers: Sequence, responses: Sequence,
                  bell_fds: Sequence[int], slot_bell: np.ndarray):
-    """The C engine over these buffers, or ``None`` for the Python exchange.
+    """The consumer engine over these buffers: the C ``Engine``, or the pure-Python
+    :class:`~torchrl_asyncpool.exchange.reference_engine.ReferenceEngine` (same interface and
+    results: ``lease``, ``answer``, ``scan``).
 
     Args:
         exchange (str): a resolved name (see :func:`resolve_exchange`).
-        arena (Arena): the mapped arena (state, ready and lease times).
+        arena (Arena): the mapped arena (state, ready and lease times, consumer stats).
         staging_env_index (np.ndarray): the staging buffer's int64 ``[n]`` env index.
-        gathers (sequence): ``(key, src, dst)`` per request field a batch carries; ``src`` and
-            ``dst`` are numpy views (``None`` where numpy cannot view the field).
-        responses (sequence): ``(key, dst)`` per response field, ``dst`` a numpy view or ``None``.
+        gathers (sequence): ``(key, src, dst)`` per request field a batch carries: the slot
+            field and the staging field, CPU tensors.
+        responses (sequence): ``(key, dst)`` per response field, a CPU tensor.
         bell_fds (sequence of int): the workers' doorbell descriptors.
         slot_bell (np.ndarray): slot -> index in ``bell_fds``.
 
     Raises:
-        ValueError: ``exchange="native"`` and a field the engine cannot copy (named).
+        ValueError: ``exchange="native"`` and a field the C engine cannot copy (named).
     """
-    if not _enabled(exchange):
-        return None
-    unfit = [key for key, src, dst in gathers if not (_plain(src) and _plain(dst))]
-    unfit += [key for key, dst in responses if not _plain(dst)]
-    if unfit:
-        if exchange == "native":
-            raise ValueError(
-                f"exchange='native' copies raw rows of numpy-viewable CPU buffers; the fields {unfit} are not "
-                "(a dtype numpy lacks, such as bfloat16). Use exchange='auto' or 'python'."
-            )
-        return None
-    return _native.Engine(
-        arena.state,
-        arena.ready_time,
-        arena.lease_time,
-        staging_env_index,
-        [(src, dst, _row_bytes(src)) for _, src, dst in gathers],
-        [(dst, _row_bytes(dst)) for _, dst in responses],
-        [int(fd) for fd in bell_fds],
-        np.ascontiguousarray(slot_bell, dtype=np.int64),
-        arena.consumer_stats,
-        STAT_SLOTS,
+    from torchrl_asyncpool.exchange.gather import numpy_or_none
+
+    gathers = [(key, numpy_or_none(src), numpy_or_none(dst), src, dst) for key, src, dst in gathers]
+    responses = [(key, numpy_or_none(dst), dst) for key, dst in responses]
+    slot_bell = np.ascontiguousarray(slot_bell, dtype=np.int64)
+    args = (arena.state, arena.ready_time, arena.lease_time, staging_env_index)
+    tail = ([int(fd) for fd in bell_fds], slot_bell, arena.consumer_stats, STAT_SLOTS)
+    unfit = [key for key, src, dst, _, _ in gathers if not (_plain(src) and _plain(dst))]
+    unfit += [key for key, dst, _ in responses if not _plain(dst)]
+    if _enabled(exchange) and unfit and exchange == "native":
+        raise ValueError(
+            f"exchange='native' copies raw rows of numpy-viewable CPU buffers; the fields {unfit} are not "
+            "(a dtype numpy lacks, such as bfloat16). Use exchange='auto' or 'python'."
+        )
+    if _enabled(exchange) and not unfit:
+        return _native.Engine(
+            *args,
+            [(src, dst, _row_bytes(src)) for _, src, dst, _, _ in gathers],
+            [(dst, _row_bytes(dst)) for _, dst, _ in responses],
+            *tail,
+        )
+    from torchrl_asyncpool.exchange.reference_engine import ReferenceEngine
+
+    # numpy views where numpy has the dtype, the tensors themselves where it has not
+    return ReferenceEngine(
+        *args,
+        [(src if src is not None else src_t, dst if dst is not None else dst_t, 0)
+         for _, src, dst, src_t, dst_t in gathers],
+        [(dst if dst is not None else dst_t, 0) for _, dst, dst_t in responses],
+        *tail,
     )
 
 
