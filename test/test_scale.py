@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -87,18 +88,51 @@ def _drive_until_all_seen(pool, checker, n, timeout=60.0):
 
 
 def test_pool_of_more_than_256_threaded_envs_in_one_worker():
-    """One worker process hosting 300 envs in threads: 300 doorbells (plus the arena, the chunk
-    buffers and the pipes) cross to it; every env delivers records, exactly once and in order,
-    and transitions."""
+    """One worker process hosting 300 envs in threads: 300 doorbells (plus the arena and the
+    pipes) cross to it; every env delivers records, exactly once and in order."""
     checker = OracleChecker()
-    with AsyncEnvPool(oracle_factories(_MANY), envs_per_worker=_MANY, env_threads=True,
-                      transition_chunk_size=1) as pool:
+    with AsyncEnvPool(oracle_factories(_MANY), envs_per_worker=_MANY, env_threads=True) as pool:
         assert pool.num_workers == 1 and pool.env_threads
         assert len(pool._bells) == _MANY
         assert _drive_until_all_seen(pool, checker, _MANY) == set(range(_MANY))
-        batch = pool.take_transitions(_MANY, timeout=60)
-        assert batch is not None and batch.numel() == _MANY
     assert checker.records >= _MANY
+
+
+def _serve(pool, stop, errors):
+    try:
+        while not stop.is_set():
+            try:
+                td = pool.recv(timeout=0.05)
+            except TimeoutError:
+                continue
+            pool.send(TensorDict({"action": oracle_action(td["tag"])}, [td.batch_size[0]]), td.env_indices)
+    except Exception as e:  # noqa: BLE001 - surfaced by the test
+        errors.append(e)
+
+
+def test_transitions_of_more_than_256_envs_many_chunks_per_batch():
+    """300 envs in two threaded workers, chunks of 2 transitions: a batch is made of ~150
+    chunks, and one split chunk is carried to the next batch; every transition arrives
+    exactly once, in order per env, and every env's do."""
+    checker = OracleChecker()
+    stop, errors = threading.Event(), []
+    with AsyncEnvPool(oracle_factories(_MANY), envs_per_worker=_MANY // 2, env_threads=True,
+                      transition_chunk_size=2) as pool:
+        t = threading.Thread(target=_serve, args=(pool, stop, errors), daemon=True)
+        t.start()
+        try:
+            envs = set()
+            for _ in range(5):
+                batch = pool.take_transitions(301, timeout=60)
+                assert batch is not None and batch.batch_size == (301,)
+                checker.observe_transitions(batch)
+                envs.update(batch["env_index"].tolist())
+        finally:
+            stop.set()
+            t.join(5)
+    assert not errors, errors
+    assert checker.records == 5 * 301
+    assert envs == set(range(_MANY))
 
 
 def test_process_inference_server_serves_more_than_256_threaded_envs(tmp_path):

@@ -207,10 +207,7 @@ class ChunkReader:
         while pos < frames:
             self.buffers.driver_bell.drain()  # before the scan: a ring after this wakes the poll
             full = np.flatnonzero(self._state == FULL)
-            pieces = [self._carry] if self._carry else []
-            if full.size:
-                pieces += [(int(c), 0) for c in full[np.argsort(self._ready_time[full], kind="stable")]]
-            if not pieces:
+            if not full.size and self._carry is None:
                 if check is not None:
                     check()
                 now = time.monotonic()
@@ -220,24 +217,36 @@ class ChunkReader:
                 wait = 100 if deadline is None else max(0, min(100, int((deadline - now) * 1000) + 1))
                 self._poller.poll(wait)
                 continue
-            self._carry = None
-            rows, used = [], []
-            for c, off in pieces:
-                n = min(T - off, frames - pos - sum(len(r) for r in rows))
-                if n <= 0:
-                    break
-                self._state[c] = HELD
+            # the rows to copy, oldest chunk first, without a Python step per chunk (a batch of
+            # 1,024 envs' one-transition chunks is 1,024 chunks): the partly consumed chunk, the
+            # whole chunks that fit, then the first rows of one more (carried to the next call)
+            rows, used, need = [], [], frames - pos
+            if self._carry is not None:
+                c, off = self._carry
+                n = min(T - off, need)
                 rows.append(np.arange(c * T + off, c * T + off + n))
-                if off + n < T:
-                    self._carry = (c, off + n)
-                else:
-                    used.append(c)
-            idx = np.concatenate(rows)
+                need -= n
+                self._carry = (c, off + n) if off + n < T else None
+                if self._carry is None:
+                    used.append(np.array([c]))
+            if need and full.size:
+                order = full[np.argsort(self._ready_time[full], kind="stable")]
+                whole = order[: need // T]
+                self._state[whole] = HELD
+                rows.append((whole[:, None] * T + np.arange(T)).reshape(-1))
+                used.append(whole)
+                need -= whole.size * T
+                if need and order.size > whole.size:
+                    c = int(order[whole.size])
+                    self._state[c] = HELD
+                    rows.append(np.arange(c * T, c * T + need))
+                    self._carry = (c, need)
+            idx = np.concatenate(rows) if len(rows) > 1 else rows[0]
             for gather in gathers:
                 gather(idx, pos)
             pos += idx.size
-            if used:
-                used = np.asarray(used)
+            used = np.concatenate(used) if used else used
+            if len(used):
                 self._state[used] = FREE
                 self._release(used // self.buffers.chunks_per_env)
         self._pending = None
