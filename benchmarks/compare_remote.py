@@ -18,6 +18,17 @@ random actions, nothing else) runs for ``--seconds`` against
 * ``ray``     as ``remote``, the hosts started as ``--host-procs`` Ray actors
               (:class:`~torchrl_asyncpool.remote.ray.RayEnvHosts`, protocol 1) on a local Ray
               cluster instead of processes (needs ``ray``).
+* ``ray2``    as ``remote2``, each host a Ray actor (``RayEnvHosts(protocol=2)``, the pool's
+              factories from its ``pool_factories``) instead of a process: CartPole's own vector
+              env of ``--host-envs`` envs (``--p2-vector-mode vector_entry_point``) or that many
+              threaded envs (``threads``). ``--ray-kill`` then kills the first actor and reports the
+              seconds until the pool saw its envs truncated and until its restarted host
+              delivered its first record.
+
+``--driver collector`` drives an :class:`~torchrl_asyncpool.AsyncPoolCollector` (the MLP policy,
+``--frames-per-batch``) instead of the bare consumer loop: frames/s of a collector fed by the
+hosts. ``--impls remote2 ray2 --host-envs 8 --envs 32 --driver collector`` is the issue's
+"4 Ray-launched hosts of 8 envs against the same hosts started as processes".
 
 ``--impls remote remote2 --envs 32`` compares the protocols through one ingress worker with
 the same 32 envs (the ingress CPU per record is the "pool workers" column); ``--impls remote
@@ -50,7 +61,7 @@ from tensordict import TensorDict
 
 from compare_collectors import make_cartpole, make_sleep
 
-from torchrl_asyncpool import AsyncEnvPool
+from torchrl_asyncpool import AsyncEnvPool, StepType
 from torchrl_asyncpool.remote import RemoteEnvSlot, RemoteVectorSlot
 
 WORKLOADS = {"cartpole": (make_cartpole, None), "sleep2ms": (make_sleep, 0.002)}
@@ -169,11 +180,51 @@ def remote_pool(workload, n, host_procs):
                 p.kill()
 
 
+def _threaded_host_envs(workload, k):
+    """The envs of a threaded protocol-2 host (a module-level function: Ray sends it by reference)."""
+    make, _ = WORKLOADS[workload]
+    return [make for _ in range(k)]
+
+
+def _p2_envs_factory(workload, host_envs, mode):
+    """What a Ray actor's protocol-2 host serves, as ``remote2``'s host processes build it."""
+    if workload == "cartpole" and mode == "vector_entry_point":
+        return functools.partial(gym.make_vec, "CartPole-v1", num_envs=host_envs, vectorization_mode=mode)
+    if mode == "threads":
+        return functools.partial(_threaded_host_envs, workload, host_envs)
+    return functools.partial(gym.vector.SyncVectorEnv, [WORKLOADS[workload][0]] * host_envs)
+
+
 @contextlib.contextmanager
-def remote2_pool(workload, n, host_envs, mode, hosts_per_slot=1):
-    """A pool of ``n`` envs in RemoteVectorSlot factories of ``hosts_per_slot`` hosts of
-    ``host_envs`` envs (one address and ingress worker each), each host a protocol-2 process;
-    yields ``(pool, host processes)``."""
+def _p2_consumer(slots, driver, frames_per_batch):
+    """An AsyncEnvPool (``driver="pool"``) or an AsyncPoolCollector of the slot factories;
+    ``idle_poll=False``: the worker of a vector slot waits on the network, not on a core of its
+    own (idle-polling it measured 13-16 us of ingress CPU per record against 9, and fewer records/s)."""
+    if driver == "pool":
+        with AsyncEnvPool(slots, start_timeout=120, idle_poll=False) as pool:
+            yield pool
+        return
+    from torchrl_asyncpool import AsyncPoolCollector
+
+    collector = AsyncPoolCollector(slots, policy=_policy(), frames_per_batch=frames_per_batch, total_frames=-1,
+                                   idle_poll=False)
+    try:
+        yield collector
+    finally:
+        collector.shutdown()
+
+
+def _policy():
+    from torchrl_asyncpool.inference.examples import MLPPolicy
+
+    return MLPPolicy(obs_dim=4, num_actions=2, dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def remote2_pool(workload, n, host_envs, mode, hosts_per_slot=1, driver="pool", frames_per_batch=256):
+    """A pool (or collector) of ``n`` envs in RemoteVectorSlot factories of ``hosts_per_slot``
+    hosts of ``host_envs`` envs (one address and ingress worker each), each host a protocol-2
+    process; yields ``(pool or collector, host processes)``."""
     make, _ = WORKLOADS[workload]
     per_slot = host_envs * hosts_per_slot
     if n % per_slot:
@@ -186,10 +237,8 @@ def remote2_pool(workload, n, host_envs, mode, hosts_per_slot=1):
         # a vector slot's worker starts once its hosts connected (the hosts retry until the pool listens)
         slots = [functools.partial(RemoteVectorSlot.like, make(), a, num_envs=per_slot, host_envs=host_envs)
                  for a in addresses]
-        # idle_poll=False: the worker of a vector slot waits on the network, not on a core of its own
-        # (idle-polling it measured 13-16 us of ingress CPU per record against 9, and fewer records/s)
-        with AsyncEnvPool(slots, start_timeout=120, idle_poll=False) as pool:
-            yield pool, procs
+        with _p2_consumer(slots, driver, frames_per_batch) as consumer:
+            yield consumer, procs
     finally:
         for p in procs:
             try:
@@ -199,20 +248,93 @@ def remote2_pool(workload, n, host_envs, mode, hosts_per_slot=1):
                 p.wait()
 
 
-def run_remote2(workload, n, seconds, host_envs, mode, hosts_per_slot=1):
-    with remote2_pool(workload, n, host_envs, mode, hosts_per_slot) as (pool, procs):
-        return _drive(pool, seconds, n, [p.pid for p in procs])
+def _init_ray(num_cpus):
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+
+
+@contextlib.contextmanager
+def ray2_pool(workload, n, host_envs, mode, driver="pool", frames_per_batch=256):
+    """As :func:`remote2_pool` with one host per address, each host a Ray actor
+    (``RayEnvHosts(protocol=2)``, the pool's factories from ``pool_factories``); yields
+    ``(pool or collector, hosts)``."""
+    from torchrl_asyncpool.remote.ray import RayEnvHosts
+
+    if n % host_envs:
+        raise SystemExit(f"--envs {n} is not a multiple of --host-envs {host_envs}")
+    make, _ = WORKLOADS[workload]
+    _init_ray(max(2, n // host_envs))
+    hosts = RayEnvHosts(_p2_envs_factory(workload, host_envs, mode), [_address() for _ in range(n // host_envs)],
+                        num_cpus=1, max_restarts=-1, retry_s=0.2)
+    slots = hosts.pool_factories(make(), host_envs=host_envs, listen="127.0.0.1")
+    try:
+        hosts.start()  # the actors' hosts connect once the pool listens
+        with _p2_consumer(slots, driver, frames_per_batch) as consumer:
+            yield consumer, hosts
+    finally:
+        hosts.stop()
+
+
+def _drive_collector(collector, seconds, host_pids=()):
+    """Frames/s of ``collector`` for ``seconds`` after its first batch, and the CPU per frame
+    of the driver process (collector, policy thread), the pool workers and the hosts."""
+    it = iter(collector)
+    next(it)
+    who = {"driver": None, "workers": collector.env.worker_pids, "hosts": list(host_pids)}
+    cpu0 = {k: time.process_time() if v is None else _cpu_s(v) for k, v in who.items()}
+    frames, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        frames += next(it).numel()
+    elapsed = time.perf_counter() - t0
+    cpu = {k: 1e6 * ((time.process_time() if v is None else _cpu_s(v)) - cpu0[k]) / frames for k, v in who.items()}
+    return frames / elapsed, cpu
+
+
+def time_to_come_back(pool, hosts, actor=0, host_envs=8, timeout=60.0):
+    """Kills Ray actor ``actor`` (Ray restarts it) while answering every record; returns
+    ``(seconds to the pool's first TRUNCATION of its envs, seconds to the first FIRST record of
+    its envs after that)``, both from the kill. Its envs are the pool's
+    ``actor * host_envs ..`` (one address per actor, in order)."""
+    import ray
+
+    lo, hi = actor * host_envs, (actor + 1) * host_envs
+    ray.kill(hosts.actors[actor], no_restart=False)
+    t0 = time.perf_counter()
+    lost_at = None
+    while time.perf_counter() - t0 < timeout:
+        td = pool.recv(min_get=1, timeout=timeout)
+        idx, st = td.env_indices, td["step_type"].reshape(-1)
+        mine = (idx >= lo) & (idx < hi)
+        now = time.perf_counter() - t0
+        if lost_at is None and (mine & (st == int(StepType.TRUNCATION))).any():
+            lost_at = now
+        back = lost_at is not None and (mine & (st == int(StepType.FIRST))).any()
+        pool.send(TensorDict({"action": torch.randint(0, 2, (td.shape[0],))}, [td.shape[0]]), idx)
+        if back:
+            return lost_at, now
+    return lost_at, None
+
+
+def run_ray2(workload, n, seconds, host_envs, mode, driver="pool", frames_per_batch=256, kill=False):
+    with ray2_pool(workload, n, host_envs, mode, driver, frames_per_batch) as (consumer, hosts):
+        pids = [st["pid"] for st in hosts.status()]
+        if driver == "pool":
+            rate, cpu = _drive(consumer, seconds, n, pids)
+        else:
+            rate, cpu = _drive_collector(consumer, seconds, pids)
+        back = time_to_come_back(consumer, hosts, 0, host_envs) if kill and driver == "pool" else None
+        return rate, cpu, back
 
 
 @contextlib.contextmanager
 def ray_pool(workload, n, host_procs):
     """As :func:`remote_pool`, the hosts started as Ray actors (protocol 1)."""
-    import ray
 
     from torchrl_asyncpool.remote.ray import RayEnvHosts
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=host_procs, include_dashboard=False, log_to_driver=False)
+    _init_ray(host_procs)
     make, _ = WORKLOADS[workload]
     address = _address()
     slot = functools.partial(RemoteEnvSlot.like, make(), address)
@@ -236,6 +358,13 @@ def run_local(workload, n, seconds):
         return _drive(pool, seconds, n)
 
 
+def run_remote2(workload, n, seconds, host_envs, mode, hosts_per_slot=1, driver="pool", frames_per_batch=256):
+    with remote2_pool(workload, n, host_envs, mode, hosts_per_slot, driver, frames_per_batch) as (consumer, procs):
+        if driver == "pool":
+            return _drive(consumer, seconds, n, [p.pid for p in procs])
+        return _drive_collector(consumer, seconds, [p.pid for p in procs])
+
+
 def run_remote(workload, n, seconds, host_procs):
     with remote_pool(workload, n, host_procs) as (pool, procs):
         return _drive(pool, seconds, n, [p.pid for p in procs])
@@ -248,7 +377,7 @@ def main():
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--host-procs", type=int, default=2, help="env host processes (default: 2)")
     parser.add_argument("--impls", nargs="+", default=["local", "remote"],
-                        choices=["local", "remote", "remote2", "ray"],
+                        choices=["local", "remote", "remote2", "ray", "ray2"],
                         help="run in this order within each repeat (default: local remote)")
     parser.add_argument("--host-envs", type=int, default=32, help="envs per protocol-2 host (default: 32)")
     parser.add_argument("--hosts-per-slot", type=int, default=1,
@@ -257,9 +386,17 @@ def main():
                         choices=["vector_entry_point", "sync", "threads"],
                         help="how a protocol-2 host steps its envs (default: vector_entry_point, CartPole's own "
                              "vector env; sync: a SyncVectorEnv of single envs)")
+    parser.add_argument("--driver", default="pool", choices=["pool", "collector"],
+                        help="remote2/ray2: a bare consumer loop on the pool (default) or an AsyncPoolCollector with "
+                             "the MLP policy (CartPole)")
+    parser.add_argument("--frames-per-batch", type=int, default=256, help="--driver collector (default: 256)")
+    parser.add_argument("--ray-kill", action="store_true",
+                        help="ray2 with --driver pool: after each run, kill the first actor and time its comeback")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.driver == "collector" and any(impl not in ("remote2", "ray2") for impl in args.impls):
+        parser.error("--driver collector applies to remote2 and ray2 only")
     torch.set_num_threads(1)
     rows = []
     print(f"{'workload':10} {'envs':>4} {'impl':7} {'records/s':>10} {'% N/lat':>8} {'cycle ms':>9}   "
@@ -269,30 +406,40 @@ def main():
         for n in args.envs:
             for rep in range(args.repeats):
                 for impl in args.impls:
+                    back = None
                     if impl == "local":
                         rate, cpu = run_local(workload, n, args.seconds)
                     elif impl == "remote":
                         rate, cpu = run_remote(workload, n, args.seconds, args.host_procs)
                     elif impl == "ray":
                         rate, cpu = run_ray(workload, n, args.seconds, args.host_procs)
+                    elif impl == "ray2":
+                        rate, cpu, back = run_ray2(workload, n, args.seconds, args.host_envs, args.p2_vector_mode,
+                                                   args.driver, args.frames_per_batch, args.ray_kill)
                     else:
                         rate, cpu = run_remote2(workload, n, args.seconds, args.host_envs, args.p2_vector_mode,
-                                                args.hosts_per_slot)
+                                                args.hosts_per_slot, args.driver, args.frames_per_batch)
                     pct = None if latency is None else 100 * rate / (n / latency)
                     row = {"workload": workload, "envs": n, "impl": impl, "repeat": rep, "records_per_s": rate,
                            "pct_n_over_latency": pct, "cycle_ms": 1e3 * n / rate,
                            "host_procs": args.host_procs if impl in ("remote", "ray") else None,
-                           "host_envs": args.host_envs if impl == "remote2" else None,
-                           "hosts_per_slot": args.hosts_per_slot if impl == "remote2" else None,
-                           "p2_vector_mode": args.p2_vector_mode if impl == "remote2" else None,
+                           "host_envs": args.host_envs if impl in ("remote2", "ray2") else None,
+                           "hosts_per_slot": args.hosts_per_slot if impl == "remote2" else (
+                               1 if impl == "ray2" else None),
+                           "p2_vector_mode": args.p2_vector_mode if impl in ("remote2", "ray2") else None,
+                           "driver": args.driver if impl in ("remote2", "ray2") else "pool",
                            "cpu_us_per_record": cpu}
+                    if back is not None:
+                        row["kill_to_truncation_s"], row["kill_to_first_record_s"] = back
                     rows.append(row)
                     print(f"{workload:10} {n:>4} {impl:7} {rate:>10.0f} {'' if pct is None else f'{pct:.1f}':>8} "
-                          f"{row['cycle_ms']:>9.3f}   {cpu['driver']:.0f} / {cpu['workers']:.0f} / {cpu['hosts']:.0f}",
+                          f"{row['cycle_ms']:>9.3f}   {cpu['driver']:.0f} / {cpu['workers']:.0f} / {cpu['hosts']:.0f}"
+                          + ("" if back is None else f"   killed actor: truncated at {back[0]} s, back at {back[1]} s"),
                           flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "cores": os.cpu_count(), "rows": rows}, f, indent=1)
+            json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "cores": os.cpu_count(), "argv": sys.argv[1:],
+                       "load_average": os.getloadavg(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
