@@ -112,7 +112,16 @@ class SlotConsumer:
 
     # -- batch former -----------------------------------------------------------------------
     def recv(self, min_get: int = 1, max_get: int | None = None, timeout: float | None = None) -> TensorDictBase:
-        """See :meth:`torchrl_asyncpool.AsyncEnvPool.recv`."""
+        """See :meth:`torchrl_asyncpool.AsyncEnvPool.recv`.
+
+        Lifetime of a batch: the returned TensorDict is new for every call, so keys a policy
+        adds to it (or removes) stay with that batch only, but its tensors are views of rows of
+        this consumer's staging buffer, which the next ``recv`` or :meth:`lease_ready` overwrites
+        (row ``i`` of every batch of ``B`` records is staging row ``i``). Read them, or pass them
+        to the policy, before the next call; ``clone()`` what must live longer. Workers never
+        write the staging buffer, so nothing changes under a batch before that call, and
+        answering a batch with :meth:`send` does not invalidate it.
+        """
         t_enter = time.monotonic()
         if self.error is not None:
             raise self.error
@@ -125,21 +134,20 @@ class SlotConsumer:
             raise ValueError(f"timeout must be None or >= 0, got {timeout!r}.")
         deadline = None if timeout is None else t_enter + timeout
         cap = n if max_get is None else min(max_get, n)
-        state = self.arena.state
         waited = 0.0
         while True:
             self._bell.drain()  # before the scan: a ring after this wakes the poll below
-            ready = np.flatnonzero(state == S.OBS_READY)
-            if (state == S.ERROR).any():
+            ready, _, errors, _ = self._engine.scan()  # counts only: no array per look
+            if errors:
                 self.raise_worker_errors()
             now = time.monotonic()
-            if ready.size >= min_get:
-                if deadline is None or ready.size >= cap or now >= deadline:
+            if ready >= min_get:
+                if deadline is None or ready >= cap or now >= deadline:
                     self._check_sentinels(now)  # a dead worker is reported, not skipped
                     break
             elif deadline is not None and now >= deadline:
                 raise TimeoutError(
-                    f"recv timed out after {timeout}s with {ready.size}/{min_get} envs ready; "
+                    f"recv timed out after {timeout}s with {ready}/{min_get} envs ready; "
                     "nothing was consumed, ready records stay available to the next call."
                 )
             events = poll_for(self._poller, None if deadline is None else deadline - now)
@@ -188,13 +196,12 @@ class SlotConsumer:
         if self.error is not None:
             raise self.error
         deadline = None if timeout is None else time.monotonic() + timeout
-        state = self.arena.state
         while True:
             self._bell.drain()
-            ready = int((state == S.OBS_READY).sum())
+            ready, _, errors, _ = self._engine.scan()
             if ready >= count:
                 return ready
-            if (state == S.ERROR).any():
+            if errors:
                 self.raise_worker_errors()
             now = time.monotonic()
             if deadline is not None and now >= deadline:
