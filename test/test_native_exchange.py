@@ -446,3 +446,29 @@ def test_the_c_enums_match_the_python_ones():
         assert getattr(_native, f"SLOT_{name}") == value, name
     for step in StepType:
         assert getattr(_native, f"STEP_{step.name}") == int(step), step.name
+
+
+@pytest.mark.parametrize("exchange", ["python", pytest.param("native", marks=needs_native)])
+def test_a_batch_lives_until_the_next_lease_and_send_does_not_touch_it(exchange):
+    # the rule recv's docstring and design.rst state: a fresh TensorDict over staging rows, which
+    # the next recv/lease_ready overwrites; workers and send never write them
+    side = _Side(exchange)
+    try:
+        for slot in (1, 3):
+            side.publish(slot, 10 + slot, ready_time=float(slot))
+        first = side.consumer.recv(min_get=2, timeout=0)
+        assert first.env_indices.tolist() == [1, 3] and first["obs"][:, 0].tolist() == [11.0, 13.0]
+        first.set("added_by_policy", torch.ones(2))
+        answer = {"action": torch.zeros(2, 2, dtype=torch.int64), "policy_version": torch.zeros(2, dtype=torch.int64),
+                  "flag": torch.zeros(2, 1, dtype=torch.bool)}
+        side.consumer.send(answer, first.env_indices)
+        side.publish(1, 21, ready_time=5.0)  # the worker writes slot 1's next record
+        assert first["obs"][:, 0].tolist() == [11.0, 13.0]  # answered, slot rewritten: the batch holds
+        side.publish(4, 24, ready_time=6.0)
+        second = side.consumer.recv(min_get=2, timeout=0)
+        assert second.env_indices.tolist() == [1, 4] and "added_by_policy" not in second.keys()
+        # the next lease reused the staging rows: the first batch's tensors now show the second's
+        assert first["obs"][:, 0].tolist() == [21.0, 24.0]
+        assert first["obs"].data_ptr() == second["obs"].data_ptr()
+    finally:
+        side.close()
