@@ -116,16 +116,24 @@ def test_the_c_engine_does_what_the_reference_does(seed):
     sides = [_Side("python", n, slot_bell), _Side("native", n, slot_bell)]
     assert isinstance(sides[0].engine, ReferenceEngine) and not isinstance(sides[1].engine, ReferenceEngine)
     clock = 8.0  # in 1/8 steps: exact sums
-    leased, steps, nonempty = [], 0, 0
+    leased, steps, nonempty, runs = [], 0, 0, 0
     try:
         for step in range(300):
             clock += int(rng.integers(0, 3)) / 8
             op = rng.random()
             state = sides[0].arena.state
             if op < 0.4:  # workers publish some free or answered slots, often with equal times
-                for slot in np.flatnonzero((state == S.FREE) | (state == S.ACTION_READY)):
-                    if rng.random() < 0.5:
-                        _publish(sides, rng, int(slot), clock - int(rng.integers(0, 4)) / 8)
+                free = (state == S.FREE) | (state == S.ACTION_READY)
+                if rng.random() < 0.5:  # a block: every waiting slot of a window, one ready time
+                    a = int(rng.integers(0, n))
+                    window = np.zeros(n, bool)
+                    window[a:a + int(rng.integers(1, n + 1))] = True
+                    for slot in np.flatnonzero(free & window):
+                        _publish(sides, rng, int(slot), clock)
+                else:
+                    for slot in np.flatnonzero(free):
+                        if rng.random() < 0.5:
+                            _publish(sides, rng, int(slot), clock - int(rng.integers(0, 4)) / 8)
             elif op < 0.43 and (state == S.FREE).any():  # an env error in a free slot
                 slot = int(rng.choice(np.flatnonzero(state == S.FREE)))
                 for side in sides:
@@ -133,9 +141,15 @@ def test_the_c_engine_does_what_the_reference_does(seed):
             elif op < 0.75:
                 cap = int(rng.integers(1, n + 3))
                 waited = int(rng.integers(0, 5)) / 8
-                got = [side.engine.lease(cap, clock, waited) for side in sides]
+                run = rng.random() < 0.5  # lease_run leaves a run of adjacent slots ungathered
+                got = [(side.engine.lease_run if run else side.engine.lease)(cap, clock, waited) for side in sides]
                 assert got[0] == got[1], (step, got)
                 b = got[0][0]
+                if run:
+                    start = got[0][2]
+                    idx = sides[0].env_index[:b].tolist()
+                    assert start == (idx[0] if b and idx == list(range(idx[0], idx[0] + b)) else -1), (idx, start)
+                    runs += start >= 0
                 assert b == min(cap, b) and isinstance(b, int)
                 if b:
                     nonempty += 1
@@ -154,6 +168,7 @@ def test_the_c_engine_does_what_the_reference_does(seed):
             _assert_same(*snaps, f"step {step}")
             steps += 1
         assert nonempty > 20 and sides[0].arena.consumer_stats[1] == nonempty  # the sequence did lease
+        assert runs >= 1  # and left at least one run of adjacent slots ungathered
     finally:
         for side in sides:
             side.close()
