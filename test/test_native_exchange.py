@@ -527,3 +527,23 @@ def test_oracle_through_zero_copy_batches(exchange, envs_per_worker, dev_shm_gua
         consumer.close()
         assert views > 20, views
     assert checker.episodes_done > 8
+
+
+@pytest.mark.parametrize("exchange", ["python", pytest.param("native", marks=needs_native)])
+def test_a_consumer_of_no_keys_leases_without_copying_records(exchange):
+    # keys=(): batches carry only env indices, and neither engine copies a record (for a serving
+    # loop whose policy runners gather from the slots themselves)
+    side = _Side(exchange)
+    try:
+        bare = SlotConsumer(side.consumer.handle, arena=side.arena, keys=())
+        assert list(bare._staging.keys()) == ["env_index"]
+        for slot in (0, 5):
+            side.publish(slot, slot, ready_time=1.0)
+        td = bare.lease_ready(4)
+        assert td.env_indices.tolist() == [0, 5] and list(td.keys()) == ["env_index"]
+        assert side.arena.state.tolist() == [S.LEASED, 0, 0, 0, 0, S.LEASED]
+        bare.send_rows([torch.ones(2, 2, dtype=torch.int64), 1, torch.ones(2, 1, dtype=torch.bool)], td.env_indices)
+        assert side.rings() == [1, 1]
+        bare.close()
+    finally:
+        side.close()
