@@ -335,12 +335,12 @@ lease_impl(Engine *self, PyObject *args, int views)
     if (b > 0) {
         double *a = self->stats;
         const Py_ssize_t *st = self->st;
-        a[st[0]] += (double)b;
-        a[st[1]] += 1.0;
-        a[st[2]] += b < cap ? 1.0 : 0.0;
-        a[st[3]] += (double)b / (double)cap;
-        a[st[4]] += dwell;
-        a[st[7]] += waited;
+        sum_add(&a[st[0]], (double)b);
+        sum_add(&a[st[1]], 1.0);
+        sum_add(&a[st[2]], b < cap ? 1.0 : 0.0);
+        sum_add(&a[st[3]], (double)b / (double)cap);
+        sum_add(&a[st[4]], dwell);
+        sum_add(&a[st[7]], waited);
     }
     self->busy = 0;
     return views ? Py_BuildValue("ndn", b, dwell, start) : Py_BuildValue("nd", b, dwell);
@@ -441,8 +441,8 @@ Engine_answer(Engine *self, PyObject *args)
         }
     }
     for (Py_ssize_t r = 0; r < b; r++) self->rung[self->slot_bell[idx[r]]] = 0;
-    self->stats[self->st[6]] += (double)b;
-    self->stats[self->st[5]] += dwell;
+    sum_add(&self->stats[self->st[6]], (double)b);
+    sum_add(&self->stats[self->st[5]], dwell);
     result = Py_NewRef(Py_None);
 done:
     for (Py_ssize_t k = 0; k < self->nresp; k++) {

@@ -13,7 +13,8 @@
  *   wake_probe.c  the measurement of a cross-core wake-up that decides idle polling
  *
  * Threads. Every datum two threads share is a C11 atomic, or is only touched with the GIL held
- * (noted where it is). Data in the arena shared with other processes is ordered by the slot
+ * (noted where it is). Metric sums in the arena have one writer and readers elsewhere: sum_add
+ * and count_add. Data in the arena shared with other processes is ordered by the slot
  * state word: a writer stores the record, then the state with release semantics; a reader
  * loads the state with acquire semantics before it reads the record (slot_load / slot_store).
  */
@@ -66,6 +67,24 @@ static inline void
 slot_store(int32_t *word, int32_t state)
 {
     atomic_store_explicit((_Atomic int32_t *)word, state, memory_order_release);
+}
+
+/* Adds x to a metric sum that only this thread writes and other threads or processes read
+   (PoolMetrics, the driver's metrics() while a serving thread runs): relaxed atomic accesses,
+   so that a reader never sees a torn value; no read-modify-write instruction is needed with
+   one writer, and on x86-64 these compile to the plain loads and stores. */
+static inline void
+sum_add(double *sum, double x)
+{
+    _Atomic double *a = (_Atomic double *)sum;
+    atomic_store_explicit(a, atomic_load_explicit(a, memory_order_relaxed) + x, memory_order_relaxed);
+}
+
+static inline void
+count_add(int64_t *count, int64_t x)
+{
+    _Atomic int64_t *a = (_Atomic int64_t *)count;
+    atomic_store_explicit(a, atomic_load_explicit(a, memory_order_relaxed) + x, memory_order_relaxed);
 }
 
 static inline int64_t

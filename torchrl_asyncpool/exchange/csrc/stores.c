@@ -361,8 +361,8 @@ Pass_store(Pass *self, PyObject *args)
         int64_t i = idx[j];
         store_step_type(self, i, (int)vals[3 * j]);
         self->reward[i] = (float)vals[3 * j + 1];
-        self->step_time[i] += vals[3 * j + 2];
-        self->step_count[i] += 1;
+        sum_add(&self->step_time[i], vals[3 * j + 2]); /* read by PoolMetrics */
+        count_add(&self->step_count[i], 1);
     }
     result = Py_NewRef(Py_True);
 done:
@@ -440,8 +440,8 @@ Pass_record(Pass *self, PyObject *args)
     store_step_type(self, i, st);
     self->reward[i] = (float)r;
     if (dt >= 0.0) {
-        self->step_time[i] += dt;
-        self->step_count[i] += 1;
+        sum_add(&self->step_time[i], dt);
+        count_add(&self->step_count[i], 1);
     }
     self->ready_time[i] = now;
     slot_store(&self->state[i], SLOT_OBS_READY); /* after the record */
