@@ -160,7 +160,7 @@ class ReferenceEngine:
         if not (idx.__class__ is np.ndarray and idx.dtype == np.int64 and idx.flags.c_contiguous):
             raise TypeError("idx must be a contiguous int64 buffer")
         b, n = idx.size, self._n
-        if b and (idx.min() < 0 or idx.max() >= n):
+        if b and idx.view(np.uint64).max() >= n:  # one pass: a negative index is a huge unsigned one
             bad = int(idx[(idx < 0) | (idx >= n)][0])
             raise IndexError(f"slot index {bad} out of [0, {n})")
         if len(values) != len(self._responses):
@@ -192,6 +192,9 @@ class ReferenceEngine:
         holds ``b`` rows; ``ValueError`` when its size is neither ``b`` rows nor one."""
         dst, row = self._responses[k]
         if dst.__class__ is np.ndarray:
+            if (value.__class__ is np.ndarray and value.dtype == dst.dtype and value.shape[1:] == dst.shape[1:]
+                    and value.shape[:1] == (b,) and value.flags.c_contiguous):
+                return value, True  # the consumer's usual answer: b rows as they are (checked as below)
             view = memoryview(value)
             if not view.c_contiguous:
                 raise BufferError(f"response field {k}: the value is not C-contiguous")
