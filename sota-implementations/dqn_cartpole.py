@@ -29,12 +29,10 @@ Result on the 2-core development machine (heavily loaded by other jobs, see
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import functools
 import os
-import re
 import threading
 import time
 
@@ -48,6 +46,9 @@ from torchrl.envs import GymEnv
 from torchrl.record.loggers.csv import CSVLogger
 
 from torchrl_asyncpool import AsyncPoolCollector
+from torchrl_asyncpool.examples.batches import EpisodeTracker
+from torchrl_asyncpool.examples.plots import plot_curve
+from torchrl_asyncpool.examples.script_config import config_parser
 
 
 # ----------------------------------------------------------------------------------------------
@@ -89,43 +90,8 @@ class Config:
     progress: bool = True
 
 
-def parse_bool(s: str) -> bool:
-    if s.lower() in ("1", "true", "yes", "on"):
-        return True
-    if s.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
-
-
-def field_help() -> dict:
-    """Each Config field's trailing comment (with its indented continuation lines), for --help."""
-    with open(__file__) as f:  # this file's own Config block
-        source = f.read().split("\nclass Config:\n", 1)[1].split("\n\n", 1)[0]
-    out, last = {}, None
-    for line in source.splitlines():
-        field = re.match(r"    (\w+): [^=]+= .*?(?:#\s*(.*))?$", line)
-        if field:
-            last = field.group(1)
-            out[last] = field.group(2) or ""
-        elif last and re.match(r"\s{8,}#", line):  # a continuation, aligned under the comment
-            out[last] += " " + line.split("#", 1)[1].strip()
-        else:
-            last = None
-    return out
-
-
 def parse_config(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    helps = field_help()
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        default = "" if f.default == "" else f" (default: {f.default})"  # "": the comment says what it means
-        text = (helps.get(f.name, "") + default).strip()
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, type=parse_bool, default=f.default, metavar="BOOL", help=text)
-        else:
-            typ = {"int": int, "float": float, "str": str}[f.type] if isinstance(f.type, str) else f.type
-            parser.add_argument(flag, type=typ, default=f.default, help=text)
+    parser = config_parser(Config, __file__, __doc__)  # one flag per field, its comment as help
     cfg = Config(**vars(parser.parse_args(argv)))
     # bad input: exit 2 with the flag's name (argparse's usage error) instead of a crash or a silent no-op
     for name in ("num_envs", "frames_per_batch", "total_frames", "window", "buffer_size", "batch_size",
@@ -171,53 +137,8 @@ class EpsilonGreedy(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# Episode returns and plot
+# Episode returns
 # ----------------------------------------------------------------------------------------------
-class EpisodeTracker:
-    """Running per-env return; returns the returns of the episodes a batch completes.
-
-    A batch is a concatenation of per-env runs of consecutive transitions, so walking it in
-    order visits each env's transitions in time order.
-    """
-
-    def __init__(self, num_envs: int):
-        self.running = [0.0] * num_envs
-
-    def update(self, batch: TensorDict) -> list[float]:
-        finished = []
-        rewards = batch["next", "reward"].flatten().tolist()
-        dones = batch["next", "done"].flatten().tolist()
-        for env, r, d in zip(batch["env_index"].tolist(), rewards, dones):
-            self.running[env] += r
-            if d:
-                finished.append(self.running[env])
-                self.running[env] = 0.0
-        return finished
-
-
-def plot_curve(frames: list[int], returns: list[float], window: int, target: float, path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(frames, returns, ".", ms=3, alpha=0.4, label="episode return")
-    if returns:
-        r = torch.tensor(returns)
-        smooth = [r[max(0, i - window + 1): i + 1].mean().item() for i in range(len(r))]
-        ax.plot(frames, smooth, lw=2, label=f"mean of last {window}")
-    ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target:g}")
-    ax.set_xlabel("frames")
-    ax.set_ylabel("return")
-    ax.set_title(title)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 class Stats:
     """What the background collection reports to the learner (written in the collector's thread)."""
 

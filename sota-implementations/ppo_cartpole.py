@@ -24,12 +24,10 @@ Result on the 2-core development machine (heavily loaded by other jobs, see
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import functools
 import os
-import re
 import subprocess
 import sys
 import time
@@ -39,12 +37,15 @@ import gymnasium
 import torch
 import torch.nn as nn
 import tqdm
-from tensordict import TensorDict
 from torchrl.envs import GymEnv
 from torchrl.objectives.value.functional import vec_generalized_advantage_estimate
 from torchrl.record.loggers.csv import CSVLogger
 
 from torchrl_asyncpool import AsyncPoolCollector
+from torchrl_asyncpool.examples.actor_critic import ActorCritic
+from torchrl_asyncpool.examples.batches import EpisodeTracker, group_by_env, normalize, segment_ends
+from torchrl_asyncpool.examples.plots import plot_curve
+from torchrl_asyncpool.examples.script_config import config_parser
 from torchrl_asyncpool.remote import RemoteEnvSlot
 
 
@@ -89,43 +90,8 @@ class Config:
     progress: bool = True
 
 
-def parse_bool(s: str) -> bool:
-    if s.lower() in ("1", "true", "yes", "on"):
-        return True
-    if s.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
-
-
-def field_help() -> dict:
-    """Each Config field's trailing comment (with its indented continuation lines), for --help."""
-    with open(__file__) as f:  # this file's own Config block
-        source = f.read().split("\nclass Config:\n", 1)[1].split("\n\n", 1)[0]
-    out, last = {}, None
-    for line in source.splitlines():
-        field = re.match(r"    (\w+): [^=]+= .*?(?:#\s*(.*))?$", line)
-        if field:
-            last = field.group(1)
-            out[last] = field.group(2) or ""
-        elif last and re.match(r"\s{8,}#", line):  # a continuation, aligned under the comment
-            out[last] += " " + line.split("#", 1)[1].strip()
-        else:
-            last = None
-    return out
-
-
 def parse_config(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    helps = field_help()
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        default = "" if f.default == "" else f" (default: {f.default})"  # "": the comment says what it means
-        text = (helps.get(f.name, "") + default).strip()
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, type=parse_bool, default=f.default, metavar="BOOL", help=text)
-        else:
-            typ = {"int": int, "float": float, "str": str}[f.type] if isinstance(f.type, str) else f.type
-            parser.add_argument(flag, type=typ, default=f.default, help=text)
+    parser = config_parser(Config, __file__, __doc__)  # one flag per field, its comment as help
     cfg = Config(**vars(parser.parse_args(argv)))
     # bad input: exit 2 with the flag's name (argparse's usage error) instead of a crash or a silent no-op
     for name in ("num_envs", "frames_per_batch", "total_frames", "window", "epochs", "minibatch_size", "hidden"):
@@ -152,102 +118,6 @@ def parse_config(argv=None) -> Config:
 
 
 # ----------------------------------------------------------------------------------------------
-# Model
-# ----------------------------------------------------------------------------------------------
-def mlp(n_in: int, n_out: int, hidden: int, out_std: float) -> nn.Sequential:
-    net = nn.Sequential(nn.Linear(n_in, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
-                        nn.Linear(hidden, n_out))
-    for layer in net:
-        if isinstance(layer, nn.Linear):
-            nn.init.orthogonal_(layer.weight, 2 ** 0.5)
-            nn.init.zeros_(layer.bias)
-    nn.init.orthogonal_(net[-1].weight, out_std)
-    return net
-
-
-class Agent(nn.Module):
-    """Actor and critic. ``forward`` is the acting policy: ``TensorDict -> TensorDict``."""
-
-    def __init__(self, obs_dim: int, n_actions: int, hidden: int):
-        super().__init__()
-        self.actor = mlp(obs_dim, n_actions, hidden, out_std=0.01)
-        self.critic = mlp(obs_dim, 1, hidden, out_std=1.0)
-
-    def forward(self, td: TensorDict) -> TensorDict:
-        dist = torch.distributions.Categorical(logits=self.actor(td["observation"]))
-        action = dist.sample()
-        td.set("action", action)
-        td.set("sample_log_prob", dist.log_prob(action))
-        return td
-
-
-# ----------------------------------------------------------------------------------------------
-# Batch helpers
-# ----------------------------------------------------------------------------------------------
-def group_by_env(batch: TensorDict) -> TensorDict:
-    """Stable sort by env index: each env's transitions become one contiguous, time-ordered run."""
-    order = torch.sort(batch["env_index"], stable=True).indices
-    return batch[order]
-
-
-def segment_ends(batch: TensorDict) -> torch.Tensor:
-    """``[N, 1]`` bool: the transition ends an episode or its env's run in this (grouped) batch."""
-    env = batch["env_index"]
-    last_of_env = torch.ones_like(env, dtype=torch.bool)
-    last_of_env[:-1] = env[1:] != env[:-1]
-    return batch["next", "done"] | last_of_env.unsqueeze(-1)
-
-
-def normalize(adv: torch.Tensor) -> torch.Tensor:
-    """Zero mean, unit std; a minibatch of one (a batch size not a multiple of the minibatch size)
-    is only centred, as its std is undefined (NaN, which would reach the weights)."""
-    if adv.numel() < 2:
-        return adv - adv.mean()
-    return (adv - adv.mean()) / (adv.std() + 1e-8)
-
-
-class EpisodeTracker:
-    """Running per-env return; returns the returns of the episodes a (grouped) batch completes."""
-
-    def __init__(self, num_envs: int):
-        self.running = [0.0] * num_envs
-
-    def update(self, batch: TensorDict) -> list[float]:
-        finished = []
-        rewards = batch["next", "reward"].flatten().tolist()
-        dones = batch["next", "done"].flatten().tolist()
-        for env, r, d in zip(batch["env_index"].tolist(), rewards, dones):
-            self.running[env] += r
-            if d:
-                finished.append(self.running[env])
-                self.running[env] = 0.0
-        return finished
-
-
-def plot_curve(frames: list[int], returns: list[float], window: int, target: float, path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(frames, returns, ".", ms=3, alpha=0.4, label="episode return")
-    if returns:
-        r = torch.tensor(returns)
-        smooth = [r[max(0, i - window + 1): i + 1].mean().item() for i in range(len(r))]
-        ax.plot(frames, smooth, lw=2, label=f"mean of last {window}")
-    ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target:g}")
-    ax.set_xlabel("frames")
-    ax.set_ylabel("return")
-    ax.set_title(title)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-# ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
 def main(argv=None) -> dict:
@@ -261,7 +131,7 @@ def main(argv=None) -> dict:
 
     probe = gymnasium.make(cfg.env_id)
     obs_dim, n_actions = probe.observation_space.shape[0], int(probe.action_space.n)
-    agent = Agent(obs_dim, n_actions, cfg.hidden)
+    agent = ActorCritic(obs_dim, n_actions, cfg.hidden)
     acting = copy.deepcopy(agent)  # runs in the collector's policy thread
     optim = torch.optim.Adam(agent.parameters(), lr=cfg.lr, eps=1e-5)
 

@@ -180,11 +180,14 @@ def test_script_bool_flags_and_defaults_parse():
     assert module.parse_config(["--double-dqn", "FALSE", "--progress", "on"]).double_dqn is False
 
 
-@pytest.mark.parametrize("script", ["ppo_cartpole", "impala_cartpole"])
-def test_advantage_normalisation_of_a_single_transition_is_finite(script):
+def test_advantage_normalisation_of_a_single_transition_is_finite():
+    """One ``normalize`` for PPO's minibatches and IMPALA's batches (the script's and the demo's
+    learner step, :func:`torchrl_asyncpool.examples.impala.impala_update`)."""
     import torch
 
-    normalize = _load_script(script).normalize
+    from torchrl_asyncpool.examples.batches import normalize
+
+    assert _load_script("ppo_cartpole").normalize is normalize
     assert normalize(torch.tensor([2.5])).tolist() == [0.0]
     out = normalize(torch.tensor([1.0, 2.0, 3.0]))
     assert abs(out.mean().item()) < 1e-6 and abs(out.std().item() - 1) < 1e-6

@@ -1,5 +1,9 @@
-"""``torchrl-asyncpool demo``: train IMPALA on CartPole with AsyncPoolCollector (a compact learner;
-the full script is ``sota-implementations/impala_cartpole.py``)."""
+"""``torchrl-asyncpool demo``: train IMPALA on CartPole with AsyncPoolCollector.
+
+A compact loop around the learner step of ``sota-implementations/impala_cartpole.py``
+(:func:`torchrl_asyncpool.examples.impala.impala_update`, the same model and batch helpers): no
+logging, plot or flags beyond the command's own; one learner step per batch.
+"""
 from __future__ import annotations
 
 import argparse
@@ -12,38 +16,6 @@ from collections import deque
 from torchrl_asyncpool.cli._common import _positive_int, _start_fork_server
 
 __all__ = ["train_impala_demo"]
-
-
-def _make_agent(obs_dim: int, n_actions: int, hidden: int = 64):
-    import torch
-    import torch.nn as nn
-
-    def mlp(n_out, out_std):
-        net = nn.Sequential(nn.Linear(obs_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
-                            nn.Linear(hidden, n_out))
-        for layer in net:
-            if isinstance(layer, nn.Linear):
-                nn.init.orthogonal_(layer.weight, 2 ** 0.5)
-                nn.init.zeros_(layer.bias)
-        nn.init.orthogonal_(net[-1].weight, out_std)
-        return net
-
-    class Agent(nn.Module):
-        """Actor-critic; ``forward`` is the acting policy (writes action and its log-prob)."""
-
-        def __init__(self):
-            super().__init__()
-            self.actor = mlp(n_actions, 0.01)
-            self.critic = mlp(1, 1.0)
-
-        def forward(self, td):
-            dist = torch.distributions.Categorical(logits=self.actor(td["observation"]))
-            action = dist.sample()
-            td.set("action", action)
-            td.set("sample_log_prob", dist.log_prob(action))
-            return td
-
-    return Agent()
 
 
 def train_impala_demo(
@@ -69,21 +41,21 @@ def train_impala_demo(
     """
     import gymnasium
     import torch
-    import torch.nn as nn
     import tqdm
-    from torchrl.objectives.value.functional import vtrace_advantage_estimate
+    from torchrl.envs import GymEnv
 
     from torchrl_asyncpool.collector import AsyncPoolCollector
+    from torchrl_asyncpool.examples.actor_critic import ActorCritic
+    from torchrl_asyncpool.examples.batches import EpisodeTracker, group_by_env
+    from torchrl_asyncpool.examples.impala import impala_update
 
     torch.manual_seed(seed)
     probe = gymnasium.make(env_id)
     obs_dim, n_actions = probe.observation_space.shape[0], int(probe.action_space.n)
     probe.close()
-    agent = _make_agent(obs_dim, n_actions)
+    agent = ActorCritic(obs_dim, n_actions)
     acting = copy.deepcopy(agent)
     optim = torch.optim.Adam(agent.parameters(), lr=lr, eps=1e-5)
-
-    from torchrl.envs import GymEnv
 
     # TorchRL's GymEnv, as a TorchRL user writes it; the workers step it on their fast path
     collector = AsyncPoolCollector(
@@ -92,13 +64,13 @@ def train_impala_demo(
         frames_per_batch=frames_per_batch,
         total_frames=total_frames,
         # envs run at most one batch ahead of the learner: IMPALA's V-trace corrects for a lag
-        # of a version or two, but the compact learner above (one step per batch, lr 1e-3)
+        # of a version or two, but this learner (one step per batch, lr 1e-3)
         # stalled or collapsed in 2 of ~20 runs whose mean lag reached 1.8-1.9 versions
         transition_chunk_size=max(1, frames_per_batch // num_envs),
         chunks_per_env=1,
         seed=seed,  # env i's first reset: seed + i
     )
-    running = [0.0] * num_envs
+    tracker = EpisodeTracker(num_envs)
     recent: deque = deque(maxlen=window)
     frames = episodes = 0
     lag_sum = 0.0
@@ -112,41 +84,13 @@ def train_impala_demo(
     try:
         for it, batch in enumerate(collector):
             frames += batch.numel()
-            # group each env's transitions into one contiguous, time-ordered run
-            batch = batch[torch.sort(batch["env_index"], stable=True).indices]
-            for env, r, d in zip(batch["env_index"].tolist(), batch["next", "reward"].flatten().tolist(),
-                                 batch["next", "done"].flatten().tolist()):
-                running[env] += r
-                if d:
-                    recent.append(running[env])
-                    running[env] = 0.0
-                    episodes += 1
+            batch = group_by_env(batch)  # each env's transitions: one contiguous, time-ordered run
+            returns = tracker.update(batch)
+            recent.extend(returns)
+            episodes += len(returns)
             lag_sum += (collector.policy_version - batch["policy_version"]).float().mean().item()
-
-            env = batch["env_index"]
-            run_end = torch.ones_like(env, dtype=torch.bool)
-            run_end[:-1] = env[1:] != env[:-1]
-            ends = batch["next", "done"] | run_end.unsqueeze(-1)
-            dist = torch.distributions.Categorical(logits=agent.actor(batch["observation"]))
-            log_pi = dist.log_prob(batch["action"]).unsqueeze(-1)
-            value = agent.critic(batch["observation"])
-            with torch.no_grad():
-                next_value = agent.critic(batch["next", "observation"])
-                # ratio = exp(log_pi - log_mu): learner over behaviour ("sample_log_prob")
-                adv, vs = vtrace_advantage_estimate(
-                    gamma, log_pi.detach()[None], batch["sample_log_prob"].unsqueeze(-1)[None], value.detach()[None],
-                    next_value[None], batch["next", "reward"][None], ends[None], batch["next", "terminated"][None],
-                )
-                adv, vs = adv[0], vs[0]
-                # a 1-frame batch (the last one, when total_frames is not a multiple of the batch) is
-                # only centred: the std of one value is NaN, which would reach the weights
-                adv = adv - adv.mean() if adv.numel() < 2 else (adv - adv.mean()) / (adv.std() + 1e-8)
-            loss = -(log_pi * adv).mean() + 0.25 * (value - vs).pow(2).mean() - ent_coef * dist.entropy().mean()
-            optim.zero_grad()
-            loss.backward()
-            nn.utils.clip_grad_norm_(agent.parameters(), 0.5)
-            optim.step()
-            last_loss = loss.item()
+            # V-trace targets, the loss and one gradient step, as impala_cartpole.py's learner
+            last_loss = impala_update(agent, optim, batch, gamma=gamma, ent_coef=ent_coef)["loss"]
             collector.update_policy_weights_(agent.state_dict())  # copied into the acting policy
 
             pool = collector.pool_metrics()
