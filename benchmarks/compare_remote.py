@@ -25,6 +25,12 @@ random actions, nothing else) runs for ``--seconds`` against
               seconds until the pool saw its envs truncated and until its restarted host
               delivered its first record.
 
+* ``remote2e``, ``ray2e``: as ``remote2`` and ``ray2``, the pool's side made of single-env slots
+              (:meth:`RemoteVectorSlot.per_env <torchrl_asyncpool.remote.RemoteVectorSlot.per_env>`:
+              one thread per env in the address's worker, each env's record published as soon as
+              its host sent it) instead of one RemoteVectorSlot stepped in lockstep; ``threads``
+              hosts step their envs one by one.
+
 ``--driver collector`` drives an :class:`~torchrl_asyncpool.AsyncPoolCollector` (the MLP policy,
 ``--frames-per-batch``) instead of the bare consumer loop: frames/s of a collector fed by the
 hosts. ``--impls remote2 ray2 --host-envs 8 --envs 32 --driver collector`` is the issue's
@@ -64,6 +70,7 @@ from compare_collectors import make_cartpole, make_sleep
 from torchrl_asyncpool import AsyncEnvPool, StepType
 from torchrl_asyncpool.remote import RemoteEnvSlot, RemoteVectorSlot
 
+P2 = ("remote2", "remote2e", "ray2", "ray2e")  # the protocol-2 impls
 WORKLOADS = {"cartpole": (make_cartpole, None), "sleep2ms": (make_sleep, 0.002)}
 
 _HOST = """
@@ -119,8 +126,11 @@ def _cpu_s(pids):
 
 def round_trip(pool, timeout=30.0) -> int:
     """One consumer round trip: ``recv`` whatever is ready, answer it with random actions;
-    returns the records answered."""
-    td = pool.recv(min_get=1, timeout=timeout)
+    returns the records answered. (``recv(min_get=1, timeout=t)`` would wait up to ``t`` for
+    every env, its ``max_get`` being all of them: ``wait_ready`` bounds the wait instead.)"""
+    if pool.wait_ready(1, timeout) < 1:
+        raise TimeoutError(f"no record within {timeout} s")
+    td = pool.recv(min_get=1)
     b = td.shape[0]
     pool.send(TensorDict({"action": torch.randint(0, 2, (b,))}, [b]), td.env_indices)
     return b
@@ -221,7 +231,7 @@ def _policy():
 
 
 @contextlib.contextmanager
-def remote2_pool(workload, n, host_envs, mode, hosts_per_slot=1, driver="pool", frames_per_batch=256):
+def remote2_pool(workload, n, host_envs, mode, hosts_per_slot=1, driver="pool", frames_per_batch=256, per_env=False):
     """A pool (or collector) of ``n`` envs in RemoteVectorSlot factories of ``hosts_per_slot``
     hosts of ``host_envs`` envs (one address and ingress worker each), each host a protocol-2
     process; yields ``(pool or collector, host processes)``."""
@@ -235,8 +245,12 @@ def remote2_pool(workload, n, host_envs, mode, hosts_per_slot=1, driver="pool", 
                               stderr=subprocess.DEVNULL) for a in addresses for _ in range(hosts_per_slot)]
     try:
         # a vector slot's worker starts once its hosts connected (the hosts retry until the pool listens)
-        slots = [functools.partial(RemoteVectorSlot.like, make(), a, num_envs=per_slot, host_envs=host_envs)
-                 for a in addresses]
+        if per_env:  # each address's envs as single slots, one thread each in the address's worker
+            slots = [f for a in addresses
+                     for f in RemoteVectorSlot.per_env(make(), a, num_envs=per_slot, host_envs=host_envs)]
+        else:
+            slots = [functools.partial(RemoteVectorSlot.like, make(), a, num_envs=per_slot, host_envs=host_envs)
+                     for a in addresses]
         with _p2_consumer(slots, driver, frames_per_batch) as consumer:
             yield consumer, procs
     finally:
@@ -256,7 +270,7 @@ def _init_ray(num_cpus):
 
 
 @contextlib.contextmanager
-def ray2_pool(workload, n, host_envs, mode, driver="pool", frames_per_batch=256):
+def ray2_pool(workload, n, host_envs, mode, driver="pool", frames_per_batch=256, per_env=False):
     """As :func:`remote2_pool` with one host per address, each host a Ray actor
     (``RayEnvHosts(protocol=2)``, the pool's factories from ``pool_factories``); yields
     ``(pool or collector, hosts)``."""
@@ -268,7 +282,7 @@ def ray2_pool(workload, n, host_envs, mode, driver="pool", frames_per_batch=256)
     _init_ray(max(2, n // host_envs))
     hosts = RayEnvHosts(_p2_envs_factory(workload, host_envs, mode), [_address() for _ in range(n // host_envs)],
                         num_cpus=1, max_restarts=-1, retry_s=0.2)
-    slots = hosts.pool_factories(make(), host_envs=host_envs, listen="127.0.0.1")
+    slots = hosts.pool_factories(make(), host_envs=host_envs, listen="127.0.0.1", per_env=per_env)
     try:
         hosts.start()  # the actors' hosts connect once the pool listens
         with _p2_consumer(slots, driver, frames_per_batch) as consumer:
@@ -317,8 +331,8 @@ def time_to_come_back(pool, hosts, actor=0, host_envs=8, timeout=60.0):
     return lost_at, None
 
 
-def run_ray2(workload, n, seconds, host_envs, mode, driver="pool", frames_per_batch=256, kill=False):
-    with ray2_pool(workload, n, host_envs, mode, driver, frames_per_batch) as (consumer, hosts):
+def run_ray2(workload, n, seconds, host_envs, mode, driver="pool", frames_per_batch=256, kill=False, per_env=False):
+    with ray2_pool(workload, n, host_envs, mode, driver, frames_per_batch, per_env) as (consumer, hosts):
         pids = [st["pid"] for st in hosts.status()]
         if driver == "pool":
             rate, cpu = _drive(consumer, seconds, n, pids)
@@ -358,8 +372,10 @@ def run_local(workload, n, seconds):
         return _drive(pool, seconds, n)
 
 
-def run_remote2(workload, n, seconds, host_envs, mode, hosts_per_slot=1, driver="pool", frames_per_batch=256):
-    with remote2_pool(workload, n, host_envs, mode, hosts_per_slot, driver, frames_per_batch) as (consumer, procs):
+def run_remote2(workload, n, seconds, host_envs, mode, hosts_per_slot=1, driver="pool", frames_per_batch=256,
+                per_env=False):
+    with remote2_pool(workload, n, host_envs, mode, hosts_per_slot, driver, frames_per_batch, per_env) as (
+            consumer, procs):
         if driver == "pool":
             return _drive(consumer, seconds, n, [p.pid for p in procs])
         return _drive_collector(consumer, seconds, [p.pid for p in procs])
@@ -377,7 +393,7 @@ def main():
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--host-procs", type=int, default=2, help="env host processes (default: 2)")
     parser.add_argument("--impls", nargs="+", default=["local", "remote"],
-                        choices=["local", "remote", "remote2", "ray", "ray2"],
+                        choices=["local", "remote", "remote2", "remote2e", "ray", "ray2", "ray2e"],
                         help="run in this order within each repeat (default: local remote)")
     parser.add_argument("--host-envs", type=int, default=32, help="envs per protocol-2 host (default: 32)")
     parser.add_argument("--hosts-per-slot", type=int, default=1,
@@ -395,8 +411,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    if args.driver == "collector" and any(impl not in ("remote2", "ray2") for impl in args.impls):
-        parser.error("--driver collector applies to remote2 and ray2 only")
+    if args.driver == "collector" and any(impl not in P2 for impl in args.impls):
+        parser.error("--driver collector applies to remote2, remote2e, ray2 and ray2e only")
     torch.set_num_threads(1)
     rows = []
     print(f"{'workload':10} {'envs':>4} {'impl':7} {'records/s':>10} {'% N/lat':>8} {'cycle ms':>9}   "
@@ -413,21 +429,24 @@ def main():
                         rate, cpu = run_remote(workload, n, args.seconds, args.host_procs)
                     elif impl == "ray":
                         rate, cpu = run_ray(workload, n, args.seconds, args.host_procs)
-                    elif impl == "ray2":
+                    elif impl in ("ray2", "ray2e"):
                         rate, cpu, back = run_ray2(workload, n, args.seconds, args.host_envs, args.p2_vector_mode,
-                                                   args.driver, args.frames_per_batch, args.ray_kill)
+                                                   args.driver, args.frames_per_batch, args.ray_kill,
+                                                   per_env=impl == "ray2e")
                     else:
                         rate, cpu = run_remote2(workload, n, args.seconds, args.host_envs, args.p2_vector_mode,
-                                                args.hosts_per_slot, args.driver, args.frames_per_batch)
+                                                args.hosts_per_slot, args.driver, args.frames_per_batch,
+                                                per_env=impl == "remote2e")
                     pct = None if latency is None else 100 * rate / (n / latency)
                     row = {"workload": workload, "envs": n, "impl": impl, "repeat": rep, "records_per_s": rate,
                            "pct_n_over_latency": pct, "cycle_ms": 1e3 * n / rate,
                            "host_procs": args.host_procs if impl in ("remote", "ray") else None,
-                           "host_envs": args.host_envs if impl in ("remote2", "ray2") else None,
-                           "hosts_per_slot": args.hosts_per_slot if impl == "remote2" else (
-                               1 if impl == "ray2" else None),
-                           "p2_vector_mode": args.p2_vector_mode if impl in ("remote2", "ray2") else None,
-                           "driver": args.driver if impl in ("remote2", "ray2") else "pool",
+                           "host_envs": args.host_envs if impl in P2 else None,
+                           "hosts_per_slot": args.hosts_per_slot if impl in ("remote2", "remote2e") else (
+                               1 if impl in P2 else None),
+                           "p2_vector_mode": args.p2_vector_mode if impl in P2 else None,
+                           "per_env": impl.endswith("e") if impl in P2 else None,
+                           "driver": args.driver if impl in P2 else "pool",
                            "cpu_us_per_record": cpu}
                     if back is not None:
                         row["kill_to_truncation_s"], row["kill_to_first_record_s"] = back

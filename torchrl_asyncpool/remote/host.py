@@ -38,6 +38,17 @@ def _rebuild_error(msg, code, details):
     return err
 
 
+class _Outbox:
+    """A host's request stream: the messages put, in order, until ``None``."""
+
+    def __init__(self):
+        self._q = queue.SimpleQueue()
+        self.put = self._q.put
+
+    def __iter__(self):
+        return iter(self._q.get, None)
+
+
 class EnvHost:
     """Steps one gymnasium env for a pool's :class:`~torchrl_asyncpool.remote.RemoteEnvSlot`.
 
@@ -140,11 +151,13 @@ class EnvHost:
 
         return self._stream(P.encode_hello(spec), serve)
 
-    def _stream(self, hello: bytes, serve, channel_options=()) -> int:
+    def _stream(self, hello: bytes, serve, channel_options=(), outbox=None) -> int:
         """The life of one stream, whatever the host serves over it: connects, sends ``hello``,
         and once the pool accepts (``self.slot``) calls ``serve(responses, send)``, which answers
         the pool's messages until they end (or returns to leave). A pool that goes away after
-        accepting, or :meth:`stop`, ends it normally; returns the steps taken.
+        accepting, or :meth:`stop`, ends it normally; returns the steps taken. ``outbox``: what
+        ``send`` puts into and the request stream iterates (default: each message as sent;
+        ``None`` ends the stream).
 
         Raises:
             ConnectionError: nothing accepts connections at ``address`` within ``connect_timeout``.
@@ -162,10 +175,10 @@ class EnvHost:
                 raise ConnectionError(
                     f"no pool accepts connections on {self.address} (waited {self.connect_timeout:g} s)."
                 ) from None
-            out = queue.SimpleQueue()  # the request stream: messages until a None ends it
+            out = _Outbox() if outbox is None else outbox  # the request stream: messages until a None ends it
             out.put(hello)
             metadata = ((P.TOKEN_METADATA, self.token),) if self.token is not None else None
-            self._call = responses = channel.stream_stream(P.METHOD)(iter(out.get, None), metadata=metadata)
+            self._call = responses = channel.stream_stream(P.METHOD)(iter(out), metadata=metadata)
             if self._stopping.is_set():
                 responses.cancel()
             try:

@@ -151,7 +151,8 @@ class RayEnvHosts:
                         **actor_options}
         self.actors = []
 
-    def pool_factories(self, env, host_envs: int | None = None, *, listen: str = "0.0.0.0", **slot_kwargs) -> list:
+    def pool_factories(self, env, host_envs: int | None = None, *, listen: str = "0.0.0.0", per_env: bool = False,
+                       **slot_kwargs) -> list:
         """The pool's side of these hosts: factories for an :class:`~torchrl_asyncpool.AsyncEnvPool`
         or :class:`~torchrl_asyncpool.AsyncPoolCollector`, one group per address, listening on
         ``listen`` at the address's port, with the hosts' token.
@@ -169,6 +170,10 @@ class RayEnvHosts:
         Keyword Args:
             listen (str): the interface the pool listens on. Defaults to ``"0.0.0.0"`` (every
                 interface; ``"localhost"`` for hosts on this machine only).
+            per_env (bool): protocol 2: the envs of each address as single-env factories
+                (:meth:`RemoteVectorSlot.per_env <torchrl_asyncpool.remote.RemoteVectorSlot.per_env>`:
+                each env's record published as soon as it comes, for envs of uneven step time)
+                instead of one ``RemoteVectorSlot`` stepped in lockstep. Defaults to ``False``.
             **slot_kwargs: more keyword arguments of the slots (``step_timeout``).
         """
         import functools
@@ -184,7 +189,10 @@ class RayEnvHosts:
         out = []
         for address, actors in counts.items():
             local = f"{listen}:{address.rsplit(':', 1)[1]}"
-            if self.protocol == 2:
+            if self.protocol == 2 and per_env:
+                out += RemoteVectorSlot.per_env(env, local, num_envs=host_envs * actors, host_envs=host_envs,
+                                                token=self.token, **slot_kwargs)
+            elif self.protocol == 2:
                 out.append(functools.partial(RemoteVectorSlot.like, env, local, num_envs=host_envs * actors,
                                              host_envs=host_envs, token=self.token, **slot_kwargs))
             else:

@@ -317,11 +317,28 @@ class _HostStream:
         self._out.put(None)
 
     def responses(self):
-        while True:
-            msg = self._out.get()
-            if msg is None:
-                return
-            yield msg
+        """The messages to the host. A tuple sent is one env's command (protocol-2 envs stepped
+        one by one): every command waiting is packed into one message by ``self.pack``."""
+        get, get_nowait, empty = self._out.get, self._out.get_nowait, queue.Empty
+        msg = get()
+        while msg is not None:
+            if not isinstance(msg, tuple):
+                yield msg
+                msg = get()
+                continue
+            commands = [msg]
+            while True:
+                try:
+                    msg = get_nowait()
+                except empty:
+                    msg = get
+                    break
+                if not isinstance(msg, tuple):
+                    break
+                commands.append(msg)
+            yield self.pack(commands)
+            if msg is get:
+                msg = get()
 
 
 class _BoundedExecutor(futures.Executor):

@@ -159,7 +159,11 @@ class _TorchRLBatched:
 
 class _Threaded:
     """``k`` single envs, each built, stepped and reset by a thread of its own (envs that block:
-    their steps overlap)."""
+    their steps overlap). Each env answers its command as soon as its step is done: its record
+    goes to the host's outbox, which sends whatever records are waiting as one message, so a
+    slow env holds back no other (``independent``)."""
+
+    independent = True
 
     def __init__(self, envs):
         import gymnasium as gym
@@ -167,13 +171,14 @@ class _Threaded:
         self.num_envs = len(envs)
         self._made = [None] * self.num_envs
         self._inbox = [queue.SimpleQueue() for _ in range(self.num_envs)]
-        self._results = queue.SimpleQueue()
+        self._built = queue.SimpleQueue()
         self._threads = []
+        self.emit = self.fail = None  # set by the host for each stream (see start)
         for j, env in enumerate(envs):
             t = threading.Thread(target=self._run, args=(j, env), name=f"env-host-env-{j}", daemon=True)
             t.start()
             self._threads.append(t)
-        built = [self._results.get() for _ in range(self.num_envs)]
+        built = [self._built.get() for _ in range(self.num_envs)]
         errors = [r for r in built if isinstance(r[1], BaseException)]
         if errors:
             self.close()
@@ -191,15 +196,15 @@ class _Threaded:
                 env = env()
             env = self._made[j] = as_gymnasium(env)
         except BaseException as exc:  # noqa: BLE001 - reported to the constructor
-            self._results.put((j, exc))
+            self._built.put((j, exc))
             return
-        self._results.put((j, None))
+        self._built.put((j, None))
         inbox = self._inbox[j]
         while True:
             item = inbox.get()
             if item is None:
                 break
-            cmd, i, batch = item
+            emit, fail, cmd = item
             try:
                 if cmd is True:
                     obs, _ = env.reset()
@@ -207,32 +212,28 @@ class _Threaded:
                 else:
                     obs, reward, terminated, truncated, _ = env.step(cmd)
                     st = _TERM if terminated else (_TRUNC if truncated else _MID)
-                batch.put(i, st, reward, obs if self.dict_obs else {"observation": obs})
-            except BaseException as exc:  # noqa: BLE001 - raised by serve() in the host's thread
-                batch.fail(exc)
+                emit((j, st, float(reward), obs if self.dict_obs else {"observation": obs}))
+            except BaseException as exc:  # noqa: BLE001 - raised in the host's thread (see start)
+                fail(exc)
         env.close()
 
-    def _pass(self, envs, cmds):
-        """Hands each env its command; returns the records once all are in (each thread writes
-        its record into its row: one wake-up of this thread per pass, no per-record copy here)."""
-        n = len(envs)
-        batch = _Pass(n, {key: (tuple(shape), np.dtype(dtype)) for key, (shape, dtype) in
-                          self.spec["observation"].items()})
-        for i, (j, cmd) in enumerate(zip(envs.tolist(), cmds)):
-            self._inbox[j].put((cmd, i, batch))
-        batch.done.wait()
-        if batch.error is not None:
-            raise batch.error
-        return np.asarray(envs), batch.sts, batch.rewards, batch.obs
+    def start(self, emit, fail):
+        """Records of this stream go to ``emit((env, step type, reward, obs))``, an env's error
+        to ``fail(exc)``; every env resets (its ``FIRST`` record is the stream's first)."""
+        self.emit, self.fail = emit, fail
+        for inbox in self._inbox:
+            inbox.put((emit, fail, True))
 
-    def reset(self):
-        return self._pass(np.arange(self.num_envs), [True] * self.num_envs)[3]
-
-    def serve(self, envs, resets, actions):
+    def command(self, envs, resets, actions):
+        """Hands each env its command (a reset, or its action); returns at once. The records
+        answering a command for every env (a pool stepping the host's envs in lockstep, which
+        waits for all of them anyway) go out together, as one message."""
+        emit, fail = self.emit, self.fail
+        if len(envs) == self.num_envs > 1:
+            emit = _Gather(len(envs), emit).put
         scalar = actions.ndim == 1 and actions.dtype.kind in "iu"
-        cmds = [True if reset else (int(action) if scalar else action)
-                for reset, action in zip(resets.tolist(), actions)]
-        return self._pass(envs, cmds)
+        for j, reset, action in zip(envs.tolist(), resets.tolist(), actions.tolist() if scalar else actions):
+            self._inbox[j].put((emit, fail, True if reset else action))
 
     def close(self, timeout: float = 10.0):
         import time
@@ -244,32 +245,65 @@ class _Threaded:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
-class _Pass:
-    """The records of one pass of a threaded host, written row by row by the env threads."""
+class _Gather:
+    """Hands ``n`` records to ``emit`` as one list once all are in."""
 
-    def __init__(self, n, layout):
-        self.obs = {key: np.empty((n, *shape), dtype) for key, (shape, dtype) in layout.items()}
-        self.sts, self.rewards = np.zeros(n, np.uint8), np.zeros(n)
-        self.error = None
-        self.done = threading.Event()
-        self._left = n
+    def __init__(self, n, emit):
+        self._records, self._n, self._emit = [], n, emit
         self._lock = threading.Lock()
 
-    def put(self, i, st, reward, obs):
-        for key, rows in self.obs.items():
-            rows[i] = np.asarray(obs[key]).reshape(rows.shape[1:])  # a [1] value fits a () entry
-        self.sts[i], self.rewards[i] = st, reward
-        self._count()
-
-    def fail(self, exc):
-        self.error = self.error or exc
-        self._count()
-
-    def _count(self):
+    def put(self, record):
         with self._lock:
-            self._left -= 1
-            if self._left == 0:
-                self.done.set()
+            self._records.append(record)
+            done = len(self._records) == self._n
+        if done:
+            self._emit(self._records)
+
+
+class _RecordOutbox:
+    """The request stream of a host whose envs answer one by one: each message carries every
+    record waiting when the stream is ready to send (one record when the envs come one at a
+    time, a whole batch when they finish together). Counts the steps sent (``host.steps``)."""
+
+    def __init__(self, codec, host):
+        self._q = queue.SimpleQueue()
+        self.put = self._q.put
+        self._codec, self._host = codec, host
+
+    def _pack(self, records):
+        envs = [r[0] for r in records]
+        sts = [r[1] for r in records]
+        rewards = [r[2] for r in records]
+        keys = records[0][3].keys()
+        obs = {key: np.stack([np.asarray(r[3][key]) for r in records]) for key in keys}
+        self._host.steps += sum(st != _FIRST for st in sts)
+        self._host.messages += 1
+        return self._codec.pack_records(envs, sts, rewards, obs)
+
+    def __iter__(self):
+        get, get_nowait, empty = self._q.get, self._q.get_nowait, queue.Empty
+        item = get()
+        while item is not None:
+            if isinstance(item, bytes):  # the hello
+                yield item
+                item = get()
+                continue
+            records = list(item) if isinstance(item, list) else [item]
+            while True:
+                try:
+                    item = get_nowait()
+                except empty:
+                    item = get
+                    break
+                if item is None or isinstance(item, bytes):
+                    break
+                if isinstance(item, list):  # the records of a whole command (see _Threaded.command)
+                    records += item
+                else:
+                    records.append(item)
+            yield self._pack(records)
+            if item is get:
+                item = get()
 
 
 def _backend(envs):
@@ -312,6 +346,7 @@ class VectorEnvHost(EnvHost):
         slot (int): where the host's envs start among the envs of the pool's vector slot
             (its block: ``0`` for a slot of one host), ``None`` before a pool accepted the host.
         steps (int): env steps taken (records other than ``FIRST``), all envs together.
+        messages (int): record messages sent (a message carries the records ready together).
 
     Examples:
         >>> import gymnasium as gym
@@ -327,6 +362,7 @@ class VectorEnvHost(EnvHost):
     def __init__(self, envs, address: str, *, token: str | None = None, connect_timeout: float = 30.0):
         super().__init__(envs, address, token=token, connect_timeout=connect_timeout)
         self._backend = None
+        self.messages = 0
 
     @property
     def num_envs(self) -> int:
@@ -360,20 +396,70 @@ class VectorEnvHost(EnvHost):
         backend = self._serving()
         k = backend.num_envs
         codec = P.BatchCodec(backend.spec, k)
+        window = P.window_options(codec.max_message_bytes)
+        if getattr(backend, "independent", False):
+            return self._run_independent(backend, codec, window, max_steps)
+        whole = isinstance(backend, _GymVector)  # steps all its envs at once: waits for a command for each
 
         def serve(responses, send):
             _log.info("env host: %d envs on %s", k, self.address)
             obs = backend.reset()
             send(codec.pack_records(np.arange(k), np.zeros(k, np.uint8), np.zeros(k), obs))
+            have = np.zeros(k, bool)
+            full_resets = np.zeros(k, bool)
+            full_actions = None
             for msg in responses:
                 if max_steps is not None and self.steps >= max_steps:
                     break
                 envs, resets, actions = codec.unpack_commands(msg)
+                if whole and len(envs) < k:  # a pool whose envs answer one by one: gather a full set
+                    if full_actions is None:
+                        full_actions = np.zeros((k, *actions.shape[1:]), actions.dtype)
+                    have[envs], full_resets[envs], full_actions[envs] = True, resets, actions
+                    if not have.all():
+                        continue
+                    envs, resets, actions = np.arange(k), full_resets.copy(), full_actions.copy()
+                    have[:] = False
                 envs, sts, rewards, obs = backend.serve(envs, resets, actions)
                 self.steps += int((sts != _FIRST).sum())
+                self.messages += 1
                 send(codec.pack_records(envs, sts, rewards, obs))
 
-        return self._stream(P.encode_hello(backend.spec, k), serve, P.window_options(codec.max_message_bytes))
+        return self._stream(P.encode_hello(backend.spec, k), serve, window)
+
+    def _run_independent(self, backend, codec, window, max_steps):
+        """:meth:`run` for envs that step one by one (threads): each command goes to its env at
+        once and each env's record is sent when it is done (see :class:`_RecordOutbox`)."""
+        k = backend.num_envs
+        outbox = _RecordOutbox(codec, self)
+        failed = []
+
+        def fail(exc):  # an env raised: the stream ends and run() raises it
+            failed.append(exc)
+            call = self._call
+            if call is not None:
+                call.cancel()
+
+        def serve(responses, send):
+            _log.info("env host: %d envs on %s, stepped one by one", k, self.address)
+            backend.start(outbox.put, fail)
+            try:
+                for msg in responses:
+                    if failed:
+                        break
+                    if max_steps is not None and self.steps >= max_steps:
+                        break
+                    backend.command(*codec.unpack_commands(msg))
+            except Exception:
+                if not failed:
+                    raise
+            if failed:
+                raise failed[0]
+
+        try:
+            return self._stream(P.encode_hello(backend.spec, k), serve, window, outbox=outbox)
+        finally:
+            backend.emit = backend.fail = None
 
 
 def serve_from_command_line(args) -> int:

@@ -139,6 +139,32 @@ class RemoteVectorSlot(gym.vector.VectorEnv):
         env = as_gymnasium(env)
         return cls(address, env.observation_space, env.action_space, num_envs, **kwargs)
 
+    @classmethod
+    def per_env(cls, env, address: str, num_envs: int, **kwargs) -> list:
+        """The same envs as ``like(env, address, num_envs, **kwargs)``, as ``num_envs`` pool
+        factories of single envs instead of one vector env: the pool hosts them in one worker,
+        one thread each, and publishes each env's record as soon as its host sent it (a
+        :class:`RemoteVectorSlot` is stepped in lockstep: a pass waits for the slowest env of
+        all its hosts). Same hosts, same wire: for envs of uneven step time (simulators,
+        envs that sleep or wait on I/O) whose hosts step their envs one by one (a
+        :class:`~torchrl_asyncpool.remote.VectorEnvHost` of a list of envs; a host stepping a
+        vector env together gathers a command for each of its envs first). ``kwargs``:
+        ``host_envs``, ``token``, ``step_timeout`` (per env).
+
+        Examples:
+            >>> import gymnasium as gym
+            >>> from torchrl_asyncpool.remote import RemoteVectorSlot
+            >>> make = RemoteVectorSlot.per_env(gym.make("CartPole-v1"), "localhost:50061", num_envs=32, host_envs=16)
+            >>> len(make), make[5]().position
+            (32, 5)
+        """
+        import functools
+
+        from torchrl_asyncpool.remote.env_of_host import RemoteEnvOfHost
+
+        RemoteEnvOfHost.like(env, address, 0, num_envs, **kwargs)  # checks the arguments once, here
+        return [functools.partial(RemoteEnvOfHost.like, env, address, j, num_envs, **kwargs) for j in range(num_envs)]
+
     # -- gymnasium vector API -------------------------------------------------------------------
     def reset(self, *, seed=None, options=None):
         """Starts listening (first call), waits for a host of every block and returns their
