@@ -545,6 +545,61 @@ def test_torchrl_recurrent_policy_carries_its_hidden_state_from_step_to_step(mod
     assert not any("_carried_state" in str(k) for k in td.keys(True, True))
 
 
+def test_policy_layout_is_computed_before_the_pool_and_handed_to_it_as_values(monkeypatch):
+    """The policy's outputs and TorchRL recurrent keys are known before the pool is built, and
+    the pool gets them as plain mappings (no callback filling a dict the pool reads later)."""
+    import functools
+
+    from torchrl_asyncpool import AsyncEnvPool
+    from torchrl_asyncpool.acting_policy import CARRY_KEY, ActingPolicy
+    from torchrl_asyncpool.policy_layout import PolicyLayout
+
+    factories = [functools.partial(_recurrent_env, i) for i in range(2)]
+    layout = PolicyLayout.probe(ActingPolicy(_recurrent_policy()), factories)
+    expected = {(CARRY_KEY, k): ("next", k) for k in ("recurrent_state_h", "recurrent_state_c")}
+    assert layout.recurrent == expected
+    assert layout.recurrent_keys == {(k,): (CARRY_KEY, k) for k in ("recurrent_state_h", "recurrent_state_c")}
+    assert {("next", "recurrent_state_h"), "feat", "policy_version"} <= set(layout.outputs)
+
+    given = {}
+    build = AsyncEnvPool.__init__
+
+    def spy(self, *args, **kwargs):
+        # copies, as they are when the pool is built (a dict filled later would not count)
+        given.update(outputs=kwargs["policy_output_spec"], recurrent=dict(kwargs["recurrent_state"]))
+        return build(self, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncEnvPool, "__init__", spy)
+    c = AsyncPoolCollector(factories, policy=_recurrent_policy(), frames_per_batch=10, total_frames=10,
+                           env_backend="threading")
+    try:
+        assert not callable(given["outputs"]) and given["outputs"] == dict(layout.outputs)
+        assert given["recurrent"] == expected
+        assert c.recurrent_keys == layout.recurrent_keys and c.env.recurrent_state == expected
+    finally:
+        c.shutdown()
+
+
+def test_collector_config_translates_torchrl_keywords_into_a_frozen_config():
+    import dataclasses
+
+    from torchrl.modules.inference_server import InferenceServerConfig
+
+    from torchrl_asyncpool.collector_config import CollectorConfig
+
+    config = CollectorConfig.from_arguments(
+        oracle_factories(2), policy=None, policy_factory=lambda: oracle_policy, frames_per_batch=8, total_frames=-1,
+        max_batch_size=None, min_batch_size=None, server_timeout=None, device=None, device_config=None,
+        server_config=InferenceServerConfig(max_batch_size=4, static_batch_size=8, timeout=0.0),
+        worker_affinity=None, driver_affinity=None, replay_buffer=None, torchrl_kwargs={"backend": "threading"},
+    )
+    assert config.env_backend == "threading" and config.server_backend == "thread"  # backend= sets both
+    assert (config.max_batch_size, config.bucket_sizes, config.server_timeout) == (4, (8,), 0.0)
+    assert config.policy_device == torch.device("cpu") and config.storing_device is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.frames_per_batch = 16
+
+
 class _PredictNextObservation(torch.nn.Module):
     def forward(self, tag):
         return oracle_action(tag), torch.full((tag.shape[0], 2), -7.0)
