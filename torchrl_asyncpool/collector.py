@@ -315,7 +315,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self._serving = False  # the server is held (no action served) until the first iteration
         with contextlib.suppress(TypeError):  # for the repr of a collector whose construction fails
             self._num_envs = len(create_env_fn)
-        # 1. every argument checked and translated, before any env is built or process started
+        # 1. the arguments checked and translated, before any env is built or process started (the
+        # pool checks those it alone takes)
         config = CollectorConfig.from_arguments(
             create_env_fn, policy=policy, policy_factory=policy_factory, frames_per_batch=frames_per_batch,
             total_frames=total_frames, max_batch_size=max_batch_size, min_batch_size=min_batch_size,

@@ -2,10 +2,12 @@
 
 The collector takes TorchRL's ``AsyncBatchedCollector`` keywords (``transport``, ``backend``,
 ``server_config``, ``device_config``, ...) next to its own. :meth:`CollectorConfig.from_arguments`
-checks every one of them before any env is built or any process starts, and translates them into
-one frozen :class:`CollectorConfig` in this collector's terms: where the envs and the policy run,
-how inference batches are formed, where batches are stored, which CPUs are used. The collector
-then builds its pool and its inference server from that config alone.
+checks them before any env is built or any process starts, and translates them into one frozen
+:class:`CollectorConfig` in this collector's terms: where the envs and the policy run, how
+inference batches are formed, where batches are stored, which CPUs are used. The collector then
+builds its pool and its inference server from that config alone. The keywords the collector only
+passes on to its :class:`~torchrl_asyncpool.AsyncEnvPool` (``envs_per_worker``, ``seed``,
+``exchange``, ``idle_poll``, the restart budget, ...) are kept as given and checked by the pool.
 """
 from __future__ import annotations
 
