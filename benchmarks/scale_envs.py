@@ -19,7 +19,7 @@ Run it::
 
     python benchmarks/scale_envs.py                             # N = 16 64 128 256 1024, 4 s each
     python benchmarks/scale_envs.py --envs 16 256 --seconds 2
-    python benchmarks/scale_envs.py --json benchmarks/results_scale_2core.json
+    python benchmarks/scale_envs.py --json benchmarks/results_scale_2core.json --cold 16 1024
 
 Linux only (``/proc``). Results depend on what else runs: the report records the load average.
 """
@@ -184,6 +184,32 @@ def measure_collector(n: int, seconds: float) -> dict:
     }
 
 
+def measure_cold_start(n: int) -> dict:
+    """Constructor to first batch (and the pool's own part) in a fresh interpreter, fork server included."""
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scale_envs.py")
+    out = subprocess.run([sys.executable, script, "--cold-child", str(n)], capture_output=True, text=True,
+                         timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"cold start of {n} envs failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _cold_child(n: int) -> None:
+    from torchrl_asyncpool import AsyncPoolCollector
+
+    t0 = time.perf_counter()
+    c = AsyncPoolCollector([make_sleep] * n, policy=make_policy("vector", 4, 4), frames_per_batch=max(1024, n))
+    try:
+        built = time.perf_counter() - t0
+        next(iter(c))
+        first = time.perf_counter() - t0
+    finally:
+        c.shutdown()
+    print(json.dumps({"num_envs": n, "constructor_s": built, "startup_s": first}))
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -197,7 +223,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--envs", type=int, nargs="+", default=[16, 64, 128, 256, 1024])
     ap.add_argument("--seconds", type=float, default=4.0, help="measured seconds per N, floor and collector each")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cold", type=int, nargs="*", default=[], help="N to start in a fresh interpreter too")
+    ap.add_argument("--cold-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.cold_child is not None:
+        return _cold_child(args.cold_child)
     out = {"commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "cpus": len(os.sched_getaffinity(0)), "machine": platform.platform(), "step_s": STEP_S,
            "seconds": args.seconds, "runs": []}
@@ -218,6 +248,16 @@ def main(argv=None) -> dict:
         if args.json:  # after every N: a long run that is stopped keeps what it measured
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
+    out["cold_starts"] = []
+    for n in args.cold:
+        load0 = os.getloadavg()[0]
+        cold = {**measure_cold_start(n), "loadavg_1min": [load0, os.getloadavg()[0]]}
+        out["cold_starts"].append(cold)
+        print(f"cold start, {n} envs: {cold['startup_s']:.2f} s to the first batch (constructor "
+              f"{cold['constructor_s']:.2f} s), load {os.getloadavg()[0]:.1f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
     return out
 
 
