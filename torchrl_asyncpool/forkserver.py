@@ -162,8 +162,8 @@ def _by_reference(fn) -> bool:
 # _FDS_PER_MESSAGE (multiprocessing.reduction's sendfds, one sendmsg per batch: ~1 ms for a
 # thousand). The child receives them while it unpickles its arguments (the first InheritedFd
 # rebuilt receives them all, after making room for them under its RLIMIT_NOFILE), so its code
-# sees the same InheritedFds as before and nothing else changes. Outside ship_fds(), a start
-# message that already holds _START_MESSAGE_FDS descriptors sends the rest through
+# sees the same InheritedFds as before and nothing else changes. Outside ship_fds(), a fork server
+# start message that already holds _START_MESSAGE_FDS descriptors sends the rest through
 # multiprocessing's resource sharer (one connection each, ~0.2 ms), so any process argument that
 # holds many descriptors (a consumer handle passed by user code) still starts.
 
@@ -274,7 +274,7 @@ def reduce_inherited_fd(fd: int):
     courier = getattr(_COURIER, "active", None)
     if courier is not None and popen is not None:
         return _courier_fd, (courier.outbox, courier.add(fd))
-    if popen is not None and len(getattr(popen, "_fds", ())) >= _START_MESSAGE_FDS:
+    if getattr(popen, "method", None) == "forkserver" and len(getattr(popen, "_fds", ())) >= _START_MESSAGE_FDS:
         return _rebuild_fd, (resource_sharer.DupFd(fd),)
     return _rebuild_fd, (reduction.DupFd(fd),)
 
