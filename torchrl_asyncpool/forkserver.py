@@ -222,8 +222,8 @@ def ensure_fd_capacity(extra: int, what: str) -> None:
             f"{what} needs about {need} open file descriptors in process {os.getpid()} ({open_now} open now, "
             f"{extra} more, {FD_MARGIN} spare), above its RLIMIT_NOFILE (soft {soft}, hard "
             f"{'unlimited' if hard == resource.RLIM_INFINITY else hard}). Raise the hard limit (`ulimit -Hn`, "
-            "limits.conf, systemd's LimitNOFILE, docker's --ulimit nofile=...), or host fewer envs per worker "
-            "(envs_per_worker) or with env_threads=False (one doorbell per worker instead of one per env).",
+            "limits.conf, systemd's LimitNOFILE, docker's --ulimit nofile=...), or need fewer: a pool has a "
+            "doorbell per env with env_threads (one per worker without), and a worker those of its envs.",
         )
 
 
