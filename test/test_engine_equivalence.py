@@ -276,3 +276,40 @@ def test_a_closed_native_consumer_keeps_working_on_the_reference():
         assert bell.drain() == 1
     finally:
         bell.close(), cbell.close(), os.close(r), os.close(w), arena.close()
+
+
+@needs_native
+def test_the_c_engine_refuses_a_second_thread_during_a_gil_free_gather():
+    # a lease of large records lets the GIL go while it copies; another thread calling into the
+    # same Engine then gets a RuntimeError instead of sharing its scratch arrays
+    import threading
+
+    n = 16
+    side = _Side("native", n, [0] * n, request={"pixels": ((512, 1024), torch.uint8)},
+                 response={"action": ((), torch.int64)})
+    refused, stop = [], []
+
+    def intruder():
+        empty = np.empty(0, np.int64)
+        while not stop:
+            try:
+                side.engine.answer(empty, [np.zeros(1, np.int64)], 0.0)  # answers nothing
+            except RuntimeError as exc:
+                refused.append(str(exc))
+
+    thread = threading.Thread(target=intruder)
+    try:
+        thread.start()
+        pixels = side.arena.request.get("pixels")
+        for k in range(20):
+            pixels[:, 0, 0] = torch.arange(n, dtype=torch.uint8) + k
+            side.arena.state[:] = S.OBS_READY
+            assert side.engine.lease(n, 1.0, 0.0)[0] == n  # 8 MiB gathered without the GIL
+            assert side.staging["pixels"][:, 0, 0].tolist() == [(i + k) % 256 for i in range(n)]
+            if refused:
+                break
+    finally:
+        stop.append(True)
+        thread.join()
+        side.close()
+    assert refused and "two threads" in refused[0]
