@@ -7,6 +7,10 @@ that other code started first, without these modules, still works, but each chil
 them itself: seconds per worker on a machine with few cores (eight single-env workers on 2
 cores took 15 s to start instead of 0.2 s). :func:`forkserver_context` is what the pool and
 the server process start from; it warns once when it finds such a fork server running.
+
+A child's descriptors (its doorbells, arena, pipes) travel after its start message, whose room a
+fork server limits to ~250, under :func:`ship_fds`; :func:`ensure_fd_capacity` raises the soft
+``RLIMIT_NOFILE`` where a pool needs more (see the comment above :func:`ensure_fd_capacity`).
 """
 from __future__ import annotations
 
