@@ -40,8 +40,10 @@ hosts. ``--impls remote2 ray2 --host-envs 8 --envs 32 --driver collector`` is th
 the same 32 envs (the ingress CPU per record is the "pool workers" column); ``--impls remote
 ray`` the same hosts started as processes or by Ray.
 
-Workloads: CartPole-v1, and the 2 ms env of ``compare_collectors.py`` (84x84x3 uint8 pixels and a
-4-vector per record, 21 KB). Reports records/s, the percentage of N/latency for the 2 ms env and
+Workloads: CartPole-v1, the 2 ms env of ``compare_collectors.py`` (84x84x3 uint8 pixels and a
+4-vector per record, 21 KB), and ``uneven``, that env with steps of 1 ms and, one in ten at
+random, 20 ms (mean 2.9 ms: envs whose step time varies, where a lockstep pass waits for the
+slowest env). Reports records/s, the percentage of N/latency for the 2 ms env and
 the mean cycle of one env (N / rate) and the CPU each side spends per record (from /proc).
 Run with nothing else busy::
 
@@ -56,6 +58,7 @@ import contextlib
 import functools
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -65,20 +68,32 @@ import gymnasium as gym
 import torch
 from tensordict import TensorDict
 
-from compare_collectors import make_cartpole, make_sleep
+from compare_collectors import SleepPixelGym, make_cartpole, make_sleep
 
 from torchrl_asyncpool import AsyncEnvPool, StepType
 from torchrl_asyncpool.remote import RemoteEnvSlot, RemoteVectorSlot
 
+class UnevenSleepPixelGym(SleepPixelGym):
+    """The pixel env with uneven steps: 1 ms, and 20 ms for one step in ten at random (mean 2.9 ms)."""
+
+    def step(self, action):
+        self.step_s = 0.020 if random.random() < 0.1 else 0.001
+        return super().step(action)
+
+
+def make_uneven():
+    return UnevenSleepPixelGym()
+
+
 P2 = ("remote2", "remote2e", "ray2", "ray2e")  # the protocol-2 impls
-WORKLOADS = {"cartpole": (make_cartpole, None), "sleep2ms": (make_sleep, 0.002)}
+WORKLOADS = {"cartpole": (make_cartpole, None), "sleep2ms": (make_sleep, 0.002), "uneven": (make_uneven, 0.0029)}
 
 _HOST = """
 import sys, threading
 sys.path.insert(0, {here!r})
-from compare_collectors import make_cartpole, make_sleep
+from compare_remote import WORKLOADS
 from torchrl_asyncpool.remote import EnvHost
-make = {{"cartpole": make_cartpole, "sleep2ms": make_sleep}}[sys.argv[1]]
+make = WORKLOADS[sys.argv[1]][0]
 hosts = [EnvHost(make(), sys.argv[2]) for _ in range(int(sys.argv[3]))]
 threads = [threading.Thread(target=h.run) for h in hosts]
 for t in threads:
@@ -91,10 +106,10 @@ _VECTOR_HOST = """
 import sys
 sys.path.insert(0, {here!r})
 import gymnasium as gym
-from compare_collectors import make_cartpole, make_sleep
+from compare_remote import WORKLOADS
 from torchrl_asyncpool.remote import VectorEnvHost
 workload, address, k, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-make = {{"cartpole": make_cartpole, "sleep2ms": make_sleep}}[workload]
+make = WORKLOADS[workload][0]
 if workload == "cartpole" and mode == "vector_entry_point":
     envs = gym.make_vec("CartPole-v1", num_envs=k, vectorization_mode="vector_entry_point")
 elif mode == "threads":
