@@ -140,6 +140,34 @@ def test_an_env_that_raises_gets_its_actor_restarted_by_ray(dev_shm_guard, ray_c
         hosts.stop()
 
 
+def _threaded_oracles(offset):
+    """A factory (of this package's and the standard library's objects only: Ray's actors cannot
+    import this test module) of K oracle envs, stepped one by one by the host's threads."""
+    return functools.partial(list, [functools.partial(OracleGymEnv, offset + j) for j in range(K)])
+
+
+def test_ray_hosts_feed_per_env_slots(dev_shm_guard, ray_cluster):
+    """``pool_factories(per_env=True)``: the actors' envs as single pool envs (one thread each in
+    the address's worker), every record exact (oracle)."""
+    addresses = [free_address() for _ in range(2)]
+    hosts = RayEnvHosts([_threaded_oracles(K * i) for i in range(2)], addresses, num_cpus=0.5, retry_s=0.2)
+    factories = hosts.pool_factories(OracleGymEnv(0), host_envs=K, listen="127.0.0.1", per_env=True)
+    assert len(factories) == 2 * K
+    try:
+        hosts.start()
+        with AsyncEnvPool(factories, start_timeout=120) as pool:
+            checker, n, t0 = OracleChecker(), 0, time.monotonic()
+            while n < 400 or len(checker._last) < 2 * K:  # a per-env pool starts before its hosts connect
+                assert time.monotonic() - t0 < 90, f"envs {sorted(checker._last)} only"
+                assert pool.wait_ready(1, 30) >= 1
+                td = pool.recv(min_get=1)
+                checker.observe_batch(td)
+                _answer(pool, td)
+                n += td.shape[0]
+    finally:
+        hosts.stop()
+
+
 def test_pool_factories_match_the_hosts():
     env = OracleGymEnv(0)
     two = RayEnvHosts(_oracles(0), ["10.0.0.5:50061", "10.0.0.5:50061", "10.0.0.5:50062"], token="t")
@@ -148,6 +176,9 @@ def test_pool_factories_match_the_hosts():
         ("localhost:50061", 2 * K, K, "t"), ("localhost:50062", K, K, "t")]
     with pytest.raises(ValueError, match="host_envs"):
         two.pool_factories(env)
+    per_env = [f() for f in two.pool_factories(env, host_envs=K, per_env=True)]
+    assert [(s.address, s.position, s.num_envs, s.host_envs) for s in per_env] == (
+        [("0.0.0.0:50061", j, 2 * K, K) for j in range(2 * K)] + [("0.0.0.0:50062", j, K, K) for j in range(K)])
     one = RayEnvHosts(print, ["h:50063", "h:50063"], protocol=1, envs_per_host=3)
     factories = one.pool_factories(env)
     assert len(factories) == 6 and factories[0]().address == "0.0.0.0:50063"
