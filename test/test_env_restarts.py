@@ -150,11 +150,60 @@ def test_bad_restart_arguments_and_unsupported_envs_are_refused():
         AsyncEnvPool(failing(1), on_env_failure="restart", max_restarts_per_env=0)
     with pytest.raises(ValueError, match="restart_window_s"):
         AsyncEnvPool(failing(1), on_env_failure="restart", restart_window_s=-1)
-    import gymnasium as gym
 
-    vec = functools.partial(gym.make_vec, "CartPole-v1", num_envs=2, vectorization_mode="sync")
-    with pytest.raises(ValueError, match="vector or batched envs"):
-        AsyncEnvPool([vec], on_env_failure="restart")
+
+def _vectors(kind, num_vectors, k, **kwargs):
+    """Factories of vector (gymnasium ``SyncVectorEnv``) or batched (TorchRL ``SerialEnv``) oracle envs."""
+    import gymnasium as gym
+    from torchrl.envs import SerialEnv
+
+    from torchrl_asyncpool.testing import OracleGymEnv
+
+    def make(base):
+        if kind == "gym":
+            return gym.vector.SyncVectorEnv([functools.partial(OracleGymEnv, env_id=base + j, **kwargs)
+                                             for j in range(k)])
+        return SerialEnv(k, [functools.partial(OracleEnv, env_id=base + j, **kwargs) for j in range(k)])
+
+    return [functools.partial(make, f * k) for f in range(num_vectors)]
+
+
+@pytest.mark.parametrize("kind", ["gym", "torchrl"])
+def test_a_failing_vector_env_is_rebuilt_whole_and_records_stay_exact(kind, dev_shm_guard):
+    checker = OracleChecker()
+    # a gymnasium vector env resets inside its step; a SerialEnv resets its envs twice while it is built
+    resets = {} if kind == "gym" else {"fail_on_reset": 5}
+    with AsyncEnvPool(_vectors(kind, 2, 3, fail_at_step=11, **resets), **UNLIMITED) as pool:
+        for _ in range(300):  # no timeout: a recv with one waits for every env, and after a rebuild
+            # an env whose episode had just ended publishes nothing until its vector env's next pass
+            td = pool.recv(min_get=1)
+            checker.observe_batch(td)
+            pool.send(TensorDict({"action": oracle_action(td["tag"])}, td.batch_size), td.env_indices)
+        restarts = pool.metrics()["env_restarts"]
+        info = pool.restart_info()
+    # every rebuild marks each of its envs once: a truncation for an open episode, else the FIRST
+    assert checker.records >= 300 and checker.restarts >= 3 * 4
+    assert restarts >= 4 and set(info) <= {0, 3}  # counted on each vector env's first slot
+    assert all("scripted failure" in cause for _, cause in info.values())
+
+
+@pytest.mark.parametrize("kind", ["gym", "torchrl"])
+def test_collector_over_failing_vector_envs_delivers_total_frames_exactly_once(kind, dev_shm_guard):
+    checker = OracleChecker()
+    c = AsyncPoolCollector(_vectors(kind, 2, 4, fail_at_step=13), policy=oracle_policy, frames_per_batch=80,
+                           total_frames=1600, **UNLIMITED)
+    try:
+        frames = 0
+        for batch in c:
+            checker.observe_transitions(batch)
+            frames += batch.numel()
+            cut = batch["next", "env_restarted"].reshape(-1)
+            assert batch["next", "truncated"].reshape(-1)[cut].all()
+            assert (batch["next", "reward"].reshape(-1)[cut] == 0).all()
+        assert frames == checker.records == 1600 and checker.restarts >= 8
+    finally:
+        c.shutdown()
+
 
 
 @pytest.mark.slow

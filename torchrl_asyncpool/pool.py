@@ -199,8 +199,10 @@ class AsyncEnvPool:
             goes on: an episode cut by a failed step ends with a ``TRUNCATION`` record at its last
             observation (reward 0), the next record is the rebuilt env's ``FIRST``; both a cut
             truncation and the ``FIRST`` after a failed reset carry ``env_restarted=True`` (an
-            entry every record has in this mode). Envs of the same worker lose nothing. Single
-            local envs only (not vector/batched envs, not remote slots). See :doc:`failures`.
+            entry every record has in this mode). Envs of the same worker lose nothing. A vector
+            or batched env is rebuilt whole: each of its open episodes ends with a marked
+            truncation, and an env whose episode had just ended gets a marked ``FIRST``
+            instead. Not for remote slots. See :doc:`failures`.
         max_restarts_per_env (int, optional): rebuilds allowed per env within
             ``restart_window_s`` (default 3 in 60 s); one more failure raises the env's error,
             with its restart history, as ``"raise"`` would.
@@ -337,14 +339,11 @@ class AsyncEnvPool:
             self.envs_per_factory = k_vec = getattr(spec_adapter, "num_envs", 1)
             self.num_envs = n = len(fns) * k_vec
             groups = None  # contiguous runs of envs_per_worker slots, unless set here
-            if self._restart is not None and (hasattr(spec_adapter, "num_envs")
-                                              or remote_listener(spec_adapter.env) is not None):
+            if (self._restart is not None and not hasattr(spec_adapter, "num_envs")
+                    and remote_listener(spec_adapter.env) is not None):
                 raise ValueError(
-                    "on_env_failure='restart' rebuilds single envs in their workers; the factories return "
-                    + ("vector or batched envs (stepped together, rebuilt together: not supported yet)"
-                       if hasattr(spec_adapter, "num_envs") else
-                       "remote env slots, whose hosts reconnect by themselves after a failure")
-                    + ". Use on_env_failure='raise'."
+                    "on_env_failure='restart' rebuilds envs in their workers; the factories return remote env "
+                    "slots, whose hosts reconnect by themselves after a failure. Use on_env_failure='raise'."
                 )
             if hasattr(spec_adapter, "num_envs"):
                 self.envs_per_worker, self.env_threads = _vector_grouping(envs_per_worker, env_threads, k_vec)

@@ -48,7 +48,7 @@ from torchrl_asyncpool.exchange.arena import Arena, as_key
 from torchrl_asyncpool.exchange.doorbell import BellWait, Doorbell, set_process_idle_poll
 from torchrl_asyncpool.exchange.native import copy_into, row_copier
 from torchrl_asyncpool.step_type import StepType
-from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, make_adapter, remote_listener
+from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, _own_attr, make_adapter, remote_listener
 from torchrl_asyncpool.workers.record_writer import RESTARTED_KEY, RecordWriter
 
 __all__ = ["worker_main", "run_worker", "RestartPolicy", "RESTARTED_KEY"]
@@ -312,6 +312,7 @@ class _Worker:
         self._threads = []
         self._stop_w = -1
         self.vector = None  # the adapter of a vector env hosting all the slots (stepped in lockstep)
+        self.vector_factory = None  # (factory, kwargs) that built it, to rebuild it after a failure
         self.slot_paths = {}  # slot index -> the path its env is stepped on (threaded workers)
 
     # where the worker is, for its failure report: the pass loop's stepper's (threads report their own)
@@ -330,6 +331,7 @@ class _Worker:
             adapter = make_adapter(env_fns[0](**env_kwargs[0]), slot_ids[0])
             if hasattr(adapter, "num_envs") or len(slot_ids) > 1:  # a vector env: all the slots, one adapter
                 self._build_vector(slot_ids, adapter)
+                self.vector_factory = (env_fns[0], env_kwargs[0])
                 return
             slot = stepper.add_slot(slot_ids[0], adapter)
             slot.factory = (env_fns[0], env_kwargs[0])
@@ -444,15 +446,20 @@ class _Worker:
         ignores its action and returns its reset observation, published as ``FIRST`` (no
         transition). A TorchRL batched env does not reset itself (``adapter.autoresets`` is
         False): the pass after an env ended resets only the ended envs and publishes their
-        ``FIRST`` records; the others' answered actions wait for the next pass."""
-        vec, slots, delivery = self.vector, self.slots, self.delivery
+        ``FIRST`` records; the others' answered actions wait for the next pass.
+
+        With restarts on, a vector env that raises in a step or a reset is rebuilt whole (see
+        :meth:`_rebuild_vector`): every open episode of its envs ends with a ``TRUNCATION``
+        (reward 0, ``env_restarted``) at its last observation, the envs whose episode had just
+        ended publish nothing, and the next pass publishes every env's ``FIRST`` from the new
+        env's reset (marked ``env_restarted`` for the envs no truncation marked)."""
+        slots, delivery = self.slots, self.delivery
         stepper, writer = self.stepper, self.stepper.writer
-        autoresets = getattr(vec, "autoresets", True)
         k, lo = len(slots), slots[0].index
         rows = slice(lo, lo + k)
         req, resp = self.arena.request, self.arena.response
-        obs_rows = [(key, _np(req.get(key))[rows]) for key in vec.obs_keys]
-        actions = {key: _np(resp.get(key))[rows] for key in vec.action_keys}
+        obs_rows = [(key, _np(req.get(key))[rows]) for key in self.vector.obs_keys]
+        actions = {key: _np(resp.get(key))[rows] for key in self.vector.action_keys}
         reward_shape = writer.reward[rows].shape
         state = self.state[rows]
         idx = np.arange(lo, lo + k)
@@ -467,28 +474,46 @@ class _Worker:
 
         stepper.note("reset", lo)
         t = time.perf_counter()
-        obs = vec.reset()
+        obs = self.vector.reset()
         write_obs(obs)
         writer.add_block(lo, first, None, time.perf_counter() - t)
         writer.publish()
         waiter = self._started()
         ended = np.zeros(k, bool)  # the env's last record was terminal: its next one is FIRST
+        reborn = None  # a rebuilt vector env's reset observation, every env's next FIRST
+        unmarked = None  # the envs whose rebuild no truncation marked: their FIRST is marked instead
         while True:
-            for fd in waiter.wait():
-                if fd == self.life_fd:
-                    return
+            if reborn is None or not unmarked.all():  # (a rebuild that published nothing goes on at once)
+                for fd in waiter.wait():
+                    if fd == self.life_fd:
+                        return
             if not (state == S.ACTION_READY).all():
                 continue
-            if not autoresets and ended.any():  # reset the ended envs only; the others wait
+            vec = self.vector
+            if reborn is not None:  # the pass after a rebuild: every env's FIRST, no step
+                write_obs(reborn)
+                writer.add_block(lo, first, None, 0.0, unmarked, restarted=True)
+                writer.add_block(lo, first, None, 0.0, ~unmarked)
+                writer.publish()
+                reborn, ended = None, np.zeros(k, bool)
+                continue
+            if not getattr(vec, "autoresets", True) and ended.any():  # reset the ended envs only
                 stepper.note("reset", lo + int(np.flatnonzero(ended)[0]))
                 t = time.perf_counter()
-                obs = vec.reset_some(ended)
+                try:
+                    obs = vec.reset_some(ended)
+                except Exception:
+                    if self.restarts is None:
+                        raise
+                    reborn, unmarked = self._rebuild_vector("reset", ~ended, writer, obs_rows), ended.copy()
+                    continue
                 write_obs(obs, ended)
                 writer.add_block(lo, first, None, time.perf_counter() - t, ended)
                 writer.publish()
                 ended = np.zeros(k, bool)
                 continue
             stepping = np.flatnonzero(~ended)
+            moving = None
             if delivery is not None and len(stepping):
                 if not all([delivery.claim(slots[j]) for j in stepping]):
                     continue  # back-pressure: the driver frees a chunk and rings this worker
@@ -496,7 +521,16 @@ class _Worker:
                 chunk_rows = delivery.write_root_rows(moving, idx[stepping])
             stepper.note("step", lo)
             t = time.perf_counter()
-            obs, rew, term, trunc = vec.step(actions)
+            try:
+                obs, rew, term, trunc = vec.step(actions)
+            except Exception:
+                if self.restarts is None:
+                    raise
+                reborn, unmarked = self._rebuild_vector("step", ~ended, writer, obs_rows), ended.copy()
+                if moving is not None:  # the cut episodes' truncations, as their transitions' "next"
+                    delivery.write_next_rows(moving, idx[stepping], chunk_rows)
+                writer.publish()
+                continue
             dt = time.perf_counter() - t
             term, trunc = np.asarray(term, bool), np.asarray(trunc, bool)
             st = np.where(ended, _FIRST, np.where(term, _TERM, np.where(trunc, _TRUNC, _MID))).astype(np.int8)
@@ -504,10 +538,62 @@ class _Worker:
             rew[ended] = 0
             write_obs(obs)
             writer.add_block(lo, st, rew, dt)
-            if delivery is not None and len(stepping):  # copied from the request rows, which are ours
+            if moving is not None:  # copied from the request rows, which are ours
                 delivery.write_next_rows(moving, idx[stepping], chunk_rows)
             writer.publish()
             ended = (st == _TERM) | (st == _TRUNC)
+
+    def _rebuild_vector(self, phase, open_episodes, writer, obs_rows):
+        """Replaces the vector env, which just raised in ``phase`` (called from the ``except``):
+        counts the failure against the budget of its first env (raising past it), closes it,
+        builds a new one from the same factory and resets it. Stores (unpublished) a
+        ``TRUNCATION`` at the last observation for each env with an open episode
+        (``open_episodes``, a mask) and returns the new env's reset observation, every env's
+        next ``FIRST``. Failures to build or reset the new env count too."""
+        tb = traceback.format_exc()
+        lo, k = self.slots[0].index, len(self.slots)
+        stepper = self.stepper
+        failed = self.vector  # the env to close before the next build
+        while True:
+            r = self.restarts.admit(lo, phase, tb)
+            if failed is not None:
+                _close_reporting(failed, lo)
+            fn, kw = self.vector_factory
+            stepper.note("construction", lo)
+            env = adapter = failed = None
+            try:
+                env = fn(**kw)
+                seed = _own_attr(env, FIRST_SEED_ATTR)
+                if seed is not None:  # the r-th rebuild: seed + lo + r * num_envs, never another env's
+                    setattr(env, FIRST_SEED_ATTR, seed + r * self.layout.num_slots)
+                adapter = make_adapter(env, lo)
+                if getattr(adapter, "num_envs", None) != k:
+                    adapter.close()
+                    raise ValueError(f"env {lo}: the rebuilt vector env has {getattr(adapter, 'num_envs', 1)} "
+                                     f"envs; its first build had {k}.")
+                stepper.check_fields(lo, adapter)
+                stepper.note("reset", lo)
+                t = time.perf_counter()
+                obs = adapter.reset()
+                dt = time.perf_counter() - t
+            except Exception:  # noqa: BLE001 - a failed rebuild is one more failure of this env
+                tb, phase = traceback.format_exc(), "construction"
+                failed = adapter
+                if adapter is None and env is not None:  # built, but no adapter took it: close it here
+                    try:
+                        env.close()
+                    except Exception:  # noqa: BLE001 - its failure is the one being counted
+                        pass
+                continue
+            break
+        self.vector = adapter
+        for slot in self.slots:
+            slot.adapter = adapter
+        self.arena.write_error(lo, f"{phase}\n{tb}")  # the last cause, for pool.restart_info()
+        self.arena.restarts[lo] = r  # after the text
+        obs = {key: np.array(obs[key]) for key, _ in obs_rows}  # held until the next pass: a copy
+        writer.add_block(lo, np.full(k, _TRUNC, np.int8), None, dt, open_episodes, restarted=True)
+        return obs
 
     # -- threaded worker ----------------------------------------------------------------------
     def _run_threaded(self):
@@ -775,7 +861,7 @@ class _Stepper:
             self.note("construction", slot.index)
             try:
                 env = fn(**kw)
-                seed = getattr(env, FIRST_SEED_ATTR, None)
+                seed = _own_attr(env, FIRST_SEED_ATTR)
                 if seed is not None:  # env i's r-th rebuild: seed + i + r * num_envs, never another env's
                     setattr(env, FIRST_SEED_ATTR, seed + r * num_slots)
                 adapter = make_adapter(env, slot.index)
@@ -816,6 +902,8 @@ def _close_reporting(adapter, index) -> None:
     its parent no longer listens, but a simulator that failed to shut down (and may have left
     processes behind) must not go unnoticed. Never raises."""
     env = getattr(adapter, "env", None)
+    if getattr(env if env is not None else adapter, "is_closed", False) is True:
+        return  # a TorchRL batched env that shut itself down on an error
     try:
         if env is None:
             adapter.close()

@@ -96,12 +96,14 @@ class RecordWriter:
         self._rewards.append(0.0 if reward is None else reward)
         self._times.append(dt)
 
-    def add_block(self, lo: int, step_types: np.ndarray, rewards, dt: float, mask=None) -> None:
+    def add_block(self, lo: int, step_types: np.ndarray, rewards, dt: float, mask=None,
+                  restarted: bool = False) -> None:
         """Stores the records of the adjacent slots ``lo .. lo + len(step_types) - 1`` (or those
         of them where ``mask`` is true), whose observations are already in their rows.
 
         ``step_types``: int8 ``[k]``; ``rewards``: ``[k, ...]`` (``None``: zeros); ``dt``: the
-        seconds the whole block's step took, shared among the records written.
+        seconds the whole block's step took, shared among the records written; ``restarted``:
+        the records are a restart's (their ``env_restarted`` rows are set).
         """
         k = len(step_types)
         if mask is None:
@@ -120,7 +122,9 @@ class RecordWriter:
             for hidden_in, hidden_out in self.recurrent:
                 hidden_in[rows] = np.where(first, 0, hidden_out[rows])
         if self.restarted is not None:
-            self.restarted[rows] = False
+            self.restarted[rows] = restarted
+            for i in range(lo, lo + k) if mask is None else rows.tolist():
+                self._restarted_now[i] = restarted
         self.step_time[rows] += dt / m
         self.step_count[rows] += 1
         self._blocks.append(rows)
