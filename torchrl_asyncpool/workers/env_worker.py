@@ -555,6 +555,7 @@ class _Worker:
         stepper = self.stepper
         failed = self.vector  # the env to close before the next build
         while True:
+            _check_life(self.life_fd)
             r = self.restarts.admit(lo, phase, tb)
             if failed is not None:
                 _close_reporting(failed, lo)
@@ -855,6 +856,7 @@ class _Stepper:
         tb = traceback.format_exc()
         arena, num_slots = self.worker.arena, self.worker.layout.num_slots
         while True:
+            _check_life(self.worker.life_fd)
             r = self.restarts.admit(slot.index, phase, tb)
             _close_reporting(slot.adapter, slot.index)
             fn, kw = slot.factory
@@ -916,6 +918,15 @@ def _close_reporting(adapter, index) -> None:
             sys.stderr.flush()
         except Exception:  # noqa: BLE001 - no standard error left to write to
             pass
+
+
+def _check_life(life_fd) -> None:
+    """Raises if the pool is gone (its life pipe hung up): a loop of rebuilds that keep failing
+    must not outlive the pool it rebuilds for."""
+    p = select.poll()
+    p.register(life_fd, select.POLLIN)
+    if p.poll(0):
+        raise _DeferredEnvError("the pool closed while an env was being rebuilt")
 
 
 def _plan_done(adapter) -> bool:
