@@ -171,6 +171,12 @@ def test_soft_fd_limit_is_raised_to_the_hard_one_or_named_when_too_low():
         with AsyncEnvPool(fns, envs_per_worker=200, env_threads=True, backend="threading") as pool:
             pool.recv(min_get=200)
         print(resource.getrlimit(resource.RLIMIT_NOFILE))
+        # worker threads own a duplicate of each of their descriptors: 2 x 200 bells do not fit in 300
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+        try:
+            AsyncEnvPool(fns, envs_per_worker=200, env_threads=True, backend="threading")
+        except OSError as exc:
+            print("OSError", exc)
         resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
         try:
             AsyncEnvPool(fns, envs_per_worker=200, env_threads=True, backend="threading")
@@ -180,4 +186,5 @@ def test_soft_fd_limit_is_raised_to_the_hard_one_or_named_when_too_low():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "(4096, 4096)", out.stdout
-    assert "RLIMIT_NOFILE" in lines[1] and "hard 128" in lines[1], out.stdout
+    assert "RLIMIT_NOFILE" in lines[1] and "hard 300" in lines[1], out.stdout
+    assert "RLIMIT_NOFILE" in lines[2] and "hard 128" in lines[2], out.stdout
