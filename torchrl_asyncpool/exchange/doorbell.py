@@ -51,8 +51,11 @@ __all__ = [
 IDLE_POLL_ENV = "TORCHRL_ASYNCPOOL_IDLE_POLL"
 #: a cross-core round trip (two wake-ups, :func:`wake_cost_ns`) slower than this makes idle
 #: polling pay for CPU-bound workers: 117-127 us on the benchmark VM, where it measured +10-30 %
-#: frames/s on CartPole; a few to a few tens of us on bare metal with shallow C-states
-SLOW_WAKE_NS = 60_000
+#: frames/s on CartPole; a few to a few tens of us on bare metal with shallow C-states. On
+#: 2026-12-02 the same kind of VM probed 48-80 us from one process to the next, and CartPole with
+#: 32 envs ran at 73-77k frames/s idle-polled against 16-19k without: a bar at 60 us flipped the
+#: choice from run to run, hence 30 us
+SLOW_WAKE_NS = 30_000
 
 
 _WAKE_COST: list = []  # the measured cost, once per process (a probe that got no answer is retried)
