@@ -20,7 +20,8 @@ import gymnasium as gym
 import numpy as np
 
 from torchrl_asyncpool.remote import protocol as P
-from torchrl_asyncpool.remote.slot import _check_address, _HostLost, _Ingress, _ProtocolError
+from torchrl_asyncpool.remote.slot import _HostLost, _Ingress, _ProtocolError
+from torchrl_asyncpool.remote.vector_slot import _check_slot_arguments
 from torchrl_asyncpool.step_type import StepType
 
 _log = logging.getLogger("torchrl_asyncpool.remote")
@@ -57,19 +58,7 @@ class RemoteEnvOfHost(gym.Env):
 
     def __init__(self, address: str, observation_space, action_space, position: int, num_envs: int, *,
                  host_envs: int | None = None, token: str | None = None, step_timeout: float | None = None):
-        _check_address(address)
-        if token is not None and not isinstance(token, str):
-            raise TypeError(f"token must be a str or None, got {type(token).__name__}.")
-        if token == "":
-            raise ValueError("token='' would accept hosts that send no token; pass a non-empty token, or None "
-                             "for no check.")
-        if step_timeout is not None and (isinstance(step_timeout, bool) or not step_timeout > 0):
-            raise ValueError(f"step_timeout must be a positive number of seconds or None, got {step_timeout!r}.")
-        if isinstance(num_envs, bool) or not isinstance(num_envs, int) or not 0 < num_envs <= P.MAX_BATCH_ENVS:
-            raise ValueError(f"num_envs must be an int in 1..{P.MAX_BATCH_ENVS}, got {num_envs!r}.")
-        host_envs = num_envs if host_envs is None else host_envs
-        if isinstance(host_envs, bool) or not isinstance(host_envs, int) or host_envs < 1 or num_envs % host_envs:
-            raise ValueError(f"host_envs must be an int >= 1 dividing num_envs={num_envs}, got {host_envs!r}.")
+        host_envs = _check_slot_arguments(address, token, step_timeout, num_envs, host_envs)
         if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position < num_envs:
             raise ValueError(f"position must be an int in 0..{num_envs - 1}, got {position!r}.")
         self.address, self.position, self.num_envs, self.host_envs = address, position, num_envs, host_envs

@@ -86,19 +86,7 @@ class RemoteVectorSlot(gym.vector.VectorEnv):
 
     def __init__(self, address: str, observation_space, action_space, num_envs: int, *,
                  host_envs: int | None = None, token: str | None = None, step_timeout: float | None = None):
-        _check_address(address)
-        if token is not None and not isinstance(token, str):
-            raise TypeError(f"token must be a str or None, got {type(token).__name__}.")
-        if token == "":
-            raise ValueError("token='' would accept hosts that send no token; pass a non-empty token, or None "
-                             "for no check.")
-        if step_timeout is not None and (isinstance(step_timeout, bool) or not step_timeout > 0):
-            raise ValueError(f"step_timeout must be a positive number of seconds or None, got {step_timeout!r}.")
-        if isinstance(num_envs, bool) or not isinstance(num_envs, int) or not 0 < num_envs <= P.MAX_BATCH_ENVS:
-            raise ValueError(f"num_envs must be an int in 1..{P.MAX_BATCH_ENVS}, got {num_envs!r}.")
-        host_envs = num_envs if host_envs is None else host_envs
-        if isinstance(host_envs, bool) or not isinstance(host_envs, int) or host_envs < 1 or num_envs % host_envs:
-            raise ValueError(f"host_envs must be an int >= 1 dividing num_envs={num_envs}, got {host_envs!r}.")
+        host_envs = _check_slot_arguments(address, token, step_timeout, num_envs, host_envs)
         self.address = address
         self.step_timeout = None if step_timeout is None else float(step_timeout)
         self.num_envs, self.host_envs = num_envs, host_envs
@@ -383,6 +371,24 @@ class RemoteVectorSlot(gym.vector.VectorEnv):
             else:
                 _log.warning("%s: host %s lost: %s", self._where(), stream.peer, exc)
                 stream.end()
+
+
+def _check_slot_arguments(address, token, step_timeout, num_envs, host_envs) -> int:
+    """Validates the arguments the protocol-2 slots share; returns ``host_envs`` resolved."""
+    _check_address(address)
+    if token is not None and not isinstance(token, str):
+        raise TypeError(f"token must be a str or None, got {type(token).__name__}.")
+    if token == "":
+        raise ValueError("token='' would accept hosts that send no token; pass a non-empty token, or None "
+                         "for no check.")
+    if step_timeout is not None and (isinstance(step_timeout, bool) or not step_timeout > 0):
+        raise ValueError(f"step_timeout must be a positive number of seconds or None, got {step_timeout!r}.")
+    if isinstance(num_envs, bool) or not isinstance(num_envs, int) or not 0 < num_envs <= P.MAX_BATCH_ENVS:
+        raise ValueError(f"num_envs must be an int in 1..{P.MAX_BATCH_ENVS}, got {num_envs!r}.")
+    host_envs = num_envs if host_envs is None else host_envs
+    if isinstance(host_envs, bool) or not isinstance(host_envs, int) or host_envs < 1 or num_envs % host_envs:
+        raise ValueError(f"host_envs must be an int >= 1 dividing num_envs={num_envs}, got {host_envs!r}.")
+    return host_envs
 
 
 class _Block:
