@@ -146,6 +146,7 @@ def test_metrics_keys_and_values():
         # every key always, but env_restarts (with restarts only) and one slots_<path> per path in use
         assert set(m) == (set(METRIC_KEYS) - {"env_restarts", "slots_<path>"}) | {"slots_torchrl"}
         assert m["slots_torchrl"] == 4
+        assert (m["num_workers"], m["envs_per_worker"], m["env_threads"]) == (2, 2, 0) and m["idle_poll"] in (0, 1)
         assert m["frames"] == checker.records
         assert m["batches"] == 50
         assert 0 < m["batch_fill_ratio"] <= 1

@@ -707,6 +707,11 @@ class AsyncEnvPool:
             out["env_restarts"] = int(self._arena.restarts.sum())  # over the pool's life, not the window
         for path, count in collections.Counter(self.slot_paths).items():  # e.g. slots_torchrl_fast
             out["slots_" + path.replace("-", "_")] = count
+        # what the pool decided (with "auto", from measurements at start-up)
+        out["num_workers"] = self.num_workers
+        out["envs_per_worker"] = self.envs_per_worker
+        out["env_threads"] = int(bool(self.env_threads))
+        out["idle_poll"] = int(bool(self.idle_poll))
         if reset:
             self._metrics.reset()
         return out

@@ -30,6 +30,10 @@ METRIC_KEYS = {
     # not windowed
     "env_restarts": "envs rebuilt after a failure over the pool's life (only with on_env_failure='restart')",
     "slots_<path>": "slots whose env steps on <path> (slots_gymnasium, slots_torchrl_fast, slots_torchrl, ...)",
+    "num_workers": "env workers (processes, or threads with backend='threading')",
+    "envs_per_worker": "slots per worker, as given or as envs_per_worker='auto' chose it from the spec env's step",
+    "env_threads": "1 when each env of a worker steps in its own thread (env_threads, or 'auto' for envs that block)",
+    "idle_poll": "1 when the workers' and the serving loop's waits idle-poll (idle_poll, or 'auto' from the wake probe)",
 }
 
 # Positions in the arena's consumer_stats vector.
