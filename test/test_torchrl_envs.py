@@ -478,8 +478,15 @@ def test_the_pool_reports_which_path_each_slot_steps_on(backend):
         ([lambda: OracleEnv(env_id=0), lambda: OracleEnv(env_id=1)], {"envs_per_worker": 2, "env_threads": True},
          "torchrl"),
     ]
+    with synchronous_vector_envs():  # the spec env of GymEnv(num_envs=2) in this process
+        # GymEnv(num_envs=k): in a worker process its SyncVectorEnv's sub-envs are stepped one by
+        # one (a worker thread keeps TorchRL's AsyncVectorEnv, stepped in lockstep); with restarts,
+        # the vector env is stepped in lockstep
+        split = "torchrl-fast-split" if backend == "multiprocessing" else "torchrl-fast-vector"
+        cases += [([lambda: GymEnv("CartPole-v1", num_envs=2)], {}, split),
+                  ([lambda: GymEnv("CartPole-v1", num_envs=2)], {"on_env_failure": "restart"}, "torchrl-fast-vector")]
     for fns, kwargs, path in cases:
-        with AsyncEnvPool(fns, backend=backend, **kwargs) as pool:
+        with synchronous_vector_envs(), AsyncEnvPool(fns, backend=backend, **kwargs) as pool:
             assert pool.slot_paths == [path, path]
             metrics = pool.metrics()
             assert metrics["slots_" + path.replace("-", "_")] == 2

@@ -33,7 +33,7 @@ METRIC_KEYS = {
     "num_workers": "env workers (processes, or threads with backend='threading')",
     "envs_per_worker": "slots per worker, as given or as envs_per_worker='auto' chose it from the spec env's step",
     "env_threads": "1 when each env of a worker steps in its own thread (env_threads, or 'auto' for envs that block)",
-    "idle_poll": "1 when the workers' and the serving loop's waits idle-poll (idle_poll, or 'auto' from the wake probe)",
+    "idle_poll": "1 when the workers' and the serving loop's waits idle-poll (idle_poll, or 'auto': the wake probe)",
 }
 
 # Positions in the arena's consumer_stats vector.

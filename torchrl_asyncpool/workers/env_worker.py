@@ -332,6 +332,13 @@ class _Worker:
             if hasattr(adapter, "num_envs") or len(slot_ids) > 1:  # a vector env: all the slots, one adapter
                 self._build_vector(slot_ids, adapter)
                 self.vector_factory = (env_fns[0], env_kwargs[0])
+                # sub-envs that make the same records stepped on their own, in slots of the pass
+                # loop: no pass waits for the slowest answer (not with restarts: a sub-env's
+                # failure must rebuild the whole vector env, which the lockstep loop does)
+                subs = adapter.split() if hasattr(adapter, "split") and self.restarts is None else None
+                if subs is not None:
+                    self.slots = [stepper.add_slot(index, sub) for index, sub in zip(slot_ids, subs)]
+                    self.vector = None
                 return
             slot = stepper.add_slot(slot_ids[0], adapter)
             slot.factory = (env_fns[0], env_kwargs[0])

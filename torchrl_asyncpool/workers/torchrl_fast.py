@@ -60,7 +60,7 @@ from torchrl_asyncpool.exchange.native import copy_into
 from torchrl_asyncpool.workers.env_adapter import TorchRLBatchedAdapter, TorchRLEnvAdapter, make_adapter
 
 __all__ = ["FAST_PATH_ATTR", "FastPathUnsupported", "fast_plan", "TorchRLGymFastAdapter",
-           "TorchRLGymVectorFastAdapter", "adapter_path", "factory_path"]
+           "TorchRLGymVectorFastAdapter", "VectorSubEnvAdapter", "adapter_path", "factory_path"]
 
 log = logging.getLogger(__name__)
 
@@ -894,6 +894,95 @@ class TorchRLGymVectorFastAdapter(TorchRLBatchedAdapter):
             raise RuntimeError("a NEXT_STEP vector env resets its envs itself")
         obs, _ = self.vec.reset(options={"reset_mask": np.asarray(mask, bool)})
         return self._vrecord(obs)
+
+    def split(self):
+        """The ``k`` sub-envs as adapters of one slot each (:class:`VectorSubEnvAdapter`), for a
+        worker to step them as their actions arrive instead of in lockstep; ``None`` where their
+        records could differ from this adapter's: transforms on top, frame skipping, a vector env
+        that does not autoreset, or one that is not a ``SyncVectorEnv``."""
+        import gymnasium as gym
+
+        if (self.plan.transforms or self.plan.frame_skip != 1 or not self.autoresets
+                or type(self.vec) is not gym.vector.SyncVectorEnv):
+            return None
+        shared = {"seed": self._first_seed, "open": self.num_envs}
+        self._first_seed = None
+        return [VectorSubEnvAdapter(self, j, shared) for j in range(self.num_envs)]
+
+
+class VectorSubEnvAdapter:
+    """Sub-env ``j`` of a ``SyncVectorEnv`` that TorchRL's ``GymEnv(env_id, num_envs=k)`` built,
+    stepped on its own in one slot (:meth:`TorchRLGymVectorFastAdapter.split`).
+
+    Its records are those of the vector adapter's row ``j`` (and so of ``GymEnv(env_id)``
+    seeded ``seed + j``): the sub-env is stepped with the action ``SyncVectorEnv`` would pass it,
+    a record is encoded as the vector adapter encodes its rows, the first reset follows TorchRL's
+    ``set_seed`` of the vector env (done once, by the first sub-env reset) and every later reset
+    is unseeded, as ``SyncVectorEnv``'s ``NEXT_STEP`` autoreset calls ``reset()``; the worker's
+    own autoreset makes the same ``FIRST`` records the vector env would. The vector env is
+    closed once, when its last sub-env's slot closes.
+    """
+
+    takes_numpy = True
+    path = "torchrl-fast-split"
+    env = None  # the slot's env is the vector env's row, not an env of its own (close() closes)
+    _plan = None  # no episode plans (evaluate() hosts single envs)
+
+    @staticmethod
+    def as_numpy(value):
+        """Record entries are numpy already."""
+        return value
+
+    def __init__(self, parent: TorchRLGymVectorFastAdapter, j: int, shared: dict):
+        self.parent, self.j, self._shared = parent, j, shared
+        self.gym = parent.vec.envs[j]
+        self.plan = parent.plan
+        self.obs_keys, self.action_keys = parent.obs_keys, parent.action_keys
+        self._closed = False
+
+    def fields(self):
+        """The slot fields (those of one row of the vector env)."""
+        return self.parent.fields()
+
+    def specs(self):
+        """The specs of one row of the vector env."""
+        return self.parent.specs()
+
+    def reset(self):
+        """Resets the sub-env (after the vector env's seeding, the first time); returns its record."""
+        seed = self._shared["seed"]
+        if seed is not None:
+            self._shared["seed"] = None
+            self.parent.env.set_seed(seed)  # seeds every sub-env seed + j, as the vector adapter's reset
+        obs, _ = self.gym.reset()
+        return self.plan.record(obs)
+
+    def step(self, actions):
+        """Steps the sub-env with its action row; returns ``(record, reward, terminated, truncated)``."""
+        obs, reward, terminated, truncated, _ = self.gym.step(self.plan.action(actions["action"]))
+        return (self.plan.record(obs), np.asarray(reward, dtype=np.float32).reshape(1), bool(terminated),
+                bool(truncated))
+
+    def step_into(self, actions, views):
+        """:meth:`step` writing the record into ``views``; returns ``(reward, terminated, truncated)``."""
+        obs, reward, terminated, truncated, _ = self.gym.step(self.plan.action(actions["action"]))
+        rec = self.plan.record(obs)
+        for key, view in views:
+            copy_into(view, rec[key])
+        return np.asarray(reward, dtype=np.float32).reshape(1), bool(terminated), bool(truncated)
+
+    def random_action(self):
+        """A random action row (the vector env's action spec, one row)."""
+        return {k: v[0] for k, v in self.parent.random_action().items()}
+
+    def close(self) -> None:
+        """Closes the vector env when the last of its sub-env slots closes."""
+        if self._closed:
+            return
+        self._closed = True
+        self._shared["open"] -= 1
+        if self._shared["open"] == 0:
+            self.parent.close()
 
 
 def _log_choice(adapter, env, env_index, reason=None):
