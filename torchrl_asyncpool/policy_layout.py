@@ -27,9 +27,8 @@ from torchrl_asyncpool.acting_policy import (
     torchrl_recurrent_state,
 )
 from torchrl_asyncpool.exchange.arena import as_key
-from torchrl_asyncpool.pool import _check_factories, _check_kwargs, _shadowing_outputs
-from torchrl_asyncpool.workers.env_adapter import make_adapter
-from torchrl_asyncpool.workers.torchrl_vector_hosting import synchronous_vector_envs
+from torchrl_asyncpool.pool_arguments import _check_factories, _check_kwargs
+from torchrl_asyncpool.pool_layout import _build_spec_env, _shadowing_outputs
 
 __all__ = ["PolicyLayout"]
 
@@ -80,10 +79,7 @@ class PolicyLayout:
         """
         fns = _check_factories(create_env_fn)
         kwargs = _check_kwargs(create_env_kwargs, len(fns))
-        # a GymEnv(num_envs=k) built only to read fields steps in this process, not in k new ones
-        with synchronous_vector_envs():
-            env = fns[0](**kwargs[0])
-            adapter = make_adapter(env, 0)
+        env, adapter = _build_spec_env(fns, kwargs)  # the pool's spec env, read the same way
         try:
             request, actions = adapter.fields()
             outputs = derive_policy_outputs(policy, dict(request), dict(actions), version_key, device=device)

@@ -1,17 +1,18 @@
-"""AsyncEnvPool v2: env worker processes around one shared-memory slot arena."""
+"""AsyncEnvPool v2: env worker processes around one shared-memory slot arena.
+
+This module is the pool's consumer side (:meth:`AsyncEnvPool.recv`, :meth:`~AsyncEnvPool.send`,
+:meth:`~AsyncEnvPool.take_transitions`, metrics, close); the rest of it lives next door: its
+argument checks (:mod:`~torchrl_asyncpool.pool_arguments`), the grouping of envs into workers
+(:mod:`~torchrl_asyncpool.pool_grouping`), the slot layout read from the spec env
+(:mod:`~torchrl_asyncpool.pool_layout`), the worker processes' start-up and end
+(:mod:`~torchrl_asyncpool.pool_workers`) and seeding (:mod:`~torchrl_asyncpool.pool_seeding`).
+"""
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
-import math
-import numbers
-import multiprocessing as mp
-import os
-import signal
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -19,31 +20,33 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.data import Composite
 
-from torchrl_asyncpool.acting_policy import CARRY_KEY
 from torchrl_asyncpool.affinity import resolve_worker_affinity
 from torchrl_asyncpool.delivery.chunks import ChunkBuffers, ChunkReader
-from torchrl_asyncpool.errors import EnvError, PoolClosedError, PoolStartCancelled, WorkerDiedError
-from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout, as_key
+from torchrl_asyncpool.errors import PoolClosedError
+from torchrl_asyncpool.exchange.arena import Arena, as_key
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd, resolve_idle_poll
 from torchrl_asyncpool.exchange.metrics import PoolMetrics, log_metrics
 from torchrl_asyncpool.exchange.native import resolve_exchange
-from torchrl_asyncpool.forkserver import ensure_fd_capacity, exit_code, forkserver_context, picklable, ship_fds
-from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, make_adapter, remote_listener
+from torchrl_asyncpool.forkserver import ensure_fd_capacity
+from torchrl_asyncpool.pool_arguments import BACKENDS  # noqa: F401 - documented here (api.rst)
+from torchrl_asyncpool.pool_arguments import (
+    _check_factories,
+    _check_kwargs,
+    _check_process_options,
+    _check_restart,
+    _check_start_options,
+)
+from torchrl_asyncpool.pool_grouping import _group_envs
+from torchrl_asyncpool.pool_layout import _build_spec_env, _slot_layout
+from torchrl_asyncpool.pool_seeding import _check_seed, _seeded_factories
+from torchrl_asyncpool.pool_workers import _PoolWorkers
+from torchrl_asyncpool.pool_workers import kill_process_group  # noqa: F401 - its home until this split
 from torchrl_asyncpool.workers.env_specs import batched_specs, slot_specs
-from torchrl_asyncpool.workers.env_worker import RESTARTED_KEY, RestartPolicy, run_worker, worker_main
-from torchrl_asyncpool.workers.thread_worker import ThreadWorker
-from torchrl_asyncpool.workers.torchrl_vector_hosting import synchronous_vector_envs
 
 __all__ = ["AsyncEnvPool"]
 
 _log = logging.getLogger(__name__)
-
-_START_METHODS = ("forkserver", "spawn")
-#: where the workers run: processes, or threads of the pool's own process (TorchRL's names)
-BACKENDS = ("multiprocessing", "threading")
-#: how often a start-up with ``cancel_start`` asks it
-_CANCEL_POLL_S = 0.1
 
 
 def _close_noting(pool, timeout: float, primary: BaseException | None = None,
@@ -69,7 +72,7 @@ def _leaf_if_single(spec: Composite, name: str):
     return spec[name] if keys == [name] else spec
 
 
-class AsyncEnvPool:
+class AsyncEnvPool(_PoolWorkers):
     """A pool of env workers (processes, or threads of this process) exchanging records through
     shared memory.
 
@@ -303,90 +306,44 @@ class AsyncEnvPool:
         self._closed = True  # until start-up completes, close() has little to undo
         self._procs = []
         self.exchange = resolve_exchange(exchange)  # before anything starts: a bad name costs nothing
-        if not (isinstance(idle_poll, bool) or idle_poll == "auto"):
-            raise ValueError(f"idle_poll must be True, False or 'auto', got {idle_poll!r}.")
-        if cancel_start is not None and not callable(cancel_start):
-            raise TypeError(f"cancel_start must be a callable returning a bool, got {type(cancel_start).__name__}.")
+        _check_start_options(idle_poll, cancel_start, backend)
         self._cancel_start = cancel_start
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
         self.backend = backend
         threads = backend == "threading"
-        if threads and idle_poll is True:
-            raise ValueError(
-                "idle_poll=True parks the workers' waits for an idle poller of their own process; with "
-                "backend='threading' the workers are threads of this process: leave idle_poll at 'auto' (off)."
-            )
         self._restart = _check_restart(on_env_failure, max_restarts_per_env, restart_window_s, max_restarts)
         self.on_env_failure = on_env_failure
         fns = _check_factories(create_env_fn)
         kwargs = _check_kwargs(create_env_kwargs, len(fns))
-        if mp_start_method not in _START_METHODS:
-            raise ValueError(f"mp_start_method must be one of {_START_METHODS}, got {mp_start_method!r}.")
-        if pin_memory and not torch.cuda.is_available():
-            raise ValueError("pin_memory=True needs CUDA, which is not available in this process.")
-        if isinstance(worker_affinity, str):  # a bad name fails before any env is built
-            resolve_worker_affinity(worker_affinity, 0)
+        _check_process_options(mp_start_method, pin_memory, worker_affinity)
         _check_seed(seed)
 
-        # a GymEnv(num_envs=k) built only to read specs steps in this process, not in k new ones
-        with synchronous_vector_envs():
-            spec_adapter = make_adapter(fns[0](**kwargs[0]), 0)
+        # the spec env: its fields fix the slot layout, its step (timed for "auto") the grouping
+        _, spec_adapter = _build_spec_env(fns, kwargs)
         try:
             request, response = spec_adapter.fields()
             specs = slot_specs(spec_adapter)
             # a vector env hosts k envs, in k consecutive slots of one worker, stepped in lockstep
             self.envs_per_factory = k_vec = getattr(spec_adapter, "num_envs", 1)
             self.num_envs = n = len(fns) * k_vec
-            groups = None  # contiguous runs of envs_per_worker slots, unless set here
-            if (self._restart is not None and not hasattr(spec_adapter, "num_envs")
-                    and remote_listener(spec_adapter.env) is not None):
-                raise ValueError(
-                    "on_env_failure='restart' rebuilds envs in their workers; the factories return remote env "
-                    "slots, whose hosts reconnect by themselves after a failure. Use on_env_failure='raise'."
-                )
-            if hasattr(spec_adapter, "num_envs"):
-                self.envs_per_worker, self.env_threads = _vector_grouping(envs_per_worker, env_threads, k_vec)
-            elif remote_listener(spec_adapter.env) is not None:
-                if seed is not None:
-                    raise ValueError(
-                        "seed= seeds the envs that the workers build; a remote env slot's host owns its env and its "
-                        "resets. Seed the envs on the host side."
-                    )
-                groups = _remote_groups(envs_per_worker, env_threads, spec_adapter, fns, kwargs)
-                self.envs_per_worker, self.env_threads = max(map(len, groups)), True
-            else:
-                self.envs_per_worker, self.env_threads = _resolve_grouping(
-                    envs_per_worker, env_threads, spec_adapter, n, threads
-                )
+            self.envs_per_worker, self.env_threads, groups = _group_envs(
+                spec_adapter, envs_per_worker, env_threads, fns, kwargs, n, threads, seed=seed, restart=self._restart
+            )
         finally:
             spec_adapter.close()
         # worker threads share this process's GIL and cores with the caller: no idle poller
         self.idle_poll = False if threads else resolve_idle_poll(idle_poll, cpu_bound=not self.env_threads)
-        if seed is not None:  # after the spec env: only the workers' envs are seeded
-            fns = [_SeededFactory(fn, seed + i * k_vec) for i, fn in enumerate(fns)]
+        fns = _seeded_factories(fns, seed, k_vec)  # after the spec env: only the workers' envs are seeded
         self.observation_keys = list(spec_adapter.obs_keys)
         self.action_keys = list(response)
         self.batch_size = torch.Size([n])
         for name, spec in batched_specs(specs, n).items():
             setattr(self, name, spec)
-        if callable(policy_output_spec):
-            policy_output_spec = policy_output_spec(dict(request), dict(response))
-        outputs = _check_policy_outputs(policy_output_spec, request, response)
-        recurrent = _check_recurrent(recurrent_state, outputs, request)
-        if transition_chunk_size is not None:
-            _check_next_outputs(outputs, recurrent, request)
-        for hidden_in, hidden_out in recurrent.items():
-            request[hidden_in] = outputs[hidden_out]
-        if self._restart is not None:
-            if RESTARTED_KEY in request:
-                raise ValueError(f"the env observes {RESTARTED_KEY!r}, which on_env_failure='restart' reserves.")
-            request[RESTARTED_KEY] = ((1,), torch.bool)  # set on the records an env restart produced
+        self.layout, outputs, recurrent = _slot_layout(
+            n, request, response, self.action_keys, policy_output_spec, recurrent_state,
+            restart=self._restart, transitions=transition_chunk_size is not None,
+        )
         self.policy_output_keys = list(outputs)
         self.recurrent_state = dict(recurrent)
-        self.layout = ArenaLayout(
-            n, request, {**response, **outputs}, action_keys=self.action_keys, recurrent=recurrent
-        )
 
         self._arena = Arena.create(self.layout)
         self._chunks = None
@@ -395,10 +352,7 @@ class AsyncEnvPool:
         if transition_chunk_size is not None:
             self._chunks = ChunkBuffers(self.layout, transition_chunk_size, chunks_per_env)
         self._consumer = Doorbell()
-        self._life_r, self._life_w = os.pipe()
-        if groups is None:
-            k = self.envs_per_worker
-            groups = [list(range(i, min(i + k, n))) for i in range(0, n, k)]
+        self._open_life_pipe()
         self.num_workers = len(groups)
         # "auto" partitions cores between processes; threads of this process are left unpinned
         affinity = resolve_worker_affinity(worker_affinity, self.num_workers, threaded=self.env_threads or threads)
@@ -421,8 +375,7 @@ class AsyncEnvPool:
         self.slot_paths = {}
         self._error = None
         self._closed = False
-        self._life_box = [self._life_w]
-        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._life_box, 0.0)
+        self._arm_shutdown()
         try:
             self._check_cancel()
             self._start_workers(mp_start_method, groups, fns, kwargs, worker_num_threads, affinity)
@@ -456,94 +409,6 @@ class AsyncEnvPool:
         self._served_by = None  # weakref to the InferenceServer that serves this pool (set by its start)
         self._chunk_reader = None
         self._metrics = PoolMetrics(self._arena)
-
-    # -- start-up ---------------------------------------------------------------------------
-    def _life_r_close(self):
-        if self._life_r >= 0:
-            os.close(self._life_r)
-            self._life_r = -1
-
-    def _start_workers(self, method, groups, fns, kwargs, num_threads, affinity=None):
-        threads = self.backend == "threading"
-        ctx = (mp if threads else forkserver_context("AsyncEnvPool") if method == "forkserver"
-               else mp.get_context(method))
-        arena_fd, consumer_fd, life_fd = (
-            InheritedFd(self._arena.fd), self._consumer.inheritable(), InheritedFd(self._life_r)
-        )
-        for w, slots in enumerate(groups):
-            parent_conn, child_conn = ctx.Pipe()
-            # the factories it builds: one per slot, or the one vector env of its slots
-            made = sorted({i // self.envs_per_factory for i in slots})
-            bells = [self._bells[b].inheritable() for b in sorted(set(self._slot_bell[slots].tolist()))]
-            delivery = self._chunks.handle() if self._chunks is not None else None
-            mask = None if affinity is None else affinity[w]
-            if threads:  # the same worker loop, in a thread of this process (nothing to pickle)
-                p = ThreadWorker(
-                    run_worker,
-                    (w, slots, [fns[i] for i in made], [kwargs[i] for i in made], self.layout, arena_fd, bells,
-                     consumer_fd, life_fd, child_conn, delivery, self.env_threads, mask, self.exchange, self._restart),
-                    name=f"torchrl_asyncpool-worker-{w}",
-                )
-                self._check_cancel()
-                p.start()
-                self._procs.append(p)
-                self._conns.append(parent_conn)
-                continue
-            p = ctx.Process(
-                target=worker_main,
-                args=(
-                    w, slots, [picklable(fns[i]) for i in made], [kwargs[i] for i in made], self.layout,
-                    arena_fd, bells, consumer_fd, life_fd, child_conn, num_threads, delivery, self.env_threads,
-                    mask, self.exchange, self.idle_poll, self._restart,
-                ),
-                name=f"torchrl_asyncpool-worker-{w}",
-                daemon=True,
-            )
-            self._check_cancel()  # between starts (the fork server's own first start is not cut short)
-            with ship_fds():  # the bells (one per env for threaded workers) go after the start message
-                p.start()
-            child_conn.close()
-            self._procs.append(p)
-            self._conns.append(parent_conn)
-
-    def _check_cancel(self):
-        if self._cancel_start is not None and self._cancel_start():
-            raise PoolStartCancelled("the pool's start-up was cancelled (cancel_start returned true).")
-
-    def _await_ready(self, timeout):
-        from multiprocessing.connection import wait
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pending = dict(enumerate(self._conns))
-        while pending:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                slots = np.flatnonzero(np.isin(self._slot_worker, sorted(pending))).tolist()
-                err = TimeoutError(
-                    f"workers {sorted(pending)} (hosting envs {slots}) did not finish start-up within "
-                    f"start_timeout={timeout}s."
-                )
-                err.env_indices = slots  # which envs may hang (evaluate() times out their episodes)
-                raise err
-            sentinels = {self._procs[w].sentinel: w for w in pending}
-            if self._cancel_start is not None:  # looked at again every 0.1 s
-                remaining = _CANCEL_POLL_S if remaining is None else min(remaining, _CANCEL_POLL_S)
-            for obj in wait(list(pending.values()) + list(sentinels), remaining):
-                w = sentinels[obj] if obj in sentinels else self._conns.index(obj)
-                if w not in pending:
-                    continue
-                try:
-                    if obj in sentinels and not pending[w].poll():
-                        raise EOFError
-                    msg = pending[w].recv()
-                except (EOFError, OSError):
-                    raise self._start_death(w) from None
-                if msg[0] == "error":
-                    raise self._start_error(msg)
-                self.slot_paths.update(msg[2] or {})
-                pending.pop(w, None)
-            if pending:
-                self._check_cancel()  # after what arrived was read: a worker's error is not hidden by it
 
     # -- public API -------------------------------------------------------------------------
     def recv(self, min_get: int = 1, max_get: int | None = None, timeout: float | None = None) -> TensorDictBase:
@@ -765,16 +630,7 @@ class AsyncEnvPool:
             return
         self._closed_for_good = True
         self._closed = True
-        if hasattr(self, "_life_box"):
-            _shutdown(self._procs, self._life_box, timeout)
-        if hasattr(self, "_finalizer"):
-            self._finalizer.detach()
-        self._life_r_close()
-        for c in getattr(self, "_conns", []):
-            c.close()
-        for p in self._procs:
-            if isinstance(p, ThreadWorker):
-                p.close()
+        self._stop_workers(timeout)
         for b in getattr(self, "_bells", []):
             b.close()
         if hasattr(self, "_consumer"):
@@ -844,307 +700,3 @@ class AsyncEnvPool:
             raise self._error
         if self._consumer_obj is not None and self._consumer_obj.error is not None:
             raise self._consumer_obj.error
-
-    def death_info(self, w) -> str:
-        """How worker ``w`` (a worker index) ended, for error messages: ``"killed by signal N"``
-        or ``"exit code N"`` (``"exit code None"`` while it still runs)."""
-        code = exit_code(self._procs[w], 0.05)
-        return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-
-    def _start_error(self, msg):
-        _, _, index, (phase, tb) = msg
-        self._error = EnvError(index, phase, tb)
-        return self._error
-
-    def _start_death(self, w):
-        slots = np.flatnonzero(self._slot_worker == w).tolist()
-        self._error = WorkerDiedError(
-            f"worker {w} (pid {self._procs[w].pid}, hosting envs {slots}) died during start-up ({self.death_info(w)}). "
-            "Workers start from a fork server that re-imports the main module: a script that builds a pool "
-            "outside an `if __name__ == \"__main__\":` guard fails this way, and so does one read from standard "
-            "input (`python - <<EOF`), which cannot be re-imported: save it to a file.",
-            slots,
-        )
-        return self._error
-
-
-def _shutdown(procs, life_w_box, timeout):
-    """Closes the life pipe (workers exit at their next wake-up), then kills stragglers."""
-    if life_w_box[0] >= 0:
-        os.close(life_w_box[0])
-        life_w_box[0] = -1
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        exit_code(p, max(0.0, deadline - time.monotonic()))
-    hung = [p for p in procs if isinstance(p, ThreadWorker) and exit_code(p) is None]
-    if hung and timeout > 0:  # a thread cannot be killed: it is left to end with its step (or with the process)
-        warnings.warn(
-            f"AsyncEnvPool(backend='threading'): worker threads {[p.name for p in hung]} did not stop within "
-            f"{timeout}s (an env step that does not return?); they are daemon threads and keep running until "
-            "their step returns or the process exits.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    procs = [p for p in procs if not isinstance(p, ThreadWorker)]
-    for p in procs:
-        if exit_code(p) is None:
-            p.kill()
-    for p in procs:
-        exit_code(p, 1.0)
-    # what the envs started and left behind, a killed worker's above all
-    killed = [p.pid for p in procs if kill_process_group(p.pid, alive=exit_code(p) is None)]
-    until = time.monotonic() + 0.5  # gone (or zombies) before close() returns, ports and devices freed
-    while killed and time.monotonic() < until:
-        killed = [g for g in killed if _group_alive(g)]
-        if killed:
-            time.sleep(0.01)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except OSError:
-        return False
-    return True
-
-
-def kill_process_group(pid: int | None, *, alive: bool) -> bool:
-    """SIGKILLs what is left of worker ``pid``'s process group (a worker leads one, which the
-    processes its envs start join; see ``worker_main``); True if there was a group to kill.
-
-    ``alive``: the worker process has not been seen to end. A process group id is never given to
-    a new process while the group exists, so for a worker that ended, a live process with its
-    pid is someone else (the pid was reused) and nothing is killed; with no such process, a
-    group of that id is the worker's. A live worker that does not lead a group (it could not
-    make one) is not killed here either."""
-    if pid is None:
-        return False
-    try:
-        pgid = os.getpgid(pid)
-    except ProcessLookupError:  # no process with that pid: a group of that id is the worker's
-        pgid = pid
-    except OSError:
-        return False
-    else:
-        if not alive or pgid != pid:
-            return False
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
-def _check_factories(create_env_fn):
-    if callable(create_env_fn) or not isinstance(create_env_fn, Sequence) or not len(create_env_fn):
-        raise TypeError(
-            "create_env_fn must be a non-empty list of callables returning EnvBase instances, "
-            f"got {type(create_env_fn).__name__}."
-        )
-    for i, fn in enumerate(create_env_fn):
-        if not callable(fn):
-            raise TypeError(f"create_env_fn[{i}] must be callable, got {type(fn).__name__}.")
-    return list(create_env_fn)
-
-
-def _check_restart(on_env_failure, per_env, window_s, total):
-    """The workers' :class:`~torchrl_asyncpool.workers.env_worker.RestartPolicy`, or ``None`` for ``"raise"``."""
-    if on_env_failure not in ("raise", "restart"):
-        raise ValueError(f"on_env_failure must be 'raise' or 'restart', got {on_env_failure!r}.")
-    if isinstance(per_env, bool) or not isinstance(per_env, int) or per_env < 1:
-        raise ValueError(f"max_restarts_per_env must be a positive int, got {per_env!r}.")
-    if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not window_s > 0:
-        raise ValueError(f"restart_window_s must be a positive number of seconds, got {window_s!r}.")
-    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
-        raise ValueError(f"max_restarts must be None or a positive int, got {total!r}.")
-    return RestartPolicy(per_env, float(window_s), total) if on_env_failure == "restart" else None
-
-
-def _check_seed(seed):
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
-        raise ValueError(f"seed must be None or a non-negative int (gymnasium refuses negative seeds), got {seed!r}.")
-
-
-class _SeededFactory:
-    """Builds the user's env and marks its first reset's seed (read by the worker's env adapter).
-    Picklable when the wrapped factory is."""
-
-    def __init__(self, create_env_fn, seed: int):
-        self.create_env_fn = create_env_fn
-        self.seed = int(seed)
-
-    def __call__(self, **kwargs):
-        env = self.create_env_fn(**kwargs)
-        setattr(env, FIRST_SEED_ATTR, self.seed)
-        return env
-
-
-def _check_kwargs(kwargs, n):
-    if kwargs is None:
-        return [{} for _ in range(n)]
-    if isinstance(kwargs, Mapping):
-        return [dict(kwargs) for _ in range(n)]
-    kwargs = list(kwargs)
-    if len(kwargs) != n or not all(isinstance(k, Mapping) for k in kwargs):
-        raise ValueError(f"create_env_kwargs must be a dict or a list of {n} dicts, got {kwargs!r}.")
-    return [dict(k) for k in kwargs]
-
-
-
-def _resolve_grouping(envs_per_worker, env_threads, adapter, n, threads=False):
-    """``(envs per worker, threaded)``; the spec env is timed only for ``envs_per_worker="auto"``.
-    ``threads``: the workers are threads of the pool's process (``backend="threading"``)."""
-    if envs_per_worker != "auto" and (
-        isinstance(envs_per_worker, bool) or not isinstance(envs_per_worker, int) or envs_per_worker < 1
-    ):
-        raise ValueError(f"envs_per_worker must be a positive int or 'auto', got {envs_per_worker!r}.")
-    if not (env_threads is True or env_threads is False or env_threads == "auto"):
-        raise ValueError(f"env_threads must be True, False or 'auto', got {env_threads!r}.")
-    if envs_per_worker != "auto":
-        k = min(envs_per_worker, n)
-        return k, env_threads is True and k > 1
-    blocking = _probe_blocking(adapter)
-    if threads:
-        # one GIL for every worker thread: CPU-bound envs gain nothing from more threads than one
-        # (each would only add switches), envs that block each want a thread of their own
-        if blocking and env_threads is not False:
-            return 1, False
-        return (1, False) if blocking else (n, env_threads is True and n > 1)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threaded = blocking if env_threads == "auto" else env_threads
-    if blocking and not threaded:
-        return 1, False  # stepped one after the other, blocking envs must not share a process
-    # cheap envs: about one worker per core; blocking envs in threads: a few workers per core,
-    # so that one process's GIL-held work (copies, the env's own Python) overlaps another's
-    k = max(1, math.ceil(n / (cores * (_BLOCKING_WORKERS_PER_CORE if blocking else 1))))
-    return k, threaded and k > 1
-
-
-def _remote_groups(envs_per_worker, env_threads, first, fns, kwargs):
-    """The slots of each worker for remote env slots: one worker per listening address (one
-    port, one gRPC server), each slot waiting for its host in its own thread. ``first`` is the
-    spec adapter (factory 0); the other factories are called here to read their addresses (a
-    remote slot binds nothing until its worker listens). ``envs_per_worker`` may be left at
-    the pool's default (1) or ``"auto"``: the addresses decide."""
-    if envs_per_worker not in ("auto", 1) or isinstance(envs_per_worker, bool) or env_threads is False:
-        raise ValueError(
-            f"envs_per_worker={envs_per_worker!r}, env_threads={env_threads!r}: remote env slots are grouped by "
-            "address (one worker listens on each address and steps its slots in threads); leave envs_per_worker "
-            "and env_threads at their defaults (or 'auto'). Spread slots over several addresses to use more workers."
-        )
-    addresses = [first.env.unwrapped.address]
-    for i in range(1, len(fns)):
-        adapter = make_adapter(fns[i](**kwargs[i]), i)
-        try:
-            if remote_listener(adapter.env) is None:
-                raise ValueError(f"create_env_fn[{i}] returned a local env, but the first factory returned a remote "
-                                 "env slot; a pool hosts remote slots or local envs, not both.")
-            addresses.append(adapter.env.unwrapped.address)
-        finally:
-            adapter.close()
-    groups, seen = [], set()
-    for address, run in itertools.groupby(range(len(addresses)), key=addresses.__getitem__):
-        run = list(run)
-        if address in seen:
-            raise ValueError(f"the remote slots listening on {address} must come from consecutive factories "
-                             f"(slot {run[0]} is apart from the others).")
-        seen.add(address)
-        groups.append(run)
-    return groups
-
-
-def _vector_grouping(envs_per_worker, env_threads, k):
-    """``(envs per worker, threaded)`` for vector env factories: one vector env per worker."""
-    if envs_per_worker not in ("auto", 1, k) or isinstance(envs_per_worker, bool):
-        raise ValueError(
-            f"envs_per_worker={envs_per_worker!r}: the factories return vector envs (gymnasium) or batched envs "
-            f"(TorchRL) of {k} envs, and each is hosted by one worker; pass envs_per_worker='auto' (or {k})."
-        )
-    if env_threads is True:
-        raise ValueError("env_threads=True: a vector env is stepped with one call for all its envs, not per thread.")
-    if not (env_threads is False or env_threads == "auto"):
-        raise ValueError(f"env_threads must be True, False or 'auto', got {env_threads!r}.")
-    return k, False
-
-
-#: workers per core for blocking envs stepped in threads. 2 cores, 64 envs sleeping 2 ms: 16 envs
-#: per worker (2 per core) 68 % of N/latency, 32 (1 per core) 62 %, 8 (4 per core) 65 %, a
-#: process per env 51 % (benchmarks/README.md)
-_BLOCKING_WORKERS_PER_CORE = 2
-
-
-def _probe_blocking(adapter, probe_s: float = 0.2, probe_steps: int = 32) -> bool:
-    """Times a few steps of the spec env: True when it mostly waits (sleep, I/O) rather than computes."""
-    adapter.reset()
-    wall = cpu = 0.0
-    steps = 0
-    t_end = time.perf_counter() + probe_s
-    while steps < probe_steps and time.perf_counter() < t_end:
-        action = adapter.random_action()
-        w0, c0 = time.perf_counter(), time.thread_time()
-        _, _, term, trunc = adapter.step(action)
-        wall += time.perf_counter() - w0
-        cpu += time.thread_time() - c0
-        steps += 1
-        if term or trunc:
-            adapter.reset()
-    return wall > 2.0 * cpu and wall / max(steps, 1) > 2e-4
-
-
-def _check_policy_outputs(spec, request, response) -> dict:
-    if spec is None:
-        return {}
-    if hasattr(spec, "keys") and hasattr(spec, "shape") and not isinstance(spec, Mapping):
-        spec = {k: (tuple(spec[k].shape), spec[k].dtype) for k in spec.keys(True, True)}
-    if not isinstance(spec, Mapping):
-        raise TypeError(f"policy_output_spec must be a mapping or a Composite spec, got {type(spec).__name__}.")
-    out = {}
-    for key, value in spec.items():
-        if hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, tuple):
-            value = (tuple(value.shape), value.dtype)
-        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.dtype)):
-            raise ValueError(f"policy_output_spec[{key!r}] must be (shape, dtype) or a spec, got {value!r}.")
-        if key in request or key in response:
-            raise ValueError(f"policy_output_spec key {key!r} collides with an env observation/action key.")
-        out[key] = (tuple(int(s) for s in value[0]), value[1])
-    return out
-
-
-def _shadowing_outputs(outputs, recurrent, request) -> list:
-    """The policy outputs ``("next", *key)`` for a record entry ``key`` (an observation, the
-    reward, a flag): in a transition, ``("next", *key)`` is the env's own next entry, which such
-    an output would silently replace. The one exception is TorchRL's recurrent convention as the
-    collector maps it (``{(CARRY_KEY, *key): ("next", *key)}`` for a primer key, see
-    :func:`~torchrl_asyncpool.acting_policy.torchrl_recurrent_state`): the primer's entry is
-    the policy's state, which the transitions deliver in its place. The pool refuses these
-    outputs (``_check_next_outputs``); the collector leaves them out (the env's entry wins)."""
-    observed = {as_key(k) for k in request}
-    carried = {as_key(v) for h, v in recurrent.items() if as_key(h) == (CARRY_KEY, *as_key(v)[1:])}
-    return [key for key in outputs
-            if len(k := as_key(key)) > 1 and k[0] == "next" and k[1:] in observed and k not in carried]
-
-
-def _check_next_outputs(outputs, recurrent, request) -> None:
-    """Refuses the outputs of :func:`_shadowing_outputs`."""
-    for key in _shadowing_outputs(outputs, recurrent, request):
-        k = as_key(key)
-        raise ValueError(
-            f"policy_output_spec key {key!r} is where the transitions hold the env's own next "
-            f"{k[1:] if len(k) > 2 else k[1]!r}; rename the output."
-        )
-
-
-def _check_recurrent(recurrent, outputs, request) -> dict:
-    if not recurrent:
-        return {}
-    if not isinstance(recurrent, Mapping):
-        raise TypeError(f"recurrent_state must map hidden_in keys to hidden_out keys, got {type(recurrent).__name__}.")
-    for hidden_in, hidden_out in recurrent.items():
-        if hidden_out not in outputs:
-            raise ValueError(
-                f"recurrent_state maps {hidden_in!r} -> {hidden_out!r}, but {hidden_out!r} is not declared in "
-                f"policy_output_spec (declared: {list(outputs)})."
-            )
-        if hidden_in in request or hidden_in in outputs:
-            raise ValueError(f"recurrent_state input key {hidden_in!r} collides with an existing key.")
-    return dict(recurrent)

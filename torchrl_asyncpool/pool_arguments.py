@@ -1,0 +1,75 @@
+"""The checks of :class:`~torchrl_asyncpool.AsyncEnvPool`'s arguments that need no env: each fails
+before anything is built or started (a bad value costs nothing)."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from torchrl_asyncpool.affinity import resolve_worker_affinity
+from torchrl_asyncpool.workers.env_worker import RestartPolicy
+
+_START_METHODS = ("forkserver", "spawn")
+#: where the workers run: processes, or threads of the pool's own process (TorchRL's names)
+BACKENDS = ("multiprocessing", "threading")
+
+
+def _check_start_options(idle_poll, cancel_start, backend) -> None:
+    """``idle_poll``, ``cancel_start`` and ``backend``, alone and together."""
+    if not (isinstance(idle_poll, bool) or idle_poll == "auto"):
+        raise ValueError(f"idle_poll must be True, False or 'auto', got {idle_poll!r}.")
+    if cancel_start is not None and not callable(cancel_start):
+        raise TypeError(f"cancel_start must be a callable returning a bool, got {type(cancel_start).__name__}.")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+    if backend == "threading" and idle_poll is True:
+        raise ValueError(
+            "idle_poll=True parks the workers' waits for an idle poller of their own process; with "
+            "backend='threading' the workers are threads of this process: leave idle_poll at 'auto' (off)."
+        )
+
+
+def _check_process_options(mp_start_method, pin_memory, worker_affinity) -> None:
+    """``mp_start_method``, ``pin_memory`` and a named ``worker_affinity``."""
+    if mp_start_method not in _START_METHODS:
+        raise ValueError(f"mp_start_method must be one of {_START_METHODS}, got {mp_start_method!r}.")
+    if pin_memory and not torch.cuda.is_available():
+        raise ValueError("pin_memory=True needs CUDA, which is not available in this process.")
+    if isinstance(worker_affinity, str):  # a bad name fails before any env is built
+        resolve_worker_affinity(worker_affinity, 0)
+
+
+def _check_factories(create_env_fn):
+    if callable(create_env_fn) or not isinstance(create_env_fn, Sequence) or not len(create_env_fn):
+        raise TypeError(
+            "create_env_fn must be a non-empty list of callables returning EnvBase instances, "
+            f"got {type(create_env_fn).__name__}."
+        )
+    for i, fn in enumerate(create_env_fn):
+        if not callable(fn):
+            raise TypeError(f"create_env_fn[{i}] must be callable, got {type(fn).__name__}.")
+    return list(create_env_fn)
+
+
+def _check_restart(on_env_failure, per_env, window_s, total):
+    """The workers' :class:`~torchrl_asyncpool.workers.env_worker.RestartPolicy`, or ``None`` for ``"raise"``."""
+    if on_env_failure not in ("raise", "restart"):
+        raise ValueError(f"on_env_failure must be 'raise' or 'restart', got {on_env_failure!r}.")
+    if isinstance(per_env, bool) or not isinstance(per_env, int) or per_env < 1:
+        raise ValueError(f"max_restarts_per_env must be a positive int, got {per_env!r}.")
+    if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not window_s > 0:
+        raise ValueError(f"restart_window_s must be a positive number of seconds, got {window_s!r}.")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
+        raise ValueError(f"max_restarts must be None or a positive int, got {total!r}.")
+    return RestartPolicy(per_env, float(window_s), total) if on_env_failure == "restart" else None
+
+
+def _check_kwargs(kwargs, n):
+    if kwargs is None:
+        return [{} for _ in range(n)]
+    if isinstance(kwargs, Mapping):
+        return [dict(kwargs) for _ in range(n)]
+    kwargs = list(kwargs)
+    if len(kwargs) != n or not all(isinstance(k, Mapping) for k in kwargs):
+        raise ValueError(f"create_env_kwargs must be a dict or a list of {n} dicts, got {kwargs!r}.")
+    return [dict(k) for k in kwargs]

@@ -1,0 +1,105 @@
+"""The slot layout of an :class:`~torchrl_asyncpool.AsyncEnvPool`: the fields each slot holds,
+read from one env built in the calling process (the *spec env*): the record's fields (observations,
+reward, flags), the answer's (actions and declared policy outputs), the recurrent-state entries the
+workers carry from one record to the next, and the ``env_restarted`` flag of
+``on_env_failure="restart"``."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from torchrl_asyncpool.acting_policy import CARRY_KEY
+from torchrl_asyncpool.exchange.arena import ArenaLayout, as_key
+from torchrl_asyncpool.workers.env_adapter import make_adapter
+from torchrl_asyncpool.workers.env_worker import RESTARTED_KEY
+from torchrl_asyncpool.workers.torchrl_vector_hosting import synchronous_vector_envs
+
+
+def _build_spec_env(fns, kwargs):
+    """``(env, adapter)``: the env of the first factory, built in this process to read its fields
+    and specs (the caller closes the adapter, which closes the env)."""
+    # a GymEnv(num_envs=k) built only to read specs steps in this process, not in k new ones
+    with synchronous_vector_envs():
+        env = fns[0](**kwargs[0])
+        return env, make_adapter(env, 0)
+
+
+def _slot_layout(n, request, response, action_keys, policy_output_spec, recurrent_state, *, restart, transitions):
+    """``(layout, policy outputs, recurrent state)`` of ``n`` slots whose env records ``request``
+    and is answered ``response`` (the spec env's fields; ``request`` gains the recurrent inputs
+    and, with ``restart``, the ``env_restarted`` flag). ``transitions``: the pool delivers
+    transitions, where no output may take the place of the env's own next entry."""
+    if callable(policy_output_spec):
+        policy_output_spec = policy_output_spec(dict(request), dict(response))
+    outputs = _check_policy_outputs(policy_output_spec, request, response)
+    recurrent = _check_recurrent(recurrent_state, outputs, request)
+    if transitions:
+        _check_next_outputs(outputs, recurrent, request)
+    for hidden_in, hidden_out in recurrent.items():
+        request[hidden_in] = outputs[hidden_out]
+    if restart is not None:
+        if RESTARTED_KEY in request:
+            raise ValueError(f"the env observes {RESTARTED_KEY!r}, which on_env_failure='restart' reserves.")
+        request[RESTARTED_KEY] = ((1,), torch.bool)  # set on the records an env restart produced
+    layout = ArenaLayout(n, request, {**response, **outputs}, action_keys=action_keys, recurrent=recurrent)
+    return layout, outputs, recurrent
+
+
+def _check_policy_outputs(spec, request, response) -> dict:
+    if spec is None:
+        return {}
+    if hasattr(spec, "keys") and hasattr(spec, "shape") and not isinstance(spec, Mapping):
+        spec = {k: (tuple(spec[k].shape), spec[k].dtype) for k in spec.keys(True, True)}
+    if not isinstance(spec, Mapping):
+        raise TypeError(f"policy_output_spec must be a mapping or a Composite spec, got {type(spec).__name__}.")
+    out = {}
+    for key, value in spec.items():
+        if hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, tuple):
+            value = (tuple(value.shape), value.dtype)
+        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.dtype)):
+            raise ValueError(f"policy_output_spec[{key!r}] must be (shape, dtype) or a spec, got {value!r}.")
+        if key in request or key in response:
+            raise ValueError(f"policy_output_spec key {key!r} collides with an env observation/action key.")
+        out[key] = (tuple(int(s) for s in value[0]), value[1])
+    return out
+
+
+def _shadowing_outputs(outputs, recurrent, request) -> list:
+    """The policy outputs ``("next", *key)`` for a record entry ``key`` (an observation, the
+    reward, a flag): in a transition, ``("next", *key)`` is the env's own next entry, which such
+    an output would silently replace. The one exception is TorchRL's recurrent convention as the
+    collector maps it (``{(CARRY_KEY, *key): ("next", *key)}`` for a primer key, see
+    :func:`~torchrl_asyncpool.acting_policy.torchrl_recurrent_state`): the primer's entry is
+    the policy's state, which the transitions deliver in its place. The pool refuses these
+    outputs (``_check_next_outputs``); the collector leaves them out (the env's entry wins)."""
+    observed = {as_key(k) for k in request}
+    carried = {as_key(v) for h, v in recurrent.items() if as_key(h) == (CARRY_KEY, *as_key(v)[1:])}
+    return [key for key in outputs
+            if len(k := as_key(key)) > 1 and k[0] == "next" and k[1:] in observed and k not in carried]
+
+
+def _check_next_outputs(outputs, recurrent, request) -> None:
+    """Refuses the outputs of :func:`_shadowing_outputs`."""
+    for key in _shadowing_outputs(outputs, recurrent, request):
+        k = as_key(key)
+        raise ValueError(
+            f"policy_output_spec key {key!r} is where the transitions hold the env's own next "
+            f"{k[1:] if len(k) > 2 else k[1]!r}; rename the output."
+        )
+
+
+def _check_recurrent(recurrent, outputs, request) -> dict:
+    if not recurrent:
+        return {}
+    if not isinstance(recurrent, Mapping):
+        raise TypeError(f"recurrent_state must map hidden_in keys to hidden_out keys, got {type(recurrent).__name__}.")
+    for hidden_in, hidden_out in recurrent.items():
+        if hidden_out not in outputs:
+            raise ValueError(
+                f"recurrent_state maps {hidden_in!r} -> {hidden_out!r}, but {hidden_out!r} is not declared in "
+                f"policy_output_spec (declared: {list(outputs)})."
+            )
+        if hidden_in in request or hidden_in in outputs:
+            raise ValueError(f"recurrent_state input key {hidden_in!r} collides with an existing key.")
+    return dict(recurrent)
