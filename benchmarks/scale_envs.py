@@ -39,7 +39,7 @@ import time
 from compare_collectors import make_policy, make_sleep  # run as a script: this folder is sys.path[0]
 
 STEP_S = 0.002
-#: processes per core the collector's "auto" grouping gives blocking envs (pool._BLOCKING_WORKERS_PER_CORE)
+#: processes per core the collector's "auto" grouping gives blocking envs (pool_grouping._BLOCKING_WORKERS_PER_CORE)
 _WORKERS_PER_CORE = 2
 
 
