@@ -29,6 +29,19 @@ def _drive(pool, checker, steps):
         pool.send(TensorDict({"action": oracle_action(td["tag"])}, td.batch_size), td.env_indices)
 
 
+def _collect_checked(collector, checker):
+    """Iterates ``collector`` to its end through ``checker``, each restart's truncation checked
+    (reward 0); returns the frames delivered."""
+    frames = 0
+    for batch in collector:
+        checker.observe_transitions(batch)
+        frames += batch.numel()
+        cut = batch["next", "env_restarted"].reshape(-1)
+        assert batch["next", "truncated"].reshape(-1)[cut].all()
+        assert (batch["next", "reward"].reshape(-1)[cut] == 0).all()
+    return frames
+
+
 @pytest.mark.parametrize("backend", ["threading", "multiprocessing"])
 @pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (3, False), (3, True)])
 def test_pool_records_stay_exact_through_step_and_reset_failures(backend, envs_per_worker, env_threads,
@@ -66,13 +79,7 @@ def test_collector_delivers_total_frames_exactly_once_with_marked_truncations(de
     c = AsyncPoolCollector(failing(8, fail_at_step=17, fail_on_reset=5), policy=oracle_policy, frames_per_batch=100,
                            total_frames=2000, envs_per_worker=4, **UNLIMITED)
     try:
-        frames = 0
-        for batch in c:
-            checker.observe_transitions(batch)
-            frames += batch.numel()
-            cut = batch["next", "env_restarted"].reshape(-1)
-            assert batch["next", "truncated"].reshape(-1)[cut].all()
-            assert (batch["next", "reward"].reshape(-1)[cut] == 0).all()
+        frames = _collect_checked(c, checker)
         assert frames == checker.records == 2000 and checker.restarts >= 20
         assert c.pool_metrics()["env_restarts"] >= checker.restarts
     finally:
@@ -193,13 +200,7 @@ def test_collector_over_failing_vector_envs_delivers_total_frames_exactly_once(k
     c = AsyncPoolCollector(_vectors(kind, 2, 4, fail_at_step=13), policy=oracle_policy, frames_per_batch=80,
                            total_frames=1600, **UNLIMITED)
     try:
-        frames = 0
-        for batch in c:
-            checker.observe_transitions(batch)
-            frames += batch.numel()
-            cut = batch["next", "env_restarted"].reshape(-1)
-            assert batch["next", "truncated"].reshape(-1)[cut].all()
-            assert (batch["next", "reward"].reshape(-1)[cut] == 0).all()
+        frames = _collect_checked(c, checker)
         assert frames == checker.records == 1600 and checker.restarts >= 8
     finally:
         c.shutdown()

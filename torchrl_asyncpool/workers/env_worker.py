@@ -566,39 +566,21 @@ class _Worker:
             r = self.restarts.admit(lo, phase, tb)
             if failed is not None:
                 _close_reporting(failed, lo)
-            fn, kw = self.vector_factory
-            stepper.note("construction", lo)
-            env = adapter = failed = None
+            failed = None
             try:
-                env = fn(**kw)
-                seed = _own_attr(env, FIRST_SEED_ATTR)
-                if seed is not None:  # the r-th rebuild: seed + lo + r * num_envs, never another env's
-                    setattr(env, FIRST_SEED_ATTR, seed + r * self.layout.num_slots)
-                adapter = make_adapter(env, lo)
-                if getattr(adapter, "num_envs", None) != k:
-                    adapter.close()
-                    raise ValueError(f"env {lo}: the rebuilt vector env has {getattr(adapter, 'num_envs', 1)} "
-                                     f"envs; its first build had {k}.")
-                stepper.check_fields(lo, adapter)
+                failed = adapter = stepper.replacement(lo, self.vector_factory, r, num_envs=k)
                 stepper.note("reset", lo)
                 t = time.perf_counter()
                 obs = adapter.reset()
                 dt = time.perf_counter() - t
             except Exception:  # noqa: BLE001 - a failed rebuild is one more failure of this env
                 tb, phase = traceback.format_exc(), "construction"
-                failed = adapter
-                if adapter is None and env is not None:  # built, but no adapter took it: close it here
-                    try:
-                        env.close()
-                    except Exception:  # noqa: BLE001 - its failure is the one being counted
-                        pass
                 continue
             break
         self.vector = adapter
         for slot in self.slots:
             slot.adapter = adapter
-        self.arena.write_error(lo, f"{phase}\n{tb}")  # the last cause, for pool.restart_info()
-        self.arena.restarts[lo] = r  # after the text
+        stepper.note_restart(lo, phase, tb, r)
         obs = {key: np.array(obs[key]) for key, _ in obs_rows}  # held until the next pass: a copy
         writer.add_block(lo, np.full(k, _TRUNC, np.int8), None, dt, open_episodes, restarted=True)
         return obs
@@ -861,28 +843,56 @@ class _Stepper:
         counts the failure against the budget (raising past it), closes the env and builds a new
         one from the same factory, with the seed of its rebuild. Failures to build count too."""
         tb = traceback.format_exc()
-        arena, num_slots = self.worker.arena, self.worker.layout.num_slots
+        failed = slot.adapter  # the env to close before the next build
         while True:
             _check_life(self.worker.life_fd)
             r = self.restarts.admit(slot.index, phase, tb)
-            _close_reporting(slot.adapter, slot.index)
-            fn, kw = slot.factory
-            self.note("construction", slot.index)
+            if failed is not None:
+                _close_reporting(failed, slot.index)
             try:
-                env = fn(**kw)
-                seed = _own_attr(env, FIRST_SEED_ATTR)
-                if seed is not None:  # env i's r-th rebuild: seed + i + r * num_envs, never another env's
-                    setattr(env, FIRST_SEED_ATTR, seed + r * num_slots)
-                adapter = make_adapter(env, slot.index)
-                self.check_fields(slot.index, adapter)
+                adapter = self.replacement(slot.index, slot.factory, r)
             except Exception:  # noqa: BLE001 - a failed rebuild is one more failure of this env
-                tb, phase = traceback.format_exc(), "construction"
+                tb, phase, failed = traceback.format_exc(), "construction", None
                 continue
-            slot.bind(adapter, arena)
-            arena.write_error(slot.index, f"{phase}\n{tb}")  # the last cause, for pool.restart_info()
-            arena.restarts[slot.index] = r  # after the text
+            slot.bind(adapter, self.worker.arena)
+            self.note_restart(slot.index, phase, tb, r)
             slot.pending_first = slot.pending_error = None
             return
+
+    def replacement(self, index, factory, r, num_envs=None):
+        """The adapter of env ``index``'s ``r``-th rebuild from ``factory`` (``(fn, kwargs)``), its
+        first reset seeded ``seed + index + r * num_slots`` when the pool was seeded (never another
+        env's seed), checked against the pool's layout; ``num_envs``: the vector env's size it must
+        have. What it built is closed when it raises."""
+        fn, kw = factory
+        self.note("construction", index)
+        env = adapter = None
+        try:
+            env = fn(**kw)
+            seed = _own_attr(env, FIRST_SEED_ATTR)
+            if seed is not None:
+                setattr(env, FIRST_SEED_ATTR, seed + r * self.worker.layout.num_slots)
+            adapter = make_adapter(env, index)
+            if num_envs is not None and getattr(adapter, "num_envs", None) != num_envs:
+                raise ValueError(f"env {index}: the rebuilt vector env has {getattr(adapter, 'num_envs', 1)} "
+                                 f"envs; its first build had {num_envs}.")
+            self.check_fields(index, adapter)
+            return adapter
+        except BaseException:
+            if adapter is not None:
+                _close_reporting(adapter, index)
+            elif env is not None:  # built, but no adapter took it
+                try:
+                    env.close()
+                except Exception:  # noqa: BLE001 - the failure being raised is the one that counts
+                    pass
+            raise
+
+    def note_restart(self, index, phase, tb, r):
+        """Leaves the cause of env ``index``'s ``r``-th rebuild for ``pool.restart_info()``."""
+        arena = self.worker.arena
+        arena.write_error(index, f"{phase}\n{tb}")
+        arena.restarts[index] = r  # after the text
 
     def _restarted_reset(self, slot):
         """The reset of a slot whose reset failed: rebuild and reset until one works (or the

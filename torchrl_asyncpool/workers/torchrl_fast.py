@@ -965,11 +965,10 @@ class VectorSubEnvAdapter:
 
     def step_into(self, actions, views):
         """:meth:`step` writing the record into ``views``; returns ``(reward, terminated, truncated)``."""
-        obs, reward, terminated, truncated, _ = self.gym.step(self.plan.action(actions["action"]))
-        rec = self.plan.record(obs)
+        rec, reward, terminated, truncated = self.step(actions)
         for key, view in views:
             copy_into(view, rec[key])
-        return np.asarray(reward, dtype=np.float32).reshape(1), bool(terminated), bool(truncated)
+        return reward, terminated, truncated
 
     def random_action(self):
         """A random action row (the vector env's action spec, one row)."""
