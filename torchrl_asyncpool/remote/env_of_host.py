@@ -20,7 +20,7 @@ import gymnasium as gym
 import numpy as np
 
 from torchrl_asyncpool.remote import protocol as P
-from torchrl_asyncpool.remote.slot import _HostLost, _Ingress, _ProtocolError
+from torchrl_asyncpool.remote.slot import _end_stream, _HostLost, _Ingress, _ProtocolError
 from torchrl_asyncpool.remote.vector_slot import _check_slot_arguments
 from torchrl_asyncpool.step_type import StepType
 
@@ -328,14 +328,7 @@ class _Group:
             if block.stream is stream:
                 block.stream = None
             self.hosts_lost += 1
-        if self._closed:
-            stream.end()
-        elif isinstance(exc, _ProtocolError):
-            _log.warning("%s: host %s broke the protocol: %s", self._where(), stream.peer, exc)
-            stream.end(P.import_grpc().StatusCode.INVALID_ARGUMENT, f"{self._where()}: {exc}")
-        else:
-            _log.warning("%s: host %s lost: %s", self._where(), stream.peer, exc)
-            stream.end()
+        _end_stream(stream, exc, self._closed, self._where())
         for inbox in block.inbox:
             inbox.put((stream, None, None, None))
 

@@ -264,14 +264,20 @@ class RemoteEnvSlot(gym.Env):
                 self._stream = None
         if stream is not None:
             self.hosts_lost += 1
-            if self._closed:  # the pool is shutting down: the host did nothing wrong
-                stream.end()
-            elif isinstance(exc, _ProtocolError):
-                _log.warning("%s: host %s broke the protocol: %s", self._where(), stream.peer, exc)
-                stream.end(P.import_grpc().StatusCode.INVALID_ARGUMENT, f"{self._where()}: {exc}")
-            else:
-                _log.warning("%s: host %s lost: %s", self._where(), stream.peer, exc)
-                stream.end()
+            _end_stream(stream, exc, self._closed, self._where())
+
+
+def _end_stream(stream, exc, closed: bool, where: str) -> None:
+    """Ends a lost host's stream: quietly when the pool is closing (the host did nothing wrong),
+    with ``INVALID_ARGUMENT`` and a warning when it broke the protocol, else with a warning."""
+    if closed:
+        stream.end()
+    elif isinstance(exc, _ProtocolError):
+        _log.warning("%s: host %s broke the protocol: %s", where, stream.peer, exc)
+        stream.end(P.import_grpc().StatusCode.INVALID_ARGUMENT, f"{where}: {exc}")
+    else:
+        _log.warning("%s: host %s lost: %s", where, stream.peer, exc)
+        stream.end()
 
 
 class _HostLost(Exception):

@@ -18,7 +18,7 @@ import gymnasium as gym
 import numpy as np
 
 from torchrl_asyncpool.remote import protocol as P
-from torchrl_asyncpool.remote.slot import _check_address, _HostLost, _Ingress, _ProtocolError
+from torchrl_asyncpool.remote.slot import _check_address, _end_stream, _HostLost, _Ingress, _ProtocolError
 from torchrl_asyncpool.step_type import StepType
 
 __all__ = ["RemoteVectorSlot"]
@@ -363,14 +363,7 @@ class RemoteVectorSlot(gym.vector.VectorEnv):
                 block.stream = None
         if stream is not None:
             self.hosts_lost += 1
-            if self._closed:
-                stream.end()
-            elif isinstance(exc, _ProtocolError):
-                _log.warning("%s: host %s broke the protocol: %s", self._where(), stream.peer, exc)
-                stream.end(P.import_grpc().StatusCode.INVALID_ARGUMENT, f"{self._where()}: {exc}")
-            else:
-                _log.warning("%s: host %s lost: %s", self._where(), stream.peer, exc)
-                stream.end()
+            _end_stream(stream, exc, self._closed, self._where())
 
 
 def _check_slot_arguments(address, token, step_timeout, num_envs, host_envs) -> int:
