@@ -228,6 +228,106 @@ def summarize(results: Sequence[EpisodeResult]) -> dict:
     }
 
 
+class PlanProgress:
+    """How far each slot of one pool got through its planned episodes, kept in a small file so
+    that every process of the pool sees it: the workers write it, a rebuilt env reads it.
+
+    Slot ``s``'s entry is the number of its planned episodes whose reset has begun (an entry is
+    taken when the env adapter reads its seed). An env rebuilt after a failure (``evaluate(...,
+    on_env_failure="restart")``), in its worker or in a worker that replaces a dead one, gets
+    the plan from there on: the rest of its slot's episodes, with their own seeds.
+
+    Picklable: a slot's :meth:`slot` view travels in its :class:`PlannedEnvFactory`; the file is
+    opened lazily in each process that uses it.
+    """
+
+    def __init__(self, path: str, num_slots: int):
+        self.path, self.num_slots = path, num_slots
+        self._fd = None
+        self._pid = None
+
+    @classmethod
+    def create(cls, num_slots: int) -> "PlanProgress":
+        """A new file of ``num_slots`` zeros (in the temporary folder); :meth:`remove` deletes it."""
+        import tempfile
+
+        fd, path = tempfile.mkstemp(prefix="torchrl_asyncpool_eval_", suffix=".progress")
+        try:
+            os.write(fd, bytes(8 * num_slots))
+        finally:
+            os.close(fd)
+        return cls(path, num_slots)
+
+    def __getstate__(self):
+        return {"path": self.path, "num_slots": self.num_slots}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"], state["num_slots"])
+
+    def _file(self) -> int:
+        if self._fd is None or self._pid != os.getpid():
+            self._fd, self._pid = os.open(self.path, os.O_RDWR), os.getpid()
+        return self._fd
+
+    def taken(self, slot: int) -> int:
+        """Planned episodes of ``slot`` whose reset has begun."""
+        return int.from_bytes(os.pread(self._file(), 8, 8 * slot), "little")
+
+    def take(self, slot: int, position: int) -> None:
+        """The reset of ``slot``'s planned episode ``position`` (0-based) begins."""
+        os.pwrite(self._file(), (position + 1).to_bytes(8, "little"), 8 * slot)
+
+    def slot(self, s: int) -> "_SlotProgress":
+        return _SlotProgress(self, s)
+
+    def remove(self) -> None:
+        """Deletes the file (the pool is closed: no worker writes it any more)."""
+        if self._fd is not None and self._pid == os.getpid():
+            os.close(self._fd)
+        self._fd = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class _SlotProgress:
+    """One slot's view of a :class:`PlanProgress`."""
+
+    def __init__(self, progress: PlanProgress, slot: int):
+        self.progress, self.index = progress, slot
+
+    def taken(self) -> int:
+        return self.progress.taken(self.index)
+
+    def take(self, position: int) -> None:
+        self.progress.take(self.index, position)
+
+
+class _PlanEntry:
+    """One ``(seed, max_steps, options)`` entry of an env's episode plan that notes, when the
+    env adapter unpacks it at a reset (``seed, limit, options = entry``: the only way the
+    adapter reads an entry), that the slot's episode ``position`` has begun."""
+
+    __slots__ = ("entry", "position", "progress")
+
+    def __init__(self, entry, position: int, progress: _SlotProgress):
+        self.entry, self.position, self.progress = tuple(entry), position, progress
+
+    def __iter__(self):
+        self.progress.take(self.position)
+        return iter(self.entry)
+
+    def __getitem__(self, k):
+        return self.entry[k]
+
+    def __len__(self):
+        return len(self.entry)
+
+    def __repr__(self):
+        return f"_PlanEntry({self.entry!r}, position={self.position})"
+
+
 class PlannedEnvFactory:
     """Builds the user's env and attaches the seeds, step limits and reset options of the
     episodes one slot will run, in order (read by the worker's env adapter at each reset).
@@ -236,11 +336,17 @@ class PlannedEnvFactory:
     Only envs built in another process (the workers) get the plan: the pool also builds one
     env in the calling process to learn the specs and may step it to measure its cost, and
     those resets must not run the episodes' seeds or options.
+
+    With a ``progress`` (one slot's view of a :class:`PlanProgress`), every reset notes which
+    planned episode it starts, and an env built again for the slot (a rebuild after a failure)
+    gets only the episodes that had not begun: the slot goes on with its next episode, with that
+    episode's seed, however many envs it took.
     """
 
-    def __init__(self, create_env_fn, plan):
+    def __init__(self, create_env_fn, plan, progress: Optional[_SlotProgress] = None):
         self.create_env_fn = create_env_fn
         self.plan = [tuple(p) for p in plan]
+        self.progress = progress
         self._owner_pid = os.getpid()
 
     def __call__(self, **kwargs):
@@ -261,6 +367,11 @@ class PlannedEnvFactory:
                 "its resets, so fixed episode sets need local envs."
             )
         if os.getpid() != self._owner_pid:
-            setattr(env, EPISODE_PLAN_ATTR, self.plan)
+            setattr(env, EPISODE_PLAN_ATTR, self._remaining_plan())
         return env
 
+    def _remaining_plan(self) -> list:
+        if self.progress is None:
+            return self.plan
+        start = self.progress.taken()
+        return [_PlanEntry(entry, k, self.progress) for k, entry in enumerate(self.plan) if k >= start]

@@ -43,11 +43,13 @@ from torchrl_asyncpool.evaluation.episodes import (
     Episode,
     EpisodeResult,
     PlannedEnvFactory,
+    PlanProgress,
     check_episode_set,
     summarize,
 )
 from torchrl_asyncpool.pool import AsyncEnvPool, _close_noting
 from torchrl_asyncpool.step_type import StepType
+from torchrl_asyncpool.workers.record_writer import RESTARTED_KEY
 
 __all__ = ["EvaluationError", "EvaluationInterrupted", "evaluate", "resolve_policy_device"]
 
@@ -131,6 +133,10 @@ def evaluate(
     progress: bool = False,
     device: torch.device | str | None = None,
     close_timeout_s: float = 10.0,
+    on_env_failure: str = "restart",
+    max_restarts_per_env: int = 3,
+    restart_window_s: float = 60.0,
+    max_restarts: Optional[int] = 100,
 ) -> List[EpisodeResult]:
     """Runs every episode once and returns their results in the order given.
 
@@ -226,6 +232,7 @@ def evaluate(
         raise ValueError(f"episode_timeout_s must be None or a finite number > 0, got {episode_timeout_s!r}.")
     if not (isinstance(close_timeout_s, (int, float)) and 0 <= close_timeout_s < math.inf):
         raise ValueError(f"close_timeout_s must be a finite number >= 0, got {close_timeout_s!r}.")
+    _check_restarts(on_env_failure, max_restarts_per_env, restart_window_s, max_restarts)
     device = resolve_policy_device(policy, device)
     import tqdm
 
@@ -234,12 +241,16 @@ def evaluate(
     limits = [ep.max_steps if ep.max_steps is not None else max_steps for ep in episodes]
     with tqdm.tqdm(total=len(episodes), unit="episode", disable=not progress, dynamic_ncols=True) as bar:
 
+        rebuilt = [0]  # envs rebuilt in their workers so far (on_env_failure="restart"), all pools together
+
         def finish(i: int, result: EpisodeResult) -> None:
             results[i] = result
             bar.update(1)
             if progress:
                 s = summarize([r for r in results if r is not None])
-                bar.set_postfix(mean_return=s["mean_return"], failed=s["failed"], timeout=s["timeout"])
+                restarts = rebuilt[0] + (run.rebuilt if run is not None else 0)
+                extra = {"restarts": restarts} if restarts else {}
+                bar.set_postfix(mean_return=s["mean_return"], failed=s["failed"], timeout=s["timeout"], **extra)
 
         def fail_unstarted(error: str) -> None:
             """Every episode without a result fails with ``error`` (it never started)."""
@@ -260,20 +271,28 @@ def evaluate(
                     break
                 n = min(num_envs, len(todo))
                 queues = [deque(todo[s::n]) for s in range(n)]
-                fns = [PlannedEnvFactory(create_env_fn, [(episodes[i].seed, limits[i], episodes[i].options) for i in q])
-                       for q in queues]
+                # restarts while the evaluation's budget lasts; past it, a failure closes the pool (as "new_pool")
+                restarts_left = None if max_restarts is None else max_restarts - rebuilt[0]
+                restart = on_env_failure == "restart" and (restarts_left is None or restarts_left > 0)
+                plan_progress = PlanProgress.create(n) if restart else None
+                fns = [PlannedEnvFactory(create_env_fn, [(episodes[i].seed, limits[i], episodes[i].options) for i in q],
+                                         progress=None if plan_progress is None else plan_progress.slot(s))
+                       for s, q in enumerate(queues)]
                 run = _Run(episodes, limits, queues, acting, finish, episode_timeout_s, stop, device,
                            committed=draining)
                 run.begin(time.monotonic())
                 pool = None
                 primary: Optional[BaseException] = None
+                restart_kw = dict(on_env_failure="restart", max_restarts_per_env=max_restarts_per_env,
+                                  restart_window_s=restart_window_s, max_restarts=restarts_left) if restart else {}
                 try:
                     try:
                         pool = AsyncEnvPool(fns, cancel_start=run.start_abandoned, create_env_kwargs=create_env_kwargs,
                                             envs_per_worker=1 if isolate else envs_per_worker,
                                             env_threads=False if isolate else env_threads,
                                             recurrent_state=recurrent_state, policy_output_spec=policy_output_spec,
-                                            pin_memory=device.type == "cuda", start_timeout=episode_timeout_s)
+                                            pin_memory=device.type == "cuda", start_timeout=episode_timeout_s,
+                                            **restart_kw)
                     except PoolStartCancelled:  # drained while starting: its episodes did not start
                         run.give_back_fresh()
                     except EnvError as exc:
@@ -287,7 +306,7 @@ def evaluate(
                         try:
                             run.drive(pool)
                         except EnvError as exc:
-                            run.fail(exc)
+                            run.fail(exc, pool=pool if restart else None)
                         except WorkerDiedError as exc:
                             isolate |= run.died(exc)
                         except _Restart as exc:
@@ -308,9 +327,15 @@ def evaluate(
                         "every result (the others failed with this cause) is in this error's .results.", list(results))
                     raise primary from (exc.__cause__ if isinstance(exc, _PolicyFailure) else exc)
                 finally:
+                    rebuilt[0] += _rebuilds_of(pool) if restart else 0
+                    run.rebuilt = 0
                     # an abort (a KeyboardInterrupt: a second Ctrl-C) is not the moment to wait for envs to close
                     grace = close_timeout_s if primary is None or isinstance(primary, Exception) else 1.0
-                    _close_noting(pool, min(grace, close_timeout_s), primary)
+                    try:
+                        _close_noting(pool, min(grace, close_timeout_s), primary)
+                    finally:
+                        if plan_progress is not None:
+                            plan_progress.remove()
                 rerun = run.interrupted()
             fail_unstarted("not started: the evaluation was stopped")  # drained: these never started
         except KeyboardInterrupt as exc:  # an abort: the pool is closed already (finally), results are kept
@@ -380,6 +405,9 @@ class _Run:
         self.ret = np.zeros(n)
         self.length = np.zeros(n, dtype=np.int64)
         self.started = np.zeros(n)
+        # on_env_failure="restart": the rebuilds of each slot's env already accounted for
+        self.seen = [0] * n
+        self.rebuilt = 0
 
     def _result(self, s: int, status: str, **kw) -> EpisodeResult:
         i = self.current[s]
@@ -446,7 +474,7 @@ class _Run:
                 self._check_clock()
                 continue
             td = pool.recv(min_get=1)  # everything ready now, at once
-            answer = self._observe(td)
+            answer = self._observe(td, pool)
             self._check_clock()
             if not answer.any():
                 continue
@@ -461,18 +489,26 @@ class _Run:
             except Exception as exc:
                 raise _PolicyFailure() from exc
 
-    def _observe(self, td) -> np.ndarray:
+    def _observe(self, td, pool) -> np.ndarray:
         """Books the batch's records; returns which rows to answer (their slot has work left)."""
         slots = td.env_indices.tolist()
         step_types = td["step_type"].tolist()
         rewards = td["reward"].reshape(len(slots), -1).sum(-1).tolist()
+        restarted = td.get(RESTARTED_KEY, None)  # on_env_failure="restart" only
+        restarted = [False] * len(slots) if restarted is None else restarted.reshape(len(slots)).tolist()
         answer = np.zeros(len(slots), dtype=bool)
         now = time.monotonic()
         stopping = self._stopping()
-        for row, (s, st, r) in enumerate(zip(slots, step_types, rewards)):
+        for row, (s, st, r, rebuilt) in enumerate(zip(slots, step_types, rewards, restarted)):
             i = self.current[s]
             if i is None:  # the slot's episodes are done, or a drain gave its next one back
                 continue
+            if rebuilt:
+                self._env_rebuilt(s, st, pool, now, stopping)
+                if st != _FIRST or self.current[s] is None:  # the cut episode's end; or the slot is done
+                    answer[row] = self.current[s] is not None
+                    continue
+                i = self.current[s]  # the rebuilt env's FIRST record is this episode's
             if st == _FIRST:
                 if stopping and not self.committed:  # drained: the slot's next episode does not start
                     self.queues[s].appendleft(i)
@@ -496,6 +532,51 @@ class _Run:
                         self._next(s, now)
             answer[row] = self.current[s] is not None
         return answer
+
+    def _env_rebuilt(self, s: int, st: int, pool: AsyncEnvPool, now: float, stopping: bool) -> None:
+        """Slot ``s``'s env raised and was rebuilt in its worker (``on_env_failure="restart"``):
+        the record marked ``env_restarted`` is a ``TRUNCATION`` that cuts the episode that was
+        running (a failed step) or the rebuilt env's ``FIRST`` (after one failed reset or more).
+        Each episode the env failed in is ``"failed"`` with the cause; the slot goes on with its
+        next one (the rebuilt env starts it with its own seed, see
+        :class:`~torchrl_asyncpool.evaluation.episodes.PlanProgress`), unless a drain began
+        (after a cut) or it has none left.
+
+        Every failed reset takes one planned episode and is followed by one rebuild, so the
+        rebuilds that ``pool.restart_info()`` counts beyond those accounted for tell how many
+        episodes failed before a marked ``FIRST`` (its worker waits for the answer: the count
+        is settled); a cut stands for exactly one (a failed step)."""
+        count, cause = pool.restart_info().get(s, (self.seen[s] + 1, ""))
+        if st == _FIRST:
+            self._failed_rebuilt(s, max(1, count - self.seen[s]), "reset", count, cause, now, stopping=False)
+        else:
+            self._failed_rebuilt(s, 1, "step", count, cause, now, stopping)
+
+    def _failed_rebuilt(self, s, failures, what, count, cause, now, stopping) -> None:
+        """Fails slot ``s``'s next ``failures`` episodes, which its env failed in (``what``:
+        ``"step"`` or ``"reset"``) before being rebuilt; ``count, cause``: the slot's rebuilds so
+        far and the last one's cause (its phase, a newline and its traceback), which belongs to the last of these
+        failures only when ``count`` is the rebuild that followed it."""
+        phase, _, tb = cause.partition("\n")
+        latest = count == self.seen[s] + failures  # no later rebuild overwrote the cause
+        self.seen[s] += failures
+        self.rebuilt += failures
+        if failures > 1:  # several resets in a row: one cause on record for all of them
+            error = (f"env raised during reset (one of {failures} failed resets in a row, each followed by a rebuild "
+                     f"of the env; the last failure on record, during {phase}:\n{tb})")
+        elif latest and tb:
+            error = f"env raised during {phase}:\n{tb}" if phase == what else \
+                f"env raised during {what}; its rebuild then failed during {phase}:\n{tb}"
+        else:  # the traceback on record is a later failure's
+            error = f"env raised during {what} (its env was rebuilt; the traceback on record is a later failure's)"
+        for _ in range(failures):
+            self.finish(self.current[s], self._result(s, "failed", error=error))  # its steps so far
+            if stopping:  # a drain: the cut episode was the slot's last one
+                self.current[s] = None
+            else:
+                self._next(s, now)
+            if self.current[s] is None:
+                return
 
     def _check_clock(self) -> None:
         if self.timeout_s is None:
@@ -538,10 +619,23 @@ class _Run:
         self.current[s] = None
         return False
 
-    def fail(self, exc: EnvError, all_remaining: bool = False) -> None:
+    def fail(self, exc: EnvError, all_remaining: bool = False, pool: Optional[AsyncEnvPool] = None) -> None:
         """Marks the episode ``exc`` belongs to as failed (or every episode of this run, when
-        the env cannot be built at all: that does not depend on the episode)."""
+        the env cannot be built at all: that does not depend on the episode).
+
+        With restarts (``pool`` given), ``exc`` is a failure past the restart budget; the
+        rebuilds the driver has not seen a record of yet (failed resets of the slot's episodes,
+        in a row, before this failure) fail those episodes first: ``exc`` belongs to the next."""
         error = f"env raised during {exc.phase}:\n{exc.worker_traceback}"
+        s = exc.env_index
+        if pool is not None and not all_remaining and s is not None and s < len(self.current) \
+                and self.current[s] is not None:
+            try:
+                count, cause = pool.restart_info().get(s, (self.seen[s], ""))
+            except Exception:  # noqa: BLE001 - the failure being reported is exc's
+                count, cause = self.seen[s], ""
+            if count > self.seen[s]:
+                self._failed_rebuilt(s, count - self.seen[s], "reset", count, cause, time.monotonic(), False)
         if all_remaining:
             for s, i in enumerate(self.current):
                 for j in ([] if i is None else [i]) + list(self.queues[s]):
@@ -549,7 +643,6 @@ class _Run:
                 self.current[s] = None
                 self.queues[s].clear()
             return
-        s = exc.env_index
         if self.current[s] is not None:  # stepping it, or resetting for it
             self.finish(self.current[s], self._result(s, "failed", error=error))
             self.current[s] = None
@@ -618,6 +711,28 @@ def _describe_failure(exc: BaseException) -> str:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else "(no message)"
+
+
+def _check_restarts(on_env_failure, per_env, window_s, total) -> None:
+    """Refuses (``ValueError``) bad values of evaluate()'s restart arguments before anything starts."""
+    if on_env_failure not in ("restart", "new_pool"):
+        raise ValueError(f"on_env_failure must be 'restart' or 'new_pool', got {on_env_failure!r}.")
+    if isinstance(per_env, bool) or not isinstance(per_env, int) or per_env < 1:
+        raise ValueError(f"max_restarts_per_env must be an int >= 1, got {per_env!r}.")
+    if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not 0 < window_s < math.inf:
+        raise ValueError(f"restart_window_s must be a finite number of seconds > 0, got {window_s!r}.")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
+        raise ValueError(f"max_restarts must be None or an int >= 0, got {total!r}.")
+
+
+def _rebuilds_of(pool: Optional[AsyncEnvPool]) -> int:
+    """Envs ``pool`` rebuilt in its workers (0 when it never started or cannot tell)."""
+    if pool is None:
+        return 0
+    try:
+        return sum(count for count, _ in pool.restart_info().values())
+    except Exception:  # noqa: BLE001 - a count for the budget, never a reason to fail
+        return 0
 
 
 def _kill_workers_of(pool: AsyncEnvPool, slots) -> None:
