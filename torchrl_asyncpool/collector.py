@@ -212,9 +212,13 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             in its worker and collection goes on; the episode it cut ends with a truncation marked
             ``("next", "env_restarted")``. With ``policy_factory=``, a dead inference server
             process is replaced too (same factory, last weights and version; the records it had
-            leased are answered by the new one). See :doc:`failures`.
+            leased are answered by the new one), and so is a dead env worker process. See
+            :doc:`failures`.
         max_restarts_per_env, restart_window_s, max_restarts: the restart budget of
             ``on_env_failure="restart"`` (see :class:`~torchrl_asyncpool.AsyncEnvPool`).
+        step_timeout (float, optional): seconds an env's step (or reset) may take before its
+            worker process is killed (and replaced with ``on_env_failure="restart"``); see
+            :class:`~torchrl_asyncpool.AsyncEnvPool`. ``None`` (default): no limit.
         check_action_bounds (bool, optional): check that actions lie in a ``Categorical``,
             ``OneHot``, ``Binary`` or integer ``Bounded`` spec (and an integer dtype's range).
             Defaults to ``True``; ``False`` saves a few tensor reductions per batch.
@@ -305,6 +309,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         max_restarts_per_env: int = 3,
         restart_window_s: float = 60.0,
         max_restarts: int | None = 100,
+        step_timeout: float | None = None,
         **torchrl_kwargs,
     ):
         BaseCollector.__init__(self, post_collect_hook=post_collect_hook)
@@ -330,6 +335,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             policy_num_threads=policy_num_threads, exchange=exchange, seed=seed, idle_poll=idle_poll,
             cast_actions=cast_actions, check_action_bounds=check_action_bounds, on_env_failure=on_env_failure,
             max_restarts_per_env=max_restarts_per_env, restart_window_s=restart_window_s, max_restarts=max_restarts,
+            step_timeout=step_timeout,
         )
         self.env_backend = config.env_backend
         self._policy = policy
@@ -420,6 +426,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             max_restarts_per_env=config.max_restarts_per_env,
             restart_window_s=config.restart_window_s,
             max_restarts=config.max_restarts,
+            step_timeout=config.step_timeout,
         )
 
     def _build_server(self, config: CollectorConfig, acting: ActingPolicy, policy_factory) -> InferenceServer:

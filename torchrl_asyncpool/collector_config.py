@@ -91,6 +91,7 @@ class CollectorConfig:
     max_restarts_per_env: int = 3
     restart_window_s: float = 60.0
     max_restarts: int | None = 100
+    step_timeout: float | None = None
 
     @property
     def server_backend(self) -> str:

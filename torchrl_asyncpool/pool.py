@@ -36,10 +36,12 @@ from torchrl_asyncpool.pool_arguments import (
     _check_process_options,
     _check_restart,
     _check_start_options,
+    _check_step_timeout,
 )
 from torchrl_asyncpool.pool_grouping import _group_envs
 from torchrl_asyncpool.pool_layout import _build_spec_env, _slot_layout
 from torchrl_asyncpool.pool_seeding import _check_seed, _seeded_factories
+from torchrl_asyncpool.pool_watchdog import _PoolWatchdog
 from torchrl_asyncpool.pool_workers import _PoolWorkers
 from torchrl_asyncpool.pool_workers import kill_process_group  # noqa: F401 - its home until this split
 from torchrl_asyncpool.workers.env_specs import batched_specs, slot_specs
@@ -72,7 +74,7 @@ def _leaf_if_single(spec: Composite, name: str):
     return spec[name] if keys == [name] else spec
 
 
-class AsyncEnvPool(_PoolWorkers):
+class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
     """A pool of env workers (processes, or threads of this process) exchanging records through
     shared memory.
 
@@ -205,7 +207,10 @@ class AsyncEnvPool(_PoolWorkers):
             entry every record has in this mode). Envs of the same worker lose nothing. A vector
             or batched env is rebuilt whole: each of its open episodes ends with a marked
             truncation, and an env whose episode had just ended gets a marked ``FIRST``
-            instead. Not for remote slots. See :doc:`failures`.
+            instead. Not for remote slots. A worker *process* that dies (killed, out of memory,
+            or killed by ``step_timeout``) is replaced by a new one, which builds its envs again
+            (each as its next rebuild); the episodes it left open end the same way, and a
+            record it had written but not published is published first. See :doc:`failures`.
         max_restarts_per_env (int, optional): rebuilds allowed per env within
             ``restart_window_s`` (default 3 in 60 s); one more failure raises the env's error,
             with its restart history, as ``"raise"`` would.
@@ -214,6 +219,13 @@ class AsyncEnvPool(_PoolWorkers):
             together. Defaults to ``100``; ``None``: no overall cap. Each worker checks it against
             the count every worker has published, so failures in several workers at the same
             moment can overshoot it by less than one per worker.
+        step_timeout (float, optional): seconds an env's step (or reset) may take. Past it, its
+            worker process is killed (SIGKILL; the processes its envs started go with it), then
+            replaced (``on_env_failure="restart"``, counted against each of its envs' budget) or
+            reported as :class:`~torchrl_asyncpool.EnvError` naming the env (``"raise"``).
+            ``None`` (default): no limit. Checked about every 20 ms while the pool's consumer
+            waits, and by :meth:`check_workers` (a collector calls it about every 100 ms). Not
+            with ``backend="threading"``.
         cancel_start (callable, optional): ``() -> bool``, asked before each worker is
             started and about every 0.1 s while they build and reset their envs (the fork
             server's own first start, once per process, is not cut short); when it
@@ -225,6 +237,8 @@ class AsyncEnvPool(_PoolWorkers):
         num_envs (int): slots, i.e. envs: ``len(create_env_fn)`` times ``envs_per_factory``.
         envs_per_factory (int): envs one factory builds (``k`` for vector or batched envs, else ``1``).
         num_workers (int): worker processes.
+        worker_restarts (int): worker processes replaced so far (``on_env_failure="restart"``).
+        step_timeout (float or None): as given.
         idle_poll (bool): whether the workers' and the serving loop's waits idle-poll.
         batch_size (torch.Size): ``[num_envs]``.
         full_observation_spec, full_action_spec, full_reward_spec, full_done_spec (Composite):
@@ -302,6 +316,7 @@ class AsyncEnvPool(_PoolWorkers):
         max_restarts_per_env: int = 3,
         restart_window_s: float = 60.0,
         max_restarts: int | None = 100,
+        step_timeout: float | None = None,
     ):
         self._closed = True  # until start-up completes, close() has little to undo
         self._procs = []
@@ -312,6 +327,7 @@ class AsyncEnvPool(_PoolWorkers):
         threads = backend == "threading"
         self._restart = _check_restart(on_env_failure, max_restarts_per_env, restart_window_s, max_restarts)
         self.on_env_failure = on_env_failure
+        _check_step_timeout(step_timeout, threads)
         fns = _check_factories(create_env_fn)
         kwargs = _check_kwargs(create_env_kwargs, len(fns))
         _check_process_options(mp_start_method, pin_memory, worker_affinity)
@@ -346,6 +362,7 @@ class AsyncEnvPool(_PoolWorkers):
         self.recurrent_state = dict(recurrent)
 
         self._arena = Arena.create(self.layout)
+        self._init_watchdog(step_timeout, threads)
         self._chunks = None
         if callable(transition_chunk_size):
             transition_chunk_size = transition_chunk_size(self.layout)
@@ -387,7 +404,8 @@ class AsyncEnvPool(_PoolWorkers):
         except BaseException as exc:
             _close_noting(self, 1.0, exc, "closing the pool after its failed start-up failed too")
             raise
-        self._life_r_close()
+        if not self._watched:  # a watched pool's replacement workers need it
+            self._life_r_close()
         self.slot_paths = [self.slot_paths.get(i, "unknown") for i in range(n)]
         _log.debug("AsyncEnvPool: the envs step on %s", dict(collections.Counter(self.slot_paths)))
 
@@ -397,7 +415,8 @@ class AsyncEnvPool(_PoolWorkers):
             consumer_bell=self._consumer.inheritable(),
             bells=[bell.inheritable() for bell in self._bells],
             slot_bell=self._slot_bell.tolist(),
-            worker_sentinels=[InheritedFd(p.sentinel) for p in self._procs],
+            # a watched pool's watchdog handles deaths: a consumer elsewhere must not fail on one
+            worker_sentinels=[] if self._watched else [InheritedFd(p.sentinel) for p in self._procs],
             slot_worker=self._slot_worker.tolist(),
             worker_pids=[p.pid for p in self._procs],
             action_keys=self.action_keys,
@@ -528,7 +547,10 @@ class AsyncEnvPool(_PoolWorkers):
 
     def check_workers(self) -> None:
         """Raises :class:`~torchrl_asyncpool.EnvError` or
-        :class:`~torchrl_asyncpool.WorkerDiedError` if an env failed or a worker died."""
+        :class:`~torchrl_asyncpool.WorkerDiedError` if an env failed or a worker died (a
+        pool that replaces dead or hung workers replaces them here, see ``step_timeout``)."""
+        if self._watched and not self._closed:
+            self._watchdog()
         self._local_consumer().raise_worker_errors()
 
     def _release_chunk(self, env_indices: np.ndarray) -> None:
@@ -570,6 +592,7 @@ class AsyncEnvPool(_PoolWorkers):
         out = self._metrics.as_dict()
         if self._restart is not None:
             out["env_restarts"] = int(self._arena.restarts.sum())  # over the pool's life, not the window
+            out["worker_restarts"] = self.worker_restarts  # dead or hung worker processes replaced
         for path, count in collections.Counter(self.slot_paths).items():  # e.g. slots_torchrl_fast
             out["slots_" + path.replace("-", "_")] = count
         # what the pool decided (with "auto", from measurements at start-up)
@@ -639,6 +662,7 @@ class AsyncEnvPool(_PoolWorkers):
             self._arena.close()
         if getattr(self, "_chunks", None) is not None:
             self._chunks.close()
+        self._close_watchdog()
 
     # -- TorchRL's spec shortcuts (EnvBase's rule: the leaf where "action"/"reward" is the only key)
     @property
@@ -685,7 +709,8 @@ class AsyncEnvPool(_PoolWorkers):
         c = self._consumer_obj
         if c is None:
             c = self._consumer_obj = SlotConsumer(
-                self._handle, pin_memory=self._pin_memory, arena=self._arena, death_info=self.death_info
+                self._handle, pin_memory=self._pin_memory, arena=self._arena, death_info=self.death_info,
+                watchdog=self._watchdog if self._watched else None,
             )
         return c
 

@@ -64,6 +64,16 @@ def _check_restart(on_env_failure, per_env, window_s, total):
     return RestartPolicy(per_env, float(window_s), total) if on_env_failure == "restart" else None
 
 
+def _check_step_timeout(step_timeout, threads: bool):
+    if step_timeout is None:
+        return
+    if isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float)) or not step_timeout > 0:
+        raise ValueError(f"step_timeout must be None or a positive number of seconds, got {step_timeout!r}.")
+    if threads:
+        raise ValueError("step_timeout needs worker processes: a worker thread (backend='threading') stuck in a "
+                         "step cannot be killed. Use backend='multiprocessing'.")
+
+
 def _check_kwargs(kwargs, n):
     if kwargs is None:
         return [{} for _ in range(n)]

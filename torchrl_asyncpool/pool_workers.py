@@ -50,44 +50,51 @@ class _PoolWorkers:
         threads = self.backend == "threading"
         ctx = (mp if threads else forkserver_context("AsyncEnvPool") if method == "forkserver"
                else mp.get_context(method))
+        # what a worker's start needs, kept: a pool that replaces dead workers starts them again
+        self._worker_start = (ctx, groups, fns, kwargs, num_threads, affinity)
+        for w in range(len(groups)):
+            self._check_cancel()  # between starts (the fork server's own first start is not cut short)
+            p, parent_conn = self._start_worker(w, getattr(self, "_watch", None))
+            self._procs.append(p)
+            self._conns.append(parent_conn)
+
+    def _start_worker(self, w, watch):
+        """Starts worker ``w`` (a process, or a thread with ``backend="threading"``); returns it
+        and the parent's end of its start-up pipe."""
+        ctx, groups, fns, kwargs, num_threads, affinity = self._worker_start
+        slots = groups[w]
         arena_fd, consumer_fd, life_fd = (
             InheritedFd(self._arena.fd), self._consumer.inheritable(), InheritedFd(self._life_r)
         )
-        for w, slots in enumerate(groups):
-            parent_conn, child_conn = ctx.Pipe()
-            # the factories it builds: one per slot, or the one vector env of its slots
-            made = sorted({i // self.envs_per_factory for i in slots})
-            bells = [self._bells[b].inheritable() for b in sorted(set(self._slot_bell[slots].tolist()))]
-            delivery = self._chunks.handle() if self._chunks is not None else None
-            mask = None if affinity is None else affinity[w]
-            if threads:  # the same worker loop, in a thread of this process (nothing to pickle)
-                p = ThreadWorker(
-                    run_worker,
-                    (w, slots, [fns[i] for i in made], [kwargs[i] for i in made], self.layout, arena_fd, bells,
-                     consumer_fd, life_fd, child_conn, delivery, self.env_threads, mask, self.exchange, self._restart),
-                    name=f"torchrl_asyncpool-worker-{w}",
-                )
-                self._check_cancel()
-                p.start()
-                self._procs.append(p)
-                self._conns.append(parent_conn)
-                continue
-            p = ctx.Process(
-                target=worker_main,
-                args=(
-                    w, slots, [picklable(fns[i]) for i in made], [kwargs[i] for i in made], self.layout,
-                    arena_fd, bells, consumer_fd, life_fd, child_conn, num_threads, delivery, self.env_threads,
-                    mask, self.exchange, self.idle_poll, self._restart,
-                ),
+        parent_conn, child_conn = ctx.Pipe()
+        # the factories it builds: one per slot, or the one vector env of its slots
+        made = sorted({i // self.envs_per_factory for i in slots})
+        bells = [self._bells[b].inheritable() for b in sorted(set(self._slot_bell[slots].tolist()))]
+        delivery = self._chunks.handle() if self._chunks is not None else None
+        mask = None if affinity is None else affinity[w]
+        if self.backend == "threading":  # the same worker loop, in a thread of this process (nothing to pickle)
+            p = ThreadWorker(
+                run_worker,
+                (w, slots, [fns[i] for i in made], [kwargs[i] for i in made], self.layout, arena_fd, bells,
+                 consumer_fd, life_fd, child_conn, delivery, self.env_threads, mask, self.exchange, self._restart),
                 name=f"torchrl_asyncpool-worker-{w}",
-                daemon=True,
             )
-            self._check_cancel()  # between starts (the fork server's own first start is not cut short)
-            with ship_fds():  # the bells (one per env for threaded workers) go after the start message
-                p.start()
-            child_conn.close()
-            self._procs.append(p)
-            self._conns.append(parent_conn)
+            p.start()
+            return p, parent_conn
+        p = ctx.Process(
+            target=worker_main,
+            args=(
+                w, slots, [picklable(fns[i]) for i in made], [kwargs[i] for i in made], self.layout,
+                arena_fd, bells, consumer_fd, life_fd, child_conn, num_threads, delivery, self.env_threads,
+                mask, self.exchange, self.idle_poll, self._restart, watch,
+            ),
+            name=f"torchrl_asyncpool-worker-{w}",
+            daemon=True,
+        )
+        with ship_fds():  # the bells (one per env for threaded workers) go after the start message
+            p.start()
+        child_conn.close()
+        return p, parent_conn
 
     def _check_cancel(self):
         if self._cancel_start is not None and self._cancel_start():

@@ -15,6 +15,9 @@ field                  dtype / shape (per slot)        written by
 ``step_time``          float64 ``[]``                  worker: cumulative env step+reset seconds
 ``step_count``         int64 ``[]``                    worker: env steps+resets done
 ``error_len``          int32 ``[]``                    worker: bytes of ``error_text`` (before ``ERROR``)
+``restarts``           int64 ``[]``                    worker (a rebuilt env), pool (a restarted worker)
+``busy_since``         float64 ``[]``                  watched worker: when its step/reset of the slot began
+``busy_pos``           int64 ``[]``                    watched worker: that step's chunk row (-1: none)
 ``seq``, ``length``    int64, int32 ``[]``             chunk buffers only: sequence number and fill
 ``error_text``         uint8 ``[ERROR_TEXT_BYTES]``    worker: UTF-8 traceback of a failed env
 request fields         from the observation,           worker (observation keys, ``"reward"``,
@@ -52,6 +55,10 @@ CONTROL_FIELDS = (
     ("seq", torch.int64),
     ("length", torch.int32),
     ("restarts", torch.int64),  # times the slot's env was rebuilt (AsyncEnvPool(on_env_failure="restart"))
+    # watched workers only (worker restarts, step_timeout; see workers/watch.py): when the
+    # worker's current step or reset of the slot began
+    ("busy_since", torch.float64),
+    ("busy_pos", torch.int64),  # and the chunk row of the transition that step writes (-1: none)
 )
 #: Bytes of traceback text a worker can leave per slot; longer tracebacks keep their tail.
 ERROR_TEXT_BYTES = 8192

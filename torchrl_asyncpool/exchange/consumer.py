@@ -29,6 +29,8 @@ __all__ = ["ConsumerHandle", "SlotConsumer"]
 
 #: how often a consumer that does not block looks for dead workers (see ``_check_sentinels``)
 _SENTINEL_PERIOD_S = 0.005
+#: how often a consumer with a ``watchdog`` runs it, blocked or not
+_WATCH_PERIOD_S = 0.02
 
 
 @dataclass
@@ -66,11 +68,14 @@ class SlotConsumer:
             comes first, and must not be written into (its tensors are the slots, which the
             workers read back). Not with ``pin_memory`` (the slots are not pinned).
             Defaults to ``False``.
+        watchdog (callable, optional): ``() -> None``, run about every 20 ms while this
+            consumer waits or leases (a pool that replaces dead or hung workers passes its own,
+            which raises when it cannot; see :mod:`~torchrl_asyncpool.workers.watch`).
     """
 
     def __init__(self, handle: ConsumerHandle, *, pin_memory: bool = False, arena: Optional[Arena] = None,
                  death_info: Optional[Callable[[int], str]] = None, keys: Optional[Sequence[tuple]] = None,
-                 zero_copy: bool = False):
+                 zero_copy: bool = False, watchdog: Optional[Callable[[], None]] = None):
         if zero_copy and pin_memory:
             raise ValueError("zero_copy batches are views of the (unpinned) slots; pin_memory=True needs copies.")
         self.handle = handle
@@ -82,6 +87,8 @@ class SlotConsumer:
         self._slot_worker = np.asarray(handle.slot_worker)
         self._last_sentinel_check = 0.0
         self._death_info = death_info
+        self._watchdog = watchdog
+        self._last_watch = 0.0
         self._poller = select.poll()
         self._poller.register(self._bell.fd, select.POLLIN)
         self._sentinels = {}
@@ -169,7 +176,8 @@ class SlotConsumer:
                     f"recv timed out after {timeout}s with {ready}/{min_get} envs ready; "
                     "nothing was consumed, ready records stay available to the next call."
                 )
-            events = poll_for(self._poller, None if deadline is None else deadline - now)
+            self._check_sentinels(now)
+            events = poll_for(self._poller, self._wait_bound(None if deadline is None else deadline - now))
             waited += time.monotonic() - now
             for fd, _ in events:
                 if fd != self._bell.fd:
@@ -201,10 +209,19 @@ class SlotConsumer:
         that never blocks in ``poll`` (where deaths are noticed at once) would otherwise pay one
         extra system call per batch. A dead worker's slots never become ready, so the delay
         loses nothing."""
+        if self._watchdog is not None and now - self._last_watch > _WATCH_PERIOD_S:
+            self._last_watch = now
+            self._watchdog()
         if now - self._last_sentinel_check > _SENTINEL_PERIOD_S:
             self._last_sentinel_check = now
             if self._sentinel_poller.poll(0):
                 self.raise_worker_errors()
+
+    def _wait_bound(self, remaining):
+        """A wait's timeout: ``remaining``, at most the watchdog's period when there is one."""
+        if self._watchdog is None:
+            return remaining
+        return _WATCH_PERIOD_S if remaining is None else min(remaining, _WATCH_PERIOD_S)
 
     def wait_ready(self, count: int = 1, timeout: float | None = None) -> int:
         """Blocks until ``count`` records are ready or ``timeout`` passes; leases nothing.
@@ -225,7 +242,8 @@ class SlotConsumer:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return ready
-            events = poll_for(self._poller, None if deadline is None else deadline - now)
+            self._check_sentinels(now)
+            events = poll_for(self._poller, self._wait_bound(None if deadline is None else deadline - now))
             record_wait(self._stats, time.monotonic() - now)
             for fd, _ in events:
                 if fd != self._bell.fd:

@@ -69,6 +69,8 @@ class OracleEnv(EnvBase):
             ``{0, 0.5, 1, 1.5}`` so envs drift apart.
         fail_at_step (int, optional): raise ``RuntimeError`` on this global step count.
         fail_on_reset (int, optional): raise ``RuntimeError`` on this reset count (1-based).
+        hang_at_step (int, optional): on this global step count, sleep for an hour (a hung
+            step, for ``AsyncEnvPool(step_timeout=...)``).
         obs_dim (int): size of an extra float observation ``"observation"``.
 
     Examples:
@@ -87,6 +89,7 @@ class OracleEnv(EnvBase):
         step_delay: float = 0.0,
         fail_at_step: int | None = None,
         fail_on_reset: int | None = None,
+        hang_at_step: int | None = None,
         obs_dim: int = 2,
     ):
         super().__init__(batch_size=torch.Size([]))
@@ -95,6 +98,7 @@ class OracleEnv(EnvBase):
         self.step_delay = float(step_delay)
         self.fail_at_step = fail_at_step
         self.fail_on_reset = fail_on_reset
+        self.hang_at_step = hang_at_step
         self.obs_dim = obs_dim
         self.observation_spec = Composite(
             tag=Unbounded(shape=(3,), dtype=torch.int64),
@@ -134,6 +138,8 @@ class OracleEnv(EnvBase):
         self.total_steps += 1
         if self.fail_at_step is not None and self.total_steps == self.fail_at_step:
             raise RuntimeError(f"OracleEnv {self.env_id}: scripted failure at step {self.total_steps}")
+        if self.hang_at_step is not None and self.total_steps == self.hang_at_step:
+            time.sleep(3600.0)
         if self.episode < 0:
             raise RuntimeError("OracleEnv stepped before reset")
         if self.step_delay:

@@ -50,6 +50,7 @@ from torchrl_asyncpool.exchange.native import copy_into, row_copier
 from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, _own_attr, make_adapter, remote_listener
 from torchrl_asyncpool.workers.record_writer import RESTARTED_KEY, RecordWriter
+from torchrl_asyncpool.workers.watch import Watcher
 
 __all__ = ["worker_main", "run_worker", "RestartPolicy", "RESTARTED_KEY"]
 
@@ -128,7 +129,7 @@ class _Slot:
     """Everything one hosted env needs on the hot path, resolved once."""
 
     __slots__ = ("index", "adapter", "obs", "actions", "step_into", "ended", "pending_first", "pending_error",
-                 "reset_dt", "chunks", "chunk", "pos", "seq", "factory", "reborn")
+                 "reset_dt", "chunks", "chunk", "pos", "seq", "factory", "reborn", "cut")
 
     def __init__(self, index, adapter, arena):
         self.index = index
@@ -137,6 +138,9 @@ class _Slot:
         # the next FIRST record is the rebuilt env's first after a failed reset
         self.factory = None
         self.reborn = False
+        # a replacement worker's slot whose episode its dead worker left open: the next answer
+        # gets the cutting TRUNCATION (no step), see _Stepper.resume_slot
+        self.cut = False
         self.ended = False
         self.pending_first = None
         self.pending_error = None  # traceback of a failed eager reset, raised when the slot is ours again
@@ -201,6 +205,8 @@ class _Delivery:
         # the same copies in one C call per group of slots (None: numpy's stores above)
         self._root_rows = row_copier(exchange, self.root)
         self._next_rows = row_copier(exchange, self.next)
+        # watched workers: each chunk's length counts its complete transitions, for a replacement
+        self.persist = False
 
     def claim(self, slot) -> bool:
         """Makes sure ``slot`` has a chunk to write into; False means back-pressure."""
@@ -208,6 +214,8 @@ class _Delivery:
             return True
         for c in slot.chunks:
             if self.state[c] == C.FREE:
+                if self.persist:
+                    self.chunks.length[c] = 0
                 self.state[c] = C.FILLING
                 self.chunks.seq[c] = slot.seq
                 slot.seq += 1
@@ -247,8 +255,11 @@ class _Delivery:
             for src, dst in self.next:
                 dst[chunk, pos] = src[idx]
         full = 0
+        length = self.chunks.length if self.persist else None
         for slot in slots:
             slot.pos += 1
+            if length is not None:
+                length[slot.chunk] = slot.pos  # after the data
             if slot.pos == T:
                 self._close(slot)
                 full += 1
@@ -264,9 +275,23 @@ class _Delivery:
             for src, dst in self.next:
                 dst[c, p] = src[i]
         slot.pos = p + 1
+        if self.persist:
+            self.chunks.length[c] = slot.pos  # after the data
         if slot.pos == self.T:
             self._close(slot)
             self.driver.ring()
+
+    def resume(self, slot) -> None:
+        """Takes over ``slot``'s chunks from a dead worker: the one it was filling goes on at its
+        first incomplete row (closed if it was full)."""
+        slot.seq = max(int(self.chunks.seq[c]) for c in slot.chunks) + 1
+        for c in slot.chunks:
+            if self.state[c] == C.FILLING:
+                slot.chunk, slot.pos = c, int(self.chunks.length[c])
+                if slot.pos >= self.T:
+                    self._close(slot)
+                    self.driver.ring()
+                return
 
     def _close(self, slot):
         """Hands ``slot``'s filled chunk to the driver (``FULL``, after its data); the caller rings."""
@@ -284,7 +309,7 @@ class _Worker:
     threaded worker its own."""
 
     def __init__(self, worker_id, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn, delivery, threaded=False,
-                 exchange="python", affinity=None, restart=None):
+                 exchange="python", affinity=None, restart=None, watch=None):
         self.worker_id = worker_id
         self.threaded = threaded
         self.affinity = affinity
@@ -301,6 +326,11 @@ class _Worker:
         self.delivery = _Delivery(delivery, a, exchange) if delivery is not None else None
         # on_env_failure="restart": the budget of env rebuilds (None: a failing env fails the worker)
         self.restarts = None if restart is None else restart.budget(a, layout.num_slots)
+        # watched by the pool (worker restarts, step_timeout): see workers/watch.py
+        self.watch = watch
+        self.resuming = watch is not None and watch.resume
+        if self.resuming:  # a failure is reported through the slots at once: the pool does not wait for a start
+            self.started = True
         recurrent, actions = layout.recurrent, layout.action_keys
         self.expected = (  # the fields every env must declare: (request, response) {key: (shape, dtype)}
             {f.key: (f.shape, f.dtype) for f in layout.request if f.key not in recurrent and f.key != (RESTARTED_KEY,)},
@@ -326,9 +356,15 @@ class _Worker:
 
     def build(self, slot_ids, env_fns, env_kwargs):
         stepper = self.stepper
+        if self.delivery is not None and self.watch is not None:
+            self.delivery.persist = True  # a replacement worker goes on filling the chunks where this one stops
         if len(env_fns) == 1 and not self.threaded:
-            stepper.note("construction", slot_ids[0])
-            adapter = make_adapter(env_fns[0](**env_kwargs[0]), slot_ids[0])
+            if self.resuming:  # the replacement of a worker that died: its env's next rebuild
+                adapter = stepper.rebuilt_adapter(slot_ids[0], (env_fns[0], env_kwargs[0]),
+                                                  num_envs=len(slot_ids) if len(slot_ids) > 1 else None)
+            else:
+                stepper.note("construction", slot_ids[0])
+                adapter = make_adapter(env_fns[0](**env_kwargs[0]), slot_ids[0])
             if hasattr(adapter, "num_envs") or len(slot_ids) > 1:  # a vector env: all the slots, one adapter
                 self._build_vector(slot_ids, adapter)
                 self.vector_factory = (env_fns[0], env_kwargs[0])
@@ -352,6 +388,18 @@ class _Worker:
             return
         for spec in specs:
             self.slots.append(stepper.build_slot(*spec))
+
+    def _first_records(self, stepper, slots):
+        """A new worker resets its envs and publishes their FIRST records; a replacement takes
+        over its slots as its dead worker left them (see :meth:`_Stepper.resume_slot`) and
+        publishes nothing until they are answered."""
+        if self.resuming:
+            for slot in slots:
+                stepper.resume_slot(slot)
+            return
+        for slot in slots:
+            stepper.record_first(slot, stepper.timed_reset(slot))
+        stepper.writer.publish()
 
     def _build_vector(self, slot_ids, adapter):
         if not hasattr(adapter, "num_envs"):
@@ -407,6 +455,8 @@ class _Worker:
         """Tells the parent the first records are out; returns the :class:`BellWait` to wait on."""
         self.conn.send(("ready", self.worker_id, self._paths(), None))
         self.started = True
+        if self.resuming:  # the answers its dead worker left unserved rang a bell nobody drains now
+            self.bells[0].ring()
         # drains the bell in the wait, before the scan: a ring after that wakes the next wait
         return BellWait(self.bells[0], (self.life_fd,))
 
@@ -416,9 +466,7 @@ class _Worker:
         if self.vector is not None:
             return self._run_lockstep()
         stepper, writer = self.stepper, self.stepper.writer
-        for slot in self.slots:
-            stepper.record_first(slot, stepper.timed_reset(slot))
-        writer.publish()
+        self._first_records(stepper, self.slots)
         waiter = self._started()
         state, slots, delivery = self.state, self.slots, self.delivery
         while True:
@@ -429,9 +477,13 @@ class _Worker:
             if not ready:
                 continue
             stepping = []
+            cut = []
             for slot in ready:
                 if slot.ended:
                     stepper.serve(slot)  # a FIRST record: no step, nothing to deliver
+                elif slot.cut:  # a dead worker's open episode: its truncation, no step
+                    if stepper.serve(slot):
+                        cut.append(slot)
                 elif delivery is None or delivery.claim(slot):
                     stepping.append(slot)
                 # else back-pressure: the driver holds every chunk of this env; the action waits
@@ -440,7 +492,7 @@ class _Worker:
             else:  # one env to step (a slow env's usual pass): the per-slot path costs less
                 ended = [slot for slot in stepping if stepper.serve(slot)]
             writer.publish()  # what is left of the pass: its last group, the FIRST records
-            for slot in ended:
+            for slot in ended + cut:
                 stepper.eager_reset(slot)
 
     # -- vector env, stepped in lockstep -------------------------------------------------------
@@ -479,25 +531,54 @@ class _Worker:
                 else:
                     view[mask] = obs[key][mask]
 
+        watcher = stepper.watcher
+        reborn = None  # a rebuilt vector env's reset observation, every env's next FIRST
+        unmarked = None  # the envs whose rebuild no truncation marked: their FIRST is marked instead
+        cutting = None  # a replacement worker's envs whose episode its dead worker left open
         stepper.note("reset", lo)
         t = time.perf_counter()
         obs = self.vector.reset()
-        write_obs(obs)
-        writer.add_block(lo, first, None, time.perf_counter() - t)
-        writer.publish()
+        if self.resuming:  # the dead worker's records stand; the new env's reset waits (see resume_slot)
+            for slot in slots:
+                stepper.resume_slot(slot)
+            cutting = np.array([slot.cut for slot in slots])
+            for slot in slots:
+                slot.cut = slot.ended = slot.reborn = False
+            reborn = {key: np.array(obs[key]) for key, _ in obs_rows}
+            unmarked = ~cutting
+            cutting = cutting if cutting.any() else None
+        else:
+            write_obs(obs)
+            writer.add_block(lo, first, None, time.perf_counter() - t)
+            writer.publish()
         waiter = self._started()
         ended = np.zeros(k, bool)  # the env's last record was terminal: its next one is FIRST
-        reborn = None  # a rebuilt vector env's reset observation, every env's next FIRST
-        unmarked = None  # the envs whose rebuild no truncation marked: their FIRST is marked instead
         while True:
-            if reborn is None or not unmarked.all():  # (a rebuild that published nothing goes on at once)
+            # (a rebuild that published nothing goes on at once, once every env is answered)
+            if reborn is None or not unmarked.all() or not (state == S.ACTION_READY).all():
                 for fd in waiter.wait():
                     if fd == self.life_fd:
                         return
             if not (state == S.ACTION_READY).all():
                 continue
             vec = self.vector
+            if cutting is not None:  # the truncations of the episodes the dead worker left open
+                cut = np.flatnonzero(cutting)
+                moving = None
+                if delivery is not None:
+                    if not all([delivery.claim(slots[j]) for j in cut]):
+                        continue  # back-pressure: the driver frees a chunk and rings this worker
+                    moving = [slots[j] for j in cut]
+                    chunk_rows = delivery.write_root_rows(moving, idx[cut])
+                writer.add_block(lo, np.full(k, _TRUNC, np.int8), None, 0.0, cutting, restarted=True)
+                if moving is not None:
+                    delivery.write_next_rows(moving, idx[cut], chunk_rows)
+                writer.publish()
+                cutting = None
+                continue
             if reborn is not None:  # the pass after a rebuild: every env's FIRST, no step
+                if watcher is not None:
+                    watcher.begin_block(rows)
                 write_obs(reborn)
                 writer.add_block(lo, first, None, 0.0, unmarked, restarted=True)
                 writer.add_block(lo, first, None, 0.0, ~unmarked)
@@ -506,6 +587,8 @@ class _Worker:
                 continue
             if not getattr(vec, "autoresets", True) and ended.any():  # reset the ended envs only
                 stepper.note("reset", lo + int(np.flatnonzero(ended)[0]))
+                if watcher is not None:
+                    watcher.begin_block(rows)
                 t = time.perf_counter()
                 try:
                     obs = vec.reset_some(ended)
@@ -526,6 +609,11 @@ class _Worker:
                     continue  # back-pressure: the driver frees a chunk and rings this worker
                 moving = [slots[j] for j in stepping]
                 chunk_rows = delivery.write_root_rows(moving, idx[stepping])
+            if watcher is not None:
+                at = np.full(k, -1, np.int64)
+                if moving is not None:
+                    at[stepping] = chunk_rows
+                watcher.begin_block(rows, at)
             stepper.note("step", lo)
             t = time.perf_counter()
             try:
@@ -633,9 +721,10 @@ class _Worker:
             if listen is not None:  # a remote slot: its first record waits for a host to connect
                 listen(slot.index, stop_fd)
                 first.set()
-            stepper.record_first(slot, stepper.timed_reset(slot))
-            writer.publish()
+            self._first_records(stepper, [slot])
             first.set()
+            if self.resuming:  # the answer its dead worker left unserved rang a bell nobody drains now
+                bell.ring()
             waiter = BellWait(bell, (self.life_fd, stop_fd))  # one GIL hand-over per wait, drain included
             state, i = self.state, slot.index
             while True:
@@ -644,7 +733,7 @@ class _Worker:
                         return
                 if state[i] != S.ACTION_READY:
                     continue
-                ended = stepper.serve(slot)
+                ended = stepper.serve(slot)  # (a cut episode's truncation ends it too)
                 writer.publish()
                 if ended:
                     stepper.eager_reset(slot)
@@ -668,6 +757,8 @@ class _Stepper:
         self.writer = RecordWriter(worker.arena, worker.consumer_fd, worker.exchange)
         self.delivery = worker.delivery
         self.restarts = worker.restarts
+        # what the pool's watchdog reads (None: the pool does not watch this worker)
+        self.watcher = Watcher(worker.watch, worker.arena) if worker.watch is not None else None
         self.phase, self.current = "construction", None
 
     def note(self, phase, current):
@@ -676,7 +767,10 @@ class _Stepper:
     # -- building -----------------------------------------------------------------------------
     def build_slot(self, index, fn, kw):
         self.note("construction", index)
-        adapter = make_adapter(fn(**kw), index)
+        if self.worker.resuming:
+            adapter = self.rebuilt_adapter(index, (fn, kw))
+        else:
+            adapter = make_adapter(fn(**kw), index)
         if hasattr(adapter, "num_envs"):
             adapter.close()
             raise ValueError(
@@ -721,10 +815,13 @@ class _Stepper:
     def serve(self, slot):
         """Answers one ACTION_READY slot; returns None (blocked), False, or True (episode ended).
         Its record is staged (and stored, when the chunk buffers copy it); the caller publishes."""
+        watcher = self.watcher
         if slot.ended:
             if slot.pending_error is not None:
                 self.note("reset", slot.index)
                 raise _DeferredEnvError(slot.pending_error)
+            if watcher is not None:
+                self._begin(slot)
             # NEXT_STEP autoreset: the action answering a terminal record is discarded.
             obs = slot.pending_first if slot.pending_first is not None else self._reset_or_restart(slot)
             slot.pending_first = None
@@ -736,6 +833,16 @@ class _Stepper:
             if not delivery.claim(slot):
                 return None  # back-pressure: the driver holds every chunk of this env
             delivery.write_root(slot)
+        if watcher is not None:
+            self._begin(slot)
+        if slot.cut:  # see resume_slot: the truncation at the last leased observation, no step
+            slot.cut = False
+            self.writer.add(slot.index, _TRUNC, None, 0.0, True)
+            if delivery is not None:
+                self.writer.store()
+                delivery.write_next(slot)
+            slot.ended = True
+            return True
         self.note("step", slot.index)
         t = time.perf_counter()
         reward, st, restarted = self._step(slot)
@@ -776,7 +883,8 @@ class _Stepper:
         start = 0
         clock = time.perf_counter
         add = writer.add
-        plain = self.restarts is None  # no restarts: the step inline, one call less per record
+        watcher = self.watcher
+        plain = self.restarts is None and watcher is None  # the step inline, one call less per record
         self.phase = "step"
         while start < n:
             k = 0
@@ -787,6 +895,8 @@ class _Stepper:
                     reward, terminated, truncated = slot.step_into(slot.actions, slot.obs)
                     st, restarted = (_TERM if terminated else (_TRUNC if truncated else _MID)), False
                 else:
+                    if watcher is not None:
+                        self._begin(slot)
                     reward, st, restarted = self._step(slot)
                 t_end = clock()
                 dt = t_end - t
@@ -827,6 +937,9 @@ class _Stepper:
             # episode); if the consumer answers the terminal record anyway, serve resets then
             return
         if slot.pending_first is None and self.worker.state[slot.index] != S.ACTION_READY:
+            watcher = self.watcher
+            if watcher is not None:
+                watcher.begin_eager_reset(slot.index)
             try:
                 slot.pending_first = self.timed_reset(slot)
             except Exception:  # noqa: BLE001 - re-raised by serve once the slot is ours
@@ -837,6 +950,9 @@ class _Stepper:
                     slot.pending_first = self._restarted_reset(slot)
                 except _DeferredEnvError as exc:  # past the budget: raised once the slot is ours
                     slot.pending_error = exc.tb
+            finally:
+                if watcher is not None:
+                    watcher.end_eager_reset(slot.index)
 
     def _rebuild(self, slot, phase):
         """Replaces ``slot``'s env, which just raised in ``phase`` (called from the ``except``):
@@ -887,6 +1003,46 @@ class _Stepper:
                 except Exception:  # noqa: BLE001 - the failure being raised is the one that counts
                     pass
             raise
+
+    def rebuilt_adapter(self, index, factory, num_envs=None):
+        """The env of a replacement worker's slot ``index``: its next rebuild (the pool counted
+        the dead worker in ``restarts``), built again, within the budget, while it fails."""
+        r = int(self.worker.arena.restarts[index])
+        while True:
+            try:
+                return self.replacement(index, factory, r, num_envs)
+            except Exception:  # noqa: BLE001 - a failed build is one more failure of this env
+                tb = traceback.format_exc()
+                if self.restarts is None:
+                    raise
+                _check_life(self.worker.life_fd)
+                r = self.restarts.admit(index, "construction", tb)
+                self.note_restart(index, "construction", tb, r)
+
+    def _begin(self, slot):
+        """Tells the watcher that ``slot``'s step (or its FIRST record's reset) begins."""
+        self.watcher.begin(slot.index, -1 if slot.chunk < 0 else slot.chunk * self.delivery.T + slot.pos)
+
+    def resume_slot(self, slot):
+        """Takes over ``slot`` from a worker that died (see :mod:`~torchrl_asyncpool.workers.watch`):
+        a whole record that worker did not publish is published now; an episode the slot's last
+        record left open is cut when the slot is next answered (a ``TRUNCATION`` at that
+        record's observation, marked ``env_restarted``); after a terminal record, the answer gets
+        the new env's ``FIRST``, marked instead. Returns whether it published a record."""
+        i = slot.index
+        delivery = self.delivery
+        if delivery is None:
+            pending = self.watcher.takeover(i)
+        else:
+            pending = self.watcher.takeover(i, delivery.chunks.length, delivery.T)
+            delivery.resume(slot)
+        if pending:
+            self.writer.publish_stored(i)
+        if int(self.writer.step_type[i]) in (_TERM, _TRUNC):
+            slot.ended, slot.reborn = True, True
+        else:
+            slot.cut = True
+        return pending
 
     def note_restart(self, index, phase, tb, r):
         """Leaves the cause of env ``index``'s ``r``-th rebuild for ``pool.restart_info()``."""
@@ -1000,7 +1156,7 @@ def _batch_scheduling():
 
 def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn,
                 num_threads, delivery=None, threaded=False, affinity=None, exchange="python", idle_poll=False,
-                restart=None):
+                restart=None, watch=None):
     """Entry point of a worker process (see the module docstring)."""
     # The parent owns shutdown (the life pipe; a dead parent closes it too): a terminal's Ctrl-C
     # reaches the whole process group, and it is the parent's to handle (evaluate() drains on it,
@@ -1019,14 +1175,14 @@ def worker_main(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell
     _batch_scheduling()
     try:
         run_worker(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn,
-                   delivery, threaded, affinity, exchange, restart)
+                   delivery, threaded, affinity, exchange, restart, watch)
     finally:
         _end_own_group()
         os._exit(0)
 
 
 def run_worker(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_fds, consumer_fd, life_fd, conn,
-               delivery=None, threaded=False, affinity=None, exchange="python", restart=None):
+               delivery=None, threaded=False, affinity=None, exchange="python", restart=None, watch=None):
     """One worker's life, in whatever runs it: builds its envs, serves their slots until the life
     pipe hangs up, reports a failure to the consumer (through the pipe ``conn`` before the first
     records, through the slot's error block after), and closes the envs. Never raises.
@@ -1038,7 +1194,7 @@ def run_worker(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_
     try:
         env_fns = [getattr(fn, "fn", fn) for fn in env_fns]
         worker = _Worker(worker_id, layout, arena_fd.fd, [b.fd for b in bell_fds], consumer_fd.fd, life_fd.fd, conn,
-                         delivery, threaded, exchange, affinity, restart)
+                         delivery, threaded, exchange, affinity, restart, watch)
         worker.build(slot_ids, env_fns, env_kwargs)
         if not threaded:  # a threaded worker's env threads pin themselves once built
             worker.pin()

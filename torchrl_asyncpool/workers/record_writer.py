@@ -67,7 +67,8 @@ class RecordWriter:
                           for i, o in arena.layout.recurrent.items()]
         # on_env_failure="restart": the "env_restarted" rows, and what each slot's row holds now
         self.restarted = req.get(RESTARTED_KEY).numpy() if RESTARTED_KEY in req.keys() else None
-        self._restarted_now = [False] * n
+        # (read from the rows: a replacement worker takes over the flags its dead worker left)
+        self._restarted_now = [] if self.restarted is None else [bool(v) for v in self.restarted.reshape(n, -1)[:, 0]]
         self.consumer = Doorbell(consumer_fd)
         self._c = pass_stores(exchange, arena, self.reward, self.step_type, self.done, self.terminated,
                               self.truncated, consumer_fd)
@@ -206,6 +207,13 @@ class RecordWriter:
             self.consumer.ring(self._block_records)
             self._blocks.clear()
             self._block_records = 0
+
+    def publish_stored(self, i: int) -> None:
+        """Publishes slot ``i``'s record as its rows hold it, whole (a replacement worker takes
+        over a record its dead worker wrote but did not publish, see ``workers/watch.py``)."""
+        self.ready_time[i] = time.monotonic()
+        self.state[i] = S.OBS_READY  # after the data
+        self.consumer.ring()
 
     def _store_step_types(self, target, st) -> None:
         """``step_type`` and the three end flags of ``target``: one index and an int step type,

@@ -1,0 +1,159 @@
+"""The watchdog of an :class:`~torchrl_asyncpool.AsyncEnvPool` whose workers may have to be
+replaced: ``on_env_failure="restart"`` (a worker process that died is started again) and
+``step_timeout`` (a worker stuck in a step or reset is killed, then restarted or reported).
+
+It runs in the pool's own process, from the consumer's waits (``recv``, ``wait_ready``) and
+from :meth:`~torchrl_asyncpool.AsyncEnvPool.check_workers` (which a collector calls about every
+100 ms), about every 20 ms. What a watched worker writes for it, and how a replacement takes
+over the slots of the worker it replaces, is in :mod:`~torchrl_asyncpool.workers.watch`.
+"""
+from __future__ import annotations
+
+import collections
+import select
+import threading
+import time
+
+import numpy as np
+
+from torchrl_asyncpool.errors import EnvError, WorkerDiedError
+from torchrl_asyncpool.exchange.arena import Arena
+from torchrl_asyncpool.exchange.doorbell import InheritedFd
+from torchrl_asyncpool.forkserver import exit_code
+from torchrl_asyncpool.step_type import StepType
+from torchrl_asyncpool.workers.watch import WorkerWatch, hung_slots
+
+_ENDS = (int(StepType.TERMINATION), int(StepType.TRUNCATION))
+#: the phase a restart caused by a worker's death is recorded under (``restart_info()``)
+WORKER_DIED = "worker"
+
+
+class _PoolWatchdog:
+    """Mixed into :class:`~torchrl_asyncpool.AsyncEnvPool`; reads its ``_procs``, ``_arena``,
+    ``_slot_worker``, ``_restart`` and starts replacements with its ``_start_worker``."""
+
+    def _init_watchdog(self, step_timeout, threads: bool):
+        """Decides whether the workers are watched (before they start) and sets up the shadow
+        arena of the slots' last leased records when dead workers are to be replaced."""
+        #: seconds an env's step (or reset) may take before its worker is killed (None: no limit)
+        self.step_timeout = step_timeout
+        #: worker processes replaced so far (on_env_failure="restart")
+        self.worker_restarts = 0
+        self._watched = not threads and (self._restart is not None or step_timeout is not None)
+        self._shadow = None
+        self._watch = None
+        if not self._watched:
+            return
+        if self._restart is not None:
+            self._shadow = Arena.create(self.layout, "torchrl_asyncpool_shadow")
+        self._watch = WorkerWatch(InheritedFd(self._shadow.fd) if self._shadow is not None else None)
+        self._watch_lock = threading.Lock()
+        self._death_times = collections.defaultdict(collections.deque)  # env -> recent worker deaths
+        self._timed_out = {}  # worker -> (env, phase, seconds its step had run) of a kill for step_timeout
+        self._sentinel_poll = None
+        # worker -> when its current process was started as a replacement: the marks its dead
+        # predecessor left (which the replacement reads to take over) are not hung steps
+        self._started_at = {}
+
+    def _close_watchdog(self):
+        if getattr(self, "_shadow", None) is not None:
+            self._shadow.close()
+            self._shadow = None
+
+    def _refresh_sentinels(self):
+        poller = select.poll()
+        self._sentinel_fds = {}
+        for w, p in enumerate(self._procs):
+            poller.register(p.sentinel, select.POLLIN)
+            self._sentinel_fds[p.sentinel] = w
+        self._sentinel_poll = poller
+
+    def _watchdog(self) -> None:
+        """Kills workers stuck past ``step_timeout`` and replaces (or reports) dead ones. Raises
+        :class:`~torchrl_asyncpool.WorkerDiedError` or :class:`~torchrl_asyncpool.EnvError` when
+        it may not replace one (``on_env_failure="raise"``, or past the restart budget)."""
+        if not self._watched or self._closed or not self._watch_lock.acquire(blocking=False):
+            return  # (another thread is at it)
+        try:
+            if self.step_timeout is not None:
+                self._kill_hung(time.monotonic())
+            if self._sentinel_poll is None:
+                self._refresh_sentinels()
+            dead = sorted({self._sentinel_fds[fd] for fd, _ in self._sentinel_poll.poll(0)})
+            for w in dead:
+                self._replace(w)
+        finally:
+            self._watch_lock.release()
+
+    def _kill_hung(self, now: float) -> None:
+        arena = self._arena
+        for i in hung_slots(arena, self.step_timeout, now).tolist():
+            w = int(self._slot_worker[i])
+            began = float(arena.busy_since[i])
+            if w in self._timed_out or abs(began) < self._started_at.get(w, 0.0):
+                continue
+            # an eager reset (negative), or the reset an answered terminal record asked for
+            phase = "reset" if began < 0 or int(arena.request["step_type"][i]) in _ENDS else "step"
+            self._timed_out[w] = (i, phase, now - abs(began))
+            p = self._procs[w]
+            if exit_code(p) is None:
+                p.kill()  # (its envs' processes go with its group, in _replace)
+
+    def _replace(self, w: int) -> None:
+        from torchrl_asyncpool.pool_workers import kill_process_group
+
+        p = self._procs[w]
+        exit_code(p, 1.0)
+        how = self.death_info(w)
+        kill_process_group(p.pid, alive=False)  # what its envs started
+        slots = np.flatnonzero(self._slot_worker == w).tolist()
+        timed = self._timed_out.pop(w, None)
+        if timed is not None:
+            i, phase, secs = timed
+            text = (f"env {i} took more than step_timeout={self.step_timeout:g}s in a {phase} (it had run "
+                    f"{secs:.1f}s): its worker {w} (pid {p.pid}, hosting envs {slots}) was killed.")
+        else:
+            i, phase = slots[0], WORKER_DIED
+            text = f"worker {w} (pid {p.pid}, hosting envs {slots}) died ({how})."
+        if self._restart is None:
+            self._fail(EnvError(i, phase, text) if timed is not None else WorkerDiedError(text, slots))
+        self._admit(slots, i, phase, text, timed)
+        arena = self._arena
+        for j in slots:
+            arena.write_error(j, f"{phase}\n{text}")
+            arena.restarts[j] += 1  # after the text; also the seed of its env's next build
+        self._conns[w].close()
+        self._started_at[w] = time.monotonic()
+        self._procs[w], self._conns[w] = self._start_worker(w, self._watch.resumed())
+        self._refresh_sentinels()
+        self.worker_restarts += 1
+
+    def _admit(self, slots, i, phase, text, timed) -> None:
+        """Counts a replacement against the budget of each env of the worker; raises past it."""
+        policy, now = self._restart, time.monotonic()
+        over = None
+        for j in slots:
+            recent = self._death_times[j]
+            while recent and now - recent[0] > policy.window_s:
+                recent.popleft()
+            if len(recent) >= policy.per_env:
+                over = (f"env {j}'s worker was replaced {len(recent)} times within {policy.window_s:g}s "
+                        f"(max_restarts_per_env={policy.per_env})")
+                break
+        total = int(self._arena.restarts.sum())
+        if over is None and policy.total is not None and total + len(slots) > policy.total:
+            over = f"the pool's envs were rebuilt {total} times (max_restarts={policy.total})"
+        if over is not None:
+            history = "; ".join(f"env {j}: {c} rebuilds" for j, (c, _) in sorted(self.restart_info().items()))
+            text = f"{text}\nrestart budget exhausted: {over}; rebuilds so far: {history or 'none'}"
+            self._fail(EnvError(i, phase, text) if timed is not None else WorkerDiedError(text, slots))
+        for j in slots:
+            self._death_times[j].append(now)
+
+    def _fail(self, error: BaseException) -> None:
+        """Makes ``error`` the pool's (sticky, as an env error is) and raises it."""
+        self._error = error
+        if self._consumer_obj is not None:
+            self._consumer_obj.error = error
+        raise error
+
