@@ -89,12 +89,14 @@ def test_step_limits_cut_episodes_as_timeouts():
     assert c.status == "completed" and c.length == _alone(3)[1]
 
 
-def test_a_failing_env_fails_only_its_episode():
-    """Reset and step failures mark their own episode; the episodes that were running on the
-    closed pool are run again from their start and end exactly as they would alone."""
+@pytest.mark.parametrize("on_env_failure", ["restart", "new_pool"])
+def test_a_failing_env_fails_only_its_episode(on_env_failure):
+    """Reset and step failures mark their own episode; the others end exactly as they would
+    alone: the failed env is rebuilt in its worker and its slot goes on ("restart"), or the pool
+    is closed and the episodes that were running on it run again from their start ("new_pool")."""
     make = functools.partial(_Faulty, bad_reset_seed=12, bad_step_seed=15)
     episodes = [Episode(f"ep{i}", seed=10 + i) for i in range(8)]
-    results = evaluate(make, _balance, episodes, num_envs=3, envs_per_worker=1)
+    results = evaluate(make, _balance, episodes, num_envs=3, envs_per_worker=1, on_env_failure=on_env_failure)
     by_id = {r.episode_id: r for r in results}
     assert by_id["ep2"].status == "failed" and "reset refused for seed 12" in by_id["ep2"].error
     assert by_id["ep5"].status == "failed" and "step 3 of seed 15 failed" in by_id["ep5"].error
@@ -517,8 +519,9 @@ class _Paced(gym.Env):
 @pytest.mark.parametrize("fault", ["hang", "crash"])
 def test_a_drain_still_finishes_episodes_whose_pool_closed_for_another_slot(fault):
     """Slot 0 runs 'x' (20 steps) then 'a' (40 steps, 2 s), slot 1 'bad' then 'b'. The drain
-    starts as 'a' starts; then 'bad' hangs past its 2.5 s (or raises at step 30) and its pool
-    closes: 'a' runs again on a new pool and completes instead of being reported 'not started'."""
+    starts as 'a' starts; then 'bad' hangs past its 2.5 s (or raises at step 30, with
+    on_env_failure="new_pool") and its pool closes: 'a' runs again on a new pool and completes
+    instead of being reported 'not started'."""
     import threading
 
     stop = threading.Event()
@@ -532,7 +535,8 @@ def test_a_drain_still_finishes_episodes_whose_pool_closed_for_another_slot(faul
 
     seed = 3 if fault == "hang" else 4
     episodes = [Episode("x", seed=20), Episode("bad", seed=seed), Episode("a", seed=40), Episode("b", seed=7)]
-    results = evaluate(_Paced, policy, episodes, num_envs=2, envs_per_worker=1, episode_timeout_s=2.5, stop=stop)
+    results = evaluate(_Paced, policy, episodes, num_envs=2, envs_per_worker=1, episode_timeout_s=2.5, stop=stop,
+                       on_env_failure="new_pool")
     x, bad, a, b = results
     assert (x.status, x.length) == ("completed", 20), x
     assert (a.status, a.length) == ("completed", 40), a
@@ -710,7 +714,7 @@ def test_a_failure_to_close_the_pool_does_not_hide_the_primary_error(monkeypatch
 def test_a_factory_that_fails_in_this_process_raises_and_later_keeps_the_results():
     """The pool builds one env here first (specs): when that fails before anything ran,
     evaluate raises the factory's error; when it fails on the pool rebuilt after an episode's
-    failure, the finished results are kept in an EvaluationError."""
+    failure (on_env_failure="new_pool"), the finished results are kept in an EvaluationError."""
     import os
 
     from torchrl_asyncpool.evaluation import EvaluationError
@@ -732,7 +736,7 @@ def test_a_factory_that_fails_in_this_process_raises_and_later_keeps_the_results
 
     episodes = [Episode(f"e{s}", seed=s) for s in (15, 16, 17, 18)]
     with pytest.raises(EvaluationError, match="licence server gone") as info:
-        evaluate(second_spec_env_fails, _balance, episodes, num_envs=2, envs_per_worker=1)
+        evaluate(second_spec_env_fails, _balance, episodes, num_envs=2, envs_per_worker=1, on_env_failure="new_pool")
     first, *others = info.value.results
     assert first.status == "failed" and "step 3 of seed 15 failed" in first.error
     assert len(others) == 3 and all(r.status == "failed" and "licence server gone" in r.error for r in others)

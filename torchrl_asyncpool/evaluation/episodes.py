@@ -232,10 +232,13 @@ class PlanProgress:
     """How far each slot of one pool got through its planned episodes, kept in a small file so
     that every process of the pool sees it: the workers write it, a rebuilt env reads it.
 
-    Slot ``s``'s entry is the number of its planned episodes whose reset has begun (an entry is
-    taken when the env adapter reads its seed). An env rebuilt after a failure (``evaluate(...,
-    on_env_failure="restart")``), in its worker or in a worker that replaces a dead one, gets
-    the plan from there on: the rest of its slot's episodes, with their own seeds.
+    Slot ``s`` has two numbers: how many of its planned episodes have begun their reset (an
+    entry is taken when the env adapter reads its seed), and where the plan of the slot's latest
+    env starts. An env rebuilt after a failure (``evaluate(..., on_env_failure="restart")``), in
+    its worker or in a worker that replaces a dead one, gets the plan from there on: the rest of
+    its slot's episodes, with their own seeds. The driver reads both to tell which episode a
+    ``FIRST`` record starts (the worker waits for its answer, so they are settled): the last one
+    taken, or none when the slot's env was built after its plan had run out.
 
     Picklable: a slot's :meth:`slot` view travels in its :class:`PlannedEnvFactory`; the file is
     opened lazily in each process that uses it.
@@ -253,7 +256,7 @@ class PlanProgress:
 
         fd, path = tempfile.mkstemp(prefix="torchrl_asyncpool_eval_", suffix=".progress")
         try:
-            os.write(fd, bytes(8 * num_slots))
+            os.write(fd, bytes(16 * num_slots))
         finally:
             os.close(fd)
         return cls(path, num_slots)
@@ -271,11 +274,19 @@ class PlanProgress:
 
     def taken(self, slot: int) -> int:
         """Planned episodes of ``slot`` whose reset has begun."""
-        return int.from_bytes(os.pread(self._file(), 8, 8 * slot), "little")
+        return int.from_bytes(os.pread(self._file(), 8, 16 * slot), "little")
 
     def take(self, slot: int, position: int) -> None:
         """The reset of ``slot``'s planned episode ``position`` (0-based) begins."""
-        os.pwrite(self._file(), (position + 1).to_bytes(8, "little"), 8 * slot)
+        os.pwrite(self._file(), (position + 1).to_bytes(8, "little"), 16 * slot)
+
+    def built_from(self, slot: int) -> int:
+        """The position in its plan where the plan of ``slot``'s latest env starts."""
+        return int.from_bytes(os.pread(self._file(), 8, 16 * slot + 8), "little")
+
+    def build(self, slot: int, start: int) -> None:
+        """``slot``'s env was built with the plan from position ``start`` on."""
+        os.pwrite(self._file(), start.to_bytes(8, "little"), 16 * slot + 8)
 
     def slot(self, s: int) -> "_SlotProgress":
         return _SlotProgress(self, s)
@@ -302,6 +313,9 @@ class _SlotProgress:
 
     def take(self, position: int) -> None:
         self.progress.take(self.index, position)
+
+    def build(self, start: int) -> None:
+        self.progress.build(self.index, start)
 
 
 class _PlanEntry:
@@ -374,4 +388,5 @@ class PlannedEnvFactory:
         if self.progress is None:
             return self.plan
         start = self.progress.taken()
+        self.progress.build(start)
         return [_PlanEntry(entry, k, self.progress) for k, entry in enumerate(self.plan) if k >= start]

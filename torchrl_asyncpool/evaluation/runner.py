@@ -54,6 +54,8 @@ from torchrl_asyncpool.workers.record_writer import RESTARTED_KEY
 __all__ = ["EvaluationError", "EvaluationInterrupted", "evaluate", "resolve_policy_device"]
 
 _FIRST, _TERM, _TRUNC = int(StepType.FIRST), int(StepType.TERMINATION), int(StepType.TRUNCATION)
+#: the phase ``pool.restart_info()`` gives the rebuilds that replaced a dead worker process
+_WORKER_DIED = "worker"
 #: how long one wait for records lasts before wall-clock limits are looked at again
 _POLL_S = 0.1
 
@@ -279,7 +281,7 @@ def evaluate(
                                          progress=None if plan_progress is None else plan_progress.slot(s))
                        for s, q in enumerate(queues)]
                 run = _Run(episodes, limits, queues, acting, finish, episode_timeout_s, stop, device,
-                           committed=draining)
+                           committed=draining, progress=plan_progress)
                 run.begin(time.monotonic())
                 pool = None
                 primary: Optional[BaseException] = None
@@ -337,6 +339,7 @@ def evaluate(
                         if plan_progress is not None:
                             plan_progress.remove()
                 rerun = run.interrupted()
+                isolate |= bool(run.deferred)  # a dead worker of several envs: which one killed it is unknown
             fail_unstarted("not started: the evaluation was stopped")  # drained: these never started
         except KeyboardInterrupt as exc:  # an abort: the pool is closed already (finally), results are kept
             if isinstance(exc, EvaluationInterrupted):
@@ -393,8 +396,12 @@ class _Run:
     """
 
     def __init__(self, episodes, limits, queues, acting, finish, timeout_s, stop=None, device=None,
-                 committed=False):
+                 committed=False, progress: Optional[PlanProgress] = None):
         self.episodes, self.limits, self.queues = episodes, limits, queues
+        # on_env_failure="restart": how far each slot's envs got through its plan (None: no restarts)
+        self.progress = progress
+        self.plan_len = [len(q) for q in queues]
+        self.position = {i: k for q in queues for k, i in enumerate(q)}  # manifest index -> place in its slot's plan
         self.acting, self.finish, self.timeout_s = acting, finish, timeout_s
         self.stop = stop
         self.committed = committed
@@ -405,9 +412,12 @@ class _Run:
         self.ret = np.zeros(n)
         self.length = np.zeros(n, dtype=np.int64)
         self.started = np.zeros(n)
-        # on_env_failure="restart": the rebuilds of each slot's env already accounted for
+        # on_env_failure="restart": the rebuilds of each slot's env accounted for, all slots' together,
+        # and the episodes a dead worker of several envs cut (run again later, one env per process)
         self.seen = [0] * n
         self.rebuilt = 0
+        self.deferred: List[int] = []
+        self.hosted = None  # envs of the worker of each slot (set by drive)
 
     def _result(self, s: int, status: str, **kw) -> EpisodeResult:
         i = self.current[s]
@@ -457,14 +467,18 @@ class _Run:
                 self.current[s] = None
 
     def interrupted(self) -> List[int]:
-        """The episodes still running (and, for a committed run, still owed) when the pool closed."""
-        return [i for s, i in enumerate(self.current) if i is not None and (self.committed or not self.fresh[s])]
+        """The episodes still running (and, for a committed run, still owed) when the pool closed,
+        and those a dead worker cut (to run again, one env per process)."""
+        return [i for s, i in enumerate(self.current) if i is not None and (self.committed or not self.fresh[s])] \
+            + self.deferred
 
     def drive(self, pool: AsyncEnvPool) -> None:
         """Runs until every slot has finished its episodes (or, once ``stop`` is set, its
         running episode)."""
         poll = None if self.timeout_s is None and self.stop is None else _POLL_S
         keys = pool.action_keys + pool.policy_output_keys
+        workers = np.asarray(pool._slot_worker)
+        self.hosted = np.bincount(workers)[workers].tolist()
         while True:
             if self._stopping():
                 self.give_back_fresh()
@@ -503,12 +517,15 @@ class _Run:
             i = self.current[s]
             if i is None:  # the slot's episodes are done, or a drain gave its next one back
                 continue
-            if rebuilt:
-                self._env_rebuilt(s, st, pool, now, stopping)
-                if st != _FIRST or self.current[s] is None:  # the cut episode's end; or the slot is done
-                    answer[row] = self.current[s] is not None
+            if rebuilt and st != _FIRST:  # the episode was cut: its env failed, or its worker died
+                self._cut(s, pool, now, stopping)
+                answer[row] = self.current[s] is not None
+                continue
+            if st == _FIRST and self.progress is not None:
+                self._resets_failed(s, pool, now)  # before the episode this FIRST record starts
+                i = self.current[s]
+                if i is None:
                     continue
-                i = self.current[s]  # the rebuilt env's FIRST record is this episode's
             if st == _FIRST:
                 if stopping and not self.committed:  # drained: the slot's next episode does not start
                     self.queues[s].appendleft(i)
@@ -533,35 +550,44 @@ class _Run:
             answer[row] = self.current[s] is not None
         return answer
 
-    def _env_rebuilt(self, s: int, st: int, pool: AsyncEnvPool, now: float, stopping: bool) -> None:
-        """Slot ``s``'s env raised and was rebuilt in its worker (``on_env_failure="restart"``):
-        the record marked ``env_restarted`` is a ``TRUNCATION`` that cuts the episode that was
-        running (a failed step) or the rebuilt env's ``FIRST`` (after one failed reset or more).
-        Each episode the env failed in is ``"failed"`` with the cause; the slot goes on with its
-        next one (the rebuilt env starts it with its own seed, see
-        :class:`~torchrl_asyncpool.evaluation.episodes.PlanProgress`), unless a drain began
-        (after a cut) or it has none left.
+    def _cut(self, s: int, pool: AsyncEnvPool, now: float, stopping: bool) -> None:
+        """A ``TRUNCATION`` marked ``env_restarted`` (``on_env_failure="restart"``): slot ``s``'s
+        env raised in a step of its running episode (or its worker died) and was rebuilt. The
+        episode is lost; the slot goes on with its next one, which the rebuilt env starts with
+        its own seed (see :class:`~torchrl_asyncpool.evaluation.episodes.PlanProgress`), unless a
+        drain began."""
+        self._lost(s, 1, "step", pool, now, stopping)
 
-        Every failed reset takes one planned episode and is followed by one rebuild, so the
-        rebuilds that ``pool.restart_info()`` counts beyond those accounted for tell how many
-        episodes failed before a marked ``FIRST`` (its worker waits for the answer: the count
-        is settled); a cut stands for exactly one (a failed step)."""
-        count, cause = pool.restart_info().get(s, (self.seen[s] + 1, ""))
-        if st == _FIRST:
-            self._failed_rebuilt(s, max(1, count - self.seen[s]), "reset", count, cause, now, stopping=False)
-        else:
-            self._failed_rebuilt(s, 1, "step", count, cause, now, stopping)
+    def _resets_failed(self, s: int, pool: AsyncEnvPool, now: float) -> None:
+        """A ``FIRST`` record of slot ``s`` (with restarts): the episodes of its plan before the
+        one this record starts, from its current one on, had their reset fail (or their worker
+        die during it), each followed by a rebuild; they are lost. The record starts the last
+        planned episode whose reset began, or none when the slot's env was built after its plan
+        had run out."""
+        plan_len = self.plan_len[s]
+        start = self.progress.built_from(s)
+        first = plan_len if start >= plan_len else self.progress.taken(s) - 1
+        failures = first - self.position[self.current[s]]
+        if failures > 0:
+            self._lost(s, failures, "reset", pool, now, stopping=False)
 
-    def _failed_rebuilt(self, s, failures, what, count, cause, now, stopping) -> None:
-        """Fails slot ``s``'s next ``failures`` episodes, which its env failed in (``what``:
-        ``"step"`` or ``"reset"``) before being rebuilt; ``count, cause``: the slot's rebuilds so
-        far and the last one's cause (its phase, a newline and its traceback), which belongs to the last of these
-        failures only when ``count`` is the rebuild that followed it."""
+    def _lost(self, s: int, failures: int, what: str, pool: AsyncEnvPool, now: float, stopping: bool) -> None:
+        """Slot ``s``'s next ``failures`` episodes, from its current one, were lost to failures
+        in their ``what`` (``"step"`` or ``"reset"``) that rebuilt its env: each is ``"failed"``
+        with the cause, or, when its worker died and hosted other envs (which one killed it is
+        unknown), left to run again one env per process once this pool is done. The slot goes
+        on with its next episode (none after a cut during a drain)."""
+        try:
+            count, cause = pool.restart_info().get(s, (self.seen[s] + failures, ""))
+        except Exception:  # noqa: BLE001 - only the cause's text is missing
+            count, cause = self.seen[s] + failures, ""
         phase, _, tb = cause.partition("\n")
-        latest = count == self.seen[s] + failures  # no later rebuild overwrote the cause
+        latest = count == self.seen[s] + failures  # no later rebuild overwrote the cause on record
         self.seen[s] += failures
         self.rebuilt += failures
-        if failures > 1:  # several resets in a row: one cause on record for all of them
+        if phase == _WORKER_DIED:
+            error = f"its worker died: {tb.strip()}"
+        elif failures > 1:  # several resets in a row: one cause on record for all of them
             error = (f"env raised during reset (one of {failures} failed resets in a row, each followed by a rebuild "
                      f"of the env; the last failure on record, during {phase}:\n{tb})")
         elif latest and tb:
@@ -570,7 +596,11 @@ class _Run:
         else:  # the traceback on record is a later failure's
             error = f"env raised during {what} (its env was rebuilt; the traceback on record is a later failure's)"
         for _ in range(failures):
-            self.finish(self.current[s], self._result(s, "failed", error=error))  # its steps so far
+            i = self.current[s]
+            if phase == _WORKER_DIED and self.hosted[s] > 1:
+                self.deferred.append(i)
+            else:
+                self.finish(i, self._result(s, "failed", error=error))  # its steps so far
             if stopping:  # a drain: the cut episode was the slot's last one
                 self.current[s] = None
             else:
@@ -623,19 +653,19 @@ class _Run:
         """Marks the episode ``exc`` belongs to as failed (or every episode of this run, when
         the env cannot be built at all: that does not depend on the episode).
 
-        With restarts (``pool`` given), ``exc`` is a failure past the restart budget; the
-        rebuilds the driver has not seen a record of yet (failed resets of the slot's episodes,
-        in a row, before this failure) fail those episodes first: ``exc`` belongs to the next."""
+        With restarts (``pool`` given), ``exc`` is a failure past the restart budget; the resets
+        of the slot's episodes that failed in a row before it (each followed by a rebuild, no
+        record of them yet) fail those episodes first: ``exc`` belongs to the last one taken."""
         error = f"env raised during {exc.phase}:\n{exc.worker_traceback}"
         s = exc.env_index
-        if pool is not None and not all_remaining and s is not None and s < len(self.current) \
-                and self.current[s] is not None:
-            try:
-                count, cause = pool.restart_info().get(s, (self.seen[s], ""))
-            except Exception:  # noqa: BLE001 - the failure being reported is exc's
-                count, cause = self.seen[s], ""
-            if count > self.seen[s]:
-                self._failed_rebuilt(s, count - self.seen[s], "reset", count, cause, time.monotonic(), False)
+        if self.progress is not None and pool is not None and not all_remaining and s is not None \
+                and s < len(self.current) and self.current[s] is not None:
+            try:  # the resets that failed in a row before this failure, each followed by a rebuild
+                before = self.progress.taken(s) - 1 - self.position[self.current[s]]
+            except OSError:
+                before = 0
+            if before > 0:
+                self._lost(s, before, "reset", pool, time.monotonic(), stopping=False)
         if all_remaining:
             for s, i in enumerate(self.current):
                 for j in ([] if i is None else [i]) + list(self.queues[s]):
