@@ -29,6 +29,7 @@ METRIC_KEYS = {
     "env_steps": "env steps and resets done by the workers since the last reset",
     # not windowed
     "env_restarts": "envs rebuilt after a failure over the pool's life (only with on_env_failure='restart')",
+    "worker_restarts": "worker processes replaced after they died or hung (only with on_env_failure='restart')",
     "slots_<path>": "slots whose env steps on <path> (slots_gymnasium, slots_torchrl_fast, slots_torchrl, ...)",
     "num_workers": "env workers (processes, or threads with backend='threading')",
     "envs_per_worker": "slots per worker, as given or as envs_per_worker='auto' chose it from the spec env's step",
