@@ -6,12 +6,18 @@ episode ends (worker-owned autoreset, see :doc:`/episodes`), so consecutive epis
 never wait for the driver. The policy is called on whatever records are ready, as in training.
 
 A failure is the failing episode's, not the run's: an env that raises while resetting for an
-episode or stepping it marks that episode ``"failed"`` (with the worker's traceback), the pool
-is closed, and the episodes that were still running are run again from their start on a new
-pool (their seeds make the rerun identical). An episode past ``episode_timeout_s`` (a hung
-simulator) is marked ``"timeout"`` the same way. A worker that dies (killed, a crash in native
-code) fails the episode it was running; if it hosted several running episodes, they are run
-again with one env per process from then on, so that a second death names the culprit.
+episode or stepping it marks that episode ``"failed"`` (with the worker's traceback). With
+``on_env_failure="restart"`` (the default) the pool's restart machinery rebuilds that env in its
+worker and its slot goes on with its next planned episodes, with their own seeds (each reset
+notes in a :class:`~torchrl_asyncpool.evaluation.episodes.PlanProgress` file which planned
+episode it starts; a rebuilt env gets the rest of its slot's plan), so nothing else stops;
+past the restart budget, or with ``"new_pool"``, the pool is closed and the episodes that were
+still running are run again from their start on a new pool (their seeds make the rerun
+identical). An episode past ``episode_timeout_s`` (a hung simulator) is marked ``"timeout"``
+and its pool closed the same way. A worker that dies (killed, a crash in native code) fails the
+episode it was running; if it hosted several running episodes, they are run again with one env
+per process (after the pool's other episodes, when the pool replaced the dead worker), so that a
+second death names the culprit.
 
 A failure of the evaluation itself (the policy raises) raises :class:`EvaluationError`, which
 carries every result: the finished episodes' as they ended, the others failed with the cause.
@@ -192,6 +198,20 @@ def evaluate(
         close_timeout_s (float): seconds the workers get to close their envs each time a pool
             is closed, before they are killed (a worker whose env hung is killed at once).
             Defaults to ``10.0``: a simulator may take seconds to shut down its own processes.
+        on_env_failure (str): what an env that raises (in a reset or a step) costs besides its
+            episode, which is ``"failed"`` either way. ``"restart"`` (default): the env is
+            rebuilt in its worker (:class:`~torchrl_asyncpool.AsyncEnvPool`'s
+            ``on_env_failure="restart"``) and its slot goes on with its next planned episodes,
+            with their own seeds; the other envs never stop, and a worker process that dies is
+            replaced the same way. ``"new_pool"``: the pool is closed and the episodes that were
+            running run again from their start on a new pool (what happens past the budget too).
+            The results are the same (same seeds); only the time differs.
+        max_restarts_per_env (int): env rebuilds allowed per env within ``restart_window_s``
+            (default 3 in 60 s); one more failure is handled as with ``"new_pool"``.
+        restart_window_s (float): the window of ``max_restarts_per_env``, in seconds.
+        max_restarts (int or None): env rebuilds allowed over the whole evaluation, all envs
+            and pools together. Defaults to ``100``; ``None``: no cap; ``0``: as ``"new_pool"``.
+            Once spent, failures are handled as with ``"new_pool"``.
 
     Returns:
         list of :class:`~torchrl_asyncpool.evaluation.EpisodeResult`, one per episode, in order.
@@ -208,7 +228,8 @@ def evaluate(
             ``KeyboardInterrupt``.
         Exception: what ``create_env_fn`` raised when the pool built its first env, in this
             process, to learn the specs (before any episode ran; nothing to report), and the
-            ``ValueError``/``TypeError`` of bad arguments.
+            ``ValueError``/``TypeError`` of bad arguments (``on_env_failure`` other than
+            ``"restart"`` or ``"new_pool"``, a restart budget that is not a positive count).
 
     Examples:
         >>> import gymnasium as gym, torch
