@@ -1,5 +1,6 @@
-"""Soak test of ``on_env_failure="restart"``: a long collection with an env failure every
-``--fault-every`` transitions, against the same run without faults.
+"""Soak test of ``on_env_failure="restart"``: a long collection with a fault every
+``--fault-every`` transitions (envs that raise, steps that hang past ``step_timeout``, worker
+processes SIGKILLed), against the same run without faults.
 
 Every transition is checked with the oracle (exactly once, in order, cut episodes marked), and
 the script reports frames/s of both runs (and their ratio), the restarts, the resident memory
@@ -17,6 +18,8 @@ import argparse
 import functools
 import json
 import os
+import random
+import signal
 import time
 
 from torchrl_asyncpool import AsyncPoolCollector
@@ -44,37 +47,53 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def run(num_envs: int, frames: int, fault_every: int | None, batch: int) -> dict:
-    """One collection of ``frames`` oracle-checked transitions. ``fault_every``: each env (and
-    each rebuilt one) fails on every ``fault_every``-th of its own steps, so the pool sees one
-    failure per ``fault_every`` transitions on average, in bursts of about ``num_envs`` failures
-    every ``num_envs * fault_every`` transitions; ``None``: no faults."""
+def run(num_envs: int, frames: int, fault_every: int | None, batch: int, step_timeout: float) -> dict:
+    """One collection of ``frames`` oracle-checked transitions. ``fault_every``: about one fault
+    per ``fault_every`` transitions, a third of each kind: an env that raises in its step (the
+    even envs, every ``1.5 * fault_every`` of their own steps), a step that hangs until
+    ``step_timeout`` kills its worker (the odd envs, as often), and a worker process SIGKILLed
+    by this script (every ``3 * fault_every`` delivered transitions); ``None``: no faults."""
     shm_before = set(os.listdir("/dev/shm"))
-    fail = {} if fault_every is None else {"fail_at_step": max(1, fault_every)}
-    factories = [functools.partial(OracleEnv, env_id=i, **fail) for i in range(num_envs)]
+    period = None if fault_every is None else max(1, int(1.5 * fault_every))
+    factories = [functools.partial(OracleEnv, env_id=i, fail_at_step=period if i % 2 == 0 else None,
+                                   hang_at_step=period if i % 2 == 1 else None) for i in range(num_envs)]
     checker = OracleChecker()
     collector = AsyncPoolCollector(factories, policy=OracleTagPolicy(), frames_per_batch=batch, total_frames=frames,
-                                   on_env_failure="restart", max_restarts_per_env=10_000, max_restarts=None)
-    workers = list(collector.env.worker_pids)
+                                   envs_per_worker=2, on_env_failure="restart", max_restarts_per_env=10_000,
+                                   max_restarts=None, step_timeout=step_timeout)
+    pool = collector.env
+    seen = set(pool.worker_pids)
+    rng = random.Random(0)
     it = iter(collector)
     first = next(it)  # start-up excluded from the rate
     checker.observe_transitions(first)
-    rss0 = {"driver": _rss_mb(os.getpid()), "workers": sum(_rss_mb(p) for p in workers)}
-    t0, done = time.perf_counter(), first.numel()
+    rss0 = {"driver": _rss_mb(os.getpid()), "workers": sum(_rss_mb(p) for p in pool.worker_pids)}
+    t0, done, kills = time.perf_counter(), first.numel(), 0
+    next_kill = None if fault_every is None else 3 * fault_every
     for b in it:
         checker.observe_transitions(b)
         done += b.numel()
+        if next_kill is not None and done >= next_kill:
+            next_kill += 3 * fault_every
+            pid = rng.choice(pool.worker_pids)
+            try:
+                os.kill(pid, signal.SIGKILL)
+                kills += 1
+            except ProcessLookupError:  # already dead (a hung step's kill), not yet replaced
+                pass
+        seen.update(pool.worker_pids)
     elapsed = time.perf_counter() - t0
-    rss1 = {"driver": _rss_mb(os.getpid()), "workers": sum(_rss_mb(p) for p in workers)}
-    restarts = collector.pool_metrics()["env_restarts"]
+    rss1 = {"driver": _rss_mb(os.getpid()), "workers": sum(_rss_mb(p) for p in pool.worker_pids)}
+    metrics = collector.pool_metrics()
     collector.shutdown()
     time.sleep(0.5)
     return {
         "faults": fault_every is not None, "frames": done, "fps": (done - first.numel()) / elapsed,
-        "restarts": restarts, "restarts_delivered": checker.restarts, "rss_start_mb": rss0, "rss_end_mb": rss1,
+        "env_restarts": metrics["env_restarts"], "worker_restarts": metrics["worker_restarts"],
+        "workers_killed": kills, "restarts_delivered": checker.restarts, "rss_start_mb": rss0, "rss_end_mb": rss1,
         "shm_left": sorted(set(os.listdir("/dev/shm")) - shm_before - {f for f in os.listdir("/dev/shm")
                                                                       if f.startswith("sem.mp-")}),
-        "processes_left": [p for p in workers if _alive(p)],  # the worker processes, after shutdown
+        "processes_left": sorted(p for p in seen if _alive(p)),  # every worker process, after shutdown
     }
 
 
@@ -82,15 +101,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--frames", type=int, default=1_000_000, help="transitions per run")
     p.add_argument("--fault-every", type=int, default=20_000,
-                   help="transitions per env failure, on average (each env fails every this many of its steps)")
-    p.add_argument("--envs", type=int, default=16, help="oracle envs")
+                   help="transitions per fault, on average (env failures, hung steps and killed workers)")
+    p.add_argument("--envs", type=int, default=16, help="oracle envs (two per worker process)")
     p.add_argument("--batch", type=int, default=4096, help="frames_per_batch")
+    p.add_argument("--step-timeout", type=float, default=0.5, help="seconds before a hung step's worker is killed")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
-    rows = [run(args.envs, args.frames, None, args.batch), run(args.envs, args.frames, args.fault_every, args.batch)]
+    rows = [run(args.envs, args.frames, fault, args.batch, args.step_timeout) for fault in (None, args.fault_every)]
     for r in rows:
         print(f"{'faults' if r['faults'] else 'clean '}: {r['frames']} frames at {r['fps']:,.0f}/s, "
-              f"{r['restarts']} restarts ({r['restarts_delivered']} cut episodes delivered), RSS driver "
+              f"{r['env_restarts']} env rebuilds, {r['worker_restarts']} workers replaced ({r['workers_killed']} "
+              f"killed by this script), {r['restarts_delivered']} cut episodes delivered, RSS driver "
               f"{r['rss_start_mb']['driver']:.0f} -> {r['rss_end_mb']['driver']:.0f} MB, workers "
               f"{r['rss_start_mb']['workers']:.0f} -> {r['rss_end_mb']['workers']:.0f} MB, /dev/shm left "
               f"{r['shm_left']}, processes left {r['processes_left']}")

@@ -143,8 +143,9 @@ def test_metrics_keys_and_values():
     with AsyncEnvPool(oracle_factories(4), envs_per_worker=2) as pool:
         _drive(pool, checker, steps=50)
         m = pool.metrics(reset=True)
-        # every key always, but env_restarts (with restarts only) and one slots_<path> per path in use
-        assert set(m) == (set(METRIC_KEYS) - {"env_restarts", "slots_<path>"}) | {"slots_torchrl"}
+        # every key always, but env_restarts and worker_restarts (with restarts only) and one
+        # slots_<path> per path in use
+        assert set(m) == (set(METRIC_KEYS) - {"env_restarts", "worker_restarts", "slots_<path>"}) | {"slots_torchrl"}
         assert m["slots_torchrl"] == 4
         assert (m["num_workers"], m["envs_per_worker"], m["env_threads"]) == (2, 2, 0) and m["idle_poll"] in (0, 1)
         assert m["frames"] == checker.records
