@@ -110,6 +110,35 @@ def test_an_env_that_crashes_once_is_rebuilt_and_the_pool_keeps_its_size(clean, 
     assert sorted(int(seed) for pid, seed in lines if int(pid) != os.getpid()) == [e.seed for e in _EPISODES]
 
 
+class _Killing(_Flaky):
+    """Its worker process dies (SIGKILL, as a native crash would) at step 2 of seed ``kill_seed``."""
+
+    def __init__(self, kill_seed, log_dir=None):
+        super().__init__(log_dir=log_dir)
+        self.kill_seed = kill_seed
+
+    def step(self, action):
+        if self.seed == self.kill_seed and self.t == 1:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().step(action)
+
+
+def test_a_dead_worker_is_replaced_and_its_slot_goes_on_with_the_planned_seeds(clean, pools, tmp_path):
+    """ep1's worker (one env) is killed: ep1 fails ("its worker died"), the replacement process
+    builds the env again and runs ep4 and ep7 with their own seeds (it reads how far the slot
+    got from the plan's progress file), and every other episode ends as without the death."""
+    make = functools.partial(_Killing, kill_seed=11, log_dir=str(tmp_path))
+    results = evaluate(make, _balance, _EPISODES, num_envs=3, envs_per_worker=1)
+    assert results[1].status == "failed" and results[1].error.startswith("its worker died"), results[1]
+    assert "signal 9" in results[1].error
+    _check_against_clean_run(results, clean, failed={"ep1"})
+    assert len(pools) == 1 and pools[0].worker_restarts == 1  # the pool replaced the worker, kept its size
+    lines = [line.split() for line in (tmp_path / "resets").read_text().splitlines()]
+    assert sorted(int(seed) for pid, seed in lines if int(pid) != os.getpid()) == [e.seed for e in _EPISODES]
+
+
 def test_a_failed_reset_fails_its_episode_and_the_slot_goes_on(clean, pools):
     make = functools.partial(_Flaky, bad_reset_seeds=(13,))  # ep3: slot 0's second episode
     results = evaluate(make, _balance, _EPISODES, num_envs=3, envs_per_worker=1)
