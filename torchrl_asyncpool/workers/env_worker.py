@@ -758,7 +758,7 @@ class _Stepper:
         self.delivery = worker.delivery
         self.restarts = worker.restarts
         # what the pool's watchdog reads (None: the pool does not watch this worker)
-        self.watcher = Watcher(worker.watch, worker.arena) if worker.watch is not None else None
+        self.watcher = Watcher(worker.watch, worker.arena, worker.exchange) if worker.watch is not None else None
         self.phase, self.current = "construction", None
 
     def note(self, phase, current):
@@ -954,11 +954,11 @@ class _Stepper:
                 if watcher is not None:
                     watcher.end_eager_reset(slot.index)
 
-    def _rebuild(self, slot, phase):
+    def _rebuild(self, slot, phase, tb=None):
         """Replaces ``slot``'s env, which just raised in ``phase`` (called from the ``except``):
         counts the failure against the budget (raising past it), closes the env and builds a new
         one from the same factory, with the seed of its rebuild. Failures to build count too."""
-        tb = traceback.format_exc()
+        tb = traceback.format_exc() if tb is None else tb
         failed = slot.adapter  # the env to close before the next build
         while True:
             _check_life(self.worker.life_fd)
@@ -1053,11 +1053,13 @@ class _Stepper:
     def _restarted_reset(self, slot):
         """The reset of a slot whose reset failed: rebuild and reset until one works (or the
         budget runs out); its FIRST record is marked as a restart's."""
+        tb = traceback.format_exc()  # the failed reset's (called from its except)
         while True:
-            self._rebuild(slot, "reset")
+            self._rebuild(slot, "reset", tb)
             try:
                 obs = self.timed_reset(slot)
             except Exception:  # noqa: BLE001 - counted by the next _rebuild
+                tb = traceback.format_exc()  # here: _rebuild runs outside this except
                 continue
             slot.reborn = True
             return obs

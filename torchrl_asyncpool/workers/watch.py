@@ -37,6 +37,7 @@ import numpy as np
 
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena
+from torchrl_asyncpool.exchange.native import row_copier
 
 __all__ = ["WorkerWatch", "Watcher", "shadow_keys", "hung_slots"]
 
@@ -80,7 +81,7 @@ class WorkerWatch:
 class Watcher:
     """A worker's (or one env thread's) side of :class:`WorkerWatch`, over its arena."""
 
-    def __init__(self, watch: WorkerWatch, arena: Arena):
+    def __init__(self, watch: WorkerWatch, arena: Arena, exchange: str = "python"):
         self.busy, self.busy_pos = arena.busy_since, arena.busy_pos
         self.ready_time, self.lease_time, self.state = arena.ready_time, arena.lease_time, arena.state
         self.shadow = None
@@ -89,12 +90,17 @@ class Watcher:
             self.shadow = Arena.attach(arena.layout, watch.shadow_fd.fd)
             self.pairs = [(arena.request.get(k).numpy(), self.shadow.request.get(k).numpy())
                           for k in shadow_keys(arena.layout)]
+        # the shadow copy of a slot in one C call (None: numpy's stores, one per field)
+        self._rows = row_copier(exchange, self.pairs) if self.pairs else None
 
     def begin(self, i: int, chunk_row: int = -1) -> None:
         """Slot ``i``'s step (or the reset whose record it is about to write) begins; its
         transition goes to chunk row ``chunk_row`` (-1: none)."""
-        for rows, shadow in self.pairs:
-            shadow[i] = rows[i]
+        if self._rows is not None:
+            self._rows.copy_one(i, i)
+        else:
+            for rows, shadow in self.pairs:
+                shadow[i] = rows[i]
         self.busy_pos[i] = chunk_row
         self.busy[i] = time.monotonic()  # last: see the module docstring
 
