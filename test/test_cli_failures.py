@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -250,10 +251,11 @@ def test_ctrl_c_in_env_host_exits_130_with_a_summary(tmp_path):
     _one_summary_line(output, "torchrl-asyncpool env-host: interrupted; 0 steps")
 
 
-@pytest.mark.slow
 def test_ctrl_c_while_eval_starts_writes_every_result_and_exits_130(tmp_path):
     """Ctrl-C while the fork server imports torch: it used to kill the fork server, and eval
-    then failed with BrokenPipeError/EOFError, "no results written", exit status 3."""
+    then failed with BrokenPipeError/EOFError, "no results written", exit status 3; later the
+    pool's start waited for the fork server's whole import (seconds idle, 14 s on a busy
+    machine) before it could be abandoned. Now eval stops before any pool starts."""
     out = tmp_path / "results.json"
     cmd = _Command(["eval", "--episodes", "50", "--num-envs", "4", "--output", str(out)], tmp_path)
     try:
@@ -264,9 +266,64 @@ def test_ctrl_c_while_eval_starts_writes_every_result_and_exits_130(tmp_path):
     assert code == 130, output[-3000:]
     assert took < EXIT_BOUND_S, f"{took:.1f} s"
     assert "Traceback" not in output and "no results written" not in output, output[-3000:]
+    # stopped where it was, not by a drain that first waited for the fork server to answer
+    _one_summary_line(output, "torchrl-asyncpool eval: interrupted before the first episode started; 50 episodes")
     episodes = json.loads(out.read_text())["episodes"]
     assert len(episodes) == 50
-    assert any(e.get("error", "") and e["error"].startswith("not started") for e in episodes), episodes[:3]
+    assert all(e["error"].startswith("not started") for e in episodes), episodes[:3]
+
+
+def test_ctrl_c_while_eval_runs_writes_every_result_and_exits_130(tmp_path):
+    """The drain: the running episodes finish, the others are written "not started", and the
+    summary is the last line (a resource-tracker warning about tqdm's semaphore used to follow it)."""
+    out = tmp_path / "results.json"
+    cmd = _Command(["eval", "--episodes", "3000", "--num-envs", "4", "--output", str(out)], tmp_path)
+    try:
+        cmd.wait_for(lambda c: re.search(r"\b[1-9][0-9]*/3000\b", c.output))  # episodes are finishing
+        code, took, output = cmd.ctrl_c()
+    finally:
+        cmd.kill()
+    assert code == 130, output[-3000:]
+    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    assert "leaked" not in output, output[-3000:]
+    _one_summary_line(output, "3000 episodes in")
+    episodes = json.loads(out.read_text())["episodes"]
+    assert len(episodes) == 3000 and episodes[-1]["error"].startswith("not started"), episodes[-1]
+    assert any(e["status"] == "completed" for e in episodes)
+
+
+def test_a_ctrl_c_as_the_command_exits_ends_in_one_line_and_130(tmp_path):
+    """Once the command has returned, the process used to spend seconds in torch's destructors,
+    and a Ctrl-C then killed it by SIGINT (or, during the atexit functions, printed a
+    traceback). Here the Ctrl-C comes from an atexit function, as the process exits."""
+    code = ("import atexit, os, signal, sys, time\n"
+            "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(5)))\n"
+            "from torchrl_asyncpool.cli import main\n"
+            "sys.argv = ['torchrl-asyncpool', 'eval', '--episodes', '2', '--validate-only']\n"
+            "sys.exit(main())\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 130, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "2 episodes of CartPole-v1 are valid" in proc.stdout
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("torchrl-asyncpool eval: interrupted while exiting")
+
+
+def test_a_ctrl_c_while_the_demo_shuts_down_reports_its_progress(monkeypatch):
+    """Ctrl-C while the collector shuts down after the last batch: the summary said
+    "interrupted before training started"."""
+    from torchrl_asyncpool.collector import AsyncPoolCollector
+
+    shutdown = AsyncPoolCollector.shutdown
+
+    def interrupted_shutdown(self, *args, **kwargs):
+        shutdown(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(AsyncPoolCollector, "shutdown", interrupted_shutdown)
+    with pytest.raises(KeyboardInterrupt) as info:
+        cli.train_impala_demo(total_frames=512, num_envs=2, frames_per_batch=256, progress=False)
+    assert info.value.demo_progress["frames"] == 512, info.value.demo_progress
 
 
 @pytest.mark.slow

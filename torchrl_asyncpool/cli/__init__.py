@@ -15,7 +15,6 @@ Each command lives in its own module of this package (``demo``, ``eval``, ``benc
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from torchrl_asyncpool.cli import bench, demo, env_host
@@ -129,14 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # not handled by the command itself (e.g. while torch is imported)
         print(f"\ntorchrl-asyncpool{command}: interrupted.", file=sys.stderr)
         code = 130
-    if argv is None and code in (130, 143):
-        # the command line after Ctrl-C / SIGTERM: the command has closed what it started and
-        # printed its summary; tearing the interpreter down (torch's modules) took seconds on a
-        # busy machine, so the process ends here. (Callers passing argv get the status back.)
-        from torchrl_asyncpool.cli._common import _stop_fork_server
+    if argv is None:
+        # the command line: the command has closed what it started and printed its summary; the
+        # process ends now, not after seconds of tearing torch down (callers passing argv get
+        # the status back)
+        from torchrl_asyncpool.cli._common import _exit_process
 
-        _stop_fork_server()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_process(code, command)
     return code

@@ -1,8 +1,10 @@
-"""What several commands of ``torchrl-asyncpool`` share: the fork server's start, option types."""
+"""What several commands of ``torchrl-asyncpool`` share: the fork server's start, option types,
+the end of the process."""
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 
 def _start_fork_server() -> None:
@@ -32,6 +34,36 @@ def _start_fork_server() -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
+def _wait_fork_server_ready(poll_s: float = 0.05) -> None:
+    """Returns once the fork server started by :func:`_start_fork_server` has imported its
+    preload list (or is gone); a Ctrl-C meanwhile raises ``KeyboardInterrupt`` here at once.
+
+    A pool that starts before then waits, inside ``multiprocessing``, for the fork server to
+    answer its first start request, a wait that nothing can cut short: seconds on an idle
+    machine, tens of seconds on a busy one. A command that has work to abandon cleanly on Ctrl-C
+    (``eval`` writes every episode's result) waits here instead. Ready is seen in
+    ``/proc/PID/status``: the fork server installs its ``SIGCHLD`` handler once its preload is
+    imported, right before it serves its first request.
+    """
+    import signal
+    import time
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if not pid:
+        return
+    bit = 1 << (signal.SIGCHLD - 1)
+    while True:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+        except OSError:  # gone (or no /proc): the pool's start reports what happened
+            return
+        if fields.get("State", "").split()[:1] in (["Z"], ["X"]) or int(fields.get("SigCgt", "0"), 16) & bit:
+            return
+        time.sleep(poll_s)
+
+
 def _positive_int(text: str) -> int:
     """An ``int`` >= 1 (argparse names the option when this raises)."""
     try:
@@ -56,3 +88,65 @@ def _stop_fork_server() -> None:
             os.kill(pid, signal.SIGTERM)
         except OSError:  # already gone
             pass
+
+
+def _release_semaphores() -> None:
+    """Unlinks the named semaphores this process created (``multiprocessing`` locks, e.g.
+    tqdm's), as a normal exit does; after ``os._exit`` the resource tracker would find them
+    and print a "leaked semaphore objects" warning below the command's summary line."""
+    from multiprocessing import synchronize, util
+
+    for finalizer in list(getattr(util, "_finalizer_registry", {}).values()):
+        if getattr(finalizer, "_callback", None) is synchronize.SemLock._cleanup:
+            try:
+                finalizer()
+            except Exception:  # noqa: BLE001 - already unlinked: nothing left to release
+                pass
+
+
+def _exit_process(code: int, command: str) -> None:
+    """Ends the ``torchrl-asyncpool`` process with ``code`` once its command has returned; never
+    returns.
+
+    The command has closed what it started and printed its summary. Python's own exit then
+    spends seconds in torch's and TorchRL's C++ destructors (2-3 s on an idle 2-core machine,
+    more on a busy one), and a Ctrl-C in that time killed the process by SIGINT, with no word.
+    Here the exit is immediate: the threads that are not daemons are joined and the ``atexit``
+    functions run, as Python's exit would (after Ctrl-C or SIGTERM, status 130 or 143, only the
+    semaphores are released), the fork server is stopped, then ``os._exit``. A Ctrl-C meanwhile
+    ends the process at once with status 130 and one line.
+    """
+    import signal
+    import threading
+
+    def flush():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe (`| head`) or stream: nothing more to say
+                pass
+
+    def late_ctrl_c(signum, frame):
+        if code not in (130, 143):  # it had finished: say so, once
+            print(f"\ntorchrl-asyncpool{command}: interrupted while exiting; the command had finished "
+                  "(its output is above).", file=sys.stderr)
+        flush()
+        os._exit(130 if code not in (130, 143) else code)
+
+    signal.signal(signal.SIGINT, late_ctrl_c)
+    try:
+        if code in (130, 143):
+            _release_semaphores()
+        else:
+            for thread in threading.enumerate():
+                if thread is not threading.current_thread() and not thread.daemon:
+                    thread.join()
+            import atexit
+
+            atexit._run_exitfuncs()
+        # its children are gone; left alone, it would tear torch down for a second or more once it
+        # notices this process's exit, holding the command's stdout and stderr open meanwhile
+        _stop_fork_server()
+    finally:
+        flush()
+        os._exit(code)

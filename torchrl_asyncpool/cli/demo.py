@@ -82,31 +82,33 @@ def train_impala_demo(
     pbar = tqdm.tqdm(total=total_frames, unit="frames", disable=not progress, dynamic_ncols=True, smoothing=0)
     t0 = time.monotonic()
     try:
-        for it, batch in enumerate(collector):
-            frames += batch.numel()
-            batch = group_by_env(batch)  # each env's transitions: one contiguous, time-ordered run
-            returns = tracker.update(batch)
-            recent.extend(returns)
-            episodes += len(returns)
-            lag_sum += (collector.policy_version - batch["policy_version"]).float().mean().item()
-            # V-trace targets, the loss and one gradient step, as impala_cartpole.py's learner
-            last_loss = impala_update(agent, optim, batch, gamma=gamma, ent_coef=ent_coef)["loss"]
-            collector.update_policy_weights_(agent.state_dict())  # copied into the acting policy
+        try:
+            for it, batch in enumerate(collector):
+                frames += batch.numel()
+                batch = group_by_env(batch)  # each env's transitions: one contiguous, time-ordered run
+                returns = tracker.update(batch)
+                recent.extend(returns)
+                episodes += len(returns)
+                lag_sum += (collector.policy_version - batch["policy_version"]).float().mean().item()
+                # V-trace targets, the loss and one gradient step, as impala_cartpole.py's learner
+                last_loss = impala_update(agent, optim, batch, gamma=gamma, ent_coef=ent_coef)["loss"]
+                collector.update_policy_weights_(agent.state_dict())  # copied into the acting policy
 
-            pool = collector.pool_metrics()
-            mean_ret = sum(recent) / len(recent) if recent else float("nan")
-            pbar.update(batch.numel())
-            pbar.set_postfix(ret=f"{mean_ret:.1f}", fill=f"{pool['batch_fill_ratio']:.2f}")
-            if len(recent) == window and mean_ret >= target_return:
-                reached = True
-                break
-    except KeyboardInterrupt as exc:  # what was reached so far travels with it (the CLI's summary line)
+                pool = collector.pool_metrics()
+                mean_ret = sum(recent) / len(recent) if recent else float("nan")
+                pbar.update(batch.numel())
+                pbar.set_postfix(ret=f"{mean_ret:.1f}", fill=f"{pool['batch_fill_ratio']:.2f}")
+                if len(recent) == window and mean_ret >= target_return:
+                    reached = True
+                    break
+        finally:
+            pbar.close()
+            collector.shutdown()
+    except KeyboardInterrupt as exc:  # what was reached so far travels with it (the CLI's summary line),
+        # also when it came while the collector was shutting down after the last batch
         exc.demo_progress = {"frames": frames, "time_s": time.monotonic() - t0, "episodes": episodes,
                              "mean_return": sum(recent) / len(recent) if recent else float("nan")}
         raise
-    finally:
-        pbar.close()
-        collector.shutdown()
     elapsed = time.monotonic() - t0
     return {
         "frames": frames,

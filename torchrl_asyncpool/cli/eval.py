@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from torchrl_asyncpool.cli._common import _start_fork_server
+from torchrl_asyncpool.cli._common import _start_fork_server, _wait_fork_server_ready
 
 
 def _random_policy(action_space):
@@ -88,6 +88,20 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from torchrl_asyncpool.evaluation.runner import resolve_policy_device
 
     episodes = None
+
+    def interrupted_before_the_first_episode() -> int:  # every episode is written, none started
+        results = [EpisodeResult(e.episode_id, "failed", seed=e.seed, error="not started: the evaluation was stopped")
+                   for e in episodes]
+        try:
+            write_results(results, args.output)
+        except OSError as exc:
+            print(f"\ntorchrl-asyncpool eval: interrupted before the first episode started; could not write the "
+                  f"results: {exc}", file=sys.stderr)
+            return 130
+        print(f"\ntorchrl-asyncpool eval: interrupted before the first episode started; {len(results)} episodes "
+              f"reported not started in {args.output}.", file=sys.stderr)
+        return 130
+
     try:
         _check_eval_args(args)
         if args.manifest:
@@ -106,16 +120,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # before the run: a real run still writes every episode, none started
         if episodes is None or args.validate_only or args.capacity_smoke:
             raise
-        results = [EpisodeResult(e.episode_id, "failed", seed=e.seed, error="not started: the evaluation was stopped")
-                   for e in episodes]
-        write_results(results, args.output)
-        print(f"\ntorchrl-asyncpool eval: interrupted before the first episode started; {len(results)} episodes "
-              f"reported not started in {args.output}.", file=sys.stderr)
-        return 130
+        return interrupted_before_the_first_episode()
     if args.validate_only:
         print(f"{len(episodes)} episodes of {args.env_id} are valid; nothing was run.")
         return _EVAL_OK
-    _start_fork_server()
+    try:
+        _start_fork_server()
+        # a Ctrl-C while the fork server imports torch stops here at once; the pool's start would
+        # wait for the fork server's first answer, seconds (tens of seconds on a busy machine)
+        _wait_fork_server_ready()
+    except KeyboardInterrupt:
+        if args.capacity_smoke:
+            raise
+        return interrupted_before_the_first_episode()
     if args.capacity_smoke:
         from torchrl_asyncpool.errors import EnvError, WorkerDiedError
         from torchrl_asyncpool.evaluation import check_capacity
