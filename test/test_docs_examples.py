@@ -109,3 +109,35 @@ def test_python_is_not_hidden_in_literal_blocks(page):
             if _LITERAL_PYTHON.match(first):
                 hidden.append(f"{page.name}:{i + 1}: {first}")
     assert not hidden, "Python in literal blocks (write them as '.. code-block:: python'):\n" + "\n".join(hidden)
+
+
+_RST_DIRECTIVE = re.compile(r"^\s*\.\. (code-block|code|sourcecode|testcode|doctest|ipython)::\s*(\S*)")
+_NOT_PYTHON = {"bash", "console", "text", "shell", "sh", "none"}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_code_block_is_found_or_not_python(page):
+    """The runner above finds ```` ```python ```` fences and ``.. code-block:: python``; Python
+    written any other way (```` ```py ````, ``.. code:: python``, ``.. doctest::``, a ``>>>``
+    prompt outside a block it runs) would never run in CI. Other blocks must name a language
+    that is not Python."""
+    lines = page.read_text().splitlines()
+    unrun = []
+    for i, line in enumerate(lines):
+        if page.suffix == ".md" and line.strip().startswith("```") and line.strip() != "```":
+            language = line.strip()[3:].strip()
+            if language != "python" and language not in _NOT_PYTHON:
+                unrun.append(f"{page.name}:{i + 1}: {line.strip()}")
+        elif page.suffix == ".rst":
+            m = _RST_DIRECTIVE.match(line)
+            run_or_not_python = m and m.group(1) == "code-block" and m.group(2) in ("python", "python3", *_NOT_PYTHON)
+            if m and not run_or_not_python:
+                unrun.append(f"{page.name}:{i + 1}: {line.strip()}")
+            if line.lstrip().startswith(">>>"):
+                unrun.append(f"{page.name}:{i + 1}: {line.strip()}")
+    found = len(python_blocks(page))
+    fences = sum(line.strip() == "```python" for line in lines) if page.suffix == ".md" else sum(
+        bool(re.fullmatch(r"\s*\.\. code-block:: python3?\s*", line)) for line in lines)
+    assert found == fences, f"{page.name}: {fences} Python blocks, {found} found by the runner"
+    assert not unrun, "Python blocks CI would not run (write them as '.. code-block:: python' / '```python'):\n" + \
+        "\n".join(unrun)
