@@ -48,18 +48,25 @@ def _alive(pid: int) -> bool:
 
 
 def run(num_envs: int, frames: int, fault_every: int | None, batch: int, step_timeout: float) -> dict:
-    """One collection of ``frames`` oracle-checked transitions. ``fault_every``: about one fault
-    per ``fault_every`` transitions, a third of each kind: an env that raises in its step (the
-    even envs, every ``1.5 * fault_every`` of their own steps), a step that hangs until
-    ``step_timeout`` kills its worker (the odd envs, as often), and a worker process SIGKILLed
-    by this script (every ``3 * fault_every`` delivered transitions); ``None``: no faults."""
+    """One collection of ``frames`` oracle-checked transitions, one env per worker process.
+    ``fault_every``: about one fault per ``fault_every`` transitions, a third of each kind: an
+    env of the first quarter raises in its step, one of the second quarter hangs until
+    ``step_timeout`` kills its worker (each every ``12 * fault_every / num_envs`` of its own
+    steps), and this script SIGKILLs the worker of an env of the second half every ``3 *
+    fault_every`` delivered transitions; ``None``: no faults."""
     shm_before = set(os.listdir("/dev/shm"))
-    period = None if fault_every is None else max(1, int(1.5 * fault_every))
-    factories = [functools.partial(OracleEnv, env_id=i, fail_at_step=period if i % 2 == 0 else None,
-                                   hang_at_step=period if i % 2 == 1 else None) for i in range(num_envs)]
+    period = None if fault_every is None else max(1, 12 * fault_every // num_envs)
+    quarter = max(1, num_envs // 4)
+
+    def faults(i):
+        if period is None or i >= 2 * quarter:
+            return {}
+        return {"fail_at_step": period} if i < quarter else {"hang_at_step": period}
+
+    factories = [functools.partial(OracleEnv, env_id=i, **faults(i)) for i in range(num_envs)]
     checker = OracleChecker()
     collector = AsyncPoolCollector(factories, policy=OracleTagPolicy(), frames_per_batch=batch, total_frames=frames,
-                                   envs_per_worker=2, on_env_failure="restart", max_restarts_per_env=10_000,
+                                   envs_per_worker=1, on_env_failure="restart", max_restarts_per_env=10_000,
                                    max_restarts=None, step_timeout=step_timeout)
     pool = collector.env
     seen = set(pool.worker_pids)
@@ -75,7 +82,7 @@ def run(num_envs: int, frames: int, fault_every: int | None, batch: int, step_ti
         done += b.numel()
         if next_kill is not None and done >= next_kill:
             next_kill += 3 * fault_every
-            pid = rng.choice(pool.worker_pids)
+            pid = pool.worker_pids[rng.randrange(2 * quarter, num_envs)]
             try:
                 os.kill(pid, signal.SIGKILL)
                 kills += 1
@@ -102,7 +109,7 @@ def main() -> None:
     p.add_argument("--frames", type=int, default=1_000_000, help="transitions per run")
     p.add_argument("--fault-every", type=int, default=20_000,
                    help="transitions per fault, on average (env failures, hung steps and killed workers)")
-    p.add_argument("--envs", type=int, default=16, help="oracle envs (two per worker process)")
+    p.add_argument("--envs", type=int, default=16, help="oracle envs")
     p.add_argument("--batch", type=int, default=4096, help="frames_per_batch")
     p.add_argument("--step-timeout", type=float, default=0.5, help="seconds before a hung step's worker is killed")
     p.add_argument("--json", help="also write the results here")
