@@ -165,11 +165,15 @@ class _Command:
 
         return any(is_fork_server(p) for p in self.descendants())
 
-    def ctrl_c(self, within=30.0):
-        """Ctrl-C to the whole group; returns (exit status, seconds to exit, output)."""
+    def ctrl_c(self, within=30.0, sig=signal.SIGINT):
+        """Ctrl-C to the whole group (``sig=SIGTERM``: to the command's process only, as a job
+        scheduler sends it); returns (exit status, seconds to exit, output)."""
         started = self.descendants()
         t0 = time.monotonic()
-        os.killpg(self.proc.pid, signal.SIGINT)
+        if sig == signal.SIGINT:
+            os.killpg(self.proc.pid, signal.SIGINT)
+        else:
+            os.kill(self.proc.pid, sig)
         try:
             self.proc.wait(timeout=within)
         except subprocess.TimeoutExpired:
@@ -271,6 +275,23 @@ def test_ctrl_c_while_eval_starts_writes_every_result_and_exits_130(tmp_path):
     episodes = json.loads(out.read_text())["episodes"]
     assert len(episodes) == 50
     assert all(e["error"].startswith("not started") for e in episodes), episodes[:3]
+
+
+def test_sigterm_while_eval_starts_writes_every_result_and_exits_143(tmp_path):
+    """The help promises SIGTERM stops as Ctrl-C does; before the episodes ran, SIGTERM killed
+    eval (status -15), with no results and no word."""
+    out = tmp_path / "results.json"
+    cmd = _Command(["eval", "--episodes", "20", "--num-envs", "2", "--output", str(out)], tmp_path)
+    try:
+        cmd.wait_for(_Command.fork_server_started)
+        code, took, output = cmd.ctrl_c(sig=signal.SIGTERM)
+    finally:
+        cmd.kill()
+    assert code == 143, output[-3000:]
+    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _one_summary_line(output, "torchrl-asyncpool eval: terminated (SIGTERM) before the first episode started; 20")
+    episodes = json.loads(out.read_text())["episodes"]
+    assert len(episodes) == 20 and all(e["error"].startswith("not started") for e in episodes), episodes[:3]
 
 
 def test_ctrl_c_while_eval_runs_writes_every_result_and_exits_130(tmp_path):

@@ -125,9 +125,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 2
         code = args.func(args)
-    except KeyboardInterrupt:  # not handled by the command itself (e.g. while torch is imported)
-        print(f"\ntorchrl-asyncpool{command}: interrupted.", file=sys.stderr)
-        code = 130
+    except KeyboardInterrupt as exc:  # not handled by the command itself (e.g. while torch is imported)
+        from torchrl_asyncpool.cli._common import Terminated
+
+        terminated = isinstance(exc, Terminated)  # SIGTERM, for a command that stops on it as on Ctrl-C
+        print(f"\ntorchrl-asyncpool{command}: {'terminated (SIGTERM)' if terminated else 'interrupted'}.",
+              file=sys.stderr)
+        code = 143 if terminated else 130
     if argv is None:
         # the command line: the command has closed what it started and printed its summary; the
         # process ends now, not after seconds of tearing torch down (callers passing argv get

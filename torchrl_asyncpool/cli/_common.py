@@ -64,6 +64,15 @@ def _wait_fork_server_ready(poll_s: float = 0.05) -> None:
         time.sleep(poll_s)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises ``KeyboardInterrupt`` by a command that stops on both
+    alike (``eval``); the command line's exit status is then 143 instead of 130."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
 def _positive_int(text: str) -> int:
     """An ``int`` >= 1 (argparse names the option when this raises)."""
     try:

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from torchrl_asyncpool.cli._common import _start_fork_server, _wait_fork_server_ready
+from torchrl_asyncpool.cli._common import Terminated, _raise_terminated, _start_fork_server, _wait_fork_server_ready
 
 
 def _random_policy(action_space):
@@ -73,6 +73,18 @@ def _check_eval_args(args: argparse.Namespace) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    import signal
+
+    # SIGTERM stops as Ctrl-C does from the start (the help promises both write every result);
+    # it used to kill the command, with no results and no word, until the episodes were running
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _eval(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _eval(args: argparse.Namespace) -> int:
     import gymnasium as gym
 
     from torchrl_asyncpool.evaluation import (
@@ -89,18 +101,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     episodes = None
 
-    def interrupted_before_the_first_episode() -> int:  # every episode is written, none started
+    def stopped_before_the_first_episode(exc: KeyboardInterrupt) -> int:  # every episode is written, none started
+        stopped, code = ("terminated (SIGTERM)", 143) if isinstance(exc, Terminated) else ("interrupted", 130)
         results = [EpisodeResult(e.episode_id, "failed", seed=e.seed, error="not started: the evaluation was stopped")
                    for e in episodes]
         try:
             write_results(results, args.output)
-        except OSError as exc:
-            print(f"\ntorchrl-asyncpool eval: interrupted before the first episode started; could not write the "
-                  f"results: {exc}", file=sys.stderr)
-            return 130
-        print(f"\ntorchrl-asyncpool eval: interrupted before the first episode started; {len(results)} episodes "
+        except OSError as err:
+            print(f"\ntorchrl-asyncpool eval: {stopped} before the first episode started; could not write the "
+                  f"results: {err}", file=sys.stderr)
+            return code
+        print(f"\ntorchrl-asyncpool eval: {stopped} before the first episode started; {len(results)} episodes "
               f"reported not started in {args.output}.", file=sys.stderr)
-        return 130
+        return code
 
     try:
         _check_eval_args(args)
@@ -117,10 +130,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     except (ValueError, OSError, gym.error.Error, ImportError, AttributeError) as exc:
         print(f"torchrl-asyncpool eval: {exc}", file=sys.stderr)
         return _EVAL_USAGE
-    except KeyboardInterrupt:  # before the run: a real run still writes every episode, none started
+    except KeyboardInterrupt as exc:  # before the run: a real run still writes every episode, none started
         if episodes is None or args.validate_only or args.capacity_smoke:
             raise
-        return interrupted_before_the_first_episode()
+        return stopped_before_the_first_episode(exc)
     if args.validate_only:
         print(f"{len(episodes)} episodes of {args.env_id} are valid; nothing was run.")
         return _EVAL_OK
@@ -129,10 +142,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         # a Ctrl-C while the fork server imports torch stops here at once; the pool's start would
         # wait for the fork server's first answer, seconds (tens of seconds on a busy machine)
         _wait_fork_server_ready()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if args.capacity_smoke:
             raise
-        return interrupted_before_the_first_episode()
+        return stopped_before_the_first_episode(exc)
     if args.capacity_smoke:
         from torchrl_asyncpool.errors import EnvError, WorkerDiedError
         from torchrl_asyncpool.evaluation import check_capacity
