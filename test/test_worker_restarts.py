@@ -171,6 +171,35 @@ def test_collector_delivers_total_frames_exactly_once_through_kills_hangs_and_en
         c.shutdown()
 
 
+def test_a_thread_server_on_its_own_replaces_dead_workers_while_it_serves(dev_shm_guard):
+    """No collector calling check_workers: the serving thread runs the pool's watchdog."""
+    import threading
+
+    from test_inference import _serve_until
+
+    from torchrl_asyncpool import InferenceServer
+    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+
+    rows, lock = [], threading.Lock()
+
+    def on_batch(name, request, response):
+        with lock:
+            rows.extend(zip(request["env_index"].tolist(), request["tag"].clone(), request["step_type"].tolist(),
+                            request["echo"].tolist(), request["env_restarted"].reshape(-1).tolist()))
+
+    with AsyncEnvPool(oracles(4), envs_per_worker=2, **UNLIMITED) as pool:
+        with InferenceServer(OracleTagPolicy(), on_batch=on_batch).start(pool) as server:
+            _serve_until(server, 200)
+            os.kill(pool.worker_pids[0], signal.SIGKILL)
+            os.kill(pool.worker_pids[1], signal.SIGKILL)  # every worker: nothing is ready until both are back
+            _serve_until(server, server.stats()["frames"] + 200)
+            assert pool.worker_restarts == 2
+    checker = OracleChecker()
+    for i, tag, st, echo, restarted in rows:  # every record the server answered, in order per env
+        checker.observe(i, tag, st, echo=echo, restarted=restarted)
+    assert checker.records >= 400 and checker.restarts >= 4
+
+
 def test_step_timeout_arguments_are_checked():
     for bad in (0, -1.0, "1", True):
         with pytest.raises(ValueError, match="step_timeout must be None or a positive number"):

@@ -209,13 +209,23 @@ class SlotConsumer:
         that never blocks in ``poll`` (where deaths are noticed at once) would otherwise pay one
         extra system call per batch. A dead worker's slots never become ready, so the delay
         loses nothing."""
-        if self._watchdog is not None and now - self._last_watch > _WATCH_PERIOD_S:
-            self._last_watch = now
-            self._watchdog()
+        self.watch(now)
         if now - self._last_sentinel_check > _SENTINEL_PERIOD_S:
             self._last_sentinel_check = now
             if self._sentinel_poller.poll(0):
                 self.raise_worker_errors()
+
+    def watch(self, now: float) -> None:
+        """Runs the watchdog if it has one and its period has passed: for a serving loop that
+        waits on its own (see ``inference/_loop.py``)."""
+        if self._watchdog is not None and now - self._last_watch > _WATCH_PERIOD_S:
+            self._last_watch = now
+            self._watchdog()
+
+    def wait_bound(self, remaining):
+        """A wait's timeout: ``remaining`` (seconds or ``None``), at most the watchdog's period
+        when there is one."""
+        return self._wait_bound(remaining)
 
     def _wait_bound(self, remaining):
         """A wait's timeout: ``remaining``, at most the watchdog's period when there is one."""

@@ -143,7 +143,8 @@ class ServingLoop:
                 # before calling recv(timeout=0), so it adds its wait to the same (consumer-only) sum
                 record_wait(self._pool_stats, self._waited)
                 return True
-            fired = self._waiter.wait(remaining)
+            self.consumer.watch(now)  # a pool's watchdog, when it has one (a clock check otherwise)
+            fired = self._waiter.wait(self.consumer.wait_bound(remaining))
             for fd in fired:
                 if fd in self._stop_fds:
                     return False

@@ -373,7 +373,10 @@ class InferenceServer:
         self.stamps_version = stamp
         # the backend starts held: weights given before start are published before the first lease
         if self.mode == "thread":
-            backend = _ThreadBackend(spec, handle, self._objects, self._factories, getattr(pool, "death_info", None))
+            # a pool that replaces dead or hung workers has the serving thread run its watchdog too
+            watchdog = getattr(pool, "_watchdog", None) if getattr(pool, "_watched", False) else None
+            backend = _ThreadBackend(spec, handle, self._objects, self._factories, getattr(pool, "death_info", None),
+                                     watchdog)
             backend.start()
         else:
             backend = transport or ProcessSlotTransport(
@@ -620,12 +623,13 @@ def _wait_version(server, name, version, timeout):
 class _ThreadBackend:
     """Serves from a thread of the calling process."""
 
-    def __init__(self, spec: ServerSpec, handle: ConsumerHandle, objects, factories, death_info):
+    def __init__(self, spec: ServerSpec, handle: ConsumerHandle, objects, factories, death_info, watchdog=None):
         self.spec = spec
         self.handle = handle
         self.objects = dict(objects)
         self.factories = dict(factories)
         self.death_info = death_info
+        self.watchdog = watchdog
         self.error: Optional[BaseException] = None
         self._thread = None
         self._stop = None
@@ -639,7 +643,7 @@ class _ThreadBackend:
             policies[name] = factory()
         self.policies = policies
         keys = policy_reads(policies.values(), self.handle.layout, self.spec.on_batch)
-        consumer = SlotConsumer(self.handle, death_info=self.death_info, keys=keys)
+        consumer = SlotConsumer(self.handle, death_info=self.death_info, keys=keys, watchdog=self.watchdog)
         self.runners = build_runners(self.spec, policies, self.handle.layout, consumer.arena.request, keys)
         self.stats_block = StatsBlock(self.spec.names)
         self.weights = LocalWeights(self.spec.names)
