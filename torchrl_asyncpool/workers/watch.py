@@ -116,6 +116,7 @@ class Watcher:
         self.busy[i] = -time.monotonic()
 
     def end_eager_reset(self, i: int) -> None:
+        """The eager reset of slot ``i`` is over (done, or failed and handled)."""
         self.busy[i] = 0.0
 
     def takeover(self, i: int, chunk_lengths=None, chunk_size: int = 0) -> bool:
