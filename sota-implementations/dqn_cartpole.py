@@ -81,6 +81,8 @@ class Config:
     hidden: int = 128
     on_env_failure: str = "raise"         # "restart": an env that raises is rebuilt and training goes on
                                           # (its episode ends in a truncation; docs: Failures and recovery)
+    step_timeout: float = 0.0             # seconds an env step may take before its worker is killed
+                                          # (then replaced with --on-env-failure restart); 0: no limit
     seed: int = 0
     # logging
     log_interval: int = 250               # gradient steps between log lines
@@ -109,6 +111,8 @@ def parse_config(argv=None) -> Config:
         parser.error(f"--learning-starts must be >= 0, got {cfg.learning_starts}.")
     if cfg.on_env_failure not in ("raise", "restart"):
         parser.error(f"--on-env-failure must be 'raise' or 'restart', got {cfg.on_env_failure!r}.")
+    if cfg.step_timeout < 0:
+        parser.error(f"--step-timeout must be >= 0 (0: no limit), got {cfg.step_timeout}.")
     return cfg
 
 
@@ -189,6 +193,7 @@ def main(argv=None) -> dict:
         post_collect_hook=stats,
         seed=cfg.seed,  # env i's first reset: seed + i
         on_env_failure=cfg.on_env_failure,
+        step_timeout=cfg.step_timeout or None,
     )
     pbar = tqdm.tqdm(total=cfg.total_frames, unit="frames", disable=not cfg.progress, dynamic_ncols=True)
     updates, pauses, reached_at, next_log = 0, 0, None, cfg.log_interval

@@ -74,6 +74,8 @@ class Config:
     hidden: int = 64
     on_env_failure: str = "raise"         # "restart": an env that raises is rebuilt and training goes on
                                           # (its episode ends in a truncation; docs: Failures and recovery)
+    step_timeout: float = 0.0             # seconds an env step may take before its worker is killed
+                                          # (then replaced with --on-env-failure restart); 0: no limit
     seed: int = 0
     # logging
     log_dir: str = "runs"
@@ -96,6 +98,8 @@ def parse_config(argv=None) -> Config:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(cfg, name)}.")
     if cfg.on_env_failure not in ("raise", "restart"):
         parser.error(f"--on-env-failure must be 'raise' or 'restart', got {cfg.on_env_failure!r}.")
+    if cfg.step_timeout < 0:
+        parser.error(f"--step-timeout must be >= 0 (0: no limit), got {cfg.step_timeout}.")
     return cfg
 
 
@@ -126,6 +130,7 @@ def main(argv=None) -> dict:
         total_frames=cfg.total_frames,
         seed=cfg.seed,  # env i's first reset: seed + i
         on_env_failure=cfg.on_env_failure,
+        step_timeout=cfg.step_timeout or None,
     )
     tracker = EpisodeTracker(cfg.num_envs)
     recent = deque(maxlen=cfg.window)

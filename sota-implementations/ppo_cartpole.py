@@ -82,6 +82,8 @@ class Config:
     hidden: int = 64
     on_env_failure: str = "raise"         # "restart": an env that raises is rebuilt and training goes on
                                           # (its episode ends in a truncation; docs: Failures and recovery)
+    step_timeout: float = 0.0             # seconds an env step may take before its worker is killed
+                                          # (then replaced with --on-env-failure restart); 0: no limit
     seed: int = 0
     # logging
     log_dir: str = "runs"
@@ -112,8 +114,12 @@ def parse_config(argv=None) -> Config:
                      f"--num-envs ({cfg.num_envs}) it divides.")
     if cfg.on_env_failure not in ("raise", "restart"):
         parser.error(f"--on-env-failure must be 'raise' or 'restart', got {cfg.on_env_failure!r}.")
-    if cfg.on_env_failure == "restart" and (cfg.remote_address or cfg.vector_envs):
-        parser.error("--on-env-failure restart rebuilds local single envs: not with --remote-address or --vector-envs.")
+    if cfg.step_timeout < 0:
+        parser.error(f"--step-timeout must be >= 0 (0: no limit), got {cfg.step_timeout}.")
+    if cfg.on_env_failure == "restart" and cfg.remote_address:
+        parser.error("--on-env-failure restart rebuilds local envs: not with --remote-address (hosts reconnect).")
+    if cfg.step_timeout and cfg.remote_address:
+        parser.error("--step-timeout kills local workers: not with --remote-address.")
     return cfg
 
 
@@ -168,6 +174,7 @@ def main(argv=None) -> dict:
             total_frames=cfg.total_frames,
             seed=None if cfg.remote_address else cfg.seed,  # env i's first reset: seed + i (hosts seed their own)
             on_env_failure=cfg.on_env_failure,
+            step_timeout=cfg.step_timeout or None,
         )
     except BaseException:
         if hosts is not None:  # no pool for them: do not leave them waiting for one

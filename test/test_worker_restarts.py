@@ -305,3 +305,22 @@ def test_long_run_with_every_kind_of_fault_is_exact(dev_shm_guard):
         assert checker.restarts >= 100
     finally:
         c.shutdown()
+
+
+@pytest.mark.parametrize("script", ["ppo_cartpole", "impala_cartpole", "dqn_cartpole"])
+def test_example_scripts_take_step_timeout(script, capsys):
+    from test_cli_and_scripts import _load_script
+
+    module = _load_script(script)
+    assert module.parse_config([]).step_timeout == 0.0  # no limit
+    assert module.parse_config(["--step-timeout", "30", "--on-env-failure", "restart"]).step_timeout == 30.0
+    with pytest.raises(SystemExit) as info:
+        module.parse_config(["--step-timeout", "-1"])
+    assert info.value.code == 2 and "--step-timeout must be >= 0" in capsys.readouterr().err
+
+
+def test_ppo_restarts_vector_envs_too():
+    from test_cli_and_scripts import _load_script
+
+    cfg = _load_script("ppo_cartpole").parse_config(["--vector-envs", "4", "--on-env-failure", "restart"])
+    assert cfg.vector_envs == 4 and cfg.on_env_failure == "restart"
