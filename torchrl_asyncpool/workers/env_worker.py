@@ -570,6 +570,10 @@ class _Worker:
                         continue  # back-pressure: the driver frees a chunk and rings this worker
                     moving = [slots[j] for j in cut]
                     chunk_rows = delivery.write_root_rows(moving, idx[cut])
+                at = np.full(k, -1, np.int64)
+                if moving is not None:
+                    at[cut] = chunk_rows
+                watcher.begin_block(rows, at)  # this worker may die too: its own replacement reads it
                 writer.add_block(lo, np.full(k, _TRUNC, np.int8), None, 0.0, cutting, restarted=True)
                 if moving is not None:
                     delivery.write_next_rows(moving, idx[cut], chunk_rows)
