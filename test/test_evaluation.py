@@ -497,7 +497,7 @@ def _zeros(td):
 
 class _Paced(gym.Env):
     """Steps of 50 ms; episodes of ``seed`` steps, except seed 3 that hangs at step 2 and seed 4
-    that raises at step 30 (both would last 100 steps)."""
+    that raises at step 70 (both would last 100 steps)."""
 
     observation_space = gym.spaces.Box(0, 1, (1,), np.float32)
     action_space = gym.spaces.Discrete(2)
@@ -510,18 +510,19 @@ class _Paced(gym.Env):
         self.t += 1
         if self.t == 2 and self.seed == 3:
             time.sleep(60)
-        if self.t == 30 and self.seed == 4:
-            raise RuntimeError("step 30 of seed 4 failed")
+        if self.t == 70 and self.seed == 4:
+            raise RuntimeError("step 70 of seed 4 failed")
         time.sleep(0.05)
         return np.zeros(1, np.float32), 1.0, self.t >= {3: 100, 4: 100}.get(self.seed, self.seed), False, {}
 
 
 @pytest.mark.parametrize("fault", ["hang", "crash"])
 def test_a_drain_still_finishes_episodes_whose_pool_closed_for_another_slot(fault):
-    """Slot 0 runs 'x' (20 steps) then 'a' (40 steps, 2 s), slot 1 'bad' then 'b'. The drain
-    starts as 'a' starts; then 'bad' hangs past its 2.5 s (or raises at step 30, with
-    on_env_failure="new_pool") and its pool closes: 'a' runs again on a new pool and completes
-    instead of being reported 'not started'."""
+    """Slot 0 runs 'x' (50 steps, 2.5 s) then 'a' (60 steps, 3 s), slot 1 'bad' then 'b'. The
+    drain starts as 'a' starts; then 'bad' hangs past its 5 s (or raises at step 70, 3.5 s, with
+    on_env_failure="new_pool") while 'a' runs, and its pool closes: 'a' runs again on a new pool
+    and completes instead of being reported 'not started'. (Each episode has 2 s or more of
+    margin on the timeout: a loaded 2-core machine slows the 50 ms steps.)"""
     import threading
 
     stop = threading.Event()
@@ -534,12 +535,12 @@ def test_a_drain_still_finishes_episodes_whose_pool_closed_for_another_slot(faul
         return _zeros(td)
 
     seed = 3 if fault == "hang" else 4
-    episodes = [Episode("x", seed=20), Episode("bad", seed=seed), Episode("a", seed=40), Episode("b", seed=7)]
-    results = evaluate(_Paced, policy, episodes, num_envs=2, envs_per_worker=1, episode_timeout_s=2.5, stop=stop,
+    episodes = [Episode("x", seed=50), Episode("bad", seed=seed), Episode("a", seed=60), Episode("b", seed=7)]
+    results = evaluate(_Paced, policy, episodes, num_envs=2, envs_per_worker=1, episode_timeout_s=5.0, stop=stop,
                        on_env_failure="new_pool")
     x, bad, a, b = results
-    assert (x.status, x.length) == ("completed", 20), x
-    assert (a.status, a.length) == ("completed", 40), a
+    assert (x.status, x.length) == ("completed", 50), x
+    assert (a.status, a.length) == ("completed", 60), a
     assert bad.status == ("timeout" if fault == "hang" else "failed"), bad
     assert b.status == "failed" and b.error == "not started: the evaluation was stopped", b
 
