@@ -21,7 +21,7 @@ import numpy as np
 
 from torchrl_asyncpool.remote import protocol as P
 from torchrl_asyncpool.remote.slot import _end_stream, _HostLost, _Ingress, _ProtocolError
-from torchrl_asyncpool.remote.vector_slot import _check_slot_arguments
+from torchrl_asyncpool.remote.vector_slot import _BlockIngress, _check_slot_arguments
 from torchrl_asyncpool.step_type import StepType
 
 _log = logging.getLogger("torchrl_asyncpool.remote")
@@ -95,7 +95,7 @@ class RemoteEnvOfHost(gym.Env):
     def _pool_listen(self, index: int, stop_fd: int | None = None) -> None:
         self.index = index
         self._group = _Group.join(self, stop_fd)
-        self._block = self._group.blocks[self.position // self.host_envs]
+        self._block = self._group._blocks[self.position // self.host_envs]
 
     # -- gymnasium API ----------------------------------------------------------------------------
     def reset(self, *, seed=None, options=None):
@@ -192,7 +192,7 @@ class _Block:
         self.inbox = [queue.SimpleQueue() for _ in range(n)]  # (stream, step type, reward, obs) per env
 
 
-class _Group:
+class _Group(_BlockIngress):
     """The envs of one address in one worker process: what the ingress sees as one slot taking
     ``num_envs / host_envs`` hosts (their blocks), and the reader of each host's records."""
 
@@ -225,24 +225,12 @@ class _Group:
         self.index = env.index
         self.step_timeout = None  # each env times its own host's answers
         self.members = {}
-        self.blocks = [_Block(b * self.host_envs, self.host_envs) for b in range(self.num_envs // self.host_envs)]
+        self._blocks = [_Block(b * self.host_envs, self.host_envs) for b in range(self.num_envs // self.host_envs)]
         self.hosts_connected = self.hosts_lost = 0
         self._cond = threading.Condition()
         self._closed = False
         self._listening = False
         self._ingress = None
-
-    # -- what the ingress asks of the slots it serves ----------------------------------------------
-    @property
-    def _streams_wanted(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def _envs_per_stream(self) -> int:
-        return self.host_envs
-
-    def _host_streams(self) -> list:
-        return [block.stream for block in self.blocks]
 
     def _where(self) -> str:
         return f"the remote envs on {self.address}"
@@ -251,7 +239,7 @@ class _Group:
         with self._cond:
             if self._closed:
                 return False
-            block = next((b for b in self.blocks if b.stream is None), None)
+            block = next((b for b in self._blocks if b.stream is None), None)
             if block is None:
                 return False
             h = self.host_envs
@@ -336,7 +324,7 @@ class _Group:
         """Ends the hosts' streams; envs waiting for a host raise. Idempotent."""
         with self._cond:
             self._closed = True
-            held = [(block, block.stream) for block in self.blocks if block.stream is not None]
+            held = [(block, block.stream) for block in self._blocks if block.stream is not None]
             self._cond.notify_all()
         for block, stream in held:
             self.lose(block, stream, _HostLost("the pool closed"))

@@ -27,7 +27,24 @@ _log = logging.getLogger("torchrl_asyncpool.remote")
 _FIRST, _MID, _TERM, _TRUNC = (int(s) for s in StepType)
 
 
-class RemoteVectorSlot(gym.vector.VectorEnv):
+class _BlockIngress:
+    """What an :class:`~torchrl_asyncpool.remote.slot._Ingress` asks of the protocol-2 slots it
+    serves (a :class:`RemoteVectorSlot`, or the group of an address's ``per_env`` slots): one
+    stream per block of ``host_envs`` envs (``self._blocks``, each with its ``stream``)."""
+
+    @property
+    def _streams_wanted(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def _envs_per_stream(self) -> int:
+        return self.host_envs
+
+    def _host_streams(self) -> list:
+        return [block.stream for block in self._blocks]
+
+
+class RemoteVectorSlot(_BlockIngress, gym.vector.VectorEnv):
     """``num_envs`` pool slots fed by remote env hosts of ``host_envs`` envs each (protocol 2).
 
     Return one from a ``create_env_fn`` factory of an :class:`~torchrl_asyncpool.AsyncEnvPool`
@@ -105,18 +122,6 @@ class RemoteVectorSlot(gym.vector.VectorEnv):
         self._blocks = [_Block(b * host_envs, host_envs) for b in range(num_envs // host_envs)]
         self._ingress = None
         self._closed = False
-
-    # what the ingress asks of the slots it serves
-    @property
-    def _streams_wanted(self) -> int:
-        return len(self._blocks)
-
-    @property
-    def _envs_per_stream(self) -> int:
-        return self.host_envs
-
-    def _host_streams(self) -> list:
-        return [block.stream for block in self._blocks]
 
     @classmethod
     def like(cls, env, address: str, num_envs: int, **kwargs) -> "RemoteVectorSlot":
