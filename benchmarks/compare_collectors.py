@@ -143,16 +143,99 @@ def _drive(it, seconds, fpb):
     return frames / (time.perf_counter() - t0)
 
 
+class _ShieldedCell:
+    """One benchmark cell: the worker processes it starts do not take Ctrl-C, and an interrupt
+    (or any error) shuts down what was built at once.
+
+    A terminal's Ctrl-C reaches every process of the command. ``torchrl_asyncpool``'s workers
+    ignore it (they fork from a fork server that does); TorchRL's and gymnasium's do not: they
+    are started here (``spawn`` for TorchRL, each re-importing this script for seconds), and a
+    Ctrl-C printed one ``KeyboardInterrupt`` traceback per worker. While a cell runs, every
+    ``multiprocessing`` process started in this process is started with ``SIGINT`` blocked and,
+    from the main thread, ignored (both survive ``fork`` and ``exec``; the child never takes
+    it), then both are restored here, so a Ctrl-C in that moment is delivered here once the start
+    returns, not lost. This process alone stops the benchmark: on an interrupt the collector, if
+    it was built, is shut down with a short timeout, and the processes the cell started that are
+    still alive are terminated (killed if they linger), instead of TorchRL's default 5 s
+    shutdown or, for a collector whose constructor was interrupted, garbage collection.
+    The measured numbers are unchanged: the patch only wraps ``Process.start``.
+    """
+
+    def __init__(self):
+        self.processes = []
+
+    def __enter__(self):
+        import multiprocessing.process
+        import signal
+        import threading
+
+        cls = multiprocessing.process.BaseProcess
+        self._cls, self._start = cls, cls.start
+        cell, original_start = self, cls.start
+
+        def start(process):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            main = threading.current_thread() is threading.main_thread()
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+            try:
+                original_start(process)
+            finally:
+                cell.processes.append(process)  # before a pending Ctrl-C can be raised here
+                if main:
+                    signal.signal(signal.SIGINT, previous)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+        cls.start = start
+        return self
+
+    def __exit__(self, *exc):
+        self._cls.start = self._start
+        return False
+
+    def stop_processes(self, grace_s=0.5):
+        """Terminates the processes this cell started that are still running (kills them after
+        ``grace_s``)."""
+        alive = [p for p in self.processes if p.pid is not None and p.exitcode is None]
+        for p in alive:
+            try:
+                p.terminate()
+            except (OSError, ValueError, AttributeError):  # already gone or closed
+                pass
+        deadline = time.monotonic() + grace_s
+        for p in alive:
+            try:
+                p.join(max(0.0, deadline - time.monotonic()))
+                if p.exitcode is None:
+                    p.kill()
+                    p.join(1.0)
+            except (OSError, ValueError, AttributeError, AssertionError):
+                pass
+
+
 def _timed_collector(build, seconds, fpb):
-    """(frames/s, constructor-to-first-batch s, shutdown s) of a TorchRL-style collector."""
-    t0 = time.perf_counter()
-    c = build()
-    try:
-        it = iter(c)
-        next(it)
-        startup = time.perf_counter() - t0
-        fps = _drive(it, seconds, fpb)
-    finally:
+    """(frames/s, constructor-to-first-batch s, shutdown s) of a TorchRL-style collector.
+
+    An interrupt at any point (in the constructor too) shuts down what was built at once: see
+    :class:`_ShieldedCell`."""
+    with _ShieldedCell() as cell:
+        c = None
+        t0 = time.perf_counter()
+        try:
+            c = build()
+            it = iter(c)
+            next(it)
+            startup = time.perf_counter() - t0
+            fps = _drive(it, seconds, fpb)
+        except BaseException:
+            # the run is abandoned: its processes are stopped first, so that the collector's own
+            # shutdown finds them gone instead of waiting for them (TorchRL's: up to 5 s)
+            cell.stop_processes()
+            if c is not None:
+                try:
+                    c.shutdown(timeout=0.5, raise_on_error=False)
+                except Exception:  # noqa: BLE001 - its workers were stopped under it; the first error is raised
+                    pass
+            raise
         t1 = time.perf_counter()
         c.shutdown()
         close = time.perf_counter() - t1
@@ -258,17 +341,25 @@ def run_torchrl_sync(w, n, fpb, seconds):
 
 
 def _timed_vector_env(build, w, n, seconds):
-    t0 = time.perf_counter()
-    venv = build(w, n)
-    try:
-        loop = GymLoop(venv, w)
-        startup = time.perf_counter() - t0
+    with _ShieldedCell() as cell:  # gymnasium's AsyncVectorEnv workers: shielded from Ctrl-C as well
+        venv = None
         t0 = time.perf_counter()
-        frames = 0
-        while time.perf_counter() - t0 < seconds:
-            frames += loop.step()
-        fps = frames / (time.perf_counter() - t0)
-    finally:
+        try:
+            venv = build(w, n)
+            loop = GymLoop(venv, w)
+            startup = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            frames = 0
+            while time.perf_counter() - t0 < seconds:
+                frames += loop.step()
+            fps = frames / (time.perf_counter() - t0)
+        except BaseException:
+            try:
+                if venv is not None:
+                    venv.close(terminate=True)  # AsyncVectorEnv: its workers terminated, not asked
+            finally:
+                cell.stop_processes()
+            raise
         t1 = time.perf_counter()
         venv.close()
         close = time.perf_counter() - t1

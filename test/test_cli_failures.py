@@ -360,6 +360,34 @@ def test_ctrl_c_in_bench_exits_130_with_a_summary(tmp_path):
     _one_summary_line(output, "torchrl-asyncpool bench: interrupted")
 
 
+def _spawned_worker_started(cmd) -> bool:
+    """A worker process that TorchRL started (``spawn``: it re-imports the benchmark script)."""
+    def is_spawned(p):
+        try:
+            return "multiprocessing.spawn" in " ".join(p.cmdline())
+        except psutil.Error:
+            return False
+
+    return any(is_spawned(p) for p in cmd.descendants())
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_bench_while_torchrl_starts_its_workers_exits_130_without_their_tracebacks(tmp_path):
+    """Ctrl-C while TorchRL's collector starts its worker processes (each importing torch for
+    seconds): every worker printed a KeyboardInterrupt traceback of its own, and the collector,
+    left to its default shutdown, held the exit 5-6 s on a busy machine."""
+    cmd = _Command(["bench", "--quick", "--impls", "torchrl_async", "--plot", ""], tmp_path)
+    try:
+        cmd.wait_for(_spawned_worker_started)
+        time.sleep(0.5)  # they are importing
+        code, took, output = cmd.ctrl_c()
+    finally:
+        cmd.kill()
+    assert code == 130, output[-3000:]
+    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _one_summary_line(output, "torchrl-asyncpool bench: interrupted")
+
+
 def test_a_ctrl_c_that_no_command_catches_ends_in_one_line_and_130(monkeypatch, capsys):
     """E.g. a third Ctrl-C of eval, once its handlers are gone: 130 and one line, not a death by
     SIGINT."""
