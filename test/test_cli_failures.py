@@ -313,6 +313,24 @@ def test_ctrl_c_while_eval_runs_writes_every_result_and_exits_130(tmp_path):
     assert any(e["status"] == "completed" for e in episodes)
 
 
+def test_ctrl_c_while_eval_runs_with_its_progress_bar_exits_as_fast_as_without(tmp_path):
+    """With the bar on, every episode written "not started" on Ctrl-C redrew the bar and summed up
+    all results so far: seconds for a few thousand episodes (1.7 s for 3000 against 0.1 s with
+    --no-progress, idle), growing with the square of their number. Now one update for all."""
+    out = tmp_path / "results.json"
+    cmd = _Command(["eval", "--episodes", "12000", "--num-envs", "2", "--output", str(out)], tmp_path)
+    try:
+        cmd.wait_for(lambda c: re.search(r"\b[1-9][0-9]*/12000\b", c.output))  # the bar moves
+        code, took, output = cmd.ctrl_c()
+    finally:
+        cmd.kill()
+    assert code == 130, output[-3000:]
+    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _one_summary_line(output, "12000 episodes in")
+    episodes = json.loads(out.read_text())["episodes"]
+    assert len(episodes) == 12000 and episodes[-1]["error"].startswith("not started"), episodes[-1]
+
+
 def test_a_ctrl_c_as_the_command_exits_ends_in_one_line_and_130(tmp_path):
     """Once the command has returned, the process used to spend seconds in torch's destructors,
     and a Ctrl-C then killed it by SIGINT (or, during the atexit functions, printed a
