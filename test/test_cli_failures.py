@@ -277,6 +277,34 @@ def test_ctrl_c_while_eval_starts_writes_every_result_and_exits_130(tmp_path):
     assert all(e["error"].startswith("not started") for e in episodes), episodes[:3]
 
 
+def _importing_torch(cmd) -> bool:
+    """The command's own process has loaded torch's library: it is importing torch (seconds)."""
+    try:
+        with open(f"/proc/{cmd.proc.pid}/maps") as f:
+            return "libtorch" in f.read()
+    except OSError:
+        return False
+
+
+def test_ctrl_c_while_eval_imports_torch_writes_every_result_and_exits_130(tmp_path):
+    """Ctrl-C in eval's first seconds, while torch is imported (before any fork server): it said
+    "interrupted." and wrote nothing; writing the results imported the evaluation package, torch
+    and all. The episodes and their results file need no torch now."""
+    out = tmp_path / "results.json"
+    cmd = _Command(["eval", "--episodes", "30", "--num-envs", "2", "--output", str(out)], tmp_path)
+    try:
+        cmd.wait_for(_importing_torch)
+        assert not cmd.fork_server_started()  # the moment this test is about: the command still imports torch
+        code, took, output = cmd.ctrl_c()
+    finally:
+        cmd.kill()
+    assert code == 130, output[-3000:]
+    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _one_summary_line(output, "torchrl-asyncpool eval: interrupted before the first episode started; 30 episodes")
+    episodes = json.loads(out.read_text())["episodes"]
+    assert len(episodes) == 30 and all(e["error"].startswith("not started") for e in episodes), episodes[:3]
+
+
 def test_sigterm_while_eval_starts_writes_every_result_and_exits_143(tmp_path):
     """The help promises SIGTERM stops as Ctrl-C does; before the episodes ran, SIGTERM killed
     eval (status -15), with no results and no word."""

@@ -84,20 +84,25 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _eval(args: argparse.Namespace) -> int:
-    import gymnasium as gym
+def _usage_errors() -> tuple:
+    """The exceptions that mean bad arguments or input (exit status 2): gymnasium's own errors
+    once gymnasium is imported."""
+    gym = sys.modules.get("gymnasium")
+    return (ValueError, OSError, ImportError, AttributeError) + ((gym.error.Error,) if gym is not None else ())
 
-    from torchrl_asyncpool.evaluation import (
+
+def _eval(args: argparse.Namespace) -> int:
+    # the episodes, their results and the results file need no torch (nor numpy): they come first,
+    # so a Ctrl-C while torch is imported (seconds, longer on a busy machine) still writes every
+    # episode's result, none started
+    from torchrl_asyncpool.evaluation.episodes import (
         Episode,
-        EvaluationError,
-        EvaluationInterrupted,
-        evaluate,
+        EpisodeResult,
+        check_output_path,
         load_manifest,
         summarize,
         write_results,
     )
-    from torchrl_asyncpool.evaluation.episodes import EpisodeResult, check_output_path
-    from torchrl_asyncpool.evaluation.runner import resolve_policy_device
 
     episodes = None
 
@@ -123,11 +128,15 @@ def _eval(args: argparse.Namespace) -> int:
             episodes = [Episode(f"{args.env_id}-{args.seed + i}", seed=args.seed + i) for i in range(args.episodes)]
         if not args.capacity_smoke:  # found now, not after the whole run
             check_output_path(args.output)
+        import gymnasium as gym
+
+        from torchrl_asyncpool.evaluation.runner import resolve_policy_device  # imports torch
+
         make = functools.partial(gym.make, args.env_id)
         make().close()  # an unknown id fails here, with gymnasium's message
         policy = _load_policy(args.policy, args.env_id)
         device = resolve_policy_device(policy, args.device)
-    except (ValueError, OSError, gym.error.Error, ImportError, AttributeError) as exc:
+    except _usage_errors() as exc:
         print(f"torchrl-asyncpool eval: {exc}", file=sys.stderr)
         return _EVAL_USAGE
     except KeyboardInterrupt as exc:  # before the run: a real run still writes every episode, none started
@@ -162,6 +171,8 @@ def _eval(args: argparse.Namespace) -> int:
     import signal
     import threading
     import traceback
+
+    from torchrl_asyncpool.evaluation.runner import EvaluationError, EvaluationInterrupted, evaluate
 
     stop = threading.Event()
     evaluated = threading.Event()  # evaluate() has returned or raised: only the writing is left

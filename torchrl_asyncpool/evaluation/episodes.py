@@ -17,8 +17,6 @@ import os
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Sequence
 
-from torchrl_asyncpool.workers.env_adapter import EPISODE_PLAN_ATTR, is_vector_env, remote_listener
-
 __all__ = ["Episode", "EpisodeResult", "STATUSES", "load_manifest", "summarize", "write_results"]
 
 #: the three statuses an :class:`EpisodeResult` can have
@@ -364,6 +362,9 @@ class PlannedEnvFactory:
         self._owner_pid = os.getpid()
 
     def __call__(self, **kwargs):
+        # imported here, not with this module: the episodes and their results need no torch
+        from torchrl_asyncpool.workers.env_adapter import EPISODE_PLAN_ATTR, is_vector_env, remote_listener
+
         env = self.create_env_fn(**kwargs)
         if is_vector_env(env):  # raised in the calling process, by the pool's spec env
             try:
