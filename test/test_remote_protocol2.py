@@ -219,11 +219,6 @@ def test_batch_codec_round_trips_and_refuses_malformed_batches():
     with pytest.raises(ValueError, match="num_envs"):
         P.decode_hello(P.encode_hello(spec, 0))
     assert P.decode_hello(P.encode_hello(spec, 3)) == {**spec, "num_envs": 3}
-    # one dict per record (a threaded host's records): the same bytes as the stacked arrays
-    per_record = [{k: v[i] for k, v in obs.items()} for i in range(2)]
-    assert codec.pack_record_list([2, 0], [1, 2], [0.5, 1.5], per_record) == data
-    with pytest.raises(ValueError, match="observation 'tag' has shape"):
-        codec.pack_record_list([0], [1], [0.0], [{**per_record[0], "tag": np.zeros(4, np.int64)}])
 
 
 def test_batched_messages_match_protoc_generated_code(tmp_path):

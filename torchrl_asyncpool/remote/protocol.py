@@ -420,28 +420,6 @@ class BatchCodec:
         size = sum(len(p) for p in parts)
         return b"".join([_tag(_RECORDS, _LEN), _varint(size), *parts])
 
-    def pack_record_list(self, envs, step_types, rewards, observations) -> bytes:
-        """As :meth:`pack_records`, the observations given as one ``{key: array}`` per record:
-        each record's bytes go straight into the message (one copy, no ``[n, *shape]`` array
-        in between); raises ``ValueError`` when an observation does not fit its negotiated shape."""
-        envs = np.ascontiguousarray(envs, _U32).reshape(-1)
-        n = len(envs)
-        if len(observations) != n:
-            raise ValueError(f"{len(observations)} observations for {n} records.")
-        parts = [_packed(_B_ENV, envs),
-                 _len_field(_B_STEP_TYPE, np.ascontiguousarray(step_types, np.uint8).reshape(n).tobytes()),
-                 _packed(_B_REWARD, np.ascontiguousarray(rewards, _F64).reshape(n))]
-        obs_tag = _tag(_B_OBS, _LEN)
-        for (k, shape, dt), nbytes in zip(self.obs, self.obs_bytes):
-            parts += [obs_tag, _varint(n * nbytes)]
-            for obs in observations:
-                a = np.ascontiguousarray(obs[k], dtype=dt)
-                if a.size * dt.itemsize != nbytes:
-                    raise ValueError(f"observation {k!r} has shape {a.shape}; the negotiated spec says {list(shape)}.")
-                parts.append(memoryview(a.reshape(-1)).cast("B"))
-        size = sum(len(p) for p in parts)
-        return b"".join([_tag(_RECORDS, _LEN), _varint(size), *parts])
-
     def unpack_records(self, data: bytes):
         """``(envs, step_types, rewards, {key: [n, *shape] array})`` of a ``HostMessage.records``
         (numpy views of ``data``: int64 env indices, uint8 step types, float64 rewards); raises

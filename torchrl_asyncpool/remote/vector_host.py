@@ -274,9 +274,11 @@ class _RecordOutbox:
         envs = [r[0] for r in records]
         sts = [r[1] for r in records]
         rewards = [r[2] for r in records]
+        keys = records[0][3].keys()
+        obs = {key: np.stack([np.asarray(r[3][key]) for r in records]) for key in keys}
         self._host.steps += sum(st != _FIRST for st in sts)
         self._host.messages += 1
-        return self._codec.pack_record_list(envs, sts, rewards, [r[3] for r in records])
+        return self._codec.pack_records(envs, sts, rewards, obs)
 
     def __iter__(self):
         get, get_nowait, empty = self._q.get, self._q.get_nowait, queue.Empty
