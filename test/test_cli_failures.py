@@ -191,7 +191,10 @@ class _Command:
             self.proc.wait()
 
 
-def _none_left(processes, within=10.0):
+def _none_left(processes, within=30.0):
+    # no time is promised for these (the command's own exit is): on a loaded 2-core machine (load 10-20)
+    # a worker or the fork server may take seconds to finish exiting; only one still there well past
+    # that is left behind
     deadline = time.monotonic() + within
     while True:
         alive = []
@@ -234,7 +237,9 @@ def test_ctrl_c_while_the_demo_starts_exits_130_without_a_traceback(tmp_path):
 def test_ctrl_c_while_the_demo_trains_exits_130_with_a_summary(tmp_path):
     cmd = _Command(["demo"], tmp_path)
     try:
-        cmd.wait_for(lambda c: "frames/s" in c.output)  # the bar moves: training runs
+        # the bar moves: training runs (its first draw, "0/500000 [... ?frames/s]", comes before the
+        # first batch, while the pool may still be starting: that moment is another test's)
+        cmd.wait_for(lambda c: re.search(r"\b[1-9][0-9]*/[0-9]+ \[", c.output))
         code, took, output = cmd.ctrl_c()
     finally:
         cmd.kill()
