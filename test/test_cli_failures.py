@@ -220,6 +220,18 @@ def _one_summary_line(output: str, starts: str) -> None:
 EXIT_BOUND_S = 10.0
 
 
+def _stopped(code: int, took: float, output: str, status: int) -> None:
+    """The command exited with ``status`` (130: Ctrl-C, 143: SIGTERM) within the bound."""
+    assert code == status, output[-3000:]
+    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+
+
+def _all_not_started(out, n: int) -> None:
+    """The results file holds ``n`` episodes, all written "not started"."""
+    episodes = json.loads(out.read_text())["episodes"]
+    assert len(episodes) == n and all(e["error"].startswith("not started") for e in episodes), episodes[:3]
+
+
 def test_ctrl_c_while_the_demo_starts_exits_130_without_a_traceback(tmp_path):
     """Ctrl-C while the fork server imports torch (a terminal sends it to every process): the
     fork server used to die with a traceback of its own."""
@@ -229,8 +241,7 @@ def test_ctrl_c_while_the_demo_starts_exits_130_without_a_traceback(tmp_path):
         code, took, output = cmd.ctrl_c()
     finally:
         cmd.kill()
-    assert code == 130, output[-3000:]
-    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _stopped(code, took, output, 130)
     _one_summary_line(output, "torchrl-asyncpool demo: interrupted")
 
 
@@ -243,8 +254,7 @@ def test_ctrl_c_while_the_demo_trains_exits_130_with_a_summary(tmp_path):
         code, took, output = cmd.ctrl_c()
     finally:
         cmd.kill()
-    assert code == 130, output[-3000:]  # it used to die by SIGINT after a 16-frame traceback
-    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _stopped(code, took, output, 130)  # it used to die by SIGINT after a 16-frame traceback
     _one_summary_line(output, "torchrl-asyncpool demo: interrupted after")
 
 
@@ -255,8 +265,7 @@ def test_ctrl_c_in_env_host_exits_130_with_a_summary(tmp_path):
         code, took, output = cmd.ctrl_c()
     finally:
         cmd.kill()
-    assert code == 130, output[-3000:]
-    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _stopped(code, took, output, 130)
     _one_summary_line(output, "torchrl-asyncpool env-host: interrupted; 0 steps")
 
 
@@ -272,8 +281,7 @@ def test_ctrl_c_while_eval_starts_writes_every_result_and_exits_130(tmp_path):
         code, took, output = cmd.ctrl_c()
     finally:
         cmd.kill()
-    assert code == 130, output[-3000:]
-    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _stopped(code, took, output, 130)
     assert "Traceback" not in output and "no results written" not in output, output[-3000:]
     # stopped where it was, not by a drain that first waited for the fork server to answer
     _one_summary_line(output, "torchrl-asyncpool eval: interrupted before the first episode started; 50 episodes")
@@ -303,11 +311,9 @@ def test_ctrl_c_while_eval_imports_torch_writes_every_result_and_exits_130(tmp_p
         code, took, output = cmd.ctrl_c()
     finally:
         cmd.kill()
-    assert code == 130, output[-3000:]
-    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _stopped(code, took, output, 130)
     _one_summary_line(output, "torchrl-asyncpool eval: interrupted before the first episode started; 30 episodes")
-    episodes = json.loads(out.read_text())["episodes"]
-    assert len(episodes) == 30 and all(e["error"].startswith("not started") for e in episodes), episodes[:3]
+    _all_not_started(out, 30)
 
 
 def test_sigterm_while_eval_starts_writes_every_result_and_exits_143(tmp_path):
@@ -320,11 +326,9 @@ def test_sigterm_while_eval_starts_writes_every_result_and_exits_143(tmp_path):
         code, took, output = cmd.ctrl_c(sig=signal.SIGTERM)
     finally:
         cmd.kill()
-    assert code == 143, output[-3000:]
-    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _stopped(code, took, output, 143)
     _one_summary_line(output, "torchrl-asyncpool eval: terminated (SIGTERM) before the first episode started; 20")
-    episodes = json.loads(out.read_text())["episodes"]
-    assert len(episodes) == 20 and all(e["error"].startswith("not started") for e in episodes), episodes[:3]
+    _all_not_started(out, 20)
 
 
 def test_ctrl_c_while_eval_runs_writes_every_result_and_exits_130(tmp_path):
@@ -337,8 +341,7 @@ def test_ctrl_c_while_eval_runs_writes_every_result_and_exits_130(tmp_path):
         code, took, output = cmd.ctrl_c()
     finally:
         cmd.kill()
-    assert code == 130, output[-3000:]
-    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _stopped(code, took, output, 130)
     assert "leaked" not in output, output[-3000:]
     _one_summary_line(output, "3000 episodes in")
     episodes = json.loads(out.read_text())["episodes"]
@@ -357,8 +360,7 @@ def test_ctrl_c_while_eval_runs_with_its_progress_bar_exits_as_fast_as_without(t
         code, took, output = cmd.ctrl_c()
     finally:
         cmd.kill()
-    assert code == 130, output[-3000:]
-    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _stopped(code, took, output, 130)
     _one_summary_line(output, "12000 episodes in")
     episodes = json.loads(out.read_text())["episodes"]
     assert len(episodes) == 12000 and episodes[-1]["error"].startswith("not started"), episodes[-1]
@@ -406,8 +408,7 @@ def test_ctrl_c_in_bench_exits_130_with_a_summary(tmp_path):
         code, took, output = cmd.ctrl_c()
     finally:
         cmd.kill()
-    assert code == 130, output[-3000:]  # it used to die by SIGINT with a traceback
-    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _stopped(code, took, output, 130)  # it used to die by SIGINT with a traceback
     _one_summary_line(output, "torchrl-asyncpool bench: interrupted")
 
 
@@ -434,8 +435,7 @@ def test_ctrl_c_in_bench_while_torchrl_starts_its_workers_exits_130_without_thei
         code, took, output = cmd.ctrl_c()
     finally:
         cmd.kill()
-    assert code == 130, output[-3000:]
-    assert took < EXIT_BOUND_S, f"{took:.1f} s"
+    _stopped(code, took, output, 130)
     _one_summary_line(output, "torchrl-asyncpool bench: interrupted")
 
 

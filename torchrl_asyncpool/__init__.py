@@ -4,7 +4,7 @@ The names below are imported on first use (PEP 562), so ``import torchrl_asyncpo
 is cheap: the ``torchrl-asyncpool`` command can then handle a Ctrl-C that comes while torch
 and TorchRL are still being imported (seconds on a busy machine).
 """
-import importlib
+from torchrl_asyncpool.lazy_exports import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -26,19 +26,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name):
-    module = _EXPORTS.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
-        return value
-    try:  # a submodule not imported yet (``torchrl_asyncpool.pool`` after ``import torchrl_asyncpool``)
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__name__}.{name}":
-            raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

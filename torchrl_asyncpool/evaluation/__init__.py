@@ -7,7 +7,7 @@ files (:mod:`~torchrl_asyncpool.evaluation.episodes`) need no torch, so ``torchr
 eval`` can write every episode's result ("not started") on a Ctrl-C that comes while torch is
 still being imported; :func:`evaluate` and :func:`check_capacity` import it.
 """
-import importlib
+from torchrl_asyncpool.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "STATUSES": "torchrl_asyncpool.evaluation.episodes",
@@ -28,19 +28,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
-    module = _EXPORTS.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
-        return value
-    try:  # a submodule not imported yet (``from torchrl_asyncpool.evaluation import runner``)
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__name__}.{name}":
-            raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
