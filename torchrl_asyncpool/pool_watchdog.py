@@ -9,7 +9,6 @@ over the slots of the worker it replaces, is in :mod:`~torchrl_asyncpool.workers
 """
 from __future__ import annotations
 
-import collections
 import select
 import threading
 import time
@@ -21,6 +20,7 @@ from torchrl_asyncpool.exchange.arena import Arena
 from torchrl_asyncpool.exchange.doorbell import InheritedFd
 from torchrl_asyncpool.forkserver import exit_code
 from torchrl_asyncpool.step_type import StepType
+from torchrl_asyncpool.workers.env_worker import _DeferredEnvError
 from torchrl_asyncpool.workers.watch import WorkerWatch, hung_slots
 
 _ENDS = (int(StepType.TERMINATION), int(StepType.TRUNCATION))
@@ -48,7 +48,8 @@ class _PoolWatchdog:
             self._shadow = Arena.create(self.layout, "torchrl_asyncpool_shadow")
         self._watch = WorkerWatch(InheritedFd(self._shadow.fd) if self._shadow is not None else None)
         self._watch_lock = threading.Lock()
-        self._death_times = collections.defaultdict(collections.deque)  # env -> recent worker deaths
+        # the pool's own tracker of the restart policy, for the replacements it makes
+        self._budget = self._restart.budget(self._arena, self.layout.num_slots) if self._restart is not None else None
         self._timed_out = {}  # worker -> (env, phase, seconds its step had run) of a kill for step_timeout
         self._sentinel_poll = None
         # worker -> when its current process was started as a replacement: the marks its dead
@@ -104,7 +105,6 @@ class _PoolWatchdog:
 
         p = self._procs[w]
         exit_code(p, 1.0)
-        how = self.death_info(w)
         kill_process_group(p.pid, alive=False)  # what its envs started
         slots = np.flatnonzero(self._slot_worker == w).tolist()
         timed = self._timed_out.pop(w, None)
@@ -114,41 +114,23 @@ class _PoolWatchdog:
                     f"{secs:.1f}s): its worker {w} (pid {p.pid}, hosting envs {slots}) was killed.")
         else:
             i, phase = slots[0], WORKER_DIED
-            text = f"worker {w} (pid {p.pid}, hosting envs {slots}) died ({how})."
+            text = f"worker {w} (pid {p.pid}, hosting envs {slots}) died ({self.death_info(w)})."
+        fail = (lambda msg: EnvError(i, phase, msg)) if timed is not None else (lambda msg: WorkerDiedError(msg, slots))
         if self._restart is None:
-            self._fail(EnvError(i, phase, text) if timed is not None else WorkerDiedError(text, slots))
-        self._admit(slots, i, phase, text, timed)
+            self._fail(fail(text))
         arena = self._arena
-        for j in slots:
+        for j in slots:  # the replacement counts against each env's budget, as an env's own rebuild does
+            try:
+                r = self._budget.admit(j, phase, text)
+            except _DeferredEnvError as exc:  # past it: the text has the restart history
+                self._fail(fail(exc.tb))
             arena.write_error(j, f"{phase}\n{text}")
-            arena.restarts[j] += 1  # after the text; also the seed of its env's next build
+            arena.restarts[j] = r  # after the text; also the seed of its env's next build
         self._conns[w].close()
         self._started_at[w] = time.monotonic()
         self._procs[w], self._conns[w] = self._start_worker(w, self._watch.resumed())
         self._refresh_sentinels()
         self.worker_restarts += 1
-
-    def _admit(self, slots, i, phase, text, timed) -> None:
-        """Counts a replacement against the budget of each env of the worker; raises past it."""
-        policy, now = self._restart, time.monotonic()
-        over = None
-        for j in slots:
-            recent = self._death_times[j]
-            while recent and now - recent[0] > policy.window_s:
-                recent.popleft()
-            if len(recent) >= policy.per_env:
-                over = (f"env {j}'s worker was replaced {len(recent)} times within {policy.window_s:g}s "
-                        f"(max_restarts_per_env={policy.per_env})")
-                break
-        total = int(self._arena.restarts.sum())
-        if over is None and policy.total is not None and total + len(slots) > policy.total:
-            over = f"the pool's envs were rebuilt {total} times (max_restarts={policy.total})"
-        if over is not None:
-            history = "; ".join(f"env {j}: {c} rebuilds" for j, (c, _) in sorted(self.restart_info().items()))
-            text = f"{text}\nrestart budget exhausted: {over}; rebuilds so far: {history or 'none'}"
-            self._fail(EnvError(i, phase, text) if timed is not None else WorkerDiedError(text, slots))
-        for j in slots:
-            self._death_times[j].append(now)
 
     def _fail(self, error: BaseException) -> None:
         """Makes ``error`` the pool's (sticky, as an env error is) and raises it."""
