@@ -177,7 +177,7 @@ class SlotConsumer:
                     "nothing was consumed, ready records stay available to the next call."
                 )
             self._check_sentinels(now)
-            events = poll_for(self._poller, self._wait_bound(None if deadline is None else deadline - now))
+            events = poll_for(self._poller, self.wait_bound(None if deadline is None else deadline - now))
             waited += time.monotonic() - now
             for fd, _ in events:
                 if fd != self._bell.fd:
@@ -225,10 +225,6 @@ class SlotConsumer:
     def wait_bound(self, remaining):
         """A wait's timeout: ``remaining`` (seconds or ``None``), at most the watchdog's period
         when there is one."""
-        return self._wait_bound(remaining)
-
-    def _wait_bound(self, remaining):
-        """A wait's timeout: ``remaining``, at most the watchdog's period when there is one."""
         if self._watchdog is None:
             return remaining
         return _WATCH_PERIOD_S if remaining is None else min(remaining, _WATCH_PERIOD_S)
@@ -253,7 +249,7 @@ class SlotConsumer:
             if deadline is not None and now >= deadline:
                 return ready
             self._check_sentinels(now)
-            events = poll_for(self._poller, self._wait_bound(None if deadline is None else deadline - now))
+            events = poll_for(self._poller, self.wait_bound(None if deadline is None else deadline - now))
             record_wait(self._stats, time.monotonic() - now)
             for fd, _ in events:
                 if fd != self._bell.fd:
