@@ -14,6 +14,10 @@ Implementations (each fed the same env factory and the same small MLP policy):
 * ``torchrl_sync``  TorchRL's synchronous Collector over ParallelEnv
 * ``gym_async``     a hand-written gymnasium.vector.AsyncVectorEnv(shared_memory=True) loop
 * ``gym_sync``      a plain single-process gymnasium.vector.SyncVectorEnv loop
+* ``envpool_async`` EnvPool's asynchronous mode (its C++ CartPole, ``num_envs=N``,
+                    ``batch_size=N/2``, one thread per core): ``recv`` a batch, the same MLP on
+                    the bare observations, ``send`` the actions to those env ids. CartPole only;
+                    needs ``pip install envpool==1.1.1`` (skipped when it is not installed)
 
 Workloads: CartPole-v1 (8 and 32 envs) and an env whose step sleeps 2 ms and returns 84x84x3
 uint8 pixels plus a 4-vector (16 and 64 envs). Also reports time from constructor to first
@@ -37,7 +41,7 @@ import torch.nn as nn
 from tensordict.nn import TensorDictModule
 
 IMPLS = ("asyncpool", "asyncpool_py", "asyncpool_unpinned", "asyncpool_no_idle", "torchrl_async", "torchrl_sync",
-         "gym_async", "gym_sync")
+         "gym_async", "gym_sync", "envpool_async")
 
 
 # -- workloads ------------------------------------------------------------------------------
@@ -315,6 +319,52 @@ class GymLoop:
         return self.venv.num_envs
 
 
+class EnvPoolLoop:
+    """EnvPool's documented asynchronous loop (``async_reset``, then ``recv``/``send`` of half the
+    envs at a time) with the benchmark MLP called on each received batch."""
+
+    def __init__(self, n):
+        import os
+
+        import envpool
+
+        self.pool = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=n, batch_size=max(1, n // 2),
+                                 num_threads=os.cpu_count() or 1, seed=0)
+        self.policy = make_policy("observation", 4, 2)
+        self.pool.async_reset()
+
+    @torch.no_grad()
+    def step(self) -> int:
+        obs, _, _, _, info = self.pool.recv()
+        a = self.policy.net(torch.as_tensor(obs, dtype=torch.float32)).argmax(-1).numpy()
+        self.pool.send(a.astype(np.int32), info["env_id"])
+        return len(obs)
+
+
+def run_envpool_async(w, n, fpb, seconds):
+    if w != "cartpole":
+        raise _Skip("EnvPool has no counterpart of the pixel env")
+    try:
+        import envpool  # noqa: F401
+    except ImportError:
+        raise _Skip("envpool is not installed (pip install envpool==1.1.1)") from None
+    t0 = time.perf_counter()
+    loop = EnvPoolLoop(n)
+    startup = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    frames = 0
+    while time.perf_counter() - t0 < seconds:
+        frames += loop.step()
+    fps = frames / (time.perf_counter() - t0)
+    t1 = time.perf_counter()
+    loop.pool.close()
+    return fps, startup, time.perf_counter() - t1
+
+
+class _Skip(Exception):
+    """This implementation cannot run this cell here (reported, not fatal)."""
+
+
 # -- runners: each returns (frames/s, startup s to first batch, shutdown s) -----------------------
 def run_asyncpool(w, n, fpb, seconds):
     return _timed_collector(lambda: build_asyncpool(w, n, fpb), seconds, fpb)
@@ -383,6 +433,7 @@ RUNNERS = {
     "torchrl_sync": run_torchrl_sync,
     "gym_async": run_gym_async,
     "gym_sync": run_gym_sync,
+    "envpool_async": run_envpool_async,
 }
 
 

@@ -191,6 +191,9 @@ typedef struct {
     int consumer_fd;
     Py_buffer views[9];
     Py_ssize_t nviews;
+    /* store()'s checked values, 3 doubles per slot, made once (a group holds each slot at most
+       once; a longer one, which store() would refuse as a repeat anyway, gets its own) */
+    double *scratch;
 } Pass;
 
 static void
@@ -199,6 +202,7 @@ Pass_dealloc(Pass *self)
     for (Py_ssize_t i = 0; i < self->nviews; i++) {
         PyBuffer_Release(&self->views[i]);
     }
+    PyMem_Free(self->scratch);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -210,7 +214,7 @@ Pass_init(Pass *self, PyObject *args, PyObject *kwds)
                              "step_time", "step_count", "consumer_fd", NULL};
     PyObject *o[9];
     int fd;
-    if (self->nviews != 0) {
+    if (self->nviews != 0 || self->scratch != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Pass.__init__ may run once");
         return -1;
     }
@@ -231,6 +235,11 @@ Pass_init(Pass *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     self->flag_bytes = flag_len / n;
+    self->scratch = PyMem_Malloc(sizeof(double) * 3 * (size_t)n);
+    if (self->scratch == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     void *p;
     if (take_buffer(self, o[0], n * 4, "state", &p) < 0) return -1;
     self->state = p;
@@ -329,7 +338,7 @@ Pass_store(Pass *self, PyObject *args)
                      PyList_GET_SIZE(sts), PyList_GET_SIZE(rewards), PyList_GET_SIZE(times));
         goto done;
     }
-    vals = PyMem_Malloc(sizeof(double) * 3 * (k > 0 ? k : 1));
+    vals = k <= self->n ? self->scratch : PyMem_Malloc(sizeof(double) * 3 * (size_t)k);
     if (vals == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -366,7 +375,9 @@ Pass_store(Pass *self, PyObject *args)
     }
     result = Py_NewRef(Py_True);
 done:
-    PyMem_Free(vals);
+    if (vals != self->scratch) {
+        PyMem_Free(vals);
+    }
     PyBuffer_Release(&iv);
     return result;
 }
