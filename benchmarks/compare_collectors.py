@@ -18,6 +18,10 @@ Implementations (each fed the same env factory and the same small MLP policy):
                     ``batch_size=N/2``, one thread per core): ``recv`` a batch, the same MLP on
                     the bare observations, ``send`` the actions to those env ids. CartPole only;
                     needs ``pip install envpool==1.1.1`` (skipped when it is not installed)
+* ``env_only``      the ceiling, not a collector: one bare process per core stepping the same
+                    envs with a fixed action, no policy and nothing exchanged or stored (the
+                    pixel env's in one thread each, as its blocking step wants). ``x env_only``
+                    is the share of it a collector reaches
 
 Workloads: CartPole-v1 (8 and 32 envs) and an env whose step sleeps 2 ms and returns 84x84x3
 uint8 pixels plus a 4-vector (16 and 64 envs). Also reports time from constructor to first
@@ -41,7 +45,7 @@ import torch.nn as nn
 from tensordict.nn import TensorDictModule
 
 IMPLS = ("asyncpool", "asyncpool_py", "asyncpool_unpinned", "asyncpool_no_idle", "torchrl_async", "torchrl_sync",
-         "gym_async", "gym_sync", "envpool_async")
+         "gym_async", "gym_sync", "envpool_async", "env_only")
 
 
 # -- workloads ------------------------------------------------------------------------------
@@ -361,6 +365,76 @@ def run_envpool_async(w, n, fpb, seconds):
     return fps, startup, time.perf_counter() - t1
 
 
+def _env_only_process(w: str, k: int, conn) -> None:
+    """Steps ``k`` envs of workload ``w`` until told to stop; answers each ``"count"`` with the
+    steps taken so far."""
+    import threading
+
+    envs = [WORKLOADS[w][0]() for _ in range(k)]
+    counts = [0] * k
+    stop = threading.Event()
+
+    def run(ids):
+        for i in ids:
+            envs[i].reset(seed=i)
+        while not stop.is_set():
+            for i in ids:
+                _, _, term, trunc, _ = envs[i].step(i % 2)
+                counts[i] += 1
+                if term or trunc:
+                    envs[i].reset()
+
+    # a blocking step (the pixel env sleeps) overlaps in threads; a CPU-bound one runs in one loop
+    groups = [[i] for i in range(k)] if w == "sleep2ms" else [list(range(k))]
+    threads = [threading.Thread(target=run, args=(g,), daemon=True) for g in groups]
+    for t in threads:
+        t.start()
+    while conn.recv() == "count":
+        conn.send(sum(counts))
+    stop.set()
+    for t in threads:
+        t.join()
+
+
+def run_env_only(w, n, fpb, seconds):
+    import multiprocessing as mp
+    import os
+
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else None)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    sizes = [len(range(i, n, min(n, cores))) for i in range(min(n, cores))]
+    t0 = time.perf_counter()
+    procs, conns = [], []
+    try:
+        for k in sizes:
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_env_only_process, args=(w, k, child), daemon=True)
+            p.start()
+            procs.append(p)
+            conns.append(parent)
+        for c in conns:
+            c.send("count")
+        c0 = sum(c.recv() for c in conns)
+        startup = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        for c in conns:
+            c.send("count")
+        frames = sum(c.recv() for c in conns) - c0
+        fps = frames / (time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        for c in conns:
+            c.send("stop")
+        for p in procs:
+            p.join(5)
+        return fps, startup, time.perf_counter() - t1
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
 class _Skip(Exception):
     """This implementation cannot run this cell here (reported, not fatal)."""
 
@@ -434,6 +508,7 @@ RUNNERS = {
     "gym_async": run_gym_async,
     "gym_sync": run_gym_sync,
     "envpool_async": run_envpool_async,
+    "env_only": run_env_only,
 }
 
 
@@ -499,7 +574,8 @@ def _median_rows(results):
 def _print_table(results):
     results = _median_rows(results)
     print(f"\n{'workload':9} {'envs':>4} {'impl':14} {'frames/s':>10} {'range':>15} {'x torchrl_async':>15} "
-          f"{'x gym_async':>11} {'% N/lat':>8} {'1st batch s':>11} {'shutdown s':>10}")
+          f"{'x gym_async':>11} {'x gym_sync':>10} {'x env_only':>10} {'% N/lat':>8} {'1st batch s':>11} "
+          f"{'shutdown s':>10}")
     for r in results:
         same = {x["impl"]: x["fps"] for x in results if x["workload"] == r["workload"] and x["envs"] == r["envs"]}
         ratio = lambda k: r["fps"] / same[k] if same.get(k) and same[k] == same[k] else float("nan")  # noqa: E731
@@ -507,7 +583,8 @@ def _print_table(results):
         lo, hi = r.get("fps_range", (r["fps"], r["fps"]))
         print(f"{r['workload']:9} {r['envs']:>4} {r['impl']:14} {r['fps']:>10.0f} {f'{lo:.0f}-{hi:.0f}':>15} "
               f"{ratio('torchrl_async'):>15.1f} "
-              f"{ratio('gym_async'):>11.2f} {100 * r['fps'] / limit:>8.1f} "
+              f"{ratio('gym_async'):>11.2f} {ratio('gym_sync'):>10.2f} {ratio('env_only'):>10.2f} "
+              f"{100 * r['fps'] / limit:>8.1f} "
               f"{r['startup_s']:>11.2f} {r['shutdown_s']:>10.2f}"
               + (f"  ERROR {r['error']}" if "error" in r else ""))
 
