@@ -1,13 +1,18 @@
 """What gRPC's Python stack costs per record, without the pool: the floor under remote env slots.
 
-Three probes, each ``--records`` round trips of 100-byte messages over 127.0.0.1:
+Four probes, each ``--records`` round trips of 100-byte messages over 127.0.0.1:
 
 * ``pingpong``      a bare bidirectional stream, client and server in this process;
 * ``sync bridge``   the ingress design of ``torchrl_asyncpool.remote``: a threaded gRPC server
                     whose stream handler yields commands from a queue while another thread
                     reads the records (a client in another process); server CPU per record;
 * ``aio bridge``    the same with a ``grpc.aio`` server on an event loop thread, the waiting
-                    thread bridged through ``asyncio.run_coroutine_threadsafe``.
+                    thread bridged through ``asyncio.run_coroutine_threadsafe``;
+* ``raw socket``    the floor under any of them: the same round trips over one TCP connection
+                    with gRPC's 5-byte message prefix and no HTTP/2, each side one thread
+                    blocking in ``recv`` (no gRPC, not a wire format the package speaks), with
+                    100-byte records and with 344,000-byte ones (a pass of 16 pixel records);
+                    CPU per round trip of each side.
 
 Run with nothing else busy: ``python benchmarks/probe_grpc.py``.
 """
@@ -16,6 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import queue
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -31,6 +38,68 @@ q = queue.SimpleQueue(); q.put(b"x" * 100)
 for cmd in ch.stream_stream("/s/m")(iter(q.get, None)):
     q.put(b"y" * 100)
 """
+
+
+_RAW_HOST = r"""
+import os, socket, struct, sys, time
+hdr = struct.Struct(">BI")
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+buf, rec = bytearray(1 << 20), os.urandom(int(sys.argv[2]))
+def fill(n):
+    view, got = memoryview(buf)[:n], 0
+    while got < n:
+        r = s.recv_into(view[got:], n - got)
+        if not r:
+            raise EOFError
+        got += r
+n = 0
+try:
+    while True:
+        fill(5); fill(hdr.unpack_from(buf)[1])
+        if len(rec) < 65536:
+            s.sendall(hdr.pack(0, len(rec)) + rec)
+        else:
+            s.sendall(hdr.pack(0, len(rec))); s.sendall(rec)
+        n += 1
+except (EOFError, ConnectionError):
+    pass
+print(1e6 * time.process_time() / max(n, 1), flush=True)
+"""
+
+
+def raw_socket(n, size):
+    hdr = struct.Struct(">BI")
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(1)
+    client = subprocess.Popen([sys.executable, "-c", _RAW_HOST, str(ls.getsockname()[1]), str(size)],
+                              stdout=subprocess.PIPE, text=True)
+    s, _ = ls.accept()
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf, cmd = bytearray(1 << 20), b"c" * 100
+
+    def fill(k):
+        view, got = memoryview(buf)[:k], 0
+        while got < k:
+            got += s.recv_into(view[got:], k - got)
+
+    def round_trip():
+        s.sendall(hdr.pack(0, len(cmd)) + cmd)
+        fill(5)
+        fill(hdr.unpack_from(buf)[1])
+
+    for _ in range(200):
+        round_trip()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        round_trip()
+    dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    s.close()
+    ls.close()
+    host_cpu = float(client.communicate(timeout=30)[0])  # its whole life, start-up included, per round trip
+    print(f"{'raw socket':12} {1e6 * dt / n:6.0f} us wall, {1e6 * dc / n:6.0f} us CPU per round trip (server), "
+          f"{size}-byte records (the client: {host_cpu:.0f} us, its start-up included)", flush=True)
 
 
 def _handlers(fn):
@@ -140,6 +209,8 @@ def main():
         pingpong(args.records)
         sync_bridge(args.records)
         aio_bridge(args.records)
+        raw_socket(args.records, 100)
+        raw_socket(args.records, 344_000)
 
 
 if __name__ == "__main__":
