@@ -97,6 +97,35 @@ def test_collector_default_partition_policy_first_cpu_workers_the_rest():
         c.shutdown()
 
 
+@pytest.mark.skipif(len(CPUS) < 2, reason="the default partition needs two CPUs")
+@pytest.mark.parametrize("kwargs, during", [
+    (dict(), {FIRST}),  # the default partition: the policy's CPU
+    (dict(driver_affinity=[LAST]), {LAST}),
+    (dict(worker_affinity=None, driver_affinity=None), set(CPUS)),  # nothing pinned: the caller's mask
+])
+def test_iterating_thread_takes_batches_on_the_policy_cpus_and_gets_its_mask_back(kwargs, during):
+    c = AsyncPoolCollector(oracle_factories(4), policy=_oracle_policy, frames_per_batch=8, total_frames=32,
+                           envs_per_worker=2, **kwargs)
+    seen = []
+    take = c.env.take_transitions
+
+    def recording_take(*args, **kw):  # the pool's own take, with the calling thread's mask noted
+        seen.append(os.sched_getaffinity(0))
+        return take(*args, **kw)
+
+    c.env.take_transitions = recording_take
+    before = os.sched_getaffinity(0)
+    try:
+        frames = 0
+        for batch in c:
+            assert os.sched_getaffinity(0) == before  # the training loop's code runs on its own mask
+            frames += batch.numel()
+        assert frames == 32
+        assert seen and all(mask == during for mask in seen), seen
+    finally:
+        c.shutdown()
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(worker_affinity=None, driver_affinity=None),
     dict(policy_num_threads=2),

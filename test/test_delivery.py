@@ -9,6 +9,11 @@ from conftest import oracle_factories
 from torchrl_asyncpool import AsyncEnvPool
 from torchrl_asyncpool.testing import OracleChecker, oracle_action
 
+try:
+    from torchrl_asyncpool.exchange import _native
+except ImportError:  # installed without its C extension
+    _native = None
+
 
 def _serve(pool, stop, errors):
     try:
@@ -27,10 +32,24 @@ def _serve(pool, stop, errors):
     [(1, 1, False, 4, 10), (8, 4, False, 5, 64), (8, 4, True, 5, 64), (8, 1, False, 16, 50), (2, 1, False, 3, 100)],
 )
 def test_chunks_exactly_once_in_order(num_envs, envs_per_worker, env_threads, chunk, frames, dev_shm_guard):
+    _check_chunks(num_envs, envs_per_worker, env_threads, chunk, frames)
+
+
+@pytest.mark.skipif(_native is None, reason="idle polling needs the C extension")
+def test_chunks_exactly_once_in_order_with_idle_polled_waits(dev_shm_guard):
+    # the learner's waits for full chunks park for the idle poller instead of blocking in poll(2)
+    _check_chunks(8, 4, False, 5, 64, idle_poll=True)
+    with AsyncEnvPool(oracle_factories(2), transition_chunk_size=4, idle_poll=True) as pool:
+        t0 = time.monotonic()
+        assert pool.take_transitions(8, timeout=0.2) is None  # no consumer: no steps, and the timeout holds
+        assert time.monotonic() - t0 < 10
+
+
+def _check_chunks(num_envs, envs_per_worker, env_threads, chunk, frames, **pool_kwargs):
     checker = OracleChecker()
     stop, errors = threading.Event(), []
     with AsyncEnvPool(oracle_factories(num_envs), envs_per_worker=envs_per_worker, env_threads=env_threads,
-                      transition_chunk_size=chunk) as pool:
+                      transition_chunk_size=chunk, **pool_kwargs) as pool:
         t = threading.Thread(target=_serve, args=(pool, stop, errors), daemon=True)
         t.start()
         try:
@@ -41,6 +60,8 @@ def test_chunks_exactly_once_in_order(num_envs, envs_per_worker, env_threads, ch
                 checker.observe_transitions(batch)
                 total += frames
                 time.sleep(0.01)  # a slow learner: workers must wait, not drop
+            # the learner's waits follow the pool's idle_poll
+            assert pool._chunk_reader._waiter.idle == int(bool(pool.idle_poll))
         finally:
             stop.set()
             t.join(5)

@@ -536,7 +536,7 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         if self._chunks is None:
             raise RuntimeError("take_transitions needs AsyncEnvPool(..., transition_chunk_size=T).")
         if self._chunk_reader is None:
-            self._chunk_reader = ChunkReader(self._chunks, self._release_chunk)
+            self._chunk_reader = ChunkReader(self._chunks, self._release_chunk, idle_poll=self.idle_poll)
 
         def _check():
             if check is not None:

@@ -18,7 +18,6 @@ chunk leaves that env's action pending (back-pressure) instead of dropping data.
 """
 from __future__ import annotations
 
-import select
 import time
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ import torch
 from tensordict import TensorDict
 
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout, as_key
-from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
+from torchrl_asyncpool.exchange.doorbell import BellWait, Doorbell, InheritedFd
 from torchrl_asyncpool.exchange.gather import RowGather
 
 __all__ = [
@@ -141,9 +140,17 @@ class ChunkReader:
         release (callable): ``env_indices -> None`` (an int64 array), wakes the workers
             hosting those envs after chunks of theirs were freed; called once per batch of
             freed chunks, so a worker whose envs freed many chunks is rung once.
+
+    Keyword Args:
+        idle_poll (bool, optional): whether the waits for full chunks idle-poll (the pool's
+            :attr:`~torchrl_asyncpool.AsyncEnvPool.idle_poll`; see
+            :mod:`~torchrl_asyncpool.exchange.doorbell`). A worker that fills a chunk rings the
+            driver's doorbell; with a blocking wait that ring is a cross-core wake-up of the
+            learner's thread, which cost the ringing worker 30-100 us on the benchmark VM
+            against a few for an idle-polled wait. Defaults to ``False``.
     """
 
-    def __init__(self, buffers: ChunkBuffers, release):
+    def __init__(self, buffers: ChunkBuffers, release, *, idle_poll: bool = False):
         self.buffers = buffers
         self._release = release
         arena = buffers.arena
@@ -159,8 +166,7 @@ class ChunkReader:
         self._carry = None  # (chunk id, offset) of a partly consumed chunk
         self._pending = None  # (batch, filled) of a call that timed out
         self._last, self._last_leaves = None, []  # the last batch allocated, for take(reuse=True)
-        self._poller = select.poll()
-        self._poller.register(buffers.driver_bell.fd, select.POLLIN)
+        self._waiter = BellWait(buffers.driver_bell, idle_poll=bool(idle_poll))
 
     def full_chunks(self) -> int:
         """How many chunks are full and not yet taken by the driver."""
@@ -214,8 +220,7 @@ class ChunkReader:
                 if deadline is not None and now >= deadline:
                     self._pending = (out, pos)
                     return None
-                wait = 100 if deadline is None else max(0, min(100, int((deadline - now) * 1000) + 1))
-                self._poller.poll(wait)
+                self._waiter.wait(0.1 if deadline is None else max(0.0, min(0.1, deadline - now)))
                 continue
             # the rows to copy, oldest chunk first, without a Python step per chunk (a batch of
             # 1,024 envs' one-transition chunks is 1,024 chunks): the partly consumed chunk, the
