@@ -128,6 +128,10 @@ class ChunkBuffers:
         self.arena.close()
 
 
+#: how often :meth:`ChunkReader.take` runs its ``check`` while it waits (seconds)
+_CHECK_EVERY_S = 0.1
+
+
 class ChunkReader:
     """Driver side: concatenates full chunks into dense batches of exactly ``frames`` transitions.
 
@@ -210,13 +214,17 @@ class ChunkReader:
             self._pending = (out, 0)
         out, pos = self._pending
         gathers = [RowGather(src, out.get(k)) for k, src in self._flat]
+        checked = time.monotonic()
         while pos < frames:
             self.buffers.driver_bell.drain()  # before the scan: a ring after this wakes the poll
             full = np.flatnonzero(self._state == FULL)
             if not full.size and self._carry is None:
-                if check is not None:
-                    check()
                 now = time.monotonic()
+                # the check every 100 ms, not at every wake-up: a batch of small chunks waits
+                # dozens of times (its pool's check costs ~15 us each time)
+                if check is not None and now - checked >= _CHECK_EVERY_S:
+                    check()
+                    checked = now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     self._pending = (out, pos)
                     return None
