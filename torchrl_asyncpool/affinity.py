@@ -17,6 +17,13 @@ with ``policy_num_threads`` other than ``1`` (a multi-threaded policy wants seve
 where Linux masks are unavailable. Pass ``worker_affinity=None, driver_affinity=None`` (or set
 ``TORCHRL_ASYNCPOOL_AFFINITY=none``) when something else shares the machine's cores (another
 collector, a learner with its own pinning): the masks are then left as they are.
+The thread that iterates the collector takes each batch on the policy's CPU as well (its own
+mask is restored before the batch is yielded): a worker that fills a transition chunk rings that
+thread awake, and the kernel tends to wake it on the ringing worker's CPU, where it preempts the
+worker. Measured on 2 cores with 32 CartPole envs, such a ring took the worker 90-100 us against
+2 us once the taking ran on the policy's CPU (with its waits idle-polled, see
+:class:`~torchrl_asyncpool.delivery.chunks.ChunkReader`), and frames/s rose 1.32x (median of 5
+interleaved pairs).
 On Linux an affinity mask belongs to a thread and is inherited by the threads and processes
 it starts; worker processes fork from the fork server, so they set theirs themselves.
 """

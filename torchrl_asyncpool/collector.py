@@ -173,8 +173,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             ``policy_num_threads`` other than ``1``. ``None``: not pinned (TorchRL's default).
         driver_affinity (sequence of int, "auto" or None, optional): TorchRL's option: a Linux CPU
             mask for where the policy runs (the serving thread with ``policy=``, the server
-            process with ``policy_factory=``) and for the background thread of :meth:`start`;
-            the constructing thread keeps its own mask. ``"auto"`` (default): the policy alone,
+            process with ``policy_factory=``), for the background thread of :meth:`start`, and
+            for the thread iterating the collector while it waits for and copies a batch (its
+            own mask is back before the batch is yielded: your training code keeps it); the
+            constructing thread keeps its own mask. ``"auto"`` (default): the policy alone,
             on the first CPU this process may use, when the workers took the ``"auto"``
             partition above; ``None``: nothing pinned. See :mod:`torchrl_asyncpool.affinity`
             for the partition and what it measured; pass ``None`` to both when other work
