@@ -355,11 +355,7 @@ def run_envpool_async(w, n, fpb, seconds):
     t0 = time.perf_counter()
     loop = EnvPoolLoop(n)
     startup = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    frames = 0
-    while time.perf_counter() - t0 < seconds:
-        frames += loop.step()
-    fps = frames / (time.perf_counter() - t0)
+    fps = _loop_fps(loop, seconds)
     t1 = time.perf_counter()
     loop.pool.close()
     return fps, startup, time.perf_counter() - t1
@@ -464,6 +460,15 @@ def run_torchrl_sync(w, n, fpb, seconds):
     return _timed_collector(lambda: build_torchrl_sync(w, n, fpb), seconds, fpb)
 
 
+def _loop_fps(loop, seconds: float) -> float:
+    """Frames/s of ``loop.step()`` (which returns the frames it made) run for ``seconds``."""
+    t0 = time.perf_counter()
+    frames = 0
+    while time.perf_counter() - t0 < seconds:
+        frames += loop.step()
+    return frames / (time.perf_counter() - t0)
+
+
 def _timed_vector_env(build, w, n, seconds):
     with _ShieldedCell() as cell:  # gymnasium's AsyncVectorEnv workers: shielded from Ctrl-C as well
         venv = None
@@ -472,11 +477,7 @@ def _timed_vector_env(build, w, n, seconds):
             venv = build(w, n)
             loop = GymLoop(venv, w)
             startup = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            frames = 0
-            while time.perf_counter() - t0 < seconds:
-                frames += loop.step()
-            fps = frames / (time.perf_counter() - t0)
+            fps = _loop_fps(loop, seconds)
         except BaseException:
             try:
                 if venv is not None:

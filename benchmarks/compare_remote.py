@@ -471,9 +471,14 @@ def main():
                           + ("" if back is None else f"   killed actor: truncated at {back[0]} s, back at {back[1]} s"),
                           flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "cores": os.cpu_count(), "argv": sys.argv[1:],
-                       "load_average": os.getloadavg(), "rows": rows}, f, indent=1)
+        write_json(args.json, rows)
+
+
+def write_json(path: str, rows: list) -> None:
+    """Writes a run's ``rows`` with the date, core count, command line and load average."""
+    with open(path, "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "cores": os.cpu_count(), "argv": sys.argv[1:],
+                   "load_average": os.getloadavg(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

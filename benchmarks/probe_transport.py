@@ -17,11 +17,9 @@ interleaved order::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import struct
-import sys
 import threading
 import time
 
@@ -233,9 +231,7 @@ def main():
             print(f"{args.workload:9} {n:>3} {impl:17} {rate:>9.0f} records/s   CPU us per record: driver "
                   f"{cpu['driver']:.0f} / pool workers {cpu['workers']:.0f} / hosts {cpu['hosts']:.0f}", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "cores": os.cpu_count(), "argv": sys.argv[1:],
-                       "load_average": os.getloadavg(), "rows": rows}, f, indent=1)
+        cr.write_json(args.json, rows)
 
 
 if __name__ == "__main__":
