@@ -540,6 +540,9 @@ def main(argv=None):
                     try:
                         fps, startup, close = RUNNERS[impl](w, n, args.frames_per_batch, seconds)
                         row = dict(workload=w, envs=n, impl=impl, rep=rep, fps=fps, startup_s=startup, shutdown_s=close)
+                    except _Skip as e:  # an optional baseline that cannot run here (envpool not installed)
+                        row = dict(workload=w, envs=n, impl=impl, rep=rep, fps=float("nan"), startup_s=float("nan"),
+                                   shutdown_s=float("nan"), skipped=str(e))
                     except Exception as e:  # noqa: BLE001 - one failing baseline must not hide the others
                         row = dict(workload=w, envs=n, impl=impl, rep=rep, fps=float("nan"), startup_s=float("nan"),
                                    shutdown_s=float("nan"), error=f"{type(e).__name__}: {e}"[:200])
@@ -587,7 +590,8 @@ def _print_table(results):
               f"{ratio('gym_async'):>11.2f} {ratio('gym_sync'):>10.2f} {ratio('env_only'):>10.2f} "
               f"{100 * r['fps'] / limit:>8.1f} "
               f"{r['startup_s']:>11.2f} {r['shutdown_s']:>10.2f}"
-              + (f"  ERROR {r['error']}" if "error" in r else ""))
+              + (f"  ERROR {r['error']}" if "error" in r else "")
+              + (f"  skipped: {r['skipped']}" if "skipped" in r else ""))
 
 
 def plot(results, path):
