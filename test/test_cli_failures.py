@@ -156,14 +156,18 @@ class _Command:
         except psutil.NoSuchProcess:
             return []
 
-    def fork_server_started(self) -> bool:
-        def is_fork_server(p):
+    def has_descendant(self, marker: str) -> bool:
+        """Whether a process below the command has ``marker`` in its command line."""
+        def matches(p):
             try:
-                return "forkserver" in " ".join(p.cmdline())
+                return marker in " ".join(p.cmdline())
             except psutil.Error:
                 return False
 
-        return any(is_fork_server(p) for p in self.descendants())
+        return any(matches(p) for p in self.descendants())
+
+    def fork_server_started(self) -> bool:
+        return self.has_descendant("forkserver")
 
     def ctrl_c(self, within=30.0, sig=signal.SIGINT):
         """Ctrl-C to the whole group (``sig=SIGTERM``: to the command's process only, as a job
@@ -414,13 +418,7 @@ def test_ctrl_c_in_bench_exits_130_with_a_summary(tmp_path):
 
 def _spawned_worker_started(cmd) -> bool:
     """A worker process that TorchRL started (``spawn``: it re-imports the benchmark script)."""
-    def is_spawned(p):
-        try:
-            return "multiprocessing.spawn" in " ".join(p.cmdline())
-        except psutil.Error:
-            return False
-
-    return any(is_spawned(p) for p in cmd.descendants())
+    return cmd.has_descendant("multiprocessing.spawn")
 
 
 @pytest.mark.slow
