@@ -191,8 +191,8 @@ typedef struct {
     int consumer_fd;
     Py_buffer views[9];
     Py_ssize_t nviews;
-    /* store()'s checked values, 3 doubles per slot, made once (a group holds each slot at most
-       once; a longer one, which store() would refuse as a repeat anyway, gets its own) */
+    /* store()'s checked values, 3 doubles per slot, made once (a pass's group holds each slot
+       at most once; a longer list, which can only repeat slots, gets a buffer of its own) */
     double *scratch;
 } Pass;
 
