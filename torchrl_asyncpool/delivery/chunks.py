@@ -215,8 +215,11 @@ class ChunkReader:
         out, pos = self._pending
         gathers = [RowGather(src, out.get(k)) for k, src in self._flat]
         checked = time.monotonic()
+        bell, drained = self.buffers.driver_bell, False
         while pos < frames:
-            self.buffers.driver_bell.drain()  # before the scan: a ring after this wakes the poll
+            if not drained:
+                bell.drain()  # before the scan: a ring after this wakes the wait
+            drained = False
             full = np.flatnonzero(self._state == FULL)
             if not full.size and self._carry is None:
                 now = time.monotonic()
@@ -228,7 +231,8 @@ class ChunkReader:
                 if deadline is not None and now >= deadline:
                     self._pending = (out, pos)
                     return None
-                self._waiter.wait(0.1 if deadline is None else max(0.0, min(0.1, deadline - now)))
+                fired = self._waiter.wait(0.1 if deadline is None else max(0.0, min(0.1, deadline - now)))
+                drained = bell.fd in fired  # the wait drained the bell it was woken by
                 continue
             # the rows to copy, oldest chunk first, without a Python step per chunk (a batch of
             # 1,024 envs' one-transition chunks is 1,024 chunks): the partly consumed chunk, the
