@@ -5,8 +5,8 @@ interleaved pairs say anything, and the order within a pair matters too: in one 
 first run of each pair won 4 of 5 pairs whichever code it ran. This script therefore runs the
 pairs in ABBA order (base first, then new first, ...), each run a fresh
 ``profile_collector.py`` process on the same workload, and reports frames/s per run, the
-median of each side, the per-pair ratios and the CPU per frame of the env workers and the
-serving thread::
+median of each side, the per-pair ratios and the CPU per frame of the env workers, the
+serving thread and the thread that takes the batches (the learner)::
 
     python benchmarks/ab_commits.py --base bcf5c07 --workload sleep2ms --envs 64 --pairs 4
     python benchmarks/ab_commits.py --base HEAD~1 --workload cartpole --envs 32 --set worker_affinity=None
@@ -83,7 +83,8 @@ def main(argv=None) -> int:
                     runs[side].append(r)
                     print(f"pair {i + 1} {side:4s} ({'first' if side == order[0] else 'second'}): "
                           f"{r['frames_per_s']:9,.0f} frames/s  workers {_cpu(r, 'worker'):5.1f} "
-                          f"serving {_cpu(r, 'inference'):5.1f} us CPU/frame", flush=True)
+                          f"serving {_cpu(r, 'inference'):5.1f} learner {_cpu(r, 'main thread'):5.1f} us CPU/frame",
+                          flush=True)
         finally:
             _git("worktree", "remove", "--force", base_tree)
     base = [r["frames_per_s"] for r in runs["base"]]
@@ -92,6 +93,10 @@ def main(argv=None) -> int:
     print(f"\n{args.workload}, {args.envs} envs, {args.pairs} pairs (ABBA), base {base_rev} vs the working tree")
     print(f"  median frames/s: base {statistics.median(base):,.0f}  new {statistics.median(new):,.0f}")
     print(f"  new/base per pair: {' '.join(f'{x:.3f}' for x in ratios)}  (median {statistics.median(ratios):.3f})")
+    for what, label in (("worker", "workers"), ("inference", "serving thread"), ("main thread", "learner (main thread)")):
+        b = statistics.median(_cpu(r, what) for r in runs["base"])
+        n = statistics.median(_cpu(r, what) for r in runs["new"])
+        print(f"  median CPU per frame, {label}: base {b:.1f}  new {n:.1f} us")
     return 0
 
 
