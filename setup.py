@@ -12,7 +12,7 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 CSRC = Path("torchrl_asyncpool") / "exchange" / "csrc"
-SOURCES = ["module.c", "engine.c", "stores.c", "doorbell.c", "idle_poll.c", "wake_probe.c"]
+SOURCES = ["module.c", "engine.c", "stores.c", "step_loop.c", "doorbell.c", "idle_poll.c", "wake_probe.c"]
 
 setup(
     ext_modules=[

@@ -33,7 +33,7 @@ import numpy as np
 from torchrl_asyncpool.exchange.metrics import STAT_SLOTS
 
 __all__ = ["EXCHANGES", "native_available", "resolve_exchange", "describe_exchange", "build_engine", "row_copier",
-           "pass_stores", "copy_into"]
+           "pass_stores", "step_group", "copy_into"]
 
 #: the accepted values of a pool's ``exchange=`` (see :func:`resolve_exchange`)
 EXCHANGES = ("auto", "native", "python")
@@ -224,6 +224,40 @@ def pass_stores(exchange: str, arena, reward: np.ndarray, step_type: np.ndarray,
         return None
     return _native.Pass(arena.state, arena.ready_time, reward, step_type, done, terminated, truncated,
                         arena.step_time, arena.step_count, int(consumer_fd))
+
+
+def step_group(exchange: str):
+    """The C steps of a pass loop's plain gymnasium envs (``csrc/step_loop.c``), or ``None``
+    for the Python loop (``exchange="python"`` or the engine not built).
+
+    The function, ``step_group(stepper, fast, start, idx, sts, rewards, times, slow_s, hold_s)``,
+    steps ``fast[start:]`` (one tuple per slot, see ``workers.env_worker._fast_step``), copies
+    each observation into its slot's row and appends each record to the four staging lists of
+    a :class:`~torchrl_asyncpool.workers.record_writer.RecordWriter`, as its ``add`` does; it
+    stops after a step slower than ``slow_s`` or once ``hold_s`` has passed, and returns
+    ``(stepped, positions of the slots whose episode ended)``. A step that raises sets
+    ``stepper.current`` to its slot's index and propagates.
+
+    Args:
+        exchange (str): a resolved name (see :func:`resolve_exchange`).
+
+    Examples:
+        >>> import gymnasium as gym, numpy as np
+        >>> from torchrl_asyncpool.exchange.native import step_group
+        >>> run = step_group("native")
+        >>> env = gym.make("CartPole-v1"); _ = env.reset(seed=0)
+        >>> action, obs = np.ones((), np.int64), np.zeros(4, np.float32)
+        >>> lists = [], [], [], []
+        >>> if run is not None:
+        ...     stepped, ended = run(None, [(7, env.step, action, None, obs)], 0, *lists, 1.0, 1.0)
+        ... else:  # what it does, in Python
+        ...     o, r, term, trunc, _ = env.step(action[()]); obs[...] = o
+        ...     stepped, ended = 1, []
+        ...     for lst, v in zip(lists, (7, 1, r, 0.0)): lst.append(v)
+        >>> stepped, ended, lists[0], lists[1], bool(obs.any())
+        (1, [], [7], [1], True)
+    """
+    return _native.step_group if _enabled(exchange) else None
 
 
 def _plain(a) -> bool:

@@ -46,9 +46,10 @@ from torchrl_asyncpool.delivery import chunks as C
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, as_key
 from torchrl_asyncpool.exchange.doorbell import BellWait, Doorbell, set_process_idle_poll
-from torchrl_asyncpool.exchange.native import copy_into, row_copier
+from torchrl_asyncpool.exchange.native import copy_into, row_copier, step_group
 from torchrl_asyncpool.step_type import StepType
-from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, _own_attr, make_adapter, remote_listener
+from torchrl_asyncpool.workers.env_adapter import (FIRST_SEED_ATTR, GymnasiumEnvAdapter, _own_attr, make_adapter,
+                                                   remote_listener)
 from torchrl_asyncpool.workers.record_writer import RESTARTED_KEY, RecordWriter
 from torchrl_asyncpool.workers.watch import Watcher
 
@@ -128,7 +129,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
 class _Slot:
     """Everything one hosted env needs on the hot path, resolved once."""
 
-    __slots__ = ("index", "adapter", "obs", "actions", "step_into", "ended", "pending_first", "pending_error",
+    __slots__ = ("index", "adapter", "obs", "actions", "step_into", "fast", "ended", "pending_first", "pending_error",
                  "reset_dt", "chunks", "chunk", "pos", "seq", "factory", "reborn", "cut")
 
     def __init__(self, index, adapter, arena):
@@ -161,12 +162,27 @@ class _Slot:
             self.actions = {k: _np(v) for k, v in self.actions.items()}
         # step_into(actions, obs views) -> (reward, terminated, truncated), the observation written
         self.step_into = getattr(adapter, "step_into", None) or functools.partial(_step_into, adapter)
+        self.fast = _fast_step(index, adapter, self.obs, self.actions)
 
     def write_obs(self, obs):
         """Copies an observation (as the adapter's ``step``/``reset`` return it) into the slot's rows."""
         as_np = self.adapter.as_numpy
         for key, view in self.obs:
             copy_into(view, as_np(obs.get(key)))  # keeps the GIL (see copy_into)
+
+
+def _fast_step(index, adapter, obs, actions):
+    """The slot's tuple for the C steps of a pass (``exchange/csrc/step_loop.c``): ``(index,
+    env.step, action row, action maker or None, observation row or ((key, row), ...))``, what
+    ``GymnasiumEnvAdapter.step_into`` uses; ``None`` where the env takes the Python path (any
+    other adapter, an env with planned episodes)."""
+    if (type(adapter) is not GymnasiumEnvAdapter or adapter._plan is not None
+            or not isinstance(actions.get("action"), np.ndarray)):
+        return None
+    # GymnasiumEnvAdapter._action_value: row[()] (None here), the space's scalar type, or a copy
+    make = adapter._discrete_scalar if adapter._discrete else np.ndarray.copy
+    rows = tuple(obs) if adapter._dict_obs else obs[0][1]
+    return index, adapter.env.step, actions["action"], make, rows
 
 
 def _step_into(adapter, actions, views):
@@ -759,6 +775,7 @@ class _Stepper:
     def __init__(self, worker):
         self.worker = worker
         self.writer = RecordWriter(worker.arena, worker.consumer_fd, worker.exchange)
+        self.fast_steps = step_group(worker.exchange)  # None: every step in Python
         self.delivery = worker.delivery
         self.restarts = worker.restarts
         # what the pool's watchdog reads (None: the pool does not watch this worker)
@@ -874,10 +891,11 @@ class _Stepper:
     def step_pass(self, stepping):
         """Steps ``stepping`` (claimed, ACTION_READY, not ended) in order; returns those whose
         episode ended. Per slot only the step (with its observation copy) and the staging of
-        its record run in Python; the records are stored one store per array for a group of
-        slots, published together; a group closes early after a slow step or once its first
-        record has waited :data:`_HOLD_S` (see there). The last group is left unpublished, for
-        the caller's publish of the pass."""
+        its record run per slot, in C for plain gymnasium envs (``exchange.native.step_group``:
+        the env's step is the only Python then) and in Python otherwise; the records are stored
+        one store per array for a group of slots, published together; a group closes early after
+        a slow step or once its first record has waited :data:`_HOLD_S` (see there). The last
+        group is left unpublished, for the caller's publish of the pass."""
         delivery, writer = self.delivery, self.writer
         n = len(stepping)
         idx = np.array([s.index for s in stepping], np.int64)
@@ -885,33 +903,24 @@ class _Stepper:
             rows = delivery.write_root_rows(stepping, idx)
         ended = []
         start = 0
-        clock = time.perf_counter
         add = writer.add
-        watcher = self.watcher
-        plain = self.restarts is None and watcher is None  # the step inline, one call less per record
+        plain = self.restarts is None and self.watcher is None  # the step inline, one call less per record
+        fast = None
+        if plain and self.fast_steps is not None and not writer.recurrent and writer.restarted is None:
+            fast = [slot.fast for slot in stepping]  # every env of the pass in C, or none
+            if any(f is None for f in fast):
+                fast = None
         self.phase = "step"
         while start < n:
-            k = 0
-            t_group = t = clock()
-            for slot in stepping[start:]:
-                self.current = slot.index
-                if plain:
-                    reward, terminated, truncated = slot.step_into(slot.actions, slot.obs)
-                    st, restarted = (_TERM if terminated else (_TRUNC if truncated else _MID)), False
-                else:
-                    if watcher is not None:
-                        self._begin(slot)
-                    reward, st, restarted = self._step(slot)
-                t_end = clock()
-                dt = t_end - t
-                t = t_end
-                add(slot.index, st, reward, dt, restarted)
-                k += 1
-                if st != _MID:
-                    slot.ended = True
-                    ended.append(slot)
-                if dt > _SLOW_STEP_S or t_end - t_group > _HOLD_S:
-                    break
+            if fast is not None:
+                k, ended_at = self.fast_steps(self, fast, start, writer._idx, writer._sts, writer._rewards,
+                                              writer._times, _SLOW_STEP_S, _HOLD_S)
+                self.current = stepping[start + k - 1].index
+                for j in ended_at:
+                    stepping[j].ended = True
+                    ended.append(stepping[j])
+            else:
+                k = self._step_group_py(stepping, start, plain, add, ended)
             if delivery is not None:
                 writer.store()  # the chunk copies read the stored rows
                 if k == 1:
@@ -922,6 +931,35 @@ class _Stepper:
             if start < n:
                 writer.publish()
         return ended
+
+    def _step_group_py(self, stepping, start, plain, add, ended):
+        """:meth:`step_pass`'s group in Python (``exchange.native.step_group`` does the same in C
+        for plain gymnasium envs): steps ``stepping[start:]`` in order until a slow step or the
+        hold time, stages their records, adds the ended ones to ``ended``; returns how many."""
+        k = 0
+        clock = time.perf_counter
+        watcher = self.watcher
+        t_group = t = clock()
+        for slot in stepping[start:]:
+            self.current = slot.index
+            if plain:
+                reward, terminated, truncated = slot.step_into(slot.actions, slot.obs)
+                st, restarted = (_TERM if terminated else (_TRUNC if truncated else _MID)), False
+            else:
+                if watcher is not None:
+                    self._begin(slot)
+                reward, st, restarted = self._step(slot)
+            t_end = clock()
+            dt = t_end - t
+            t = t_end
+            add(slot.index, st, reward, dt, restarted)
+            k += 1
+            if st != _MID:
+                slot.ended = True
+                ended.append(slot)
+            if dt > _SLOW_STEP_S or t_end - t_group > _HOLD_S:
+                break
+        return k
 
     # -- resets and restarts ------------------------------------------------------------------
     def _reset_or_restart(self, slot):

@@ -8,6 +8,8 @@
  *                 exchange/reference_engine.py is its pure-Python specification)
  *   stores.c      the workers' stores: Rows (row copies into transition chunks), Pass (per-pass
  *                 record stores and publish), copy_into (an observation copy that keeps the GIL)
+ *   step_loop.c   step_group: the pass loop's steps of plain gymnasium envs (action, env.step,
+ *                 observation copy, the record staged) without a Python frame of ours per env
  *   doorbell.c    eventfd ring / drain and the one-GIL-release wait (exchange/doorbell.py)
  *   idle_poll.c   the per-process SCHED_IDLE poller that idle-polled waits park on
  *   wake_probe.c  the measurement of a cross-core wake-up that decides idle polling
@@ -158,6 +160,10 @@ extern const char ap_wake_probe_doc[];
 
 PyObject *ap_copy_into(PyObject *module, PyObject *args);
 extern const char ap_copy_into_doc[];
+
+/* step_loop.c */
+PyObject *ap_step_group(PyObject *module, PyObject *args);
+extern const char ap_step_group_doc[];
 extern PyTypeObject ap_EngineType, ap_RowsType, ap_PassType;
 
 #endif

@@ -1,0 +1,237 @@
+"""The pass loop's steps of plain gymnasium envs in C (``exchange.native.step_group``) against
+the Python loop: the same transitions, exactly once and in order, and the same failures."""
+import functools
+import sys
+import threading
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from torchrl_asyncpool import AsyncEnvPool, EnvError
+from torchrl_asyncpool.exchange.native import native_available
+from torchrl_asyncpool.testing import OracleChecker, OracleGymEnv, oracle_action
+
+EXCHANGES = ["python", pytest.param("native", marks=pytest.mark.skipif(
+    not native_available(), reason="the C extension is not built"))]
+_BIG = np.iinfo(np.int64).max
+
+
+def _length(env_id: int, episode: int) -> int:
+    return 1 + (3 * env_id + episode) % 5
+
+
+class _FlatOracle(gym.Env):
+    """Observation ``[env_id, episode, t, echoed action, 1 if env.step was called from C]``
+    (one int64 Box: the C path takes it); episodes of :func:`_length` steps, terminated on even
+    episodes and truncated on odd ones; reward ``t``."""
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, env_id, fail_at_step=None, obs_dtype=np.int64):
+        self.env_id, self.fail_at_step, self.obs_dtype = env_id, fail_at_step, obs_dtype
+        self.observation_space = gym.spaces.Box(-1, _BIG, (5,), np.int64)
+        self.action_space = gym.spaces.Discrete(1000)
+        self.episode, self.t, self.steps = -1, 0, 0
+
+    def _obs(self, echo, from_c):
+        return np.array([self.env_id, self.episode, self.t, echo, from_c], self.obs_dtype)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.episode += 1
+        self.t = 0
+        return self._obs(-1, 0), {}
+
+    def step(self, action):
+        # the Python loop calls this from GymnasiumEnvAdapter.step_into; C has no frame of its own
+        from_c = int(sys._getframe(1).f_code.co_name == "step_pass")
+        assert isinstance(action, np.integer), type(action)  # what gymnasium's vector envs pass
+        self.steps += 1
+        if self.steps == self.fail_at_step:
+            raise RuntimeError(f"scripted failure of env {self.env_id}")
+        self.t += 1
+        length = _length(self.env_id, self.episode)
+        end = self.t == length
+        return self._obs(int(action), from_c), float(self.t), end and self.episode % 2 == 0, \
+            end and self.episode % 2 == 1, {}
+
+
+def _answer(obs: torch.Tensor) -> torch.Tensor:
+    return (7 * obs[:, 2] + obs[:, 0] + 1) % 1000  # a function of the record answered
+
+
+def _serve(pool, stop, errors):
+    try:
+        while not stop.is_set():
+            try:
+                td = pool.recv(timeout=0.05)
+            except TimeoutError:
+                continue
+            pool.send(TensorDict({"action": _answer(td["observation"])}, [td.batch_size[0]]), td.env_indices)
+    except Exception as e:  # noqa: BLE001 - surfaced by the test
+        errors.append(e)
+
+
+def _collect(exchange, num_envs=8, envs_per_worker=4, batches=5, frames=60, **env_kwargs):
+    stop, errors, out = threading.Event(), [], []
+    factories = [functools.partial(_FlatOracle, i, **env_kwargs) for i in range(num_envs)]
+    with AsyncEnvPool(factories, envs_per_worker=envs_per_worker, transition_chunk_size=4,
+                      exchange=exchange) as pool:
+        t = threading.Thread(target=_serve, args=(pool, stop, errors), daemon=True)
+        t.start()
+        try:
+            for _ in range(batches):
+                batch = pool.take_transitions(frames, timeout=30)
+                assert batch is not None
+                out.append(batch)
+        finally:
+            stop.set()
+            t.join(5)
+    assert not errors, errors
+    return torch.cat(out)
+
+
+def _check(td, from_c):
+    """Every env's transitions in order, each exactly once, with the right step types."""
+    obs, nxt = td["observation"], td["next", "observation"]
+    if from_c:  # a pass with one env to step takes the per-slot path (Python) instead
+        assert (nxt[:, 4] == 1).float().mean() > 0.5, "the passes' steps did not run in C"
+    else:
+        assert (nxt[:, 4] == 0).all()
+    for env in td["env_index"].unique().tolist():
+        rows = td["env_index"] == env
+        o, n = obs[rows], nxt[rows]
+        assert (o[:, 0] == env).all() and (n[:, 0] == env).all()
+        assert (n[:, 3] == _answer(o)).all()  # each transition's action is the one its record got
+        assert (td["action"][rows] == _answer(o)).all()
+        assert (n[:, 1] == o[:, 1]).all() and (n[:, 2] == o[:, 2] + 1).all()
+        assert (td["next", "reward"][rows].squeeze(-1) == n[:, 2].float()).all()
+        ends = n[:, 2] == torch.tensor([_length(env, e) for e in n[:, 1].tolist()])
+        term, trunc = td["next", "terminated"][rows].squeeze(-1), td["next", "truncated"][rows].squeeze(-1)
+        assert (term == (ends & (n[:, 1] % 2 == 0))).all() and (trunc == (ends & (n[:, 1] % 2 == 1))).all()
+        # consecutive: the next transition starts where this one ended, or at the next episode's start
+        follow = torch.where(ends[:-1], (o[1:, 1] == n[:-1, 1] + 1) & (o[1:, 2] == 0),
+                             (o[1:, 1] == n[:-1, 1]) & (o[1:, 2] == n[:-1, 2]))
+        assert follow.all()
+        assert o[0, 1] == 0 and o[0, 2] == 0  # nothing before the first transition was lost
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_pass_loop_steps_exactly_once_in_order(exchange, dev_shm_guard):
+    td = _collect(exchange)
+    _check(td, from_c=exchange == "native")
+    assert td["next", "done"].any()  # episodes ended inside the groups
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_observation_of_another_dtype_is_converted(exchange, dev_shm_guard):
+    # float64 observations for an int64 space: not one memcpy, numpy's converting assignment
+    _check(_collect(exchange, num_envs=4, envs_per_worker=4, batches=2, frames=40, obs_dtype=np.float64),
+           from_c=exchange == "native")
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_env_failure_in_a_pass_names_the_env(exchange, dev_shm_guard):
+    # env 6 (second of its worker's four) raises in its fifth step: the error names it, not the
+    # last env its pass stepped before it
+    factories = [functools.partial(_FlatOracle, i, fail_at_step=5 if i == 6 else None) for i in range(8)]
+    stop, errors = threading.Event(), []
+    with pytest.raises(EnvError, match=r"env 6 raised during step") as info:
+        with AsyncEnvPool(factories, envs_per_worker=4, transition_chunk_size=4, exchange=exchange) as pool:
+            t = threading.Thread(target=_serve, args=(pool, stop, errors), daemon=True)
+            t.start()
+            try:
+                for _ in range(50):
+                    pool.take_transitions(16, timeout=30, check=pool.check_workers)
+            finally:
+                stop.set()
+                t.join(5)
+    assert "scripted failure of env 6" in str(info.value)
+
+
+class _BoxAction(gym.Env):
+    """A continuous-action env: its observation is the action it got (float32 [2]), and it
+    fails if ``env.step`` ever gets the slot's own row instead of a fresh copy."""
+
+    metadata = {"render_modes": []}
+
+    def __init__(self):
+        self.observation_space = gym.spaces.Box(-10, 10, (2,), np.float32)
+        self.action_space = gym.spaces.Box(-10, 10, (2,), np.float32)
+        self.kept, self.t = [], 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        assert isinstance(action, np.ndarray) and action.base is None and action.shape == (2,)
+        self.kept.append((action, action.copy()))  # a later answer must not change what was given
+        assert all((a == b).all() for a, b in self.kept[-8:])
+        self.t += 1
+        return action.astype(np.float32), 0.0, False, self.t == 9, {}
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_box_actions_are_fresh_copies(exchange, dev_shm_guard):
+    stop, errors = threading.Event(), []
+
+    def serve(pool):
+        try:
+            while not stop.is_set():
+                try:
+                    td = pool.recv(timeout=0.05)
+                except TimeoutError:
+                    continue
+                b = td.batch_size[0]
+                action = td.env_indices.float()[:, None] + torch.tensor([0.5, -0.5])
+                pool.send(TensorDict({"action": action}, [b]), td.env_indices)
+        except Exception as e:  # noqa: BLE001 - surfaced by the test
+            errors.append(e)
+
+    with AsyncEnvPool([_BoxAction] * 4, envs_per_worker=4, transition_chunk_size=4, exchange=exchange) as pool:
+        t = threading.Thread(target=serve, args=(pool,), daemon=True)
+        t.start()
+        try:
+            td = pool.take_transitions(80, timeout=30, check=pool.check_workers)
+        finally:
+            stop.set()
+            t.join(5)
+    assert not errors, errors
+    expected = td["env_index"].float()[:, None] + torch.tensor([0.5, -0.5])
+    assert torch.equal(td["next", "observation"], expected) and torch.equal(td["action"], expected)
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_dict_observations_exactly_once_in_order(exchange, dev_shm_guard):
+    # the oracle as a plain gymnasium env with a Dict observation: each key into its own rows
+    checker, stop, errors = OracleChecker(), threading.Event(), []
+
+    def serve(pool):
+        try:
+            while not stop.is_set():
+                try:
+                    td = pool.recv(timeout=0.05)
+                except TimeoutError:
+                    continue
+                pool.send(TensorDict({"action": oracle_action(td["tag"])}, [td.batch_size[0]]), td.env_indices)
+        except Exception as e:  # noqa: BLE001 - surfaced by the test
+            errors.append(e)
+
+    factories = [functools.partial(OracleGymEnv, env_id=i) for i in range(8)]
+    with AsyncEnvPool(factories, envs_per_worker=4, transition_chunk_size=5, exchange=exchange) as pool:
+        t = threading.Thread(target=serve, args=(pool,), daemon=True)
+        t.start()
+        try:
+            for _ in range(5):
+                batch = pool.take_transitions(64, timeout=30, check=pool.check_workers)
+                checker.observe_transitions(batch)
+        finally:
+            stop.set()
+            t.join(5)
+    assert not errors, errors
+    assert checker.records == 5 * 64 and checker.episodes_done > 0

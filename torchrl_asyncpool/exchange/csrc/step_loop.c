@@ -1,0 +1,206 @@
+/*
+ * The pass loop's env steps for plain gymnasium envs, in C (workers/env_worker.py,
+ * _Stepper.step_pass). For each env of a group: its action value from the slot's action row,
+ * env.step(action), the observation copied into the slot's row, and the record staged in the
+ * RecordWriter's lists, as GymnasiumEnvAdapter.step_into and RecordWriter.add do in Python.
+ * What stays Python: the env's step itself (a call of its bound method) and the copy of an
+ * observation that is not a same-format C-contiguous buffer (numpy converts it). Only the
+ * worker's pass-loop thread calls it, with the GIL held throughout.
+ */
+#include "native.h"
+
+/* the fields of a slot's fast tuple (env_worker._Slot.bind) */
+enum { F_INDEX, F_STEP, F_ACTION, F_MAKE_ACTION, F_OBS, F_FIELDS };
+/* the RecordWriter's staging lists, in the order step_group takes them */
+enum { L_IDX, L_STS, L_REWARDS, L_TIMES, L_LISTS };
+
+static double
+monotonic_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t); /* time.perf_counter's clock on Linux */
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* dst[...] = src: one memcpy for same-format C-contiguous buffers of up to NOGIL_BYTES (the copy
+   keeps the GIL, as copy_into's does), numpy's assignment for anything else. */
+static int
+copy_obs(PyObject *dst, PyObject *src)
+{
+    Py_buffer d, s;
+    int same = 0;
+    if (PyObject_GetBuffer(dst, &d, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return PyObject_SetItem(dst, Py_Ellipsis, src);
+    }
+    if (PyObject_GetBuffer(src, &s, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        PyBuffer_Release(&d);
+        return PyObject_SetItem(dst, Py_Ellipsis, src);
+    }
+    same = d.len == s.len && d.len <= NOGIL_BYTES && d.itemsize == s.itemsize && d.ndim == s.ndim &&
+           strcmp(d.format ? d.format : "B", s.format ? s.format : "B") == 0;
+    for (int j = 0; same && j < d.ndim; j++) {
+        same = d.shape[j] == s.shape[j];
+    }
+    if (same && d.buf != s.buf) {
+        memmove(d.buf, s.buf, (size_t)d.len);
+    }
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&d);
+    return same ? 0 : PyObject_SetItem(dst, Py_Ellipsis, src);
+}
+
+/* env.step's action for one slot: row[()] (a numpy scalar of a Discrete space's int64 row) when
+   make is None, else make(row) (a Box row's copy, a scalar of another integer dtype). */
+static PyObject *
+action_value(PyObject *row, PyObject *make, PyObject *empty)
+{
+    return make == Py_None ? PyObject_GetItem(row, empty) : PyObject_CallOneArg(make, row);
+}
+
+/* Steps one slot and writes its observation; its step type (enum step_type), or -1 with an
+   exception set. *reward gets a new reference to the reward (None: 0.0, as RecordWriter.add). */
+static int
+step_one(PyObject *fast, PyObject *empty, PyObject **reward)
+{
+    PyObject *action = action_value(PyTuple_GET_ITEM(fast, F_ACTION), PyTuple_GET_ITEM(fast, F_MAKE_ACTION), empty);
+    if (action == NULL) {
+        return -1;
+    }
+    PyObject *out = PyObject_CallOneArg(PyTuple_GET_ITEM(fast, F_STEP), action);
+    Py_DECREF(action);
+    if (out == NULL) {
+        return -1;
+    }
+    int st = -1;
+    if (!PyTuple_Check(out) || PyTuple_GET_SIZE(out) != 5) {
+        PyErr_Format(PyExc_ValueError,
+                     "env.step must return (observation, reward, terminated, truncated, info), got %.200R", out);
+        goto done;
+    }
+    PyObject *rows = PyTuple_GET_ITEM(fast, F_OBS), *obs = PyTuple_GET_ITEM(out, 0);
+    if (PyTuple_Check(rows)) { /* a Dict space: ((key, row), ...), each row gets obs[key] */
+        for (Py_ssize_t m = 0; m < PyTuple_GET_SIZE(rows); m++) {
+            PyObject *pair = PyTuple_GET_ITEM(rows, m);
+            PyObject *value = PyObject_GetItem(obs, PyTuple_GET_ITEM(pair, 0));
+            int rc = value == NULL ? -1 : copy_obs(PyTuple_GET_ITEM(pair, 1), value);
+            Py_XDECREF(value);
+            if (rc < 0) {
+                goto done;
+            }
+        }
+    } else if (copy_obs(rows, obs) < 0) {
+        goto done;
+    }
+    int terminated = PyObject_IsTrue(PyTuple_GET_ITEM(out, 2));
+    int truncated = terminated < 0 ? -1 : PyObject_IsTrue(PyTuple_GET_ITEM(out, 3));
+    if (truncated < 0) {
+        goto done;
+    }
+    st = terminated ? STEP_TERMINATION : (truncated ? STEP_TRUNCATION : STEP_MID);
+    PyObject *r = PyTuple_GET_ITEM(out, 1);
+    *reward = r == Py_None ? PyFloat_FromDouble(0.0) : Py_NewRef(r);
+    if (*reward == NULL) {
+        st = -1;
+    }
+done:
+    Py_DECREF(out);
+    return st;
+}
+
+static int
+append_new(PyObject *list, PyObject *item)
+{
+    if (item == NULL) {
+        return -1;
+    }
+    int rc = PyList_Append(list, item);
+    Py_DECREF(item);
+    return rc;
+}
+
+const char ap_step_group_doc[] =
+    "step_group(stepper, fast, start, idx, sts, rewards, times, slow_s, hold_s) -> (k, ended)\n\n"
+    "Steps the slots fast[start:] in order (each slot's tuple: index, env.step, action row, action\n"
+    "maker or None, observation row or ((key, row), ...) for a Dict space) and appends each record to the four staging lists (slot,\n"
+    "step type, reward, step seconds), as RecordWriter.add does. Stops after a step slower than\n"
+    "slow_s or once hold_s has passed since the group started. Returns how many were stepped and\n"
+    "the positions (in fast) of those whose episode ended. If a step raises, stepper.current is\n"
+    "set to that slot's index and the exception propagates; the records before it stay staged.";
+
+PyObject *
+ap_step_group(PyObject *module, PyObject *args)
+{
+    PyObject *stepper, *fast, *lists[L_LISTS];
+    Py_ssize_t start;
+    double slow_s, hold_s;
+    if (!PyArg_ParseTuple(args, "OO!nO!O!O!O!dd", &stepper, &PyList_Type, &fast, &start, &PyList_Type,
+                          &lists[L_IDX], &PyList_Type, &lists[L_STS], &PyList_Type, &lists[L_REWARDS],
+                          &PyList_Type, &lists[L_TIMES], &slow_s, &hold_s)) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(fast);
+    if (start < 0 || start > n) {
+        PyErr_Format(PyExc_IndexError, "start %zd outside the %zd slots", start, n);
+        return NULL;
+    }
+    for (Py_ssize_t j = start; j < n; j++) {
+        PyObject *f = PyList_GET_ITEM(fast, j);
+        if (!PyTuple_Check(f) || PyTuple_GET_SIZE(f) != F_FIELDS) {
+            PyErr_SetString(PyExc_TypeError, "step_group: each slot is a tuple of 5 fields");
+            return NULL;
+        }
+    }
+    PyObject *ended = PyList_New(0), *empty = PyTuple_New(0);
+    if (ended == NULL || empty == NULL) {
+        Py_XDECREF(ended);
+        Py_XDECREF(empty);
+        return NULL;
+    }
+    Py_ssize_t k = 0;
+    double t_group = monotonic_s(), t = t_group;
+    for (Py_ssize_t j = start; j < n; j++) {
+        /* a step may run any Python, but nothing else holds this list: the item stays alive */
+        PyObject *f = PyList_GET_ITEM(fast, j);
+        PyObject *reward = NULL;
+        int st = step_one(f, empty, &reward);
+        if (st < 0) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyObject_SetAttrString(stepper, "current", PyTuple_GET_ITEM(f, F_INDEX)); /* names the env */
+            PyErr_Clear();
+            PyErr_Restore(type, value, tb);
+            goto fail;
+        }
+        double t_end = monotonic_s(), dt = t_end - t;
+        t = t_end;
+        /* the four entries of one record are made before any is appended (only an append that runs
+           out of memory can leave the lists unaligned, and the worker then fails anyway) */
+        PyObject *items[L_LISTS] = {Py_NewRef(PyTuple_GET_ITEM(f, F_INDEX)), PyLong_FromLong(st), reward,
+                                    PyFloat_FromDouble(dt)};
+        int ok = items[L_STS] != NULL && items[L_TIMES] != NULL;
+        for (int m = 0; m < L_LISTS; m++) {
+            ok = ok && PyList_Append(lists[m], items[m]) == 0;
+        }
+        for (int m = 0; m < L_LISTS; m++) {
+            Py_XDECREF(items[m]);
+        }
+        if (!ok) {
+            goto fail;
+        }
+        k++;
+        if (st != STEP_MID && append_new(ended, PyLong_FromSsize_t(j)) < 0) {
+            goto fail;
+        }
+        if (dt > slow_s || t_end - t_group > hold_s) {
+            break;
+        }
+    }
+    Py_DECREF(empty);
+    return Py_BuildValue("(nN)", k, ended);
+fail:
+    Py_DECREF(empty);
+    Py_DECREF(ended);
+    return NULL;
+}
