@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     print(f"\n{args.workload}, {args.envs} envs, {args.pairs} pairs (ABBA), base {base_rev} vs the working tree")
     print(f"  median frames/s: base {statistics.median(base):,.0f}  new {statistics.median(new):,.0f}")
     print(f"  new/base per pair: {' '.join(f'{x:.3f}' for x in ratios)}  (median {statistics.median(ratios):.3f})")
-    for what, label in (("worker", "workers"), ("inference", "serving thread"), ("main thread", "learner (main thread)")):
+    threads = (("worker", "workers"), ("inference", "serving thread"), ("main thread", "learner (main thread)"))
+    for what, label in threads:
         b = statistics.median(_cpu(r, what) for r in runs["base"])
         n = statistics.median(_cpu(r, what) for r in runs["new"])
         print(f"  median CPU per frame, {label}: base {b:.1f}  new {n:.1f} us")
