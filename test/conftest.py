@@ -1,18 +1,50 @@
-"""Shared fixtures: oracle env factories, a guard that no test leaves a process behind (every
-test), and an opt-in guard that no test leaves a /dev/shm file behind (``dev_shm_guard``)."""
+"""Shared fixtures: oracle env factories, a thread that answers a pool's records (``served``),
+a guard that no test leaves a process behind (every test), and an opt-in guard that no test
+leaves a /dev/shm file behind (``dev_shm_guard``)."""
+import contextlib
 import functools
 import os
+import threading
 import time
 
 import psutil
 import pytest
+from tensordict import TensorDict
 
-from torchrl_asyncpool.testing import OracleEnv
+from torchrl_asyncpool.testing import OracleEnv, oracle_action
 
 
 def oracle_factories(n, **kwargs):
     """One OracleEnv factory per slot; env ids equal slot indices, as OracleChecker expects."""
     return [functools.partial(OracleEnv, env_id=i, **kwargs) for i in range(n)]
+
+
+@contextlib.contextmanager
+def served(pool, answer=lambda td: oracle_action(td["tag"])):
+    """Answers every record ``pool`` hands out, from a thread, while the block runs:
+    ``answer(batch) -> action tensor`` (the oracle's action by default). Yields the list of the
+    thread's errors; a block that ends without raising fails if the thread had one."""
+    stop, errors = threading.Event(), []
+
+    def run():
+        try:
+            while not stop.is_set():
+                try:
+                    td = pool.recv(timeout=0.05)
+                except TimeoutError:
+                    continue
+                pool.send(TensorDict({"action": answer(td)}, [td.batch_size[0]]), td.env_indices)
+        except Exception as e:  # noqa: BLE001 - surfaced below, or by the block's own error
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield errors
+    finally:
+        stop.set()
+        thread.join(5)
+    assert not errors, errors
 
 
 def free_address(host: str = "localhost") -> str:

@@ -1,30 +1,16 @@
 """Dense per-env chunk delivery: exactly once, in order, with back-pressure instead of loss."""
-import threading
 import time
 
 import pytest
-from tensordict import TensorDict
 
-from conftest import oracle_factories
+from conftest import oracle_factories, served
 from torchrl_asyncpool import AsyncEnvPool
-from torchrl_asyncpool.testing import OracleChecker, oracle_action
+from torchrl_asyncpool.testing import OracleChecker
 
 try:
     from torchrl_asyncpool.exchange import _native
 except ImportError:  # installed without its C extension
     _native = None
-
-
-def _serve(pool, stop, errors):
-    try:
-        while not stop.is_set():
-            try:
-                td = pool.recv(timeout=0.05)
-            except TimeoutError:
-                continue
-            pool.send(TensorDict({"action": oracle_action(td["tag"])}, [td.batch_size[0]]), td.env_indices)
-    except Exception as e:  # noqa: BLE001 - surfaced by the test
-        errors.append(e)
 
 
 @pytest.mark.parametrize(
@@ -47,25 +33,17 @@ def test_chunks_exactly_once_in_order_with_idle_polled_waits(dev_shm_guard):
 
 def _check_chunks(num_envs, envs_per_worker, env_threads, chunk, frames, **pool_kwargs):
     checker = OracleChecker()
-    stop, errors = threading.Event(), []
     with AsyncEnvPool(oracle_factories(num_envs), envs_per_worker=envs_per_worker, env_threads=env_threads,
-                      transition_chunk_size=chunk, **pool_kwargs) as pool:
-        t = threading.Thread(target=_serve, args=(pool, stop, errors), daemon=True)
-        t.start()
-        try:
-            total = 0
-            for _ in range(6):
-                batch = pool.take_transitions(frames, timeout=30)
-                assert batch is not None and batch.batch_size == (frames,)
-                checker.observe_transitions(batch)
-                total += frames
-                time.sleep(0.01)  # a slow learner: workers must wait, not drop
-            # the learner's waits follow the pool's idle_poll
-            assert pool._chunk_reader._waiter.idle == int(bool(pool.idle_poll))
-        finally:
-            stop.set()
-            t.join(5)
-    assert not errors, errors
+                      transition_chunk_size=chunk, **pool_kwargs) as pool, served(pool):
+        total = 0
+        for _ in range(6):
+            batch = pool.take_transitions(frames, timeout=30)
+            assert batch is not None and batch.batch_size == (frames,)
+            checker.observe_transitions(batch)
+            total += frames
+            time.sleep(0.01)  # a slow learner: workers must wait, not drop
+        # the learner's waits follow the pool's idle_poll
+        assert pool._chunk_reader._waiter.idle == int(bool(pool.idle_poll))
     assert checker.records == total
     assert checker.episodes_done > 0
 

@@ -12,14 +12,13 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
 import torch
 from tensordict import TensorDict
 
-from conftest import oracle_factories
+from conftest import oracle_factories, served
 from torchrl_asyncpool import AsyncEnvPool, InferenceServer
 from torchrl_asyncpool.exchange import Doorbell
 from torchrl_asyncpool.forkserver import exit_code, forkserver_context, ship_fds
@@ -98,40 +97,22 @@ def test_pool_of_more_than_256_threaded_envs_in_one_worker():
     assert checker.records >= _MANY
 
 
-def _serve(pool, stop, errors):
-    try:
-        while not stop.is_set():
-            try:
-                td = pool.recv(timeout=0.05)
-            except TimeoutError:
-                continue
-            pool.send(TensorDict({"action": oracle_action(td["tag"])}, [td.batch_size[0]]), td.env_indices)
-    except Exception as e:  # noqa: BLE001 - surfaced by the test
-        errors.append(e)
-
-
 def test_transitions_of_more_than_256_envs_many_chunks_per_batch():
     """300 envs in two threaded workers, chunks of 2 transitions: a batch is made of ~150
     chunks, and one split chunk is carried to the next batch; every transition arrives
-    exactly once, in order per env, and every env's do."""
+    exactly once, in order per env, and every env's do (within 40 batches: on a loaded
+    machine an env thread can fall behind for a few batches, nothing promises fairness)."""
     checker = OracleChecker()
-    stop, errors = threading.Event(), []
     with AsyncEnvPool(oracle_factories(_MANY), envs_per_worker=_MANY // 2, env_threads=True,
-                      transition_chunk_size=2) as pool:
-        t = threading.Thread(target=_serve, args=(pool, stop, errors), daemon=True)
-        t.start()
-        try:
-            envs = set()
-            for _ in range(5):
-                batch = pool.take_transitions(301, timeout=60)
-                assert batch is not None and batch.batch_size == (301,)
-                checker.observe_transitions(batch)
-                envs.update(batch["env_index"].tolist())
-        finally:
-            stop.set()
-            t.join(5)
-    assert not errors, errors
-    assert checker.records == 5 * 301
+                      transition_chunk_size=2) as pool, served(pool):
+        envs, batches = set(), 0
+        while batches < 5 or (envs != set(range(_MANY)) and batches < 40):
+            batch = pool.take_transitions(301, timeout=60)
+            assert batch is not None and batch.batch_size == (301,)
+            checker.observe_transitions(batch)
+            envs.update(batch["env_index"].tolist())
+            batches += 1
+    assert checker.records == batches * 301
     assert envs == set(range(_MANY))
 
 

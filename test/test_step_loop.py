@@ -2,17 +2,16 @@
 the Python loop: the same transitions, exactly once and in order, and the same failures."""
 import functools
 import sys
-import threading
 
 import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from tensordict import TensorDict
 
+from conftest import served
 from torchrl_asyncpool import AsyncEnvPool, EnvError
 from torchrl_asyncpool.exchange.native import native_available
-from torchrl_asyncpool.testing import OracleChecker, OracleGymEnv, oracle_action
+from torchrl_asyncpool.testing import OracleChecker, OracleGymEnv
 
 EXCHANGES = ["python", pytest.param("native", marks=pytest.mark.skipif(
     not native_available(), reason="the C extension is not built"))]
@@ -63,35 +62,16 @@ def _answer(obs: torch.Tensor) -> torch.Tensor:
     return (7 * obs[:, 2] + obs[:, 0] + 1) % 1000  # a function of the record answered
 
 
-def _serve(pool, stop, errors):
-    try:
-        while not stop.is_set():
-            try:
-                td = pool.recv(timeout=0.05)
-            except TimeoutError:
-                continue
-            pool.send(TensorDict({"action": _answer(td["observation"])}, [td.batch_size[0]]), td.env_indices)
-    except Exception as e:  # noqa: BLE001 - surfaced by the test
-        errors.append(e)
+def _answer_td(td):
+    return _answer(td["observation"])
 
 
 def _collect(exchange, num_envs=8, envs_per_worker=4, batches=5, frames=60, **env_kwargs):
-    stop, errors, out = threading.Event(), [], []
     factories = [functools.partial(_FlatOracle, i, **env_kwargs) for i in range(num_envs)]
     with AsyncEnvPool(factories, envs_per_worker=envs_per_worker, transition_chunk_size=4,
-                      exchange=exchange) as pool:
-        t = threading.Thread(target=_serve, args=(pool, stop, errors), daemon=True)
-        t.start()
-        try:
-            for _ in range(batches):
-                batch = pool.take_transitions(frames, timeout=30)
-                assert batch is not None
-                out.append(batch)
-        finally:
-            stop.set()
-            t.join(5)
-    assert not errors, errors
-    return torch.cat(out)
+                      exchange=exchange) as pool, served(pool, _answer_td):
+        return torch.cat([pool.take_transitions(frames, timeout=30, check=pool.check_workers)
+                          for _ in range(batches)])
 
 
 def _check(td, from_c):
@@ -138,17 +118,11 @@ def test_env_failure_in_a_pass_names_the_env(exchange, dev_shm_guard):
     # env 6 (second of its worker's four) raises in its fifth step: the error names it, not the
     # last env its pass stepped before it
     factories = [functools.partial(_FlatOracle, i, fail_at_step=5 if i == 6 else None) for i in range(8)]
-    stop, errors = threading.Event(), []
     with pytest.raises(EnvError, match=r"env 6 raised during step") as info:
-        with AsyncEnvPool(factories, envs_per_worker=4, transition_chunk_size=4, exchange=exchange) as pool:
-            t = threading.Thread(target=_serve, args=(pool, stop, errors), daemon=True)
-            t.start()
-            try:
-                for _ in range(50):
-                    pool.take_transitions(16, timeout=30, check=pool.check_workers)
-            finally:
-                stop.set()
-                t.join(5)
+        with AsyncEnvPool(factories, envs_per_worker=4, transition_chunk_size=4, exchange=exchange) as pool, \
+                served(pool, _answer_td):
+            for _ in range(50):
+                pool.take_transitions(16, timeout=30, check=pool.check_workers)
     assert "scripted failure of env 6" in str(info.value)
 
 
@@ -178,30 +152,12 @@ class _BoxAction(gym.Env):
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
 def test_box_actions_are_fresh_copies(exchange, dev_shm_guard):
-    stop, errors = threading.Event(), []
+    def answer(td):
+        return td.env_indices.float()[:, None] + torch.tensor([0.5, -0.5])
 
-    def serve(pool):
-        try:
-            while not stop.is_set():
-                try:
-                    td = pool.recv(timeout=0.05)
-                except TimeoutError:
-                    continue
-                b = td.batch_size[0]
-                action = td.env_indices.float()[:, None] + torch.tensor([0.5, -0.5])
-                pool.send(TensorDict({"action": action}, [b]), td.env_indices)
-        except Exception as e:  # noqa: BLE001 - surfaced by the test
-            errors.append(e)
-
-    with AsyncEnvPool([_BoxAction] * 4, envs_per_worker=4, transition_chunk_size=4, exchange=exchange) as pool:
-        t = threading.Thread(target=serve, args=(pool,), daemon=True)
-        t.start()
-        try:
-            td = pool.take_transitions(80, timeout=30, check=pool.check_workers)
-        finally:
-            stop.set()
-            t.join(5)
-    assert not errors, errors
+    with AsyncEnvPool([_BoxAction] * 4, envs_per_worker=4, transition_chunk_size=4, exchange=exchange) as pool, \
+            served(pool, answer):
+        td = pool.take_transitions(80, timeout=30, check=pool.check_workers)
     expected = td["env_index"].float()[:, None] + torch.tensor([0.5, -0.5])
     assert torch.equal(td["next", "observation"], expected) and torch.equal(td["action"], expected)
 
@@ -209,29 +165,9 @@ def test_box_actions_are_fresh_copies(exchange, dev_shm_guard):
 @pytest.mark.parametrize("exchange", EXCHANGES)
 def test_dict_observations_exactly_once_in_order(exchange, dev_shm_guard):
     # the oracle as a plain gymnasium env with a Dict observation: each key into its own rows
-    checker, stop, errors = OracleChecker(), threading.Event(), []
-
-    def serve(pool):
-        try:
-            while not stop.is_set():
-                try:
-                    td = pool.recv(timeout=0.05)
-                except TimeoutError:
-                    continue
-                pool.send(TensorDict({"action": oracle_action(td["tag"])}, [td.batch_size[0]]), td.env_indices)
-        except Exception as e:  # noqa: BLE001 - surfaced by the test
-            errors.append(e)
-
+    checker = OracleChecker()
     factories = [functools.partial(OracleGymEnv, env_id=i) for i in range(8)]
-    with AsyncEnvPool(factories, envs_per_worker=4, transition_chunk_size=5, exchange=exchange) as pool:
-        t = threading.Thread(target=serve, args=(pool,), daemon=True)
-        t.start()
-        try:
-            for _ in range(5):
-                batch = pool.take_transitions(64, timeout=30, check=pool.check_workers)
-                checker.observe_transitions(batch)
-        finally:
-            stop.set()
-            t.join(5)
-    assert not errors, errors
+    with AsyncEnvPool(factories, envs_per_worker=4, transition_chunk_size=5, exchange=exchange) as pool, served(pool):
+        for _ in range(5):
+            checker.observe_transitions(pool.take_transitions(64, timeout=30, check=pool.check_workers))
     assert checker.records == 5 * 64 and checker.episodes_done > 0
