@@ -328,6 +328,19 @@ def test_run_forever_serves_pool_after_pool_on_the_same_address(dev_shm_guard):
     assert not t.is_alive()
 
 
+def test_stop_ends_a_host_waiting_for_a_pool_to_listen():
+    """A host between pools waits in the connect (30 s here); stop() must end that wait, not only
+    a stream, or a process that stops its hosts after closing the pool hangs for the timeout."""
+    host = EnvHost(functools.partial(OracleGymEnv, 0), free_address(), connect_timeout=30)
+    t = threading.Thread(target=host.run_forever, kwargs={"retry_s": 0.05}, daemon=True)
+    t.start()
+    time.sleep(0.5)  # in the connect wait: nothing listens on the address
+    t0 = time.monotonic()
+    host.stop()
+    t.join(20)
+    assert not t.is_alive() and time.monotonic() - t0 < 10
+
+
 def test_pool_refuses_wrong_token_wrong_spec_and_hosts_beyond_its_slots():
     address = free_address()
     with AsyncEnvPool(_slots(address, 1, token="right")) as pool:

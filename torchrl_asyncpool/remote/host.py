@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 from torchrl_asyncpool.remote import protocol as P
 from torchrl_asyncpool.step_type import StepType
@@ -105,7 +106,8 @@ class EnvHost:
 
     def stop(self) -> None:
         """Ends the stream from another thread; :meth:`run` returns (the pool truncates the
-        episode in progress and frees the slot)."""
+        episode in progress and frees the slot). A host still waiting for a pool to accept
+        connections stops waiting within 0.1 s."""
         self._stopping.set()
         call = self._call
         if call is not None:
@@ -169,12 +171,8 @@ class EnvHost:
             ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000), *channel_options,
         ])
         try:
-            try:
-                grpc.channel_ready_future(channel).result(timeout=self.connect_timeout)
-            except grpc.FutureTimeoutError:
-                raise ConnectionError(
-                    f"no pool accepts connections on {self.address} (waited {self.connect_timeout:g} s)."
-                ) from None
+            if not self._wait_connected(grpc, channel):
+                return self.steps  # stop() while connecting
             out = _Outbox() if outbox is None else outbox  # the request stream: messages until a None ends it
             out.put(hello)
             metadata = ((P.TOKEN_METADATA, self.token),) if self.token is not None else None
@@ -201,6 +199,26 @@ class EnvHost:
             return self.steps
         finally:
             channel.close()
+
+    def _wait_connected(self, grpc, channel) -> bool:
+        """Waits for ``channel`` to connect, in short rounds so that :meth:`stop` ends the wait
+        (a host between pools spends most of its life here); ``False`` if stopped."""
+        ready = grpc.channel_ready_future(channel)
+        deadline = time.monotonic() + self.connect_timeout
+        try:
+            while not self._stopping.is_set():
+                try:
+                    ready.result(timeout=max(0.0, min(0.1, deadline - time.monotonic())))
+                    return True
+                except grpc.FutureTimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise ConnectionError(
+                            f"no pool accepts connections on {self.address} "
+                            f"(waited {self.connect_timeout:g} s)."
+                        ) from None
+            return False
+        finally:
+            ready.cancel()
 
     def run_forever(self, retry_s: float = 1.0) -> None:
         """:meth:`run` again whenever the pool goes away or refuses the host for lack of a free
