@@ -7,6 +7,7 @@ import threading
 import time
 
 from torchrl_asyncpool.remote import protocol as P
+from torchrl_asyncpool.remote.host_call import HostCallEnded, open_host_call
 from torchrl_asyncpool.step_type import StepType
 
 __all__ = ["EnvHost", "RemoteHostError"]
@@ -173,9 +174,14 @@ class EnvHost:
         try:
             if not self._wait_connected(grpc, channel):
                 return self.steps  # stop() while connecting
+            metadata = ((P.TOKEN_METADATA, self.token),) if self.token is not None else None
+            # a host that answers each message with the next drives its stream from this thread
+            # (see host_call.py); one whose envs answer from threads of their own (outbox) cannot
+            call = open_host_call(channel, P.METHOD, metadata) if outbox is None else None
+            if call is not None:
+                return self._serve_call(call, hello, serve)
             out = _Outbox() if outbox is None else outbox  # the request stream: messages until a None ends it
             out.put(hello)
-            metadata = ((P.TOKEN_METADATA, self.token),) if self.token is not None else None
             self._call = responses = channel.stream_stream(P.METHOD)(iter(out), metadata=metadata)
             if self._stopping.is_set():
                 responses.cancel()
@@ -185,13 +191,7 @@ class EnvHost:
             except StopIteration:  # the pool ended the stream before accepting
                 pass
             except grpc.RpcError as exc:
-                code = exc.code()
-                if code == grpc.StatusCode.CANCELLED and self._stopping.is_set():
-                    return self.steps
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and self.slot is not None:
-                    _log.info("env host: the pool at %s went away (%s)", self.address, code.name)
-                    return self.steps  # the pool closed: the normal end of a host's life
-                raise RemoteHostError(self.address, code.name, exc.details() or "") from None
+                return self._ended(exc.code(), exc.details())
             finally:
                 out.put(None)
                 if self._call is not None:
@@ -199,6 +199,37 @@ class EnvHost:
             return self.steps
         finally:
             channel.close()
+
+    def _serve_call(self, call, hello: bytes, serve) -> int:
+        """:meth:`_stream` over a :class:`~torchrl_asyncpool.remote.host_call.HostCall`."""
+        self._call = call
+        if self._stopping.is_set():
+            call.cancel()
+        try:
+            call.send(hello)
+            accept = call.recv()
+            if accept is not None:  # None: the pool ended the stream before accepting
+                self.slot = P.decode_accept(accept)
+                serve(call, call.send)
+        except HostCallEnded as exc:
+            return self._ended(exc.code, exc.details())
+        finally:
+            self._call = None
+            call.close()
+        return self.steps
+
+    def _ended(self, code, details) -> int:
+        """The stream ended with ``code`` (a ``grpc.StatusCode``): the steps taken where that is
+        a normal end (:meth:`stop`, or the pool going away after accepting the host), else
+        :class:`RemoteHostError`."""
+        import grpc
+
+        if code == grpc.StatusCode.CANCELLED and self._stopping.is_set():
+            return self.steps
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and self.slot is not None:
+            _log.info("env host: the pool at %s went away (%s)", self.address, code.name)
+            return self.steps  # the pool closed: the normal end of a host's life
+        raise RemoteHostError(self.address, code.name, details or "") from None
 
     def _wait_connected(self, grpc, channel) -> bool:
         """Waits for ``channel`` to connect, in short rounds so that :meth:`stop` ends the wait
