@@ -153,6 +153,47 @@ def test_close_of_an_open_stream_cancels_it_and_returns(serving):
     assert ended.wait(10), "the server still holds the stream"
 
 
+def test_items_posted_from_threads_arrive_once_each_in_order_packed_together(serving):
+    """Threads post while the main thread waits in recv (a threaded host's envs): every item
+    goes out exactly once, each thread's in the order posted, those posted while a message was
+    in flight packed into the next one."""
+    server = serving(_echo)
+    call = server.call()
+    call.send(b"hello")
+    assert call.recv() == b"hello!"
+    call.posting(lambda items: b"|".join(items))
+    n_threads, per_thread = 4, 300
+
+    def post(t):
+        for i in range(per_thread):
+            call.post(b"%d.%d" % (t, i))
+
+    threads = [threading.Thread(target=post, args=(t,)) for t in range(n_threads)]
+    for t in threads:
+        t.start()
+    got, messages = [], 0
+    while len(got) < n_threads * per_thread:
+        got += call.recv()[:-1].split(b"|")
+        messages += 1
+    for t in threads:
+        t.join()
+    assert sorted(got) == sorted(b"%d.%d" % (t, i) for t in range(n_threads) for i in range(per_thread))
+    for t in range(n_threads):
+        mine = [int(x.split(b".")[1]) for x in got if x.startswith(b"%d." % t)]
+        assert mine == list(range(per_thread))
+    assert messages < n_threads * per_thread  # some were packed together
+    call.close()
+
+
+def test_a_post_after_the_stream_ended_is_dropped(serving):
+    call = serving(_echo).call()
+    call.posting(lambda items: b"".join(items))
+    call.post(b"bye")
+    assert call.recv() is None
+    call.post(b"late")  # no error, nothing sent: the stream is over
+    call.close()
+
+
 def test_the_installed_grpcio_gives_hosts_their_single_threaded_call():
     """The hosts' fast path is what the other remote tests exercise: a grpcio that dropped the
     single-threaded call would silently move every host to the public stream."""
@@ -194,16 +235,16 @@ def _drive(pool, checker, records):
         n += td.shape[0]
 
 
-@pytest.mark.parametrize("protocol", [1, 2])
-def test_hosts_over_the_public_stream_deliver_exactly_once(dev_shm_guard, public_stream, protocol):
+@pytest.mark.parametrize("host_kind", ["protocol 1", "vector env", "env threads"])
+def test_hosts_over_the_public_stream_deliver_exactly_once(dev_shm_guard, public_stream, host_kind):
     address = free_address()
-    if protocol == 1:
+    if host_kind == "protocol 1":
         slots = [functools.partial(RemoteEnvSlot.like, OracleGymEnv(0), address)]
         host = EnvHost(functools.partial(OracleGymEnv, 0), address)
     else:
         slots = [functools.partial(RemoteVectorSlot.like, OracleGymEnv(0), address, num_envs=3)]
-        host = VectorEnvHost(lambda: gym.vector.SyncVectorEnv(
-            [functools.partial(OracleGymEnv, j) for j in range(3)]), address)
+        envs = [functools.partial(OracleGymEnv, j) for j in range(3)]
+        host = VectorEnvHost(envs if host_kind == "env threads" else lambda: gym.vector.SyncVectorEnv(envs), address)
     t, result = _run(host)
     with AsyncEnvPool(slots, start_timeout=60) as pool:
         checker = OracleChecker()

@@ -158,9 +158,12 @@ class EnvHost:
         """The life of one stream, whatever the host serves over it: connects, sends ``hello``,
         and once the pool accepts (``self.slot``) calls ``serve(responses, send)``, which answers
         the pool's messages until they end (or returns to leave). A pool that goes away after
-        accepting, or :meth:`stop`, ends it normally; returns the steps taken. ``outbox``: what
-        ``send`` puts into and the request stream iterates (default: each message as sent;
-        ``None`` ends the stream).
+        accepting, or :meth:`stop`, ends it normally; returns the steps taken.
+
+        ``outbox``: for envs that answer from threads of their own, what ``send`` takes from any
+        thread (an object with ``put(item)``, ``pack(items) -> bytes`` and iterating the messages
+        to send until a ``None`` is put); ``None``: ``send`` takes each message, from the thread
+        that runs ``serve``.
 
         Raises:
             ConnectionError: nothing accepts connections at ``address`` within ``connect_timeout``.
@@ -175,11 +178,10 @@ class EnvHost:
             if not self._wait_connected(grpc, channel):
                 return self.steps  # stop() while connecting
             metadata = ((P.TOKEN_METADATA, self.token),) if self.token is not None else None
-            # a host that answers each message with the next drives its stream from this thread
-            # (see host_call.py); one whose envs answer from threads of their own (outbox) cannot
-            call = open_host_call(channel, P.METHOD, metadata) if outbox is None else None
+            # the stream driven from this thread (see host_call.py) where grpcio allows it
+            call = open_host_call(channel, P.METHOD, metadata)
             if call is not None:
-                return self._serve_call(call, hello, serve)
+                return self._serve_call(call, hello, serve, None if outbox is None else outbox.pack)
             out = _Outbox() if outbox is None else outbox  # the request stream: messages until a None ends it
             out.put(hello)
             self._call = responses = channel.stream_stream(P.METHOD)(iter(out), metadata=metadata)
@@ -200,8 +202,9 @@ class EnvHost:
         finally:
             channel.close()
 
-    def _serve_call(self, call, hello: bytes, serve) -> int:
-        """:meth:`_stream` over a :class:`~torchrl_asyncpool.remote.host_call.HostCall`."""
+    def _serve_call(self, call, hello: bytes, serve, pack=None) -> int:
+        """:meth:`_stream` over a :class:`~torchrl_asyncpool.remote.host_call.HostCall`
+        (``pack``: the outbox's, for ``send`` from any thread)."""
         self._call = call
         if self._stopping.is_set():
             call.cancel()
@@ -210,7 +213,9 @@ class EnvHost:
             accept = call.recv()
             if accept is not None:  # None: the pool ended the stream before accepting
                 self.slot = P.decode_accept(accept)
-                serve(call, call.send)
+                if pack is not None:
+                    call.posting(pack)
+                serve(call, call.send if pack is None else call.post)
         except HostCallEnded as exc:
             return self._ended(exc.code, exc.details())
         finally:

@@ -15,6 +15,9 @@ installed grpcio lacks it, and the host then uses the public stream (same wire, 
 """
 from __future__ import annotations
 
+import collections
+import threading
+
 __all__ = ["HostCall", "HostCallEnded", "open_host_call"]
 
 _SEND, _RECV, _STATUS = "send", "recv", "status"
@@ -61,7 +64,13 @@ def open_host_call(channel, method: str, metadata=None):
 class HostCall:
     """One bidirectional stream, its messages sent and received by the thread that calls
     :meth:`send` and :meth:`recv` (see the module's docstring); :meth:`cancel` may come from any
-    thread. Iterating it yields the pool's messages until the pool ends the stream."""
+    thread. Iterating it yields the pool's messages until the pool ends the stream.
+
+    A host whose envs answer from threads of their own hands their records to :meth:`post`
+    (any thread, never blocks) while its main thread waits in :meth:`recv`: a record posted
+    while a message is in flight waits, and when gRPC takes that message, the thread polling the
+    call sends every record waiting as one message (``pack``).
+    """
 
     def __init__(self, call, cygrpc, codes):
         self._call = call
@@ -72,19 +81,28 @@ class HostCall:
         self._receiving = False
         self._received = None  # (message or None) of the last receive completed
         self._status = None  # (grpc.StatusCode, details) once the call ended
+        self._lock = threading.Lock()  # _sending and _posted, shared with posting threads
+        self._posted = collections.deque()
+        self._pack = None
 
     def _next_event(self) -> None:
         event = self._call.next_event()
         tag = event.tag
         if tag == _SEND:
-            self._sending = False
+            with self._lock:  # the records posted meanwhile go now, as one message
+                items = list(self._posted) if self._status is None else []
+                self._posted.clear()
+                self._sending = bool(items)
+            if items:
+                self._start_send(self._pack(items))
         elif tag == _RECV:
             self._receiving = False
             self._received = event.batch_operations[0].message() if event.success else None
         elif tag == _STATUS:
             op = event.batch_operations[0]
             details = op.details()
-            self._status = (self._codes.get(op.code()), details.decode() if isinstance(details, bytes) else details)
+            with self._lock:
+                self._status = (self._codes.get(op.code()), details.decode() if isinstance(details, bytes) else details)
 
     def _ended(self):
         """The stream is over: waits for its status; ``None`` if OK, else the error to raise."""
@@ -101,14 +119,41 @@ class HostCall:
         Raises:
             HostCallEnded: the pool already ended the stream with an error.
         """
-        while self._sending and self._status is None:
+        while True:
+            with self._lock:
+                if not self._sending or self._status is not None:
+                    self._sending = self._status is None
+                    break
             self._next_event()
-        if self._status is not None or not self._call.operate((self._send_op(message, 0),), _SEND):
+        if not self._sending or not self._start_send(message):
             error = self._ended()
             if error is not None:
-                raise error
-            return  # the pool ended the stream: what it answers says so (recv returns None)
-        self._sending = True
+                raise error  # else the pool ended the stream: what it answers says so (recv: None)
+
+    def posting(self, pack) -> None:
+        """Makes :meth:`post` available: ``pack(items)`` turns the items posted while a message
+        was in flight into the next message (called by the thread polling the call)."""
+        self._pack = pack
+
+    def post(self, item) -> None:
+        """Sends ``item`` (packed alone) now if no message is in flight, else with the others
+        waiting once gRPC takes it; from any thread, never blocks. Dropped once the stream
+        ended (the thread in :meth:`recv` reports why)."""
+        with self._lock:
+            if self._status is not None:
+                return
+            if self._sending:
+                self._posted.append(item)
+                return
+            self._sending = True
+        self._start_send(self._pack([item]))
+
+    def _start_send(self, message: bytes) -> bool:
+        if self._call.operate((self._send_op(message, 0),), _SEND):
+            return True
+        with self._lock:  # the call is over: its status event says how
+            self._sending = False
+        return False
 
     def recv(self):
         """The pool's next message, ``None`` once it ended the stream normally.

@@ -263,12 +263,25 @@ class _Gather:
 class _RecordOutbox:
     """The request stream of a host whose envs answer one by one: each message carries every
     record waiting when the stream is ready to send (one record when the envs come one at a
-    time, a whole batch when they finish together). Counts the steps sent (``host.steps``)."""
+    time, a whole batch when they finish together). Counts the steps sent (``host.steps``).
+
+    Over grpcio's public stream, a thread of gRPC iterates it; where the host drives its stream
+    itself, the call packs what is posted meanwhile with :meth:`pack` (see ``EnvHost._stream``)."""
 
     def __init__(self, codec, host):
         self._q = queue.SimpleQueue()
         self.put = self._q.put
         self._codec, self._host = codec, host
+
+    def pack(self, items):
+        """One message of the records in ``items`` (records, or lists of a whole command's)."""
+        records = []
+        for item in items:
+            if isinstance(item, list):
+                records += item
+            else:
+                records.append(item)
+        return self._pack(records)
 
     def _pack(self, records):
         envs = [r[0] for r in records]
@@ -442,7 +455,7 @@ class VectorEnvHost(EnvHost):
 
         def serve(responses, send):
             _log.info("env host: %d envs on %s, stepped one by one", k, self.address)
-            backend.start(outbox.put, fail)
+            backend.start(send, fail)
             try:
                 for msg in responses:
                     if failed:
