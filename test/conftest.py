@@ -56,6 +56,24 @@ def free_address(host: str = "localhost") -> str:
         return f"{host}:{s.getsockname()[1]}"
 
 
+def host_running(host, **run_kwargs):
+    """Runs the env host ``host`` (``host.run(**run_kwargs)``) in a daemon thread; returns
+    ``(thread, result)``, ``result`` holding ``"steps"`` (what ``run`` returned) or ``"error"``."""
+    import threading
+
+    result = {}
+
+    def run():
+        try:
+            result["steps"] = host.run(**run_kwargs)
+        except BaseException as exc:  # noqa: BLE001 - checked by the test
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
 def start_and_check(collector, rb, frames, timeout=60.0):
     """``collector.start()``, waits until ``rb`` holds ``frames`` transitions, checks them with
     the oracle and shuts the collector down."""

@@ -19,7 +19,7 @@ from tensordict import TensorDict
 
 grpc = pytest.importorskip("grpc")
 
-from conftest import free_address  # noqa: E402
+from conftest import free_address, host_running  # noqa: E402
 from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, EnvError, StepType  # noqa: E402
 from torchrl_asyncpool.remote import EnvHost, RemoteEnvSlot, RemoteHostError  # noqa: E402
 from torchrl_asyncpool.remote import protocol as P  # noqa: E402
@@ -35,16 +35,7 @@ def _start_host(address, env_id, make=OracleGymEnv, **kwargs):
     time, so the host for env ``i`` takes the lowest free slot, ``i``); returns ``(host,
     thread, result)`` once the host holds its slot."""
     host = EnvHost(functools.partial(make, env_id), address, **kwargs)
-    result = {}
-
-    def run():
-        try:
-            result["steps"] = host.run()
-        except BaseException as exc:  # noqa: BLE001 - checked by the test
-            result["error"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
+    t, result = host_running(host)
     deadline = time.monotonic() + 30
     while host.slot is None and t.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)

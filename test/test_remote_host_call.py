@@ -13,7 +13,7 @@ from tensordict import TensorDict
 
 grpc = pytest.importorskip("grpc")
 
-from conftest import free_address  # noqa: E402
+from conftest import free_address, host_running  # noqa: E402
 from torchrl_asyncpool import AsyncEnvPool  # noqa: E402
 from torchrl_asyncpool.remote import EnvHost, RemoteEnvSlot, RemoteHostError, RemoteVectorSlot, VectorEnvHost  # noqa: E402
 from torchrl_asyncpool.remote import host as host_module  # noqa: E402
@@ -212,20 +212,6 @@ def public_stream(monkeypatch):
     monkeypatch.setattr(host_module, "open_host_call", lambda *args, **kwargs: None)
 
 
-def _run(host):
-    result = {}
-
-    def run():
-        try:
-            result["steps"] = host.run()
-        except BaseException as exc:  # noqa: BLE001 - checked by the test
-            result["error"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, result
-
-
 def _drive(pool, checker, records):
     n = 0
     while n < records:
@@ -245,7 +231,7 @@ def test_hosts_over_the_public_stream_deliver_exactly_once(dev_shm_guard, public
         slots = [functools.partial(RemoteVectorSlot.like, OracleGymEnv(0), address, num_envs=3)]
         envs = [functools.partial(OracleGymEnv, j) for j in range(3)]
         host = VectorEnvHost(envs if host_kind == "env threads" else lambda: gym.vector.SyncVectorEnv(envs), address)
-    t, result = _run(host)
+    t, result = host_running(host)
     with AsyncEnvPool(slots, start_timeout=60) as pool:
         checker = OracleChecker()
         _drive(pool, checker, 200)

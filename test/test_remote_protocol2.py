@@ -13,7 +13,7 @@ from tensordict import TensorDict
 
 grpc = pytest.importorskip("grpc")
 
-from conftest import free_address  # noqa: E402
+from conftest import free_address, host_running  # noqa: E402
 from torchrl_asyncpool import AsyncEnvPool, StepType  # noqa: E402
 from torchrl_asyncpool.remote import EnvHost, RemoteEnvSlot, RemoteHostError, RemoteVectorSlot, VectorEnvHost  # noqa: E402
 from torchrl_asyncpool.remote import protocol as P  # noqa: E402
@@ -36,16 +36,8 @@ class _Running:
     """A host running in a thread (``run``'s result or error in ``result``)."""
 
     def __init__(self, host, **run_kwargs):
-        self.host, self.result = host, {}
-
-        def run():
-            try:
-                self.result["steps"] = host.run(**run_kwargs)
-            except BaseException as exc:  # noqa: BLE001 - checked by the test
-                self.result["error"] = exc
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
+        self.host = host
+        self.thread, self.result = host_running(host, **run_kwargs)
 
     def stop(self, timeout=10):
         self.host.stop()
