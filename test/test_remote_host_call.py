@@ -194,6 +194,33 @@ def test_a_post_after_the_stream_ended_is_dropped(serving):
     call.close()
 
 
+def test_close_while_threads_post_returns_and_leaves_nothing_due(serving):
+    """An env thread may post while the host closes its stream (a stop, the pool gone): the
+    close neither hangs nor polls a queue grpcio has freed, whatever the interleaving."""
+    server = serving(_echo)
+    for _ in range(20):
+        call = server.call()
+        call.posting(lambda items: b"|".join(items))
+        stop = threading.Event()
+
+        def post():
+            while not stop.is_set():
+                call.post(b"x")
+
+        threads = [threading.Thread(target=post) for _ in range(3)]
+        for t in threads:
+            t.start()
+        call.recv()  # some records went out and came back
+        t0 = time.monotonic()
+        call.close()
+        assert time.monotonic() - t0 < 10
+        assert not call._due
+        stop.set()
+        for t in threads:
+            t.join(10)
+            assert not t.is_alive()
+
+
 def test_the_installed_grpcio_gives_hosts_their_single_threaded_call():
     """The hosts' fast path is what the other remote tests exercise: a grpcio that dropped the
     single-threaded call would silently move every host to the public stream."""

@@ -20,7 +20,8 @@ import threading
 
 __all__ = ["HostCall", "HostCallEnded", "open_host_call"]
 
-_SEND, _RECV, _STATUS = "send", "recv", "status"
+#: the tags of the call's batches of operations (one completion event each)
+_METADATA_OUT, _METADATA_IN, _STATUS, _SEND, _RECV = "metadata-out", "metadata-in", "status", "send", "recv"
 
 
 class HostCallEnded(Exception):
@@ -46,8 +47,8 @@ def open_host_call(channel, method: str, metadata=None):
         codes = _common.CYGRPC_STATUS_CODE_TO_STATUS_CODE
         metadata = tuple(metadata or ())
         ops = (
-            ((cygrpc.SendInitialMetadataOperation(metadata, 0),), None),
-            ((cygrpc.ReceiveInitialMetadataOperation(0),), None),
+            ((cygrpc.SendInitialMetadataOperation(metadata, 0),), _METADATA_OUT),
+            ((cygrpc.ReceiveInitialMetadataOperation(0),), _METADATA_IN),
             ((cygrpc.ReceiveStatusOnClientOperation(0),), _STATUS),
         )
         args = (cygrpc.PropagationConstants.GRPC_PROPAGATE_DEFAULTS, method.encode(), None, None, metadata, None,
@@ -70,6 +71,10 @@ class HostCall:
     (any thread, never blocks) while its main thread waits in :meth:`recv`: a record posted
     while a message is in flight waits, and when gRPC takes that message, the thread polling the
     call sends every record waiting as one message (``pack``).
+
+    Every batch of operations started on the call has one completion event, collected by the
+    polling thread; :meth:`close` collects them all (grpcio frees the call's queue with the
+    last one, after which the queue must not be polled again).
     """
 
     def __init__(self, call, cygrpc, codes):
@@ -77,32 +82,47 @@ class HostCall:
         self._send_op, self._recv_op = cygrpc.SendMessageOperation, cygrpc.ReceiveMessageOperation
         self._cancelled_code = cygrpc.StatusCode.cancelled
         self._codes = codes
-        self._sending = False  # a message of ours not yet taken by gRPC (one at a time)
-        self._receiving = False
-        self._received = None  # (message or None) of the last receive completed
-        self._status = None  # (grpc.StatusCode, details) once the call ended
-        self._lock = threading.Lock()  # _sending and _posted, shared with posting threads
-        self._posted = collections.deque()
+        self._lock = threading.Lock()  # what posting threads share with the polling one (below)
+        self._due = {_METADATA_OUT, _METADATA_IN, _STATUS}  # batches started, their event not collected
+        self._sending = False  # a send started or reserved by a poster (one message at a time)
+        self._posted = collections.deque()  # items posted while a message was in flight
+        self._closing = False
         self._pack = None
+        self._received = None  # the last receive's message (None: the stream ended)
+        self._status = None  # (grpc.StatusCode, details) once the call ended
 
     def _next_event(self) -> None:
+        """Collects one completion event (only while a batch is due: see the class docstring)."""
         event = self._call.next_event()
         tag = event.tag
-        if tag == _SEND:
-            with self._lock:  # the records posted meanwhile go now, as one message
-                items = list(self._posted) if self._status is None else []
-                self._posted.clear()
-                self._sending = bool(items)
-            if items:
-                self._start_send(self._pack(items))
-        elif tag == _RECV:
-            self._receiving = False
+        if tag == _RECV:
             self._received = event.batch_operations[0].message() if event.success else None
         elif tag == _STATUS:
             op = event.batch_operations[0]
             details = op.details()
-            with self._lock:
-                self._status = (self._codes.get(op.code()), details.decode() if isinstance(details, bytes) else details)
+            status = (self._codes.get(op.code()), details.decode() if isinstance(details, bytes) else details)
+        items = None
+        with self._lock:
+            self._due.discard(tag)
+            if tag == _STATUS:
+                self._status = status
+            elif tag == _SEND:  # gRPC took the message: what was posted meanwhile goes now, as one
+                items = list(self._posted) if self._status is None and not self._closing else []
+                self._posted.clear()
+                self._sending = bool(items)
+        if items:
+            self._start_send(self._pack(items))
+
+    def _start_send(self, message: bytes) -> bool:
+        """Starts sending ``message`` (the caller reserved ``_sending``); False if the call is
+        over or closing (the reservation is dropped)."""
+        with self._lock:
+            if self._status is None and not self._closing and self._call.operate(
+                    (self._send_op(message, 0),), _SEND):
+                self._due.add(_SEND)
+                return True
+            self._sending = False
+            return False
 
     def _ended(self):
         """The stream is over: waits for its status; ``None`` if OK, else the error to raise."""
@@ -121,11 +141,13 @@ class HostCall:
         """
         while True:
             with self._lock:
-                if not self._sending or self._status is not None:
-                    self._sending = self._status is None
+                if self._status is not None:
                     break
-            self._next_event()
-        if not self._sending or not self._start_send(message):
+                if not self._sending:
+                    self._sending = True
+                    break
+            self._next_event()  # the status is due: safe to wait
+        if self._status is not None or not self._start_send(message):
             error = self._ended()
             if error is not None:
                 raise error  # else the pool ended the stream: what it answers says so (recv: None)
@@ -138,9 +160,9 @@ class HostCall:
     def post(self, item) -> None:
         """Sends ``item`` (packed alone) now if no message is in flight, else with the others
         waiting once gRPC takes it; from any thread, never blocks. Dropped once the stream
-        ended (the thread in :meth:`recv` reports why)."""
+        ended or is closing (the thread in :meth:`recv` reports why)."""
         with self._lock:
-            if self._status is not None:
+            if self._status is not None or self._closing:
                 return
             if self._sending:
                 self._posted.append(item)
@@ -148,22 +170,18 @@ class HostCall:
             self._sending = True
         self._start_send(self._pack([item]))
 
-    def _start_send(self, message: bytes) -> bool:
-        if self._call.operate((self._send_op(message, 0),), _SEND):
-            return True
-        with self._lock:  # the call is over: its status event says how
-            self._sending = False
-        return False
-
     def recv(self):
         """The pool's next message, ``None`` once it ended the stream normally.
 
         Raises:
             HostCallEnded: the stream ended with an error (cancelled, the pool gone, refused).
         """
-        if self._status is None and self._call.operate((self._recv_op(0),), _RECV):
-            self._receiving = True
-            while self._receiving:
+        with self._lock:
+            started = self._status is None and self._call.operate((self._recv_op(0),), _RECV)
+            if started:
+                self._due.add(_RECV)
+        if started:
+            while _RECV in self._due:
                 self._next_event()
             if self._received is not None:
                 return self._received
@@ -184,9 +202,16 @@ class HostCall:
         self._call.cancel(self._cancelled_code, "cancelled by the host")
 
     def close(self) -> None:
-        """Cancels the stream if it is still open and collects its last events (nothing of the
-        call is left in gRPC's queues)."""
-        if self._status is None:
+        """Cancels the stream if it is still open and collects every event still due (nothing
+        of the call is left in gRPC; posts from now on are dropped)."""
+        with self._lock:
+            self._closing = True
+            self._posted.clear()
+            open_ = self._status is None
+        if open_:
             self.cancel()
-        while self._status is None or self._sending or self._receiving:
+        while True:
+            with self._lock:
+                if not self._due:
+                    return
             self._next_event()
