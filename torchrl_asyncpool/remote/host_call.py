@@ -44,7 +44,7 @@ def open_host_call(channel, method: str, metadata=None):
         from grpc._cython import cygrpc
 
         core = channel._channel
-        codes = _common.CYGRPC_STATUS_CODE_TO_STATUS_CODE
+        codes = dict(_common.CYGRPC_STATUS_CODE_TO_STATUS_CODE)
         metadata = tuple(metadata or ())
         ops = (
             ((cygrpc.SendInitialMetadataOperation(metadata, 0),), _METADATA_OUT),
@@ -80,7 +80,7 @@ class HostCall:
     def __init__(self, call, cygrpc, codes):
         self._call = call
         self._send_op, self._recv_op = cygrpc.SendMessageOperation, cygrpc.ReceiveMessageOperation
-        self._cancelled_code = cygrpc.StatusCode.cancelled
+        self._cancelled_code, self._unknown_code = cygrpc.StatusCode.cancelled, cygrpc.StatusCode.unknown
         self._codes = codes
         self._lock = threading.Lock()  # what posting threads share with the polling one (below)
         self._due = {_METADATA_OUT, _METADATA_IN, _STATUS}  # batches started, their event not collected
@@ -100,7 +100,8 @@ class HostCall:
         elif tag == _STATUS:
             op = event.batch_operations[0]
             details = op.details()
-            status = (self._codes.get(op.code()), details.decode() if isinstance(details, bytes) else details)
+            code = self._codes.get(op.code(), self._codes[self._unknown_code])
+            status = (code, details.decode() if isinstance(details, bytes) else details)
         items = None
         with self._lock:
             self._due.discard(tag)
@@ -129,7 +130,7 @@ class HostCall:
         while self._status is None:
             self._next_event()
         code, details = self._status
-        if code is not None and code.name == "OK":
+        if code.name == "OK":
             return None
         return HostCallEnded(code, details or "")
 
