@@ -1,6 +1,6 @@
 """What gRPC's Python stack costs per record, without the pool: the floor under remote env slots.
 
-Four probes, each ``--records`` round trips of 100-byte messages over 127.0.0.1:
+Five probes, each ``--records`` round trips of 100-byte messages over 127.0.0.1:
 
 * ``pingpong``      a bare bidirectional stream, client and server in this process;
 * ``sync bridge``   the ingress design of ``torchrl_asyncpool.remote``: a threaded gRPC server
@@ -8,6 +8,10 @@ Four probes, each ``--records`` round trips of 100-byte messages over 127.0.0.1:
                     reads the records (a client in another process); server CPU per record;
 * ``aio bridge``    the same with a ``grpc.aio`` server on an event loop thread, the waiting
                     thread bridged through ``asyncio.run_coroutine_threadsafe``;
+* ``host client``   the env hosts' side: a client process echoing through a threaded gRPC
+                    server, over grpcio's public stream (a request-iterator thread and the
+                    channel's polling thread besides the caller) and over the single-threaded
+                    call hosts use (``torchrl_asyncpool.remote.host_call``); client CPU;
 * ``raw socket``    the floor under any of them: the same round trips over one TCP connection
                     with gRPC's 5-byte message prefix and no HTTP/2, each side one thread
                     blocking in ``recv`` (no gRPC, not a wire format the package speaks), with
@@ -100,6 +104,47 @@ def raw_socket(n, size):
     host_cpu = float(client.communicate(timeout=30)[0])  # its whole life, start-up included, per round trip
     print(f"{'raw socket':12} {1e6 * dt / n:6.0f} us wall, {1e6 * dc / n:6.0f} us CPU per round trip (server), "
           f"{size}-byte records (the client: {host_cpu:.0f} us, its start-up included)", flush=True)
+
+
+_HOST_CLIENT = r"""
+import queue, sys, time
+import grpc
+from torchrl_asyncpool.remote.host_call import open_host_call
+mode, address, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ch = grpc.insecure_channel(address); grpc.channel_ready_future(ch).result(timeout=10)
+if mode == "public":
+    q = queue.SimpleQueue()
+    responses = ch.stream_stream("/s/m")(iter(q.get, None))
+    send, recv = q.put, lambda: next(responses)
+else:
+    call = open_host_call(ch, "/s/m")
+    send, recv = call.send, call.recv
+for i in range(n + 200):
+    if i == 200:
+        t0, c0 = time.perf_counter(), time.process_time()
+    send(b"x" * 100)
+    recv()
+print(1e6 * (time.perf_counter() - t0) / n, 1e6 * (time.process_time() - c0) / n, flush=True)
+"""
+
+
+def host_clients(n):
+    def echo(reqs, ctx):
+        yield from reqs
+
+    srv = grpc.server(futures.ThreadPoolExecutor(4))
+    srv.add_generic_rpc_handlers(_handlers(echo))
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    try:
+        for mode in ("public", "host call"):
+            out = subprocess.run([sys.executable, "-c", _HOST_CLIENT, mode.split()[0], f"127.0.0.1:{port}", str(n)],
+                                 capture_output=True, text=True, timeout=300, check=True).stdout
+            wall, cpu = (float(x) for x in out.split())
+            print(f"{'host client':12} {wall:6.0f} us wall, {cpu:6.0f} us CPU per round trip (client, {mode})",
+                  flush=True)
+    finally:
+        srv.stop(None)
 
 
 def _handlers(fn):
@@ -209,6 +254,7 @@ def main():
         pingpong(args.records)
         sync_bridge(args.records)
         aio_bridge(args.records)
+        host_clients(args.records)
         raw_socket(args.records, 100)
         raw_socket(args.records, 344_000)
 
