@@ -129,13 +129,7 @@ print(1e6 * (time.perf_counter() - t0) / n, 1e6 * (time.process_time() - c0) / n
 
 
 def host_clients(n):
-    def echo(reqs, ctx):
-        yield from reqs
-
-    srv = grpc.server(futures.ThreadPoolExecutor(4))
-    srv.add_generic_rpc_handlers(_handlers(echo))
-    port = srv.add_insecure_port("127.0.0.1:0")
-    srv.start()
+    srv, port = _echo_server()
     try:
         for mode in ("public", "host call"):
             out = subprocess.run([sys.executable, "-c", _HOST_CLIENT, mode.split()[0], f"127.0.0.1:{port}", str(n)],
@@ -145,6 +139,18 @@ def host_clients(n):
                   flush=True)
     finally:
         srv.stop(None)
+
+
+def _echo_server():
+    """A threaded gRPC server answering each message of a stream with itself; ``(server, port)``."""
+    def echo(reqs, ctx):
+        yield from reqs
+
+    srv = grpc.server(futures.ThreadPoolExecutor(4))
+    srv.add_generic_rpc_handlers(_handlers(echo))
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    return srv, port
 
 
 def _handlers(fn):
@@ -157,13 +163,7 @@ def _report(label, n, t0, c0, what):
 
 
 def pingpong(n):
-    def echo(reqs, ctx):
-        yield from reqs
-
-    srv = grpc.server(futures.ThreadPoolExecutor(4))
-    srv.add_generic_rpc_handlers(_handlers(echo))
-    port = srv.add_insecure_port("127.0.0.1:0")
-    srv.start()
+    srv, port = _echo_server()
     ch = grpc.insecure_channel(f"127.0.0.1:{port}")
     q = queue.SimpleQueue()
     resp = ch.stream_stream("/s/m")(iter(q.get, None))
