@@ -274,7 +274,8 @@ class _RecordOutbox:
         self._codec, self._host = codec, host
 
     def pack(self, items):
-        """One message of the records in ``items`` (records, or lists of a whole command's)."""
+        """One message of the records in ``items`` (records, or lists of the records of a whole
+        command: see ``_Threaded.command``)."""
         records = []
         for item in items:
             if isinstance(item, list):
@@ -301,7 +302,7 @@ class _RecordOutbox:
                 yield item
                 item = get()
                 continue
-            records = list(item) if isinstance(item, list) else [item]
+            items = [item]
             while True:
                 try:
                     item = get_nowait()
@@ -310,11 +311,8 @@ class _RecordOutbox:
                     break
                 if item is None or isinstance(item, bytes):
                     break
-                if isinstance(item, list):  # the records of a whole command (see _Threaded.command)
-                    records += item
-                else:
-                    records.append(item)
-            yield self._pack(records)
+                items.append(item)
+            yield self.pack(items)
             if item is get:
                 item = get()
 
