@@ -3,9 +3,9 @@
 grpcio's public client runs a bidirectional stream on three threads: the caller, a thread that
 pulls the request iterator and writes each message, and the channel's thread that polls the
 completion queue and wakes the other two. A host answers one message with the next, so every
-round trip pays those hand-offs (with the GIL) twice; measured against the same server on this
-package's 2-core reference machine, 346-356 us of client CPU and 497-523 us per 100-byte round
-trip, against 136-150 us and 356-381 us when the calling thread drives the call itself.
+round trip pays those hand-offs (with the GIL) twice. Driving the call from the calling thread
+about halves the client's CPU per round trip (measured in :doc:`remote`, "How a host drives its
+stream", with ``benchmarks/probe_grpc.py``).
 
 :class:`HostCall` is that second way: grpcio's own single-threaded call object (the one behind
 its ``SingleThreadedUnaryStream`` option, ``cygrpc.SegregatedCall``: a completion queue of the
