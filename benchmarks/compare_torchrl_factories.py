@@ -73,7 +73,7 @@ def _gymenv_cartpole_categorical():
 
 
 def _gymenv_cartpole_slow():
-    from torchrl_asyncpool.workers.torchrl_fast import FAST_PATH_ATTR
+    from torchrl_asyncpool.envs.torchrl_fast import FAST_PATH_ATTR
 
     env = _gymenv_cartpole()
     setattr(env, FAST_PATH_ATTR, False)
@@ -164,7 +164,7 @@ def run_cell(workload, impl, seconds, fpb, envs=None):
     Frames per CPU second (of this process and its descendants) is the efficiency a busy
     machine disturbs least: frames/s also measures how much of the cores others left us."""
     from torchrl_asyncpool import AsyncPoolCollector
-    from torchrl_asyncpool.workers.torchrl_vector_hosting import synchronous_vector_envs
+    from torchrl_asyncpool.envs.torchrl_vector_hosting import synchronous_vector_envs
 
     key, dim, na, n, impls = WORKLOADS[workload]
     n = envs or n

@@ -104,7 +104,7 @@ def _floor_process(k: int, conn) -> None:
 
 
 def measure_floor(n: int, seconds: float, warmup: float = 0.5) -> dict:
-    from torchrl_asyncpool.forkserver import forkserver_context
+    from torchrl_asyncpool._sys.forkserver import forkserver_context
 
     ctx = forkserver_context("scale_envs")
     cores = len(os.sched_getaffinity(0))

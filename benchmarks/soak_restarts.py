@@ -23,7 +23,7 @@ import signal
 import time
 
 from torchrl_asyncpool import AsyncPoolCollector
-from torchrl_asyncpool.inference.examples import OracleTagPolicy
+from torchrl_asyncpool.testing.policies import OracleTagPolicy
 from torchrl_asyncpool.testing import OracleChecker, OracleEnv
 
 

@@ -142,7 +142,7 @@ def main(argv=None) -> dict:
     optim = torch.optim.Adam(agent.parameters(), lr=cfg.lr, eps=1e-5)
 
     # TorchRL's GymEnv, categorical actions (the policy samples an index); workers step it on
-    # their fast path, at the speed of the gymnasium env inside (torchrl_asyncpool.workers.torchrl_fast).
+    # their fast path, at the speed of the gymnasium env inside (torchrl_asyncpool.envs.torchrl_fast).
     # --vector-envs keeps gymnasium.make_vec: CartPole's natively vectorized env steps 32 envs in
     # one numpy call, where GymEnv(num_envs=k) steps k CartPoles one by one.
     if cfg.vector_envs:  # a batched simulator: one factory builds vector_envs envs

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import oracle_factories
 from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector
-from torchrl_asyncpool.affinity import check_cpu_mask, resolve_worker_affinity
+from torchrl_asyncpool._sys.affinity import check_cpu_mask, resolve_worker_affinity
 from torchrl_asyncpool.testing import oracle_action
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
@@ -152,7 +152,7 @@ def test_bad_affinity_strings_are_refused():
 
 
 def test_process_server_runs_on_driver_affinity():
-    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+    from torchrl_asyncpool.testing.policies import OracleTagPolicy
 
     c = AsyncPoolCollector(oracle_factories(2), policy_factory=OracleTagPolicy, frames_per_batch=8, total_frames=16,
                            envs_per_worker=1, driver_affinity=[LAST], worker_affinity=None)
@@ -177,7 +177,7 @@ def test_inference_server_cpu_affinity_is_validated_and_applied():
 
 
 def test_auto_partition_follows_the_environment_variable(monkeypatch):
-    from torchrl_asyncpool.affinity import auto_partition, resolve_collector_affinity
+    from torchrl_asyncpool._sys.affinity import auto_partition, resolve_collector_affinity
 
     monkeypatch.setenv("TORCHRL_ASYNCPOOL_AFFINITY", "none")
     assert auto_partition() == (None, None)

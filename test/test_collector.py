@@ -356,7 +356,7 @@ def test_torchrl_third_docstring_example_hand_built_transport(device, num_envs):
 
 def test_process_server_with_policy_factory_and_weight_update():
     """policy_factory= serves from a dedicated process; weights travel without a restart."""
-    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+    from torchrl_asyncpool.testing.policies import OracleTagPolicy
 
     c = AsyncPoolCollector(oracle_factories(4), policy_factory=OracleTagPolicy, frames_per_batch=16,
                            total_frames=400, envs_per_worker=2, transition_chunk_size=4)
@@ -378,7 +378,7 @@ def test_process_server_with_policy_factory_and_weight_update():
 def test_acting_policy_pause_gate():
     """pause() waits for the running call (or times out, pausing nothing), holds new calls until
     resume(); a second pause or a resume of a running policy does nothing."""
-    from torchrl_asyncpool.acting_policy import ActingPolicy
+    from torchrl_asyncpool.collector.acting_policy import ActingPolicy
 
     inside, release = threading.Event(), threading.Event()
 
@@ -474,7 +474,7 @@ def test_batches_have_torchrl_collector_keys_including_root_done_flags():
     shapes and dtypes; the root done flags (those of the record the action answered) are False."""
     import warnings
 
-    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+    from torchrl_asyncpool.testing.policies import OracleTagPolicy
 
     layouts = []
     for cls, kwargs in ((AsyncBatchedCollector, {"env_backend": "threading"}), (AsyncPoolCollector, {})):
@@ -551,8 +551,8 @@ def test_policy_layout_is_computed_before_the_pool_and_handed_to_it_as_values(mo
     import functools
 
     from torchrl_asyncpool import AsyncEnvPool
-    from torchrl_asyncpool.acting_policy import CARRY_KEY, ActingPolicy
-    from torchrl_asyncpool.policy_layout import PolicyLayout
+    from torchrl_asyncpool.collector.acting_policy import CARRY_KEY, ActingPolicy
+    from torchrl_asyncpool.collector.policy_layout import PolicyLayout
 
     factories = [functools.partial(_recurrent_env, i) for i in range(2)]
     layout = PolicyLayout.probe(ActingPolicy(_recurrent_policy()), factories)
@@ -585,7 +585,7 @@ def test_collector_config_translates_torchrl_keywords_into_a_frozen_config():
 
     from torchrl.modules.inference_server import InferenceServerConfig
 
-    from torchrl_asyncpool.collector_config import CollectorConfig
+    from torchrl_asyncpool.collector.config import CollectorConfig
 
     config = CollectorConfig.from_arguments(
         oracle_factories(2), policy=None, policy_factory=lambda: oracle_policy, frames_per_batch=8, total_frames=-1,
@@ -626,7 +626,7 @@ def test_a_next_entry_for_an_env_produced_observation_is_not_carried():
 def test_weights_given_before_the_first_iteration_act_from_the_first_transition(mode):
     """TorchRL applies such weights before any request is served: the envs are built and reset at
     construction, but no action is served before the first iteration."""
-    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+    from torchrl_asyncpool.testing.policies import OracleTagPolicy
 
     kwargs = {"policy": OracleTagPolicy()} if mode == "thread" else {"policy_factory": OracleTagPolicy}
     c = AsyncPoolCollector(oracle_factories(4), frames_per_batch=32, total_frames=96, **kwargs)
@@ -643,7 +643,7 @@ def test_weights_given_before_the_first_iteration_act_from_the_first_transition(
 
 def test_after_a_weight_update_about_one_batch_at_most_was_collected_by_the_old_policy():
     """transition_chunk_size="auto": the chunks all envs may fill ahead hold about one batch."""
-    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+    from torchrl_asyncpool.testing.policies import OracleTagPolicy
 
     c = AsyncPoolCollector(oracle_factories(4), policy=OracleTagPolicy(), frames_per_batch=64)
     try:
@@ -761,7 +761,7 @@ def test_idle_poll_reaches_the_workers_and_the_policy_server_process(idle_poll):
     """The collector's ``idle_poll`` is its pool's, and the serving loop follows the pool: each
     process that idle-polls runs the C extension's poller thread, named ``asyncpool-idle``."""
     from torchrl_asyncpool.exchange import doorbell
-    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+    from torchrl_asyncpool.testing.policies import OracleTagPolicy
 
     if doorbell._c is None:
         pytest.skip("idle polling is in the C extension")

@@ -10,7 +10,7 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from conftest import oracle_factories
 from torchrl_asyncpool import AsyncPoolCollector, EnvError, InferenceServerError, WorkerDiedError
-from torchrl_asyncpool.inference.examples import OracleTagPolicy
+from torchrl_asyncpool.testing.policies import OracleTagPolicy
 from torchrl_asyncpool.testing import OracleEnv, oracle_action
 
 

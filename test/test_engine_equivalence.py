@@ -255,7 +255,7 @@ def test_the_reference_serves_fields_numpy_cannot_view():
 def test_a_closed_native_consumer_keeps_working_on_the_reference():
     # SlotConsumer.close() lets go of the C engine's buffer exports and swaps in the Python
     # engine, so that a serving thread that finishes a batch after close still answers it
-    from torchrl_asyncpool.exchange import InheritedFd
+    from torchrl_asyncpool._sys.descriptors import InheritedFd
     from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 
     layout = ArenaLayout(2, {"obs": ((2,), torch.float32)}, {"action": ((), torch.int64)})

@@ -224,7 +224,7 @@ def test_long_run_with_many_faults_is_exact():
 
 
 def _offset_policy():
-    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+    from torchrl_asyncpool.testing.policies import OracleTagPolicy
 
     return OracleTagPolicy()
 
@@ -233,7 +233,7 @@ def test_a_dead_server_process_is_replaced_with_the_last_weights_and_nothing_is_
     import os
     import signal
 
-    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+    from torchrl_asyncpool.testing.policies import OracleTagPolicy
 
     c = AsyncPoolCollector(failing(6), policy_factory=_offset_policy, frames_per_batch=60, total_frames=1800,
                            envs_per_worker=3, on_env_failure="restart", max_restarts_per_env=5)

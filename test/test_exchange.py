@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from torchrl_asyncpool import StepType, discount_from_step_type
-from torchrl_asyncpool.exchange import Arena, ArenaLayout, BellWait, Doorbell, InheritedFd, poll_for
+from torchrl_asyncpool.exchange import Arena, ArenaLayout, BellWait, Doorbell, poll_for
+from torchrl_asyncpool._sys.descriptors import InheritedFd
 from torchrl_asyncpool.exchange import doorbell as doorbell_module
-from torchrl_asyncpool.forkserver import forkserver_context
+from torchrl_asyncpool._sys.forkserver import forkserver_context
 
 
 def _child_writes(layout, fd, bell):
@@ -30,7 +31,7 @@ def test_arena_is_shared_with_a_forkserver_child_and_has_no_dev_shm_file(dev_shm
     arena = Arena.create(layout)
     bell = Doorbell()
     # started as the pool starts it: a fork server started without torch in its preload would
-    # make every later pool's workers import torch themselves (see torchrl_asyncpool.forkserver)
+    # make every later pool's workers import torch themselves (see torchrl_asyncpool._sys.forkserver)
     ctx = forkserver_context()
     p = ctx.Process(target=_child_writes, args=(layout, InheritedFd(arena.fd), bell.inheritable()))
     p.start()
@@ -349,7 +350,7 @@ def test_resolve_idle_poll_rules(monkeypatch):
 def test_a_fork_server_started_without_torch_is_warned_about_once():
     # in a fresh interpreter (this test process's fork server already runs, with the preload),
     # loading the module from its file: it needs only multiprocessing, not torch
-    import torchrl_asyncpool.forkserver as module
+    import torchrl_asyncpool._sys.forkserver as module
 
     code = textwrap.dedent(f"""
         import importlib.util, multiprocessing as mp, warnings

@@ -22,20 +22,14 @@ from tensordict import TensorDict
 
 from conftest import oracle_factories
 from torchrl_asyncpool import AsyncEnvPool, InferenceServer, InferenceServerError, ProcessSlotTransport
-from torchrl_asyncpool.acting_policy import ActingPolicy
+from torchrl_asyncpool.collector.acting_policy import ActingPolicy
 from torchrl_asyncpool.errors import EnvError
 from torchrl_asyncpool.inference import STAT_KEYS, bucket_ladder
 from torchrl_asyncpool.inference._common import KeyPlan, auto_threshold, pick_bucket
 from torchrl_asyncpool.inference._runner import KeyRunner
 from torchrl_asyncpool.inference._shared import SharedWeights
-from torchrl_asyncpool.inference.examples import (
-    GRUPolicy,
-    JsonlRecorder,
-    MLPPolicy,
-    OracleTagPolicy,
-    RaisingPolicy,
-    read_jsonl,
-)
+from torchrl_asyncpool.inference.examples import GRUPolicy, JsonlRecorder, MLPPolicy, read_jsonl
+from torchrl_asyncpool.testing.policies import OracleTagPolicy, RaisingPolicy
 from torchrl_asyncpool.testing import OracleChecker, OracleEnv, oracle_action
 
 _PROMPT_S = 6.0  # "within 2 s", with margin for a loaded machine
@@ -704,7 +698,7 @@ def test_no_orphan_server_process_when_the_owner_is_killed(tmp_path):
         """
         import functools, sys, time
         from torchrl_asyncpool import AsyncEnvPool, InferenceServer
-        from torchrl_asyncpool.inference.examples import OracleTagPolicy
+        from torchrl_asyncpool.testing.policies import OracleTagPolicy
         from torchrl_asyncpool.testing import OracleEnv
         if __name__ == "__main__":
             pool = AsyncEnvPool([functools.partial(OracleEnv, env_id=i) for i in range(2)], envs_per_worker=2)

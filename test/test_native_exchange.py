@@ -14,7 +14,8 @@ from tensordict import TensorDict
 
 from conftest import oracle_factories
 from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector
-from torchrl_asyncpool.exchange import Arena, ArenaLayout, Doorbell, InheritedFd
+from torchrl_asyncpool.exchange import Arena, ArenaLayout, Doorbell
+from torchrl_asyncpool._sys.descriptors import InheritedFd
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.native import native_available, pass_stores, resolve_exchange, row_copier

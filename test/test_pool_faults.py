@@ -545,7 +545,7 @@ def test_a_killed_childs_exit_status_reads_the_same_from_many_threads():
     """A fork server's child reports its status once on its sentinel pipe; ``Popen.poll`` from
     two threads at once let the second record exit code 255 (EOF), which a script whose worker
     was SIGKILLed once printed instead of "killed by signal 9". ``exit_code`` serializes it."""
-    from torchrl_asyncpool.forkserver import exit_code, forkserver_context
+    from torchrl_asyncpool._sys.forkserver import exit_code, forkserver_context
 
     ctx = forkserver_context()
     for _ in range(10):  # a raw ``p.join(); p.exitcode`` read 255 in 7 of 20 such rounds

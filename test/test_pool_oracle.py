@@ -253,7 +253,7 @@ def test_a_policy_output_in_place_of_the_next_observation_is_refused_with_transi
     output it would silently replace it, so a pool that delivers transitions refuses it, also
     declared as a recurrent state (the env's observation is still the env's); only TorchRL's
     primer convention as the collector maps it is delivered in the entry's place."""
-    from torchrl_asyncpool.acting_policy import CARRY_KEY
+    from torchrl_asyncpool.collector.acting_policy import CARRY_KEY
 
     spec = {("next", "echo"): ((), torch.int64)}
     refused = r"\('next', 'echo'\) is where the transitions hold the env's own next 'echo'; rename the output"

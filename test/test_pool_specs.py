@@ -15,8 +15,8 @@ from torchrl.envs import GymEnv, SerialEnv
 
 from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector
 from torchrl_asyncpool.testing import OracleEnv
-from torchrl_asyncpool.workers.env_adapter import GymnasiumEnvAdapter
-from torchrl_asyncpool.workers.env_specs import SPEC_GROUPS, _checked, batched_specs, slot_specs
+from torchrl_asyncpool.envs.gymnasium_adapters import GymnasiumEnvAdapter
+from torchrl_asyncpool.envs.specs import SPEC_GROUPS, _checked, batched_specs, slot_specs
 
 N = 3
 

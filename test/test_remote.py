@@ -594,9 +594,9 @@ def test_hello_deadline_holds_whatever_the_step_timeout(monkeypatch):
     with step_timeout=100). The ingress runs in this process, so the deadline can be short."""
     import queue
 
-    from torchrl_asyncpool.remote import slot as remote_slot
+    from torchrl_asyncpool.remote import ingress as remote_ingress
 
-    monkeypatch.setattr(remote_slot, "_HELLO_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(remote_ingress, "_HELLO_TIMEOUT_S", 0.2)
     address = free_address()
     slot = RemoteEnvSlot.like(OracleGymEnv(0), address, step_timeout=100.0)
     slot._pool_listen(0)

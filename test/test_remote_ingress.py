@@ -14,7 +14,7 @@ from conftest import free_address  # noqa: E402
 from torchrl_asyncpool import StepType  # noqa: E402
 from torchrl_asyncpool.remote import EnvHost, RemoteEnvSlot, RemoteHostError  # noqa: E402
 from torchrl_asyncpool.remote import protocol as P  # noqa: E402
-from torchrl_asyncpool.remote import slot as remote_slot  # noqa: E402
+from torchrl_asyncpool.remote import ingress as remote_ingress  # noqa: E402
 from torchrl_asyncpool.testing import OracleGymEnv  # noqa: E402
 
 TOKEN = "flood-token"
@@ -71,14 +71,14 @@ class _Flood:
 
 
 def _flood_and_host(monkeypatch, n):
-    monkeypatch.setattr(remote_slot, "_IDLE_THREAD_S", 0.5)
+    monkeypatch.setattr(remote_ingress, "_IDLE_THREAD_S", 0.5)
     address = free_address()
     slots = [RemoteEnvSlot.like(OracleGymEnv(0), address, token=TOKEN) for _ in range(2)]
     for i, slot in enumerate(slots):
         slot._pool_listen(i)
     ingress = slots[0]._ingress
-    cap = ingress.max_streams + remote_slot._SPARE_THREADS
-    assert ingress.max_streams == 2 + remote_slot.HELLO_MARGIN
+    cap = ingress.max_streams + remote_ingress._SPARE_THREADS
+    assert ingress.max_streams == 2 + remote_ingress.HELLO_MARGIN
     peak = [0]
     sampling = threading.Event()
 
@@ -143,7 +143,7 @@ def test_a_flood_of_1100_silent_streams(monkeypatch):
 def test_streams_beyond_the_cap_are_refused_with_resource_exhausted(monkeypatch):
     """Every slot held and the hello margin full of silent streams: a further stream is
     refused at once with RESOURCE_EXHAUSTED and a message (not queued, no thread kept)."""
-    monkeypatch.setattr(remote_slot, "HELLO_MARGIN", 2)
+    monkeypatch.setattr(remote_ingress, "HELLO_MARGIN", 2)
     address = free_address()
     slot = RemoteEnvSlot.like(OracleGymEnv(0), address, token=TOKEN)
     slot._pool_listen(0)

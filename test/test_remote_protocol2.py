@@ -17,7 +17,7 @@ from conftest import free_address, host_running  # noqa: E402
 from torchrl_asyncpool import AsyncEnvPool, StepType  # noqa: E402
 from torchrl_asyncpool.remote import EnvHost, RemoteEnvSlot, RemoteHostError, RemoteVectorSlot, VectorEnvHost  # noqa: E402
 from torchrl_asyncpool.remote import protocol as P  # noqa: E402
-from torchrl_asyncpool.remote.slot import _Ingress  # noqa: E402
+from torchrl_asyncpool.remote.ingress import Ingress  # noqa: E402
 from torchrl_asyncpool.testing import OracleChecker, OracleGymEnv, oracle_action  # noqa: E402
 from torchrl_asyncpool.testing.oracle_env import oracle_episode  # noqa: E402
 
@@ -171,7 +171,7 @@ def test_a_dropped_host_ends_its_open_episodes_truncated_and_the_next_host_takes
 def test_refusals_name_the_protocol_and_the_number_of_envs():
     address = free_address()
     slot = RemoteVectorSlot.like(OracleGymEnv(0), address, num_envs=K)
-    slot._ingress = _Ingress.join(slot)  # listening, as its first reset does
+    slot._ingress = Ingress.join(slot)  # listening, as its first reset does
     try:
         with pytest.raises(RemoteHostError, match="INVALID_ARGUMENT.*4 envs over one stream.*one env"):
             EnvHost(OracleGymEnv(0), address).run()

@@ -21,8 +21,10 @@ from tensordict import TensorDict
 from conftest import oracle_factories, served
 from torchrl_asyncpool import AsyncEnvPool, InferenceServer
 from torchrl_asyncpool.exchange import Doorbell
-from torchrl_asyncpool.forkserver import exit_code, forkserver_context, ship_fds
-from torchrl_asyncpool.inference.examples import JsonlRecorder, OracleTagPolicy, read_jsonl
+from torchrl_asyncpool._sys.forkserver import exit_code, forkserver_context
+from torchrl_asyncpool._sys.descriptors import ship_fds
+from torchrl_asyncpool.inference.examples import JsonlRecorder, read_jsonl
+from torchrl_asyncpool.testing.policies import OracleTagPolicy
 from torchrl_asyncpool.testing import OracleChecker, oracle_action
 
 #: more envs than a fork server start message holds descriptors (CPython's MAXFDS_TO_SEND = 256)

@@ -17,10 +17,13 @@ from torchrl.envs import (CatTensors, Compose, DoubleToFloat, GymEnv, GymWrapper
 
 from torchrl_asyncpool import AsyncEnvPool, StepType
 from torchrl_asyncpool.testing import OracleChecker, OracleGymEnv, oracle_action
-from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR, TorchRLEnvAdapter, make_adapter
-from torchrl_asyncpool.workers.env_specs import slot_specs
-from torchrl_asyncpool.workers.torchrl_fast import FAST_PATH_ATTR, adapter_path, factory_path
-from torchrl_asyncpool.workers.torchrl_vector_hosting import synchronous_vector_envs
+from torchrl_asyncpool.envs.adapters import make_adapter
+from torchrl_asyncpool.envs.torchrl_adapters import TorchRLEnvAdapter
+from torchrl_asyncpool.envs.env_attrs import FIRST_SEED_ATTR
+from torchrl_asyncpool.envs.specs import slot_specs
+from torchrl_asyncpool.envs.torchrl_fast import FAST_PATH_ATTR
+from torchrl_asyncpool.envs.adapters import adapter_path, factory_path
+from torchrl_asyncpool.envs.torchrl_vector_hosting import synchronous_vector_envs
 
 
 class DriftEnv(gym.Env):
@@ -199,7 +202,7 @@ def _opted_out(env):
 @pytest.mark.parametrize("case", list(FALLBACK_CASES))
 def test_unsupported_envs_fall_back_to_torchrl_stepping_with_a_reason(case, caplog):
     make, reason = FALLBACK_CASES[case]
-    with caplog.at_level("DEBUG", logger="torchrl_asyncpool.workers.torchrl_fast"):
+    with caplog.at_level("DEBUG", logger="torchrl_asyncpool.envs.torchrl_fast"):
         try:
             adapter = make_adapter(make(), 5)
         except ValueError as exc:  # the env is not hostable at all (two reward keys): TorchRL's own refusal
@@ -214,7 +217,7 @@ def test_unsupported_envs_fall_back_to_torchrl_stepping_with_a_reason(case, capl
 
 
 def test_fast_path_choice_is_logged_at_debug_level(caplog):
-    with caplog.at_level("DEBUG", logger="torchrl_asyncpool.workers.torchrl_fast"):
+    with caplog.at_level("DEBUG", logger="torchrl_asyncpool.envs.torchrl_fast"):
         adapter = make_adapter(cartpole(), 3)
     adapter.close()
     assert [r.message for r in caplog.records] == ["env 3 (GymEnv): torchrl-fast path"]
@@ -441,7 +444,7 @@ def test_gymwrapper_over_a_same_step_vector_env_is_hosted_as_k_slots():
 def test_gymenv_num_envs_builds_a_sync_vector_env_only_where_async_cannot_start(monkeypatch):
     """In a daemonic process (a pool worker) GymEnv's AsyncVectorEnv becomes a SyncVectorEnv of
     the same factories; elsewhere TorchRL's own _async_env runs unchanged."""
-    from torchrl_asyncpool.workers import torchrl_vector_hosting as hosting
+    from torchrl_asyncpool.envs import torchrl_vector_hosting as hosting
 
     calls = []
     monkeypatch.setattr(gym.vector, "AsyncVectorEnv", lambda fns, **kw: calls.append(len(fns)) or "async")

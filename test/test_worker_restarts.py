@@ -208,7 +208,7 @@ def test_a_thread_server_on_its_own_replaces_dead_workers_while_it_serves(dev_sh
     from test_inference import _serve_until
 
     from torchrl_asyncpool import InferenceServer
-    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+    from torchrl_asyncpool.testing.policies import OracleTagPolicy
 
     rows, lock = [], threading.Lock()
 
@@ -306,7 +306,7 @@ def test_long_run_with_every_kind_of_fault_is_exact(dev_shm_guard):
     """>= 200k oracle-checked transitions through >= 20 faults of each kind: envs that raise in a
     step or a reset, workers SIGKILLed, steps that hang past step_timeout, and the inference
     server process SIGKILLed."""
-    from torchrl_asyncpool.inference.examples import OracleTagPolicy
+    from torchrl_asyncpool.testing.policies import OracleTagPolicy
 
     rng = random.Random(1)
     factories = [functools.partial(OracleEnv, env_id=i, fail_at_step=997 + 31 * i, fail_on_reset=211,

@@ -4,13 +4,13 @@ The names below are imported on first use (PEP 562), so ``import torchrl_asyncpo
 is cheap: the ``torchrl-asyncpool`` command can then handle a Ctrl-C that comes while torch
 and TorchRL are still being imported (seconds on a busy machine).
 """
-from torchrl_asyncpool.lazy_exports import lazy_exports
+from torchrl_asyncpool._sys.lazy_exports import lazy_exports
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "AsyncEnvPool": "torchrl_asyncpool.pool",
-    "AsyncPoolCollector": "torchrl_asyncpool.collector",
+    "AsyncEnvPool": "torchrl_asyncpool.pool.env_pool",
+    "AsyncPoolCollector": "torchrl_asyncpool.collector.collector",
     "StepType": "torchrl_asyncpool.step_type",
     "discount_from_step_type": "torchrl_asyncpool.step_type",
     "EnvError": "torchrl_asyncpool.errors",

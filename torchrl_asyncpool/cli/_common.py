@@ -22,7 +22,7 @@ def _start_fork_server() -> None:
     import signal
     from multiprocessing import forkserver, resource_tracker
 
-    from torchrl_asyncpool.forkserver import forkserver_context
+    from torchrl_asyncpool._sys.forkserver import forkserver_context
 
     forkserver_context("torchrl-asyncpool")  # sets the preload list
     # the resource tracker first: starting it unblocks SIGINT in this thread when it is done

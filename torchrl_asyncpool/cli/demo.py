@@ -44,7 +44,7 @@ def train_impala_demo(
     import tqdm
     from torchrl.envs import GymEnv
 
-    from torchrl_asyncpool.collector import AsyncPoolCollector
+    from torchrl_asyncpool.collector.collector import AsyncPoolCollector
     from torchrl_asyncpool.examples.actor_critic import ActorCritic
     from torchrl_asyncpool.examples.batches import EpisodeTracker, group_by_env
     from torchrl_asyncpool.examples.impala import impala_update

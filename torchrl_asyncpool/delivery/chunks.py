@@ -26,7 +26,8 @@ import torch
 from tensordict import TensorDict
 
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout, as_key
-from torchrl_asyncpool.exchange.doorbell import BellWait, Doorbell, InheritedFd
+from torchrl_asyncpool.exchange.doorbell import BellWait, Doorbell
+from torchrl_asyncpool._sys.descriptors import InheritedFd
 from torchrl_asyncpool.exchange.gather import RowGather
 
 __all__ = [
@@ -63,7 +64,7 @@ def delivered_keys(layout: ArenaLayout) -> dict:
     than the chunk does (``None``: left out of the batch); keys not listed keep their names.
 
     A recurrent state in TorchRL's convention (``{hidden_in: ("next", *key)}`` with ``key`` an
-    env observation, see :func:`~torchrl_asyncpool.acting_policy.torchrl_recurrent_state`) is
+    env observation, see :func:`~torchrl_asyncpool.collector.acting_policy.torchrl_recurrent_state`) is
     delivered where TorchRL's collectors put it: ``key`` holds the state the policy read
     (``hidden_in``, zeros on ``FIRST``) and ``("next", key)`` the one it wrote (the next
     record's ``hidden_in``), in place of the env's own entries.

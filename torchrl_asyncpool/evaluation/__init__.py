@@ -7,7 +7,7 @@ files (:mod:`~torchrl_asyncpool.evaluation.episodes`) need no torch, so ``torchr
 eval`` can write every episode's result ("not started") on a Ctrl-C that comes while torch is
 still being imported; :func:`evaluate` and :func:`check_capacity` import it.
 """
-from torchrl_asyncpool.lazy_exports import lazy_exports
+from torchrl_asyncpool._sys.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "STATUSES": "torchrl_asyncpool.evaluation.episodes",

@@ -12,8 +12,8 @@ import time
 from typing import Callable, Optional, Sequence
 
 from torchrl_asyncpool.evaluation.episodes import Episode, PlannedEnvFactory, check_episode_set
-from torchrl_asyncpool.pool import _close_noting
-from torchrl_asyncpool.pool import AsyncEnvPool
+from torchrl_asyncpool.pool.env_pool import close_noting
+from torchrl_asyncpool.pool.env_pool import AsyncEnvPool
 
 __all__ = ["check_capacity"]
 
@@ -85,7 +85,7 @@ def check_capacity(
         start_s = time.monotonic() - t0
         workers = pool.num_workers
     except BaseException as exc:
-        _close_noting(pool, close_timeout_s, exc)  # never raises: the first error is the one to see
+        close_noting(pool, close_timeout_s, exc)  # never raises: the first error is the one to see
         raise
     t1 = time.monotonic()
     pool.close(close_timeout_s)  # the check's own question: a failure to close is its result

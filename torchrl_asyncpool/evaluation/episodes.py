@@ -363,7 +363,8 @@ class PlannedEnvFactory:
 
     def __call__(self, **kwargs):
         # imported here, not with this module: the episodes and their results need no torch
-        from torchrl_asyncpool.workers.env_adapter import EPISODE_PLAN_ATTR, is_vector_env, remote_listener
+        from torchrl_asyncpool.envs.adapters import is_vector_env, remote_listener
+        from torchrl_asyncpool.envs.env_attrs import EPISODE_PLAN_ATTR
 
         env = self.create_env_fn(**kwargs)
         if is_vector_env(env):  # raised in the calling process, by the pool's spec env

@@ -43,7 +43,7 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.envs.utils import ExplorationType
 
-from torchrl_asyncpool.acting_policy import ActingPolicy
+from torchrl_asyncpool.collector.acting_policy import ActingPolicy
 from torchrl_asyncpool.errors import EnvError, PoolStartCancelled, WorkerDiedError
 from torchrl_asyncpool.evaluation.episodes import (
     Episode,
@@ -53,7 +53,7 @@ from torchrl_asyncpool.evaluation.episodes import (
     check_episode_set,
     summarize,
 )
-from torchrl_asyncpool.pool import AsyncEnvPool, _close_noting
+from torchrl_asyncpool.pool.env_pool import AsyncEnvPool, close_noting
 from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.workers.record_writer import RESTARTED_KEY
 
@@ -367,7 +367,7 @@ def evaluate(
                     # an abort (a KeyboardInterrupt: a second Ctrl-C) is not the moment to wait for envs to close
                     grace = close_timeout_s if primary is None or isinstance(primary, Exception) else 1.0
                     try:
-                        _close_noting(pool, min(grace, close_timeout_s), primary)
+                        close_noting(pool, min(grace, close_timeout_s), primary)
                     finally:
                         if plan_progress is not None:
                             plan_progress.remove()

@@ -40,7 +40,12 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-__all__ = ["FieldSpec", "ArenaLayout", "Arena", "CONTROL_FIELDS", "ERROR_TEXT_BYTES", "NUM_STATS"]
+__all__ = ["FieldSpec", "ArenaLayout", "Arena", "CONTROL_FIELDS", "ERROR_TEXT_BYTES", "NUM_STATS", "CARRY_KEY"]
+
+#: Root of the slot entries that carry a TorchRL recurrent state from one step to the next
+#: (``(CARRY_KEY, *key)`` for the policy's ``("next", *key)``); they never reach a batch. The
+#: pool lays them out in the slots, the collector's acting policy fills them.
+CARRY_KEY = "_carried_state"
 
 _ALIGN = 64
 

@@ -20,7 +20,8 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl_asyncpool.errors import EnvError, WorkerDiedError
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
-from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd, poll_for
+from torchrl_asyncpool.exchange.doorbell import Doorbell, poll_for
+from torchrl_asyncpool._sys.descriptors import InheritedFd
 from torchrl_asyncpool.exchange.gather import numpy_or_none
 from torchrl_asyncpool.exchange.metrics import record_wait
 from torchrl_asyncpool.exchange.native import build_engine

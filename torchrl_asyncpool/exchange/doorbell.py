@@ -41,8 +41,10 @@ try:  # the GIL-keeping calls (see the module docstring); os and select otherwis
 except ImportError:  # the package was installed without its C extension
     _c = None
 
+from torchrl_asyncpool._sys.descriptors import InheritedFd
+
 __all__ = [
-    "BellWait", "Doorbell", "InheritedFd", "poll_for", "IDLE_POLL_ENV", "SLOW_WAKE_NS", "wake_cost_ns",
+    "BellWait", "Doorbell", "poll_for", "IDLE_POLL_ENV", "SLOW_WAKE_NS", "wake_cost_ns",
     "resolve_idle_poll", "set_process_idle_poll",
 ]
 
@@ -173,29 +175,6 @@ def _drain(fd: int) -> int:
         return os.eventfd_read(fd)
     except BlockingIOError:
         return 0
-
-
-class InheritedFd:
-    """A file descriptor that survives being handed to a child process.
-
-    Under ``fork`` the child inherits it as is; under ``forkserver``/``spawn`` pickling
-    goes through :class:`multiprocessing.reduction.DupFd`, which ships the descriptor with
-    the process start-up message (the only time anything is pickled). A fork server's start
-    message holds about 250 descriptors: inside
-    :func:`~torchrl_asyncpool.forkserver.ship_fds` (how pools and inference servers start
-    their processes) they are sent right after the start instead, in batches, any number of
-    them; see :func:`~torchrl_asyncpool.forkserver.reduce_inherited_fd`.
-    """
-
-    __slots__ = ("fd",)
-
-    def __init__(self, fd: int):
-        self.fd = fd
-
-    def __reduce__(self):
-        from torchrl_asyncpool.forkserver import reduce_inherited_fd
-
-        return reduce_inherited_fd(self.fd)
 
 
 class Doorbell:

@@ -4,6 +4,7 @@ See :class:`InferenceServer` and :class:`ProcessSlotTransport`, and the "Inferen
 the documentation.
 """
 from torchrl_asyncpool.inference._common import BatchKey, InferenceServerError, bucket_ladder
+from torchrl_asyncpool.inference._runner import flatten_weights
 from torchrl_asyncpool.inference._shared import STAT_KEYS
 from torchrl_asyncpool.inference.server import InferenceServer
 from torchrl_asyncpool.inference.transport import ProcessSlotTransport
@@ -15,4 +16,5 @@ __all__ = [
     "BatchKey",
     "bucket_ladder",
     "STAT_KEYS",
+    "flatten_weights",
 ]

@@ -12,7 +12,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from torchrl_asyncpool.affinity import check_cpu_mask
+from torchrl_asyncpool._sys.affinity import check_cpu_mask
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell
 from torchrl_asyncpool.inference._common import (
@@ -33,7 +33,7 @@ from torchrl_asyncpool.inference._shared import (
     StatsBlock,
 )
 from torchrl_asyncpool.inference.transport import ProcessSlotTransport, _as_handle
-from torchrl_asyncpool.threads import start_daemon_thread
+from torchrl_asyncpool._sys.threads import start_daemon_thread
 
 __all__ = ["InferenceServer"]
 
@@ -146,7 +146,7 @@ class InferenceServer:
     Examples:
         >>> import functools, time, torch
         >>> from torchrl_asyncpool import AsyncEnvPool, InferenceServer
-        >>> from torchrl_asyncpool.inference.examples import OracleTagPolicy
+        >>> from torchrl_asyncpool.testing.policies import OracleTagPolicy
         >>> from torchrl_asyncpool.testing import OracleEnv
         >>> envs = [functools.partial(OracleEnv, env_id=i) for i in range(4)]
         >>> with AsyncEnvPool(envs, envs_per_worker=4,

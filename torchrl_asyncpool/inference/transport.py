@@ -12,8 +12,10 @@ from typing import Optional
 
 
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle
-from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd
-from torchrl_asyncpool.forkserver import exit_code, forkserver_context, picklable, ship_fds
+from torchrl_asyncpool.exchange.doorbell import Doorbell
+from torchrl_asyncpool._sys.descriptors import InheritedFd
+from torchrl_asyncpool._sys.forkserver import exit_code, forkserver_context, picklable
+from torchrl_asyncpool._sys.descriptors import ship_fds
 from torchrl_asyncpool.inference._common import InferenceServerError, ServerSpec
 from torchrl_asyncpool.inference._shared import SharedWeights, StatsBlock
 
@@ -71,7 +73,7 @@ class ProcessSlotTransport:
     Examples:
         >>> import functools, os, time
         >>> from torchrl_asyncpool import AsyncEnvPool, InferenceServer, ProcessSlotTransport
-        >>> from torchrl_asyncpool.inference.examples import OracleTagPolicy
+        >>> from torchrl_asyncpool.testing.policies import OracleTagPolicy
         >>> from torchrl_asyncpool.testing import OracleEnv
         >>> with AsyncEnvPool([functools.partial(OracleEnv, env_id=i) for i in range(2)],
         ...                   envs_per_worker=2) as pool:

@@ -20,8 +20,9 @@ import gymnasium as gym
 import numpy as np
 
 from torchrl_asyncpool.remote import protocol as P
-from torchrl_asyncpool.remote.slot import _end_stream, _HostLost, _Ingress, _ProtocolError
-from torchrl_asyncpool.remote.vector_slot import _BlockIngress, _check_slot_arguments
+from torchrl_asyncpool.remote.ingress import (
+    BlockIngress, HostLost, Ingress, ProtocolError, check_slot_arguments, end_stream,
+)
 from torchrl_asyncpool.step_type import StepType
 
 _log = logging.getLogger("torchrl_asyncpool.remote")
@@ -58,7 +59,7 @@ class RemoteEnvOfHost(gym.Env):
 
     def __init__(self, address: str, observation_space, action_space, position: int, num_envs: int, *,
                  host_envs: int | None = None, token: str | None = None, step_timeout: float | None = None):
-        host_envs = _check_slot_arguments(address, token, step_timeout, num_envs, host_envs)
+        host_envs = check_slot_arguments(address, token, step_timeout, num_envs, host_envs)
         if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position < num_envs:
             raise ValueError(f"position must be an int in 0..{num_envs - 1}, got {position!r}.")
         self.address, self.position, self.num_envs, self.host_envs = address, position, num_envs, host_envs
@@ -123,9 +124,9 @@ class RemoteEnvOfHost(gym.Env):
                     stream.first_taken[j] = True
                 st, _, obs = self._read(stream)
                 if st != _FIRST:
-                    raise _ProtocolError(f"env {j}: a record answering a reset has step type {st}; expected 0 "
+                    raise ProtocolError(f"env {j}: a record answering a reset has step type {st}; expected 0 "
                                          "(FIRST)")
-            except _HostLost as exc:
+            except HostLost as exc:
                 self._group.lose(self._block, stream, exc)
                 continue
             self._stream, self._last_obs = stream, obs
@@ -138,12 +139,12 @@ class RemoteEnvOfHost(gym.Env):
         stream = self._stream
         try:
             if stream is None or stream.lost is not None:
-                raise _HostLost("no host holds the env")
+                raise HostLost("no host holds the env")
             stream.command(self._j, False, action)
             st, reward, obs = self._read(stream)
             if st == _FIRST:
-                raise _ProtocolError(f"env {self._j}: a record answering an action has step type 0 (FIRST)")
-        except _HostLost as exc:
+                raise ProtocolError(f"env {self._j}: a record answering an action has step type 0 (FIRST)")
+        except HostLost as exc:
             self._stream = None
             if stream is not None:
                 self._group.lose(self._block, stream, exc)
@@ -175,7 +176,7 @@ class RemoteEnvOfHost(gym.Env):
             except queue.Empty:
                 stream.timed_out = True
                 stream.context.cancel()
-                raise _HostLost(f"no answer within step_timeout={self.step_timeout:g}s") from None
+                raise HostLost(f"no answer within step_timeout={self.step_timeout:g}s") from None
             if item[0] is not stream:
                 continue  # from a stream this env has left
             if item[1] is None:
@@ -192,7 +193,7 @@ class _Block:
         self.inbox = [queue.SimpleQueue() for _ in range(n)]  # (stream, step type, reward, obs) per env
 
 
-class _Group(_BlockIngress):
+class _Group(BlockIngress):
     """The envs of one address in one worker process: what the ingress sees as one slot taking
     ``num_envs / host_envs`` hosts (their blocks), and the reader of each host's records."""
 
@@ -215,7 +216,7 @@ class _Group(_BlockIngress):
             group.index = min(group.index, env.index)
             start, group._listening = not group._listening, True
         if start:  # the first env of the address in this process: listen
-            group._ingress = _Ingress.join(group, stop_fd)
+            group._ingress = Ingress.join(group, stop_fd)
         return group
 
     def __init__(self, env):
@@ -280,23 +281,23 @@ class _Group(_BlockIngress):
         """Reads the host's record batches and hands each record to its env, until the stream
         ends; then the host is lost."""
         codec, waiting, inbox = self._codec, stream.waiting, block.inbox
-        exc = _HostLost("the host ended its stream")
+        exc = HostLost("the host ended its stream")
         try:
             for data in stream.requests:
                 try:
                     envs, sts, rewards, obs = codec.unpack_records(data)
                 except ValueError as err:
-                    raise _ProtocolError(str(err)) from None
+                    raise ProtocolError(str(err)) from None
                 if not waiting[envs].all() or len(np.unique(envs)) != len(envs):
-                    raise _ProtocolError("a second record for an env before its next command")
+                    raise ProtocolError("a second record for an env before its next command")
                 waiting[envs] = False
                 keys = list(obs)
                 for i, j in enumerate(envs.tolist()):
                     inbox[j].put((stream, int(sts[i]), float(rewards[i]), {key: obs[key][i] for key in keys}))
-        except _ProtocolError as err:
+        except ProtocolError as err:
             exc = err
         except Exception as err:  # noqa: BLE001 - grpc raises its RpcError (cancelled, reset) here
-            exc = _HostLost(f"the host's stream failed ({type(err).__name__}: {err})")
+            exc = HostLost(f"the host's stream failed ({type(err).__name__}: {err})")
         self.lose(block, stream, exc)
 
     def wait_host(self, block):
@@ -316,7 +317,7 @@ class _Group(_BlockIngress):
             if block.stream is stream:
                 block.stream = None
             self.hosts_lost += 1
-        _end_stream(stream, exc, self._closed, self._where())
+        end_stream(stream, exc, self._closed, self._where())
         for inbox in block.inbox:
             inbox.put((stream, None, None, None))
 
@@ -327,7 +328,7 @@ class _Group(_BlockIngress):
             held = [(block, block.stream) for block in self._blocks if block.stream is not None]
             self._cond.notify_all()
         for block, stream in held:
-            self.lose(block, stream, _HostLost("the pool closed"))
+            self.lose(block, stream, HostLost("the pool closed"))
 
     def leave(self, env) -> None:
         with self._lock:

@@ -16,7 +16,7 @@ import torch
 from torchrl.envs import EnvBase
 from torchrl.envs.utils import step_mdp
 
-from torchrl_asyncpool.workers.env_adapter import end_flags
+from torchrl_asyncpool.envs.torchrl_adapters import end_flags
 
 __all__ = ["TorchRLEnvView", "as_gymnasium"]
 

@@ -18,7 +18,9 @@ import gymnasium as gym
 import numpy as np
 
 from torchrl_asyncpool.remote import protocol as P
-from torchrl_asyncpool.remote.slot import _check_address, _end_stream, _HostLost, _Ingress, _ProtocolError
+from torchrl_asyncpool.remote.ingress import (
+    BlockIngress, HostLost, Ingress, ProtocolError, check_slot_arguments, end_stream,
+)
 from torchrl_asyncpool.step_type import StepType
 
 __all__ = ["RemoteVectorSlot"]
@@ -27,24 +29,7 @@ _log = logging.getLogger("torchrl_asyncpool.remote")
 _FIRST, _MID, _TERM, _TRUNC = (int(s) for s in StepType)
 
 
-class _BlockIngress:
-    """What an :class:`~torchrl_asyncpool.remote.slot._Ingress` asks of the protocol-2 slots it
-    serves (a :class:`RemoteVectorSlot`, or the group of an address's ``per_env`` slots): one
-    stream per block of ``host_envs`` envs (``self._blocks``, each with its ``stream``)."""
-
-    @property
-    def _streams_wanted(self) -> int:
-        return len(self._blocks)
-
-    @property
-    def _envs_per_stream(self) -> int:
-        return self.host_envs
-
-    def _host_streams(self) -> list:
-        return [block.stream for block in self._blocks]
-
-
-class RemoteVectorSlot(_BlockIngress, gym.vector.VectorEnv):
+class RemoteVectorSlot(BlockIngress, gym.vector.VectorEnv):
     """``num_envs`` pool slots fed by remote env hosts of ``host_envs`` envs each (protocol 2).
 
     Return one from a ``create_env_fn`` factory of an :class:`~torchrl_asyncpool.AsyncEnvPool`
@@ -103,7 +88,7 @@ class RemoteVectorSlot(_BlockIngress, gym.vector.VectorEnv):
 
     def __init__(self, address: str, observation_space, action_space, num_envs: int, *,
                  host_envs: int | None = None, token: str | None = None, step_timeout: float | None = None):
-        host_envs = _check_slot_arguments(address, token, step_timeout, num_envs, host_envs)
+        host_envs = check_slot_arguments(address, token, step_timeout, num_envs, host_envs)
         self.address = address
         self.step_timeout = None if step_timeout is None else float(step_timeout)
         self.num_envs, self.host_envs = num_envs, host_envs
@@ -170,7 +155,7 @@ class RemoteVectorSlot(_BlockIngress, gym.vector.VectorEnv):
             raise ValueError(f"{self._where()}: a remote host owns its envs and their resets; a seed or reset "
                              "options cannot be applied from the pool (seed the envs on the host).")
         if self._ingress is None:
-            self._ingress = _Ingress.join(self)
+            self._ingress = Ingress.join(self)
             # the worker stepping this slot waits on the network, not on a core of its own: its
             # waits must block (a pool idle-polls the workers of vector envs on machines whose
             # idle cores wake slowly, which here only burnt ingress CPU: 13-16 us per record, not 9)
@@ -197,7 +182,7 @@ class RemoteVectorSlot(_BlockIngress, gym.vector.VectorEnv):
                     block.stream.send(self._codec.pack_commands(block.everyone, block.ended,
                                                                 actions[block.start:block.stop]))
                     block.sent = True
-                except _HostLost as exc:
+                except HostLost as exc:
                     block.lost = exc
         obs, rewards, terminated, truncated, lost = [], [], [], [], False
         for block in self._blocks:
@@ -252,7 +237,7 @@ class RemoteVectorSlot(_BlockIngress, gym.vector.VectorEnv):
             if block.lost is not None:
                 raise block.lost
             obs, rewards, sts = self._read_pass(block.stream, ended)
-        except _HostLost as exc:
+        except HostLost as exc:
             block.lost = None
             self._lose(block, block.stream, exc)
             return self._lost(block, ended)
@@ -291,7 +276,7 @@ class RemoteVectorSlot(_BlockIngress, gym.vector.VectorEnv):
             stream = self._wait_host(block)
             try:
                 obs, _, _ = self._read_pass(stream, np.ones(self.host_envs, bool))
-            except _HostLost as exc:
+            except HostLost as exc:
                 self._lose(block, stream, exc)
                 continue
             stream.greeted = True
@@ -325,7 +310,7 @@ class RemoteVectorSlot(_BlockIngress, gym.vector.VectorEnv):
             try:
                 envs, st, rew, part = self._codec.unpack_records(data)
             except ValueError as exc:
-                raise _ProtocolError(str(exc)) from None
+                raise ProtocolError(str(exc)) from None
             if got is None and len(envs) == k and (envs == everyone).all():
                 obs, rewards, sts = part, rew, st  # the usual pass: views of the message, no copy
                 break
@@ -334,7 +319,7 @@ class RemoteVectorSlot(_BlockIngress, gym.vector.VectorEnv):
                 obs = {key: np.empty((k, *v.shape[1:]), v.dtype) for key, v in part.items()}
                 rewards, sts = np.zeros(k), np.zeros(k, np.uint8)
             if got[envs].any() or len(np.unique(envs)) != len(envs):
-                raise _ProtocolError("a second record for an env before its next command")
+                raise ProtocolError("a second record for an env before its next command")
             got[envs] = True
             for key, v in part.items():
                 obs[key][envs] = v
@@ -344,7 +329,7 @@ class RemoteVectorSlot(_BlockIngress, gym.vector.VectorEnv):
         first = sts == _FIRST
         if (first != resets).any():
             j = int(np.flatnonzero(first != resets)[0])
-            raise _ProtocolError(f"env {j}: a record answering {'a reset' if resets[j] else 'an action'} has step "
+            raise ProtocolError(f"env {j}: a record answering {'a reset' if resets[j] else 'an action'} has step "
                                  f"type {int(sts[j])}; {'only' if resets[j] else 'not'} FIRST (0) answers a reset")
         return obs, rewards, sts
 
@@ -354,11 +339,11 @@ class RemoteVectorSlot(_BlockIngress, gym.vector.VectorEnv):
         try:
             return next(stream.requests)
         except StopIteration:
-            raise _HostLost("the host ended its stream") from None
+            raise HostLost("the host ended its stream") from None
         except Exception as exc:  # noqa: BLE001 - grpc raises its RpcError (cancelled, reset) here
             why = (f"no answer within step_timeout={self.step_timeout:g}s" if stream.timed_out
                    else f"the host's stream failed ({type(exc).__name__}: {exc})")
-            raise _HostLost(why) from None
+            raise HostLost(why) from None
         finally:
             stream.deadline = None
 
@@ -368,25 +353,7 @@ class RemoteVectorSlot(_BlockIngress, gym.vector.VectorEnv):
                 block.stream = None
         if stream is not None:
             self.hosts_lost += 1
-            _end_stream(stream, exc, self._closed, self._where())
-
-
-def _check_slot_arguments(address, token, step_timeout, num_envs, host_envs) -> int:
-    """Validates the arguments the protocol-2 slots share; returns ``host_envs`` resolved."""
-    _check_address(address)
-    if token is not None and not isinstance(token, str):
-        raise TypeError(f"token must be a str or None, got {type(token).__name__}.")
-    if token == "":
-        raise ValueError("token='' would accept hosts that send no token; pass a non-empty token, or None "
-                         "for no check.")
-    if step_timeout is not None and (isinstance(step_timeout, bool) or not step_timeout > 0):
-        raise ValueError(f"step_timeout must be a positive number of seconds or None, got {step_timeout!r}.")
-    if isinstance(num_envs, bool) or not isinstance(num_envs, int) or not 0 < num_envs <= P.MAX_BATCH_ENVS:
-        raise ValueError(f"num_envs must be an int in 1..{P.MAX_BATCH_ENVS}, got {num_envs!r}.")
-    host_envs = num_envs if host_envs is None else host_envs
-    if isinstance(host_envs, bool) or not isinstance(host_envs, int) or host_envs < 1 or num_envs % host_envs:
-        raise ValueError(f"host_envs must be an int >= 1 dividing num_envs={num_envs}, got {host_envs!r}.")
-    return host_envs
+            end_stream(stream, exc, self._closed, self._where())
 
 
 class _Block:
@@ -399,4 +366,4 @@ class _Block:
         self.ended = np.zeros(n, bool)  # the env's last record was terminal: its next one is FIRST
         self.last_obs = None
         self.sent = False  # the commands of the pass in progress went out
-        self.lost = None  # the _HostLost met while sending them
+        self.lost = None  # the HostLost met while sending them

@@ -48,8 +48,10 @@ from torchrl_asyncpool.exchange.arena import Arena, as_key
 from torchrl_asyncpool.exchange.doorbell import BellWait, Doorbell, set_process_idle_poll
 from torchrl_asyncpool.exchange.native import copy_into, row_copier, step_group
 from torchrl_asyncpool.step_type import StepType
-from torchrl_asyncpool.workers.env_adapter import (FIRST_SEED_ATTR, GymnasiumEnvAdapter, _own_attr, make_adapter,
-                                                   remote_listener)
+from torchrl_asyncpool.envs.adapters import make_adapter, remote_listener
+from torchrl_asyncpool.envs.env_attrs import own_attr
+from torchrl_asyncpool.envs.gymnasium_adapters import GymnasiumEnvAdapter
+from torchrl_asyncpool.envs.env_attrs import FIRST_SEED_ATTR
 from torchrl_asyncpool.workers.record_writer import RESTARTED_KEY, RecordWriter
 from torchrl_asyncpool.workers.watch import Watcher
 
@@ -101,7 +103,7 @@ class _RestartBudget:
         self.history = {}  # env index -> [(phase, last line of the traceback)]
 
     def admit(self, index, phase, tb):
-        """Counts a failure of env ``index``; raises :class:`_DeferredEnvError` past the budget."""
+        """Counts a failure of env ``index``; raises :class:`DeferredEnvError` past the budget."""
         now = time.monotonic()
         recent = self._times.setdefault(index, collections.deque())
         while recent and now - recent[0] > self.policy.window_s:
@@ -117,7 +119,7 @@ class _RestartBudget:
                     f"(max_restarts_per_env={self.policy.per_env})" if over == "per_env"
                     else f"the pool's envs were rebuilt {total} times (max_restarts={self.policy.total})")
             shown = "; ".join(f"{p}: {c}" for p, c in history[-10:])
-            raise _DeferredEnvError(f"{tb}\nrestart budget exhausted: {what}; env {index}'s failures so far: {shown}")
+            raise DeferredEnvError(f"{tb}\nrestart budget exhausted: {what}; env {index}'s failures so far: {shown}")
         recent.append(now)
         return int(self.arena.restarts[index]) + 1
 
@@ -725,7 +727,7 @@ class _Worker:
         if failures:
             phase, current, tb = failures[0]
             self.stepper.note(phase, current)
-            raise _DeferredEnvError(tb)
+            raise DeferredEnvError(tb)
 
     def _slot_thread(self, spec, bell, stop_fd, first, failures, failed_w):
         """One hosted env, start to end, with its own stepper: build, reset, the loop of
@@ -758,7 +760,7 @@ class _Worker:
                 if ended:
                     stepper.eager_reset(slot)
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which reports it
-            tb = exc.tb if isinstance(exc, _DeferredEnvError) else traceback.format_exc()
+            tb = exc.tb if isinstance(exc, DeferredEnvError) else traceback.format_exc()
             failures.append((stepper.phase, stepper.current if stepper.current is not None else spec[0], tb))
             first.set()
             os.write(failed_w, b"x")
@@ -840,7 +842,7 @@ class _Stepper:
         if slot.ended:
             if slot.pending_error is not None:
                 self.note("reset", slot.index)
-                raise _DeferredEnvError(slot.pending_error)
+                raise DeferredEnvError(slot.pending_error)
             if watcher is not None:
                 self._begin(slot)
             # NEXT_STEP autoreset: the action answering a terminal record is discarded.
@@ -990,7 +992,7 @@ class _Stepper:
                     return
                 try:
                     slot.pending_first = self._restarted_reset(slot)
-                except _DeferredEnvError as exc:  # past the budget: raised once the slot is ours
+                except DeferredEnvError as exc:  # past the budget: raised once the slot is ours
                     slot.pending_error = exc.tb
             finally:
                 if watcher is not None:
@@ -1027,7 +1029,7 @@ class _Stepper:
         env = adapter = None
         try:
             env = fn(**kw)
-            seed = _own_attr(env, FIRST_SEED_ATTR)
+            seed = own_attr(env, FIRST_SEED_ATTR)
             if seed is not None:
                 setattr(env, FIRST_SEED_ATTR, seed + r * self.worker.layout.num_slots)
             adapter = make_adapter(env, index)
@@ -1107,7 +1109,7 @@ class _Stepper:
             return obs
 
 
-class _DeferredEnvError(Exception):
+class DeferredEnvError(Exception):
     """A failure that happened while the slot belonged to the consumer; carries its traceback."""
 
     def __init__(self, tb: str):
@@ -1143,7 +1145,7 @@ def _check_life(life_fd) -> None:
     p = select.poll()
     p.register(life_fd, select.POLLIN)
     if p.poll(0):
-        raise _DeferredEnvError("the pool closed while an env was being rebuilt")
+        raise DeferredEnvError("the pool closed while an env was being rebuilt")
 
 
 def _plan_done(adapter) -> bool:
@@ -1244,7 +1246,7 @@ def run_worker(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_
             worker.pin()
         worker.run()
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the consumer, then we exit
-        tb = exc.tb if isinstance(exc, _DeferredEnvError) else traceback.format_exc()
+        tb = exc.tb if isinstance(exc, DeferredEnvError) else traceback.format_exc()
         phase = worker._phase if worker is not None else "start-up"
         index = worker._current if worker is not None and worker._current is not None else slot_ids[0]
         try:

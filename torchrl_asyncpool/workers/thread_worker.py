@@ -24,7 +24,7 @@ import os
 import threading
 from multiprocessing.connection import Connection
 
-from torchrl_asyncpool.exchange.doorbell import InheritedFd
+from torchrl_asyncpool._sys.descriptors import InheritedFd
 
 __all__ = ["ThreadWorker"]
 

@@ -9,8 +9,8 @@ import math
 import os
 import time
 
-from torchrl_asyncpool.pool_seeding import _refuse_remote_seed
-from torchrl_asyncpool.workers.env_adapter import make_adapter, remote_listener
+from torchrl_asyncpool.pool.seeding import _refuse_remote_seed
+from torchrl_asyncpool.envs.adapters import make_adapter, remote_listener
 
 
 def _group_envs(spec_adapter, envs_per_worker, env_threads, fns, kwargs, n, threads, *, seed, restart):

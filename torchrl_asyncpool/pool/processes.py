@@ -15,8 +15,9 @@ import weakref
 import numpy as np
 
 from torchrl_asyncpool.errors import EnvError, PoolStartCancelled, WorkerDiedError
-from torchrl_asyncpool.exchange.doorbell import InheritedFd
-from torchrl_asyncpool.forkserver import exit_code, forkserver_context, picklable, ship_fds
+from torchrl_asyncpool._sys.descriptors import InheritedFd
+from torchrl_asyncpool._sys.forkserver import exit_code, forkserver_context, picklable
+from torchrl_asyncpool._sys.descriptors import ship_fds
 from torchrl_asyncpool.workers.env_worker import run_worker, worker_main
 from torchrl_asyncpool.workers.thread_worker import ThreadWorker
 

@@ -16,17 +16,16 @@ from torchrl.collectors import AsyncBatchedCollector
 from torchrl.collectors._base import BaseCollector
 from torchrl.envs.utils import ExplorationType
 
-from torchrl_asyncpool.action_checks import action_checks
-from torchrl_asyncpool.acting_policy import WEIGHT_PREFIX, ActingPolicy, ActingPolicyFactory
-from torchrl_asyncpool.collector_config import CollectorConfig, as_int, check_slot_transport, check_transport_keys
-from torchrl_asyncpool.inference import InferenceServer, InferenceServerError
-from torchrl_asyncpool.inference._runner import flatten_weights
+from torchrl_asyncpool.collector.action_checks import action_checks
+from torchrl_asyncpool.collector.acting_policy import WEIGHT_PREFIX, ActingPolicy, ActingPolicyFactory
+from torchrl_asyncpool.collector.config import CollectorConfig, as_int, check_slot_transport, check_transport_keys
+from torchrl_asyncpool.inference import InferenceServer, InferenceServerError, flatten_weights
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange.metrics import log_metrics
-from torchrl_asyncpool.policy_layout import PolicyLayout
-from torchrl_asyncpool.pool import AsyncEnvPool
-from torchrl_asyncpool.affinity import pinned
-from torchrl_asyncpool.threads import start_daemon_thread
+from torchrl_asyncpool.collector.policy_layout import PolicyLayout
+from torchrl_asyncpool.pool.env_pool import AsyncEnvPool
+from torchrl_asyncpool._sys.affinity import pinned
+from torchrl_asyncpool._sys.threads import start_daemon_thread
 
 __all__ = ["AsyncPoolCollector"]
 
@@ -58,7 +57,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     (or :meth:`start`): weights given to :meth:`update_policy_weights_` before then act from
     the first transition, as TorchRL applies them before any request is served. Before the
     workers start, one env is built (and closed) in this process and the policy runs once on a
-    zero record, to learn what the policy writes (see :mod:`torchrl_asyncpool.policy_layout`).
+    zero record, to learn what the policy writes (see :mod:`torchrl_asyncpool.collector.policy_layout`).
 
     Recurrent policies in TorchRL's setup (an ``LSTMModule``/``GRUModule`` whose
     ``make_tensordict_primer()`` is in the env, usually with ``InitTracker``) work as with
@@ -178,7 +177,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             own mask is back before the batch is yielded: your training code keeps it); the
             constructing thread keeps its own mask. ``"auto"`` (default): the policy alone,
             on the first CPU this process may use, when the workers took the ``"auto"``
-            partition above; ``None``: nothing pinned. See :mod:`torchrl_asyncpool.affinity`
+            partition above; ``None``: nothing pinned. See :mod:`torchrl_asyncpool._sys.affinity`
             for the partition and what it measured; pass ``None`` to both when other work
             shares these cores.
         exchange (str, optional): ``"auto"`` (default), ``"native"`` or ``"python"``: who
@@ -204,7 +203,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         cast_actions (bool, optional): cast a float action with fractional values for an
             integer/boolean action spec, as ``Tensor.to`` does (truncation), instead of raising.
             Defaults to ``False``: the collector checks every action its policy writes before an
-            env steps on it (see :mod:`torchrl_asyncpool.action_checks`): dtype (whole-number
+            env steps on it (see :mod:`torchrl_asyncpool.collector.action_checks`): dtype (whole-number
             floats are cast exactly), NaN/inf (always refused), and the bounds of discrete specs.
             A refused action raises :class:`ValueError` at construction (the server's first dry
             run) or :class:`~torchrl_asyncpool.InferenceServerError` while collecting, naming the
@@ -877,7 +876,7 @@ class _ServerRespawn:
     @staticmethod
     def died(server) -> bool:
         """Whether ``server``'s process has ended (as opposed to a policy error, which is raised)."""
-        from torchrl_asyncpool.forkserver import exit_code
+        from torchrl_asyncpool._sys.forkserver import exit_code
 
         proc = server._process
         return proc is not None and exit_code(proc) is not None

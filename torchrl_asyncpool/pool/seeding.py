@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 
-from torchrl_asyncpool.workers.env_adapter import FIRST_SEED_ATTR
+from torchrl_asyncpool.envs.env_attrs import FIRST_SEED_ATTR
 
 
 def _check_seed(seed):

@@ -6,9 +6,9 @@ allowed to have children". In a daemonic process, and only there (anywhere else 
 behaviour is kept), :func:`install` makes ``GymEnv`` build a ``SyncVectorEnv`` of the same env
 factories instead: the same envs, seeded the same way (sub-env ``j`` with ``seed + j``), in the
 same ``NEXT_STEP`` autoreset mode, so the same records; the worker then hosts them as ``k``
-slots (:class:`~torchrl_asyncpool.workers.torchrl_fast.TorchRLGymVectorFastAdapter`), each
+slots (:class:`~torchrl_asyncpool.envs.torchrl_fast.TorchRLGymVectorFastAdapter`), each
 sub-env stepped on its own when nothing on top needs the lockstep
-(:meth:`~torchrl_asyncpool.workers.torchrl_fast.TorchRLGymVectorFastAdapter.split`).
+(:meth:`~torchrl_asyncpool.envs.torchrl_fast.TorchRLGymVectorFastAdapter.split`).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def synchronous_vector_envs():
     read its specs, where starting ``k`` processes costs seconds for nothing.
 
     Examples:
-        >>> from torchrl_asyncpool.workers.torchrl_vector_hosting import synchronous_vector_envs
+        >>> from torchrl_asyncpool.envs.torchrl_vector_hosting import synchronous_vector_envs
         >>> with synchronous_vector_envs():
         ...     pass
     """
@@ -56,7 +56,7 @@ def install() -> None:
     processes (where its ``AsyncVectorEnv`` cannot start). Idempotent.
 
     Examples:
-        >>> from torchrl_asyncpool.workers.torchrl_vector_hosting import install
+        >>> from torchrl_asyncpool.envs.torchrl_vector_hosting import install
         >>> install(); install()  # the second call changes nothing
     """
     try:

@@ -1,157 +1,41 @@
-"""The fork server that env workers and inference server processes start from.
+"""File descriptors handed to a child process (doorbells, arenas, pipes).
 
-``multiprocessing`` keeps one fork server per process, started by the first ``"forkserver"``
-process anyone starts, and it imports its preload list once, when it starts: every child
-forked from it then has torch, TorchRL and this package already imported. A fork server
-that other code started first, without these modules, still works, but each child imports
-them itself: seconds per worker on a machine with few cores (eight single-env workers on 2
-cores took 15 s to start instead of 0.2 s). :func:`forkserver_context` is what the pool and
-the server process start from; it warns once when it finds such a fork server running.
-
-A child's descriptors (its doorbells, arena, pipes) travel after its start message, whose room a
-fork server limits to ~250, under :func:`ship_fds`; :func:`ensure_fd_capacity` raises the soft
-``RLIMIT_NOFILE`` where a pool needs more (see the comment above :func:`ensure_fd_capacity`).
+:class:`InheritedFd` is a descriptor that survives being pickled into a child's arguments;
+:func:`ship_fds` sends many of them after a fork server start message instead of inside it
+(whose room is ~250); :func:`ensure_fd_capacity` raises the soft ``RLIMIT_NOFILE`` where a pool
+needs more (see the comment above :data:`FD_MARGIN`).
 """
 from __future__ import annotations
 
 import contextlib
 import errno
-import multiprocessing as mp
 import os
 import socket
 import struct
 import threading
-import warnings
-from multiprocessing.connection import wait
 
-__all__ = ["PRELOAD", "forkserver_context", "exit_code", "picklable", "ship_fds", "ensure_fd_capacity"]
-
-# Imported once by the fork server, so that every child forks with them already loaded (the
-# union of what env workers and server processes need). "__main__": the user's script is
-# imported (as ``__mp_main__``, so its guarded code does not run) once there instead of once per
-# worker, which is what made start-up grow with the number of envs (64 workers each re-importing
-# a script that imports gymnasium: ~10 s on 2 cores). A missing optional module is skipped.
-#: What the fork server imports when it starts (see the comment above).
-PRELOAD = [
-    "__main__", "torchrl_asyncpool.workers.env_worker", "torchrl_asyncpool.inference._process", "torchrl.envs",
-    "gymnasium",
-]
-
-_warned = False
+__all__ = ["InheritedFd", "ship_fds", "ensure_fd_capacity", "reduce_inherited_fd", "FD_MARGIN"]
 
 
-def _running_preload():
-    """The preload list of the fork server this process started, or ``None`` when none runs."""
-    from multiprocessing import forkserver
+class InheritedFd:
+    """A file descriptor that survives being handed to a child process.
 
-    server = getattr(forkserver, "_forkserver", None)
-    if server is None or getattr(server, "_forkserver_pid", None) is None:
-        return None
-    return list(getattr(server, "_preload_modules", []) or [])
-
-
-def forkserver_context(user: str = "AsyncEnvPool"):
-    """``multiprocessing``'s ``"forkserver"`` context with :data:`PRELOAD` set for its next start.
-
-    Warns (``RuntimeWarning``, once per process) when a fork server already runs that was
-    started without torch and TorchRL in its preload: ``user``'s children then import them
-    one by one. Call ``multiprocessing.set_forkserver_preload(torchrl_asyncpool.forkserver.PRELOAD)``
-    before other code starts the fork server, or build the pool first, to avoid it.
-
-    Examples:
-        >>> from torchrl_asyncpool.forkserver import forkserver_context
-        >>> forkserver_context().get_start_method()
-        'forkserver'
+    Under ``fork`` the child inherits it as is; under ``forkserver``/``spawn`` pickling
+    goes through :class:`multiprocessing.reduction.DupFd`, which ships the descriptor with
+    the process start-up message (the only time anything is pickled). A fork server's start
+    message holds about 250 descriptors: inside
+    :func:`ship_fds` (how pools and inference servers start
+    their processes) they are sent right after the start instead, in batches, any number of
+    them; see :func:`reduce_inherited_fd`.
     """
-    global _warned
-    running = _running_preload()
-    if running is not None and "torchrl.envs" not in running and not _warned:
-        _warned = True
-        warnings.warn(
-            f"{user}: multiprocessing's fork server was already running, started by other code with preload "
-            f"{running}: each process {user} starts imports torch and TorchRL itself (seconds per process on few "
-            "cores). Call multiprocessing.set_forkserver_preload(torchrl_asyncpool.forkserver.PRELOAD) before "
-            "the first forkserver process is started, or build the pool first.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
 
+    __slots__ = ("fd",)
 
-# A fork server's child reports its exit status once, as 4 bytes on its sentinel pipe, and
-# ``Popen.poll`` is not thread-safe: of two threads polling the same ended child, the second
-# reads EOF and records exit code 255 (over the first one's, when it stores last), so a worker
-# SIGKILLed while both the serving thread and the learner's thread looked at it was reported
-# as "exit code 255". Every poll of our children's status goes through this lock.
-_POLL_LOCK = threading.Lock()
+    def __init__(self, fd: int):
+        self.fd = fd
 
-
-def exit_code(proc, timeout: float | None = 0.0):
-    """``proc.exitcode`` (``None`` while it runs), after waiting up to ``timeout`` seconds for it
-    to end (``None``: until it ends); safe to call from several threads at once (see
-    ``_POLL_LOCK``).
-
-    The wait happens outside the lock, so a thread waiting on one child does not hold up
-    another thread reading a status.
-
-    Examples:
-        >>> import time
-        >>> from torchrl_asyncpool.forkserver import exit_code, forkserver_context
-        >>> p = forkserver_context().Process(target=time.sleep, args=(0,))
-        >>> p.start()
-        >>> exit_code(p, timeout=30)
-        0
-    """
-    if timeout is None or timeout > 0:
-        wait([proc.sentinel], timeout)
-    with _POLL_LOCK:
-        proc.join(0)  # reads the status if it ended; also drops it from multiprocessing's children
-        return proc.exitcode
-
-
-def picklable(fn):
-    """``fn`` in a form that crosses to a child process started from the fork server.
-
-    A module-level class or function (one of the user's script too: the fork server imports the
-    script, see :data:`PRELOAD`) goes as it is, pickled by reference, so tracebacks from the
-    child name its file and line. Anything else (a lambda, a closure, a function of an
-    interactive session) is wrapped in TorchRL's ``CloudpickleWrapper``, which pickles it by
-    value (its tracebacks then say ``<dynamic-code>``). A ``CloudpickleWrapper`` or a TorchRL
-    ``EnvCreator`` (which pickles itself) is left as it is.
-
-    Examples:
-        >>> from torchrl_asyncpool.forkserver import picklable
-        >>> type(picklable(lambda: 1)).__name__
-        'CloudpickleWrapper'
-        >>> picklable(len) is len
-        True
-        >>> picklable(picklable(lambda: 1)).fn()
-        1
-    """
-    from torchrl.data.utils import CloudpickleWrapper
-
-    if isinstance(fn, CloudpickleWrapper) or type(fn).__name__ == "EnvCreator":
-        return fn
-    return fn if _by_reference(fn) else CloudpickleWrapper(fn)
-
-
-def _by_reference(fn) -> bool:
-    """Whether plain pickle carries ``fn`` by reference to something the child can import: it
-    pickles, and nothing in it is of a ``__main__`` the fork server cannot import (an interactive
-    session, a script read from standard input)."""
-    import pickle
-    import sys
-
-    main = sys.modules.get("__main__")
-    main_file = getattr(main, "__file__", None)
-    importable_main = bool(main_file) and os.path.isfile(main_file)
-    try:
-        data = pickle.dumps(fn)
-    except Exception:  # noqa: BLE001 - lambdas, closures, local classes: by value then
-        return False
-    return importable_main or b"__main__" not in data
+    def __reduce__(self):
+        return reduce_inherited_fd(self.fd)
 
 
 # -- descriptors for a child process ----------------------------------------------------------
@@ -192,7 +76,7 @@ def ensure_fd_capacity(extra: int, what: str) -> None:
         what (str): who needs them, for the error message.
 
     Examples:
-        >>> from torchrl_asyncpool.forkserver import ensure_fd_capacity
+        >>> from torchrl_asyncpool._sys.forkserver import ensure_fd_capacity
         >>> ensure_fd_capacity(16, "a test")
     """
     try:
@@ -233,7 +117,7 @@ def ensure_fd_capacity(extra: int, what: str) -> None:
 
 @contextlib.contextmanager
 def ship_fds():
-    """Around ``Process.start()``: the descriptors (:class:`~torchrl_asyncpool.exchange.InheritedFd`) among
+    """Around ``Process.start()``: the descriptors (:class:`InheritedFd`) among
     the process's arguments are sent after the start, in batches over a socketpair, instead of
     in the start message (which a fork server limits to ~250; see the comment above). The child
     receives them while unpickling its arguments; its code sees no difference. Nested blocks
@@ -241,8 +125,8 @@ def ship_fds():
 
     Examples:
         >>> import os
-        >>> from torchrl_asyncpool.exchange import InheritedFd
-        >>> from torchrl_asyncpool.forkserver import exit_code, forkserver_context, ship_fds
+        >>> from torchrl_asyncpool._sys.descriptors import InheritedFd
+        >>> from torchrl_asyncpool._sys.forkserver import exit_code, forkserver_context, ship_fds
         >>> fds = [os.eventfd(0) for _ in range(300)]
         >>> p = forkserver_context().Process(target=len, args=([InheritedFd(fd) for fd in fds],))
         >>> with ship_fds():
@@ -284,14 +168,10 @@ def reduce_inherited_fd(fd: int):
 
 
 def _rebuild_fd(dupfd):
-    from torchrl_asyncpool.exchange.doorbell import InheritedFd
-
     return InheritedFd(dupfd.detach())
 
 
 def _courier_fd(inbox, index: int):
-    from torchrl_asyncpool.exchange.doorbell import InheritedFd
-
     return InheritedFd(inbox.fd(index))
 
 

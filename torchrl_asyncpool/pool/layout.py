@@ -9,14 +9,13 @@ from collections.abc import Mapping
 
 import torch
 
-from torchrl_asyncpool.acting_policy import CARRY_KEY
-from torchrl_asyncpool.exchange.arena import ArenaLayout, as_key
-from torchrl_asyncpool.workers.env_adapter import make_adapter
+from torchrl_asyncpool.exchange.arena import CARRY_KEY, ArenaLayout, as_key
+from torchrl_asyncpool.envs.adapters import make_adapter
 from torchrl_asyncpool.workers.env_worker import RESTARTED_KEY
-from torchrl_asyncpool.workers.torchrl_vector_hosting import synchronous_vector_envs
+from torchrl_asyncpool.envs.torchrl_vector_hosting import synchronous_vector_envs
 
 
-def _build_spec_env(fns, kwargs):
+def build_spec_env(fns, kwargs):
     """``(env, adapter)``: the env of the first factory, built in this process to read its fields
     and specs (the caller closes the adapter, which closes the env)."""
     # a GymEnv(num_envs=k) built only to read specs steps in this process, not in k new ones
@@ -65,12 +64,12 @@ def _check_policy_outputs(spec, request, response) -> dict:
     return out
 
 
-def _shadowing_outputs(outputs, recurrent, request) -> list:
+def shadowing_outputs(outputs, recurrent, request) -> list:
     """The policy outputs ``("next", *key)`` for a record entry ``key`` (an observation, the
     reward, a flag): in a transition, ``("next", *key)`` is the env's own next entry, which such
     an output would silently replace. The one exception is TorchRL's recurrent convention as the
     collector maps it (``{(CARRY_KEY, *key): ("next", *key)}`` for a primer key, see
-    :func:`~torchrl_asyncpool.acting_policy.torchrl_recurrent_state`): the primer's entry is
+    :func:`~torchrl_asyncpool.collector.acting_policy.torchrl_recurrent_state`): the primer's entry is
     the policy's state, which the transitions deliver in its place. The pool refuses these
     outputs (``_check_next_outputs``); the collector leaves them out (the env's entry wins)."""
     observed = {as_key(k) for k in request}
@@ -80,8 +79,8 @@ def _shadowing_outputs(outputs, recurrent, request) -> list:
 
 
 def _check_next_outputs(outputs, recurrent, request) -> None:
-    """Refuses the outputs of :func:`_shadowing_outputs`."""
-    for key in _shadowing_outputs(outputs, recurrent, request):
+    """Refuses the outputs of :func:`shadowing_outputs`."""
+    for key in shadowing_outputs(outputs, recurrent, request):
         k = as_key(key)
         raise ValueError(
             f"policy_output_spec key {key!r} is where the transitions hold the env's own next "

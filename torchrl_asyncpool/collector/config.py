@@ -19,7 +19,7 @@ import torch
 from torchrl.envs.utils import ExplorationType
 from torchrl.modules.inference_server import ProcessSlotTransport as TorchRLProcessSlotTransport
 
-from torchrl_asyncpool.affinity import resolve_collector_affinity
+from torchrl_asyncpool._sys.affinity import resolve_collector_affinity
 from torchrl_asyncpool.exchange.arena import as_key
 
 __all__ = ["CollectorConfig"]

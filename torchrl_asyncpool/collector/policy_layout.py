@@ -7,9 +7,9 @@ hands them to the pool as plain values (``policy_output_spec=layout.outputs``,
 1. one env is built in this process (:meth:`PolicyLayout.probe`) to read the fields of its
    records (observations, reward, flags) and of its actions;
 2. the acting policy runs once on a zero record
-   (:func:`~torchrl_asyncpool.acting_policy.derive_policy_outputs`): what it writes besides the
+   (:func:`~torchrl_asyncpool.collector.acting_policy.derive_policy_outputs`): what it writes besides the
    actions are its outputs, carried in the slots and delivered in the transitions;
-3. TorchRL's recurrent convention (:func:`~torchrl_asyncpool.acting_policy.torchrl_recurrent_state`):
+3. TorchRL's recurrent convention (:func:`~torchrl_asyncpool.collector.acting_policy.torchrl_recurrent_state`):
    a policy output ``("next", *key)`` for a ``key`` that one of the env's ``TensorDictPrimer``
    transforms declares is a recurrent state; the worker carries it to the env's next record;
 4. any other output ``("next", *key)`` for an entry the env records is left out: in a
@@ -20,15 +20,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
-from torchrl_asyncpool.acting_policy import (
+from torchrl_asyncpool.collector.acting_policy import (
     derive_policy_outputs,
     primer_keys,
     torchrl_recurrent_candidates,
     torchrl_recurrent_state,
 )
 from torchrl_asyncpool.exchange.arena import as_key
-from torchrl_asyncpool.pool_arguments import _check_factories, _check_kwargs
-from torchrl_asyncpool.pool_layout import _build_spec_env, _shadowing_outputs
+from torchrl_asyncpool.pool.arguments import check_factories, check_kwargs
+from torchrl_asyncpool.pool.layout import build_spec_env, shadowing_outputs
 
 __all__ = ["PolicyLayout"]
 
@@ -51,7 +51,7 @@ class PolicyLayout:
     @property
     def recurrent_keys(self) -> dict:
         """``{key: slot key}``: where the policy reads each carried state, and the slot entry that
-        carries it (:class:`~torchrl_asyncpool.acting_policy.ActingPolicy`'s ``carry``)."""
+        carries it (:class:`~torchrl_asyncpool.collector.acting_policy.ActingPolicy`'s ``carry``)."""
         return {as_key(nxt)[1:]: as_key(hin) for hin, nxt in self.recurrent.items()}
 
     @classmethod
@@ -59,7 +59,7 @@ class PolicyLayout:
         """The layout for a policy writing ``outputs`` on records of fields ``request`` from an
         env whose ``TensorDictPrimer`` keys are ``primers`` (steps 3 and 4 above)."""
         recurrent = torchrl_recurrent_state(outputs, request, primers)
-        shadowing = set(_shadowing_outputs(outputs, recurrent, request))
+        shadowing = set(shadowing_outputs(outputs, recurrent, request))
         return cls(outputs={k: v for k, v in outputs.items() if k not in shadowing}, recurrent=recurrent)
 
     @classmethod
@@ -77,9 +77,9 @@ class PolicyLayout:
                 (``None``: none).
             device (torch.device, optional): where the policy's parameters live.
         """
-        fns = _check_factories(create_env_fn)
-        kwargs = _check_kwargs(create_env_kwargs, len(fns))
-        env, adapter = _build_spec_env(fns, kwargs)  # the pool's spec env, read the same way
+        fns = check_factories(create_env_fn)
+        kwargs = check_kwargs(create_env_kwargs, len(fns))
+        env, adapter = build_spec_env(fns, kwargs)  # the pool's spec env, read the same way
         try:
             request, actions = adapter.fields()
             outputs = derive_policy_outputs(policy, dict(request), dict(actions), version_key, device=device)

@@ -2,10 +2,10 @@
 
 This module is the pool's consumer side (:meth:`AsyncEnvPool.recv`, :meth:`~AsyncEnvPool.send`,
 :meth:`~AsyncEnvPool.take_transitions`, metrics, close); the rest of it lives next door: its
-argument checks (:mod:`~torchrl_asyncpool.pool_arguments`), the grouping of envs into workers
-(:mod:`~torchrl_asyncpool.pool_grouping`), the slot layout read from the spec env
-(:mod:`~torchrl_asyncpool.pool_layout`), the worker processes' start-up and end
-(:mod:`~torchrl_asyncpool.pool_workers`) and seeding (:mod:`~torchrl_asyncpool.pool_seeding`).
+argument checks (:mod:`~torchrl_asyncpool.pool.arguments`), the grouping of envs into workers
+(:mod:`~torchrl_asyncpool.pool.grouping`), the slot layout read from the spec env
+(:mod:`~torchrl_asyncpool.pool.layout`), the worker processes' start-up and end
+(:mod:`~torchrl_asyncpool.pool.processes`) and seeding (:mod:`~torchrl_asyncpool.pool.seeding`).
 """
 from __future__ import annotations
 
@@ -20,38 +20,39 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.data import Composite
 
-from torchrl_asyncpool.affinity import resolve_worker_affinity
+from torchrl_asyncpool._sys.affinity import resolve_worker_affinity
 from torchrl_asyncpool.delivery.chunks import ChunkBuffers, ChunkReader
 from torchrl_asyncpool.errors import PoolClosedError
 from torchrl_asyncpool.exchange.arena import Arena, as_key
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
-from torchrl_asyncpool.exchange.doorbell import Doorbell, InheritedFd, resolve_idle_poll
+from torchrl_asyncpool.exchange.doorbell import Doorbell, resolve_idle_poll
+from torchrl_asyncpool._sys.descriptors import InheritedFd
 from torchrl_asyncpool.exchange.metrics import PoolMetrics, log_metrics
 from torchrl_asyncpool.exchange.native import resolve_exchange
-from torchrl_asyncpool.forkserver import ensure_fd_capacity
-from torchrl_asyncpool.pool_arguments import BACKENDS  # noqa: F401 - documented here (api.rst)
-from torchrl_asyncpool.pool_arguments import (
-    _check_factories,
-    _check_kwargs,
+from torchrl_asyncpool._sys.descriptors import ensure_fd_capacity
+from torchrl_asyncpool.pool.arguments import BACKENDS  # noqa: F401 - documented here (api.rst)
+from torchrl_asyncpool.pool.arguments import (
+    check_factories,
+    check_kwargs,
     _check_process_options,
     _check_restart,
     _check_start_options,
     _check_step_timeout,
 )
-from torchrl_asyncpool.pool_grouping import _group_envs
-from torchrl_asyncpool.pool_layout import _build_spec_env, _slot_layout
-from torchrl_asyncpool.pool_seeding import _check_seed, _seeded_factories
-from torchrl_asyncpool.pool_watchdog import _PoolWatchdog
-from torchrl_asyncpool.pool_workers import _PoolWorkers
-from torchrl_asyncpool.pool_workers import kill_process_group  # noqa: F401 - its home until this split
-from torchrl_asyncpool.workers.env_specs import batched_specs, slot_specs
+from torchrl_asyncpool.pool.grouping import _group_envs
+from torchrl_asyncpool.pool.layout import build_spec_env, _slot_layout
+from torchrl_asyncpool.pool.seeding import _check_seed, _seeded_factories
+from torchrl_asyncpool.pool.watchdog import _PoolWatchdog
+from torchrl_asyncpool.pool.processes import _PoolWorkers
+from torchrl_asyncpool.pool.processes import kill_process_group  # noqa: F401 - its home until this split
+from torchrl_asyncpool.envs.specs import batched_specs, slot_specs
 
 __all__ = ["AsyncEnvPool"]
 
 _log = logging.getLogger(__name__)
 
 
-def _close_noting(pool, timeout: float, primary: BaseException | None = None,
+def close_noting(pool, timeout: float, primary: BaseException | None = None,
                   what: str = "closing the env pool failed") -> None:
     """Closes ``pool`` (``None``: nothing to do); a failure to close never hides ``primary``
     (the error being raised, if any): it is added to that error's notes, and reported as a
@@ -151,9 +152,9 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
             ``envs_per_worker``) or a callable ``worker_index -> mask``; each worker pins
             itself (and each of its env threads) once its envs are built, so that building
             them uses every core. ``"auto"``: every worker on the CPUs after the first
-            (:func:`~torchrl_asyncpool.affinity.auto_partition`) when the workers step their
+            (:func:`~torchrl_asyncpool._sys.affinity.auto_partition`) when the workers step their
             envs without threads, unpinned otherwise (the collector's default). Defaults to
-            ``None`` (not pinned): see :mod:`torchrl_asyncpool.affinity` for when it pays.
+            ``None`` (not pinned): see :mod:`torchrl_asyncpool._sys.affinity` for when it pays.
             The resolved masks are in :attr:`worker_affinity`.
         chunks_per_env (int, optional): chunks per env (see
             :mod:`torchrl_asyncpool.delivery.chunks`). Defaults to ``2``.
@@ -328,13 +329,13 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         self._restart = _check_restart(on_env_failure, max_restarts_per_env, restart_window_s, max_restarts)
         self.on_env_failure = on_env_failure
         _check_step_timeout(step_timeout, threads)
-        fns = _check_factories(create_env_fn)
-        kwargs = _check_kwargs(create_env_kwargs, len(fns))
+        fns = check_factories(create_env_fn)
+        kwargs = check_kwargs(create_env_kwargs, len(fns))
         _check_process_options(mp_start_method, pin_memory, worker_affinity)
         _check_seed(seed)
 
         # the spec env: its fields fix the slot layout, its step (timed for "auto") the grouping
-        _, spec_adapter = _build_spec_env(fns, kwargs)
+        _, spec_adapter = build_spec_env(fns, kwargs)
         try:
             request, response = spec_adapter.fields()
             specs = slot_specs(spec_adapter)
@@ -388,7 +389,7 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         self._bells = [Doorbell() for _ in range(int(self._slot_bell.max()) + 1)]
         self._conns = []
         #: the path each slot's env is stepped on, as its worker reported it (``"gymnasium"``,
-        #: ``"torchrl-fast"``, ``"torchrl"``, ...; see :mod:`torchrl_asyncpool.workers.torchrl_fast`)
+        #: ``"torchrl-fast"``, ``"torchrl"``, ...; see :mod:`torchrl_asyncpool.envs.torchrl_fast`)
         self.slot_paths = {}
         self._error = None
         self._closed = False
@@ -402,7 +403,7 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
             self._workers_started_at = time.monotonic()
             self._await_ready(start_timeout)
         except BaseException as exc:
-            _close_noting(self, 1.0, exc, "closing the pool after its failed start-up failed too")
+            close_noting(self, 1.0, exc, "closing the pool after its failed start-up failed too")
             raise
         if not self._watched:  # a watched pool's replacement workers need it
             self._life_r_close()

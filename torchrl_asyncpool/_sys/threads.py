@@ -20,7 +20,7 @@ def start_daemon_thread(target: Callable[[], None], name: str) -> threading.Thre
 
     Examples:
         >>> import torch
-        >>> from torchrl_asyncpool.threads import start_daemon_thread
+        >>> from torchrl_asyncpool._sys.threads import start_daemon_thread
         >>> seen = []
         >>> start_daemon_thread(lambda: seen.append(torch.get_num_threads()), "probe").join()
         >>> seen == [torch.get_num_threads()]

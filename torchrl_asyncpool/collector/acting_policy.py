@@ -14,19 +14,16 @@ import torch
 from tensordict import TensorDict
 from torchrl.envs.utils import set_exploration_type
 
-from torchrl_asyncpool.exchange.arena import as_key
+from torchrl_asyncpool.exchange.arena import CARRY_KEY, as_key
 
 __all__ = [
     "ActingPolicy", "ActingPolicyFactory", "derive_policy_outputs", "torchrl_recurrent_state",
     "torchrl_recurrent_candidates", "primer_keys",
-    "WEIGHT_PREFIX", "CARRY_KEY",
+    "WEIGHT_PREFIX",
 ]
 
 #: Parameter names of the wrapped policy inside :class:`ActingPolicy`.
 WEIGHT_PREFIX = "policy."
-#: Root of the slot entries that carry a TorchRL recurrent state from one step to the next
-#: (``(CARRY_KEY, *key)`` for the policy's ``("next", *key)``); they never reach a batch.
-CARRY_KEY = "_carried_state"
 
 
 class ActingPolicy(torch.nn.Module):
@@ -37,7 +34,7 @@ class ActingPolicy(torch.nn.Module):
         exploration_type: the exploration type to act under (``None``: leave as is).
         action_checks (dict, optional): ``{key: check}``: each action entry is replaced by
             ``check(entry)``, which casts it to the env's dtype or raises (see
-            :mod:`torchrl_asyncpool.action_checks`).
+            :mod:`torchrl_asyncpool.collector.action_checks`).
         carry (dict, optional): ``{key: slot key}``: before each call ``key`` is set to the
             record's ``slot key`` entry, the recurrent state the worker carried from the previous
             step (zeros on ``FIRST``); see :func:`torchrl_recurrent_state`.

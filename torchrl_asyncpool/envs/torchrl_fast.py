@@ -38,7 +38,7 @@ stepping, with the reason in the debug log and in ``adapter.fast_path_reason``):
   falls back to TorchRL's batched stepping.
 
 Which path a slot takes: ``adapter.path`` (:func:`adapter_path`) and a debug log line of the
-``torchrl_asyncpool.workers.torchrl_fast`` logger when the adapter is built (in the pool's
+``torchrl_asyncpool.envs.torchrl_fast`` logger when the adapter is built (in the pool's
 process for the env it reads its specs from, and in each worker). An env that must stay on
 TorchRL's stepping: set :data:`FAST_PATH_ATTR` to ``False`` on it.
 
@@ -51,16 +51,17 @@ the same seeds with the same actions and compares every record.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
 
 from torchrl_asyncpool.exchange.native import copy_into
-from torchrl_asyncpool.workers.env_adapter import TorchRLBatchedAdapter, TorchRLEnvAdapter, make_adapter
+from torchrl_asyncpool.envs.env_attrs import env_where
+from torchrl_asyncpool.envs.torchrl_adapters import TorchRLBatchedAdapter, TorchRLEnvAdapter
 
 __all__ = ["FAST_PATH_ATTR", "FastPathUnsupported", "fast_plan", "TorchRLGymFastAdapter",
-           "TorchRLGymVectorFastAdapter", "VectorSubEnvAdapter", "adapter_path", "factory_path"]
+           "TorchRLGymVectorFastAdapter", "VectorSubEnvAdapter"]
 
 log = logging.getLogger(__name__)
 
@@ -76,53 +77,6 @@ class FastPathUnsupported(Exception):
 
 def _np_dtype(dtype: torch.dtype) -> np.dtype:
     return torch.empty((), dtype=dtype).numpy().dtype
-
-
-def adapter_path(adapter) -> str:
-    """The name of the path an adapter steps its env on: ``"torchrl-fast"``,
-    ``"torchrl-fast-vector"``, ``"torchrl"``, ``"torchrl-batched"``, ``"gymnasium"``,
-    ``"gymnasium-vector"`` (see :mod:`~torchrl_asyncpool.workers.torchrl_fast`).
-
-    Args:
-        adapter: what :func:`~torchrl_asyncpool.workers.env_adapter.make_adapter` returned.
-
-    Returns:
-        The adapter's ``path`` attribute (``"unknown"`` for an adapter without one).
-    """
-    return getattr(adapter, "path", "unknown")
-
-
-def factory_path(create_env_fn, **kwargs) -> Tuple[str, Optional[str]]:
-    """Builds one env with ``create_env_fn(**kwargs)`` as a pool worker would and says how a
-    worker steps it: ``(path, reason)``, the path as :func:`adapter_path` names it and, for a
-    TorchRL gym env kept on TorchRL's stepping, why (else ``None``). The env is closed again;
-    a ``GymEnv(..., num_envs=k)`` is built with a ``SyncVectorEnv``, as in a worker.
-
-    Args:
-        create_env_fn (callable): an env factory, as given to ``AsyncEnvPool``.
-        **kwargs: its keyword arguments.
-
-    Returns:
-        ``(path, reason)``.
-
-    Examples:
-        >>> import functools
-        >>> from torchrl.envs import GymEnv, RenameTransform, TransformedEnv
-        >>> from torchrl_asyncpool.workers.torchrl_fast import factory_path
-        >>> factory_path(functools.partial(GymEnv, "CartPole-v1"))
-        ('torchrl-fast', None)
-        >>> factory_path(lambda: TransformedEnv(GymEnv("CartPole-v1"), RenameTransform(["observation"], ["obs"])))
-        ('torchrl', 'transform RenameTransform')
-    """
-    from torchrl_asyncpool.workers.torchrl_vector_hosting import synchronous_vector_envs
-
-    with synchronous_vector_envs():
-        env = create_env_fn(**kwargs)
-    adapter = make_adapter(env)
-    try:
-        return adapter_path(adapter), getattr(adapter, "fast_path_reason", None)
-    finally:
-        adapter.close()
 
 
 # -- the base env ---------------------------------------------------------------------------------
@@ -699,7 +653,7 @@ class TorchRLGymFastAdapter(TorchRLEnvAdapter):
 
     Examples:
         >>> from torchrl.envs import GymEnv
-        >>> from torchrl_asyncpool.workers.env_adapter import make_adapter
+        >>> from torchrl_asyncpool.envs.adapters import make_adapter
         >>> adapter = make_adapter(GymEnv("CartPole-v1"))
         >>> adapter.path
         'torchrl-fast'
@@ -807,7 +761,7 @@ class TorchRLGymVectorFastAdapter(TorchRLBatchedAdapter):
     gymnasium vector env directly in lockstep.
 
     In a pool worker the vector env is a ``SyncVectorEnv`` (see
-    :mod:`~torchrl_asyncpool.workers.torchrl_vector_hosting`); it autoresets in gymnasium's
+    :mod:`~torchrl_asyncpool.envs.torchrl_vector_hosting`); it autoresets in gymnasium's
     ``NEXT_STEP`` mode, the pool's episode contract. Sub-env ``j`` produces the records of
     ``GymEnv(env_id)`` seeded with ``seed + j``: TorchRL's ``set_seed`` seeds the vector env's
     sub-envs ``seed + j`` with one ``reset(seed=...)``, as each single env's ``set_seed`` does,
@@ -985,8 +939,8 @@ class VectorSubEnvAdapter:
 
 
 def _log_choice(adapter, env, env_index, reason=None):
-    where = f"env {env_index}" if env_index is not None else "the env"
+    where, path = env_where(env_index), adapter.path
     if reason is None:
-        log.debug("%s (%s): %s path", where, type(env).__name__, adapter_path(adapter))
+        log.debug("%s (%s): %s path", where, type(env).__name__, path)
     else:
-        log.debug("%s (%s): TorchRL stepping (%s path): %s", where, type(env).__name__, adapter_path(adapter), reason)
+        log.debug("%s (%s): TorchRL stepping (%s path): %s", where, type(env).__name__, path, reason)

@@ -17,10 +17,10 @@ import numpy as np
 
 from torchrl_asyncpool.errors import EnvError, WorkerDiedError
 from torchrl_asyncpool.exchange.arena import Arena
-from torchrl_asyncpool.exchange.doorbell import InheritedFd
-from torchrl_asyncpool.forkserver import exit_code
+from torchrl_asyncpool._sys.descriptors import InheritedFd
+from torchrl_asyncpool._sys.forkserver import exit_code
 from torchrl_asyncpool.step_type import StepType
-from torchrl_asyncpool.workers.env_worker import _DeferredEnvError
+from torchrl_asyncpool.workers.env_worker import DeferredEnvError
 from torchrl_asyncpool.workers.watch import WorkerWatch, hung_slots
 
 _ENDS = (int(StepType.TERMINATION), int(StepType.TRUNCATION))
@@ -101,7 +101,7 @@ class _PoolWatchdog:
                 p.kill()  # (its envs' processes go with its group, in _replace)
 
     def _replace(self, w: int) -> None:
-        from torchrl_asyncpool.pool_workers import kill_process_group
+        from torchrl_asyncpool.pool.processes import kill_process_group
 
         p = self._procs[w]
         exit_code(p, 1.0)
@@ -122,7 +122,7 @@ class _PoolWatchdog:
         for j in slots:  # the replacement counts against each env's budget, as an env's own rebuild does
             try:
                 r = self._budget.admit(j, phase, text)
-            except _DeferredEnvError as exc:  # past it: the text has the restart history
+            except DeferredEnvError as exc:  # past it: the text has the restart history
                 self._fail(fail(exc.tb))
             arena.write_error(j, f"{phase}\n{text}")
             arena.restarts[j] = r  # after the text; also the seed of its env's next build

@@ -55,7 +55,7 @@ def auto_partition() -> tuple:
 
     Examples:
         >>> import os
-        >>> from torchrl_asyncpool.affinity import auto_partition
+        >>> from torchrl_asyncpool._sys.affinity import auto_partition
         >>> policy, workers = auto_partition()
         >>> policy is None or (len(policy) == 1 and set(policy) | set(workers) == os.sched_getaffinity(0))
         True
@@ -75,7 +75,7 @@ def check_cpu_mask(mask, name: str) -> tuple:
     """Validates one mask (CPU indices this process may use); returns it as a sorted tuple.
 
     Examples:
-        >>> from torchrl_asyncpool.affinity import check_cpu_mask
+        >>> from torchrl_asyncpool._sys.affinity import check_cpu_mask
         >>> check_cpu_mask([0, 0], "driver_affinity")
         (0,)
     """

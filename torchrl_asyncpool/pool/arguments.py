@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from torchrl_asyncpool.affinity import resolve_worker_affinity
+from torchrl_asyncpool._sys.affinity import resolve_worker_affinity
 from torchrl_asyncpool.workers.env_worker import RestartPolicy
 
 _START_METHODS = ("forkserver", "spawn")
@@ -39,7 +39,7 @@ def _check_process_options(mp_start_method, pin_memory, worker_affinity) -> None
         resolve_worker_affinity(worker_affinity, 0)
 
 
-def _check_factories(create_env_fn):
+def check_factories(create_env_fn):
     if callable(create_env_fn) or not isinstance(create_env_fn, Sequence) or not len(create_env_fn):
         raise TypeError(
             "create_env_fn must be a non-empty list of callables returning EnvBase instances, "
@@ -74,7 +74,7 @@ def _check_step_timeout(step_timeout, threads: bool):
                          "step cannot be killed. Use backend='multiprocessing'.")
 
 
-def _check_kwargs(kwargs, n):
+def check_kwargs(kwargs, n):
     if kwargs is None:
         return [{} for _ in range(n)]
     if isinstance(kwargs, Mapping):
