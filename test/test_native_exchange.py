@@ -476,61 +476,6 @@ def test_a_batch_lives_until_the_next_lease_and_send_does_not_touch_it(exchange)
 
 
 @pytest.mark.parametrize("exchange", ["python", pytest.param("native", marks=needs_native)])
-def test_zero_copy_batches_view_a_run_of_adjacent_slots_and_gather_otherwise(exchange):
-    side = _Side(exchange)
-    try:
-        zc = SlotConsumer(side.consumer.handle, arena=side.arena, zero_copy=True)
-        for slot in (2, 3, 4):
-            side.publish(slot, 10 + slot, ready_time=float(slot))
-        run = zc.recv(min_get=3, timeout=0)
-        assert run.env_indices.tolist() == [2, 3, 4] and run["env_index"].tolist() == [2, 3, 4]
-        assert run["obs"][:, 0].tolist() == [12.0, 13.0, 14.0]
-        # the slots themselves, nested keys included: no copy
-        assert run["obs"].data_ptr() == side.arena.request["obs"][2].data_ptr()
-        assert run["nested", "pixels"].data_ptr() == side.arena.request["nested", "pixels"][2].data_ptr()
-        answer = {"action": torch.zeros(3, 2, dtype=torch.int64), "policy_version": torch.zeros(3, dtype=torch.int64),
-                  "flag": torch.zeros(3, 1, dtype=torch.bool)}
-        zc.send(answer, run.env_indices)
-        side.publish(3, 23, ready_time=9.0)  # the worker's next record: the answered batch shows it
-        assert run["obs"][:, 0].tolist() == [12.0, 23.0, 14.0]
-        for slot in (0, 2):  # 0 and 2 are not adjacent (3 is ready too, and older): a gather
-            side.publish(slot, 30 + slot, ready_time=1.0)
-        gathered = zc.recv(min_get=3, timeout=0)
-        assert gathered.env_indices.tolist() == [0, 2, 3]
-        assert gathered["obs"][:, 0].tolist() == [30.0, 32.0, 23.0]
-        assert gathered["obs"].data_ptr() == zc._staging["obs"].data_ptr()
-        m = side.arena.consumer_stats
-        assert (m[0], m[1]) == (6, 2)  # both batches counted, whichever way they were formed
-        zc.close()
-        with pytest.raises(ValueError, match="pin_memory"):
-            SlotConsumer(side.consumer.handle, arena=side.arena, zero_copy=True, pin_memory=True)
-    finally:
-        side.close()
-
-
-@pytest.mark.parametrize("exchange", ["python", pytest.param("native", marks=needs_native)])
-@pytest.mark.parametrize("envs_per_worker", [1, 4])
-def test_oracle_through_zero_copy_batches(exchange, envs_per_worker, dev_shm_guard):
-    # a real pool driven by a zero-copy consumer: every record checked (before its send, as the
-    # lifetime rule says), and most batches were views of the slots
-    checker = OracleChecker()
-    with AsyncEnvPool(oracle_factories(8), envs_per_worker=envs_per_worker, exchange=exchange) as pool:
-        consumer = SlotConsumer(pool.consumer_handle(), arena=pool._arena, zero_copy=True)
-        views = 0
-        for i in range(200):
-            td = consumer.recv(min_get=1, max_get=None if i % 2 else 3)
-            idx = td.env_indices.tolist()
-            views += td["tag"].data_ptr() == pool._arena.request["tag"][idx[0]].data_ptr()
-            assert (idx == list(range(idx[0], idx[0] + len(idx)))) == (td["tag"].data_ptr() ==
-                                                                        pool._arena.request["tag"][idx[0]].data_ptr())
-            checker.observe_batch(td)
-            consumer.send(TensorDict({"action": oracle_action(td["tag"])}, td.batch_size), td.env_indices)
-        consumer.close()
-        assert views > 20, views
-    assert checker.episodes_done > 8
-
-
-@pytest.mark.parametrize("exchange", ["python", pytest.param("native", marks=needs_native)])
 def test_a_consumer_of_no_keys_leases_without_copying_records(exchange):
     # keys=(): batches carry only env indices, and neither engine copies a record (for a serving
     # loop whose policy runners gather from the slots themselves)

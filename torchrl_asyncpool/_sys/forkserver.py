@@ -19,7 +19,11 @@ import threading
 import warnings
 from multiprocessing.connection import wait
 
-__all__ = ["PRELOAD", "forkserver_context", "exit_code", "picklable"]
+__all__ = ["PRELOAD", "START_METHODS", "forkserver_context", "exit_code", "picklable"]
+
+#: The ``mp_start_method`` values a pool, a collector and an inference server accept (a ``fork``
+#: after torch has started its threads can deadlock the child).
+START_METHODS = ("forkserver", "spawn")
 
 # Imported once by the fork server, so that every child forks with them already loaded (the
 # union of what env workers and server processes need). "__main__": the user's script is

@@ -56,6 +56,7 @@ from torchrl_asyncpool.evaluation.episodes import (
 from torchrl_asyncpool.pool.env_pool import AsyncEnvPool, close_noting
 from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.workers.record_writer import RESTARTED_KEY
+from torchrl_asyncpool.workers.restarts import check_restart_budget
 
 __all__ = ["EvaluationError", "EvaluationInterrupted", "evaluate", "resolve_policy_device"]
 
@@ -780,12 +781,7 @@ def _check_restarts(on_env_failure, per_env, window_s, total) -> None:
     """Refuses (``ValueError``) bad values of evaluate()'s restart arguments before anything starts."""
     if on_env_failure not in ("restart", "new_pool"):
         raise ValueError(f"on_env_failure must be 'restart' or 'new_pool', got {on_env_failure!r}.")
-    if isinstance(per_env, bool) or not isinstance(per_env, int) or per_env < 1:
-        raise ValueError(f"max_restarts_per_env must be an int >= 1, got {per_env!r}.")
-    if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not 0 < window_s < math.inf:
-        raise ValueError(f"restart_window_s must be a finite number of seconds > 0, got {window_s!r}.")
-    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
-        raise ValueError(f"max_restarts must be None or an int >= 0, got {total!r}.")
+    check_restart_budget(per_env, window_s, total)
 
 
 def _rebuilds_of(pool: Optional[AsyncEnvPool]) -> int:

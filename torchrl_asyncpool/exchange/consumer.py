@@ -63,12 +63,6 @@ class SlotConsumer:
         arena (Arena, optional): an existing mapping to reuse (same process as the pool).
         death_info (callable, optional): ``worker -> str`` describing how a worker died.
         keys (sequence of keys, optional): the request entries batches carry (all by default).
-        zero_copy (bool): a batch whose records lie in one run of adjacent slots is a view of
-            those slots instead of a copy in the staging buffer (a gather otherwise). Such a
-            batch is valid until it is answered with :meth:`send` *or* the next lease, whichever
-            comes first, and must not be written into (its tensors are the slots, which the
-            workers read back). Not with ``pin_memory`` (the slots are not pinned).
-            Defaults to ``False``.
         watchdog (callable, optional): ``() -> None``, run about every 20 ms while this
             consumer waits or leases (a pool that replaces dead or hung workers passes its own,
             which raises when it cannot; see :mod:`~torchrl_asyncpool.workers.watch`).
@@ -76,9 +70,7 @@ class SlotConsumer:
 
     def __init__(self, handle: ConsumerHandle, *, pin_memory: bool = False, arena: Optional[Arena] = None,
                  death_info: Optional[Callable[[int], str]] = None, keys: Optional[Sequence[tuple]] = None,
-                 zero_copy: bool = False, watchdog: Optional[Callable[[], None]] = None):
-        if zero_copy and pin_memory:
-            raise ValueError("zero_copy batches are views of the (unpinned) slots; pin_memory=True needs copies.")
+                 watchdog: Optional[Callable[[], None]] = None):
         self.handle = handle
         self.arena = arena if arena is not None else Arena.attach(handle.layout, handle.arena_fd.fd)
         n = self.num_envs = handle.layout.num_slots
@@ -105,12 +97,6 @@ class SlotConsumer:
             {**request.clone().to_dict(), "env_index": torch.zeros(n, dtype=torch.int64)}, batch_size=[n]
         )
         self._staging = staging.pin_memory() if pin_memory else staging
-        # zero-copy batches: views of the slots' own rows for a run of adjacent slots, whose env
-        # indices are slices of a constant arange (valid as long as the batch is)
-        self._zero_copy = bool(zero_copy)
-        self._slot_request = request
-        self._arange = torch.arange(n, dtype=torch.int64)
-        self._run_rows = {}  # (start, b, extras given) -> nested dict of the slot rows (and extras)
         keys = list(request.keys(True, True))
         self._staging_env_index_np = self._staging.get("env_index").numpy()
         self._batch_rows = {}  # (b, extras given) -> nested dict of the staging rows [:b] (and extras)
@@ -144,10 +130,7 @@ class SlotConsumer:
         (row ``i`` of every batch of ``B`` records is staging row ``i``). Read them, or pass them
         to the policy, before the next call; ``clone()`` what must live longer. Workers never
         write the staging buffer, so nothing changes under a batch before that call, and
-        answering a batch with :meth:`send` does not invalidate it. A consumer made with
-        ``zero_copy=True`` hands out a batch of adjacent slots as views of the slots themselves:
-        such a batch is valid until it is answered or the next call, whichever comes first, and
-        must not be written into.
+        answering a batch with :meth:`send` does not invalidate it.
         """
         t_enter = time.monotonic()
         if self.error is not None:
@@ -198,11 +181,10 @@ class SlotConsumer:
         self._check_sentinels(time.monotonic())
         return self._lease(cap, 0.0, extras)
 
-    def scan_states(self, oldest: bool = False):
+    def scan_states(self):
         """``(obs_ready, action_ready, errors, oldest_ready_time)``: slots in ``OBS_READY``,
         ``ACTION_READY`` and ``ERROR``, and the earliest ``ready_time`` of the ready ones
-        (``inf`` when none). ``oldest`` is accepted for callers that said whether they need it;
-        both engines always compute it (one pass over the slots)."""
+        (``inf`` when none), in one pass over the slots."""
         return self._engine.scan()
 
     def _check_sentinels(self, now: float) -> None:
@@ -260,14 +242,11 @@ class SlotConsumer:
         """Leases up to ``cap`` of the oldest ready slots (the engine scans for itself and adds
         the batch to the stats); ``None`` if it found none."""
         now = time.monotonic()
-        if self._zero_copy:
-            b, dwell, start = self._engine.lease_run(cap, now, waited)  # start >= 0: left in the slots
-        else:
-            (b, dwell), start = self._engine.lease(cap, now, waited), -1
+        b, dwell = self._engine.lease(cap, now, waited)
         if b == 0:
             return None
         self.last_lease_time, self.last_dwell = now, dwell  # a serving loop's stats reuse them
-        rows = self._batch_rows.get((b, extras is not None)) if start < 0 else self._run_view(start, b, extras)
+        rows = self._batch_rows.get((b, extras is not None))
         if rows is None:
             rows = _leaf_tree(self._staging[:b])
             rows.update({k: v[:b] for k, v in (extras or {}).items()})
@@ -275,19 +254,6 @@ class SlotConsumer:
         out = _fresh_td(rows, b)  # a new TensorDict each batch: a policy may add keys to it
         out.env_indices = rows["env_index"]
         return out
-
-    def _run_view(self, start: int, b: int, extras: Optional[dict]) -> dict:
-        """The rows of slots ``[start, start + b)`` as a batch's nested dict (cached per run)."""
-        key = (start, b, extras is not None)
-        rows = self._run_rows.get(key)
-        if rows is None:
-            if len(self._run_rows) >= 4096:  # runs of uneven sizes: keep the cache bounded
-                self._run_rows.clear()
-            rows = _leaf_tree(self._slot_request[start:start + b])
-            rows["env_index"] = self._arange[start:start + b]
-            rows.update({k: v[:b] for k, v in (extras or {}).items()})
-            self._run_rows[key] = rows
-        return rows
 
     # -- answers ----------------------------------------------------------------------------
     def send(self, actions: TensorDictBase | Mapping, env_indices) -> None:

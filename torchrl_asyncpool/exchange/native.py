@@ -3,8 +3,7 @@
 The consumer's two hot operations run in an *engine*, one call each: ``lease`` (scan the state
 words, take the oldest ready slots up to the cap, copy their records into the staging buffer,
 mark them leased) and ``answer`` (copy the actions into the response fields, mark the slots
-answered, ring each worker once), plus ``scan`` (count the states) and ``lease_run`` (a lease
-that leaves a run of adjacent slots ungathered, for zero-copy batches). There are two engines with
+answered, ring each worker once), plus ``scan`` (count the states). There are two engines with
 one interface: the C ``Engine`` of the extension ``torchrl_asyncpool.exchange._native`` (built
 from ``torchrl_asyncpool/exchange/csrc/`` with the package when a C compiler and the Python
 headers are there) and the pure-Python

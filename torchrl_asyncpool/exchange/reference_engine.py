@@ -14,9 +14,6 @@ over the arena, one call each, plus a count of the slot states:
   ``ACTION_READY``, then ring each of their doorbells once, in the order of ``idx``. Every index
   and value is checked before the first byte is written. The answers are added to the stats
   with the time since their lease (``lease_time >= 0``: one lease time for every row);
-* ``lease_run(cap, now, waited) -> (b, dwell_sum, start)``: ``lease``, except that when the ``b``
-  slots are one run of adjacent slots ``[start, start + b)`` their records are not gathered (a
-  zero-copy batch reads them in their slots); ``start`` is -1 when they are not, or ``b`` is 0;
 * ``scan() -> (obs_ready, action_ready, errors, oldest_ready_time)``: the counts of three states
   and the earliest ``ready_time`` of the ready slots (``inf`` when none).
 
@@ -111,22 +108,12 @@ class ReferenceEngine:
     # -- lease ------------------------------------------------------------------------------
     def lease(self, cap: int, now: float, waited: float):
         """Leases up to ``cap`` of the oldest ready slots; ``(b, dwell_sum)`` (see the module docstring)."""
-        b, dwell, _ = self._lease(cap, now, waited, False)
-        return b, dwell
-
-    def lease_run(self, cap: int, now: float, waited: float):
-        """:meth:`lease`, except that when the ``b`` leased slots are one run of adjacent slots
-        ``[start, start + b)`` nothing is gathered: ``(b, dwell_sum, start)``, ``start`` being -1
-        when they are not (or ``b`` is 0) and the records were gathered."""
-        return self._lease(cap, now, waited, True)
-
-    def _lease(self, cap: int, now: float, waited: float, views: bool):
         if cap < 1:
             raise ValueError(f"cap must be >= 1, got {cap}")
         ready = np.flatnonzero(self._state == S.OBS_READY)
         b = ready.size
         if b == 0:
-            return 0, 0.0, -1
+            return 0, 0.0
         if b > cap:
             # a stable sort of slots in index order: equal ready times go by slot index
             ready = np.sort(ready[np.argsort(self._ready_time[ready], kind="stable")[:cap]])
@@ -135,13 +122,11 @@ class ReferenceEngine:
         self._env_index[:b] = ready
         self._lease_time[ready] = now
         self._state[ready] = S.LEASED  # only consumers read LEASED: no order against the copies below
-        start = int(ready[0]) if views and ready[-1] - ready[0] == b - 1 else -1  # sorted: adjacent iff so
-        if start < 0:
-            for src, dst in self._gathers:
-                if src.__class__ is np.ndarray:
-                    src.take(ready, 0, dst[:b], "clip")  # numpy's take: never starts threads (see gather.py)
-                else:
-                    torch.index_select(src, 0, torch.from_numpy(ready), out=dst[:b])
+        for src, dst in self._gathers:
+            if src.__class__ is np.ndarray:
+                src.take(ready, 0, dst[:b], "clip")  # numpy's take: never starts threads (see gather.py)
+            else:
+                torch.index_select(src, 0, torch.from_numpy(ready), out=dst[:b])
         s = self._stats
         s[self._frames] += b
         s[self._batches] += 1.0
@@ -149,7 +134,7 @@ class ReferenceEngine:
         s[self._fill] += b / cap
         s[self._obs_dwell] += dwell
         s[self._wait] += waited
-        return b, dwell, start
+        return b, dwell
 
     # -- answer -----------------------------------------------------------------------------
     def answer(self, idx: np.ndarray, values: Sequence, now: float, lease_time: float = -1.0) -> None:

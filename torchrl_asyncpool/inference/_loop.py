@@ -103,7 +103,7 @@ class ServingLoop:
     # -- flush rule -------------------------------------------------------------------------
     def _due(self, now):
         """``(flush now?, seconds until the deadline or None)``: one counting pass over the state words."""
-        n, answered, errors, oldest = self.consumer.scan_states(oldest=self.timeout > 0.0)
+        n, answered, errors, oldest = self.consumer.scan_states()
         if errors:
             self.consumer.raise_worker_errors()
         if n < self.min_get:

@@ -12,6 +12,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+from torchrl_asyncpool._sys.forkserver import START_METHODS
 from torchrl_asyncpool._sys.affinity import check_cpu_mask
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell
@@ -38,7 +39,6 @@ from torchrl_asyncpool._sys.threads import start_daemon_thread
 __all__ = ["InferenceServer"]
 
 _MODES = ("thread", "process")
-_START_METHODS = ("forkserver", "spawn")
 
 #: the server of this process that last started on each pool, by ``id`` of the pool's
 #: ConsumerHandle (the pool hands out one handle object). Two consumers on one pool would lease
@@ -265,8 +265,8 @@ class InferenceServer:
         ):
             raise ValueError(f"num_threads must be None or a positive int, got {num_threads!r}.")
         self.num_threads = num_threads
-        if mp_start_method not in _START_METHODS:
-            raise ValueError(f"mp_start_method must be one of {_START_METHODS}, got {mp_start_method!r}.")
+        if mp_start_method not in START_METHODS:
+            raise ValueError(f"mp_start_method must be one of {START_METHODS}, got {mp_start_method!r}.")
         self.mp_start_method = mp_start_method
         if start_timeout is not None and (
             isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not start_timeout > 0

@@ -14,14 +14,13 @@ from typing import Optional
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle
 from torchrl_asyncpool.exchange.doorbell import Doorbell
 from torchrl_asyncpool._sys.descriptors import InheritedFd
-from torchrl_asyncpool._sys.forkserver import exit_code, forkserver_context, picklable
+from torchrl_asyncpool._sys.forkserver import START_METHODS, exit_code, forkserver_context, picklable
 from torchrl_asyncpool._sys.descriptors import ship_fds
 from torchrl_asyncpool.inference._common import InferenceServerError, ServerSpec
 from torchrl_asyncpool.inference._shared import SharedWeights, StatsBlock
 
 __all__ = ["ProcessSlotTransport"]
 
-_START_METHODS = ("forkserver", "spawn")
 # Exception types a start-up error may be re-raised as in the owner; anything else becomes
 # InferenceServerError. Only names travel (as text), never pickled objects.
 _STARTUP_TYPES = {"ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError}
@@ -87,8 +86,8 @@ class ProcessSlotTransport:
 
     def __init__(self, pool, *, mp_start_method: str = "forkserver", num_threads: Optional[int] = 1,
                  start_timeout: Optional[float] = 120.0):
-        if mp_start_method not in _START_METHODS:
-            raise ValueError(f"mp_start_method must be one of {_START_METHODS}, got {mp_start_method!r}.")
+        if mp_start_method not in START_METHODS:
+            raise ValueError(f"mp_start_method must be one of {START_METHODS}, got {mp_start_method!r}.")
         self.handle = _as_handle(pool)
         self.mp_start_method = mp_start_method
         self.num_threads = num_threads

@@ -6,10 +6,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from torchrl_asyncpool._sys.forkserver import START_METHODS
 from torchrl_asyncpool._sys.affinity import resolve_worker_affinity
-from torchrl_asyncpool.workers.env_worker import RestartPolicy
+from torchrl_asyncpool.workers.restarts import RestartPolicy, check_restart_budget
 
-_START_METHODS = ("forkserver", "spawn")
 #: where the workers run: processes, or threads of the pool's own process (TorchRL's names)
 BACKENDS = ("multiprocessing", "threading")
 
@@ -31,8 +31,8 @@ def _check_start_options(idle_poll, cancel_start, backend) -> None:
 
 def _check_process_options(mp_start_method, pin_memory, worker_affinity) -> None:
     """``mp_start_method``, ``pin_memory`` and a named ``worker_affinity``."""
-    if mp_start_method not in _START_METHODS:
-        raise ValueError(f"mp_start_method must be one of {_START_METHODS}, got {mp_start_method!r}.")
+    if mp_start_method not in START_METHODS:
+        raise ValueError(f"mp_start_method must be one of {START_METHODS}, got {mp_start_method!r}.")
     if pin_memory and not torch.cuda.is_available():
         raise ValueError("pin_memory=True needs CUDA, which is not available in this process.")
     if isinstance(worker_affinity, str):  # a bad name fails before any env is built
@@ -52,15 +52,10 @@ def check_factories(create_env_fn):
 
 
 def _check_restart(on_env_failure, per_env, window_s, total):
-    """The workers' :class:`~torchrl_asyncpool.workers.env_worker.RestartPolicy`, or ``None`` for ``"raise"``."""
+    """The workers' :class:`~torchrl_asyncpool.workers.restarts.RestartPolicy`, or ``None`` for ``"raise"``."""
     if on_env_failure not in ("raise", "restart"):
         raise ValueError(f"on_env_failure must be 'raise' or 'restart', got {on_env_failure!r}.")
-    if isinstance(per_env, bool) or not isinstance(per_env, int) or per_env < 1:
-        raise ValueError(f"max_restarts_per_env must be a positive int, got {per_env!r}.")
-    if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not window_s > 0:
-        raise ValueError(f"restart_window_s must be a positive number of seconds, got {window_s!r}.")
-    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
-        raise ValueError(f"max_restarts must be None or a positive int, got {total!r}.")
+    check_restart_budget(per_env, window_s, total)
     return RestartPolicy(per_env, float(window_s), total) if on_env_failure == "restart" else None
 
 

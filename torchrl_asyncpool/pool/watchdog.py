@@ -20,7 +20,7 @@ from torchrl_asyncpool.exchange.arena import Arena
 from torchrl_asyncpool._sys.descriptors import InheritedFd
 from torchrl_asyncpool._sys.forkserver import exit_code
 from torchrl_asyncpool.step_type import StepType
-from torchrl_asyncpool.workers.env_worker import DeferredEnvError
+from torchrl_asyncpool.workers.restarts import DeferredEnvError
 from torchrl_asyncpool.workers.watch import WorkerWatch, hung_slots
 
 _ENDS = (int(StepType.TERMINATION), int(StepType.TRUNCATION))

@@ -29,7 +29,6 @@ has one, each env thread its own; the :class:`_Worker` holds what they share.
 """
 from __future__ import annotations
 
-import collections
 import functools
 import os
 import select
@@ -53,9 +52,10 @@ from torchrl_asyncpool.envs.env_attrs import own_attr
 from torchrl_asyncpool.envs.gymnasium_adapters import GymnasiumEnvAdapter
 from torchrl_asyncpool.envs.env_attrs import FIRST_SEED_ATTR
 from torchrl_asyncpool.workers.record_writer import RESTARTED_KEY, RecordWriter
+from torchrl_asyncpool.workers.restarts import DeferredEnvError
 from torchrl_asyncpool.workers.watch import Watcher
 
-__all__ = ["worker_main", "run_worker", "RestartPolicy", "RESTARTED_KEY"]
+__all__ = ["worker_main", "run_worker", "RESTARTED_KEY"]
 
 # A worker hosting several cheap envs publishes a whole pass at once (one ring, one store per
 # array), so the consumer sees them as one batch: it pays ~100 us per batch whatever its size,
@@ -71,57 +71,6 @@ _SLOW_STEP_S = 200e-6
 _FIRST, _MID, _TERM, _TRUNC = (
     int(StepType.FIRST), int(StepType.MID), int(StepType.TERMINATION), int(StepType.TRUNCATION)
 )
-
-
-class RestartPolicy:
-    """What a worker does when one of its envs raises (``AsyncEnvPool(on_env_failure="restart")``).
-
-    The env is closed and rebuilt from its factory (its ``r``-th rebuild first resets with seed
-    ``seed + i + r * num_envs`` when the pool was seeded with ``seed``: env ``i``'s seeds never
-    collide with another env's), at most ``per_env`` times per env within ``window_s`` seconds
-    and ``total`` times in the whole pool; past that budget the failure is raised as without
-    restarts, with the restart history in its text.
-
-    Args:
-        per_env (int): rebuilds allowed per env within ``window_s``.
-        window_s (float): the window of ``per_env``, in seconds.
-        total (int or None): rebuilds allowed over the pool's life, all envs together.
-    """
-
-    def __init__(self, per_env: int, window_s: float, total):
-        self.per_env, self.window_s, self.total = per_env, window_s, total
-
-    def budget(self, arena, num_slots):
-        """A worker's own tracker of this policy (not shared between processes)."""
-        return _RestartBudget(self, arena, num_slots)
-
-
-class _RestartBudget:
-    def __init__(self, policy, arena, num_slots):
-        self.policy, self.arena, self.num_slots = policy, arena, num_slots
-        self._times = {}  # env index -> deque of recent rebuild times
-        self.history = {}  # env index -> [(phase, last line of the traceback)]
-
-    def admit(self, index, phase, tb):
-        """Counts a failure of env ``index``; raises :class:`DeferredEnvError` past the budget."""
-        now = time.monotonic()
-        recent = self._times.setdefault(index, collections.deque())
-        while recent and now - recent[0] > self.policy.window_s:
-            recent.popleft()
-        cause = next((line for line in reversed(tb.strip().splitlines()) if line.strip()), "?").strip()
-        history = self.history.setdefault(index, [])
-        history.append((phase, cause))
-        total = int(self.arena.restarts.sum())  # every worker's rebuilds, read from the arena
-        over = len(recent) >= self.policy.per_env and "per_env"
-        over = over or (self.policy.total is not None and total >= self.policy.total and "total")
-        if over:
-            what = (f"env {index} was rebuilt {len(recent)} times within {self.policy.window_s:g}s "
-                    f"(max_restarts_per_env={self.policy.per_env})" if over == "per_env"
-                    else f"the pool's envs were rebuilt {total} times (max_restarts={self.policy.total})")
-            shown = "; ".join(f"{p}: {c}" for p, c in history[-10:])
-            raise DeferredEnvError(f"{tb}\nrestart budget exhausted: {what}; env {index}'s failures so far: {shown}")
-        recent.append(now)
-        return int(self.arena.restarts[index]) + 1
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -1107,14 +1056,6 @@ class _Stepper:
                 continue
             slot.reborn = True
             return obs
-
-
-class DeferredEnvError(Exception):
-    """A failure that happened while the slot belonged to the consumer; carries its traceback."""
-
-    def __init__(self, tb: str):
-        super().__init__(tb)
-        self.tb = tb
 
 
 def _close_reporting(adapter, index) -> None:

@@ -1,8 +1,7 @@
 /*
  * Engine: the consumer's hot path over the arena, one call each for lease (scan the state words,
  * take the oldest ready slots up to the cap, gather their records into the staging buffer, mark
- * them leased), lease_run (the same, leaving a run of adjacent slots ungathered for a zero-copy
- * batch), answer (scatter the actions into the response fields, mark the slots answered, ring
+ * them leased), answer (scatter the actions into the response fields, mark the slots answered, ring
  * each worker once) and scan (count the states).
  *
  * torchrl_asyncpool/exchange/reference_engine.py is the executable specification of this type:
@@ -272,16 +271,8 @@ PyDoc_STRVAR(lease_doc,
              "now - ready_time over the b slots in slot order. A batch (b > 0) is added to the stats,\n"
              "with waited seconds of waiting before it.");
 
-PyDoc_STRVAR(lease_run_doc,
-             "lease_run(cap, now, waited) -> (b, dwell_sum, start)\n\n"
-             "lease(), except that when the b leased slots are one run of adjacent slots\n"
-             "[start, start + b) nothing is gathered and start is returned (the caller reads the\n"
-             "records in their slots); start is -1 when they are not (or b is 0), and the records\n"
-             "were gathered as lease() gathers them.");
-
-/* lease and lease_run: *start (when not NULL) gets the first slot of a run left ungathered, or -1 */
 static PyObject *
-lease_impl(Engine *self, PyObject *args, int views)
+Engine_lease(Engine *self, PyObject *args)
 {
     Py_ssize_t cap;
     double now, waited;
@@ -318,20 +309,16 @@ lease_impl(Engine *self, PyObject *args, int views)
         /* relaxed: only consumers read LEASED, and this thread is the consumer */
         atomic_store_explicit((_Atomic int32_t *)&self->state[i], SLOT_LEASED, memory_order_relaxed);
     }
-    /* aged[:b] is in slot order: adjacent slots iff the last is b - 1 after the first */
-    Py_ssize_t start = views && b > 0 && aged[b - 1].idx - aged[0].idx == b - 1 ? (Py_ssize_t)aged[0].idx : -1;
-    if (start < 0) {
-        int nogil = b * self->gather_row_bytes > NOGIL_BYTES;
-        PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
-        for (Py_ssize_t j = 0; j < self->ngathers; j++) {
-            const Gather *g = &self->gathers[j];
-            Py_ssize_t row = g->row;
-            for (Py_ssize_t r = 0; r < b; r++) {
-                memcpy(g->dst + r * row, g->src + aged[r].idx * row, (size_t)row);
-            }
+    int nogil = b * self->gather_row_bytes > NOGIL_BYTES;
+    PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t j = 0; j < self->ngathers; j++) {
+        const Gather *g = &self->gathers[j];
+        Py_ssize_t row = g->row;
+        for (Py_ssize_t r = 0; r < b; r++) {
+            memcpy(g->dst + r * row, g->src + aged[r].idx * row, (size_t)row);
         }
-        if (ts != NULL) PyEval_RestoreThread(ts);
     }
+    if (ts != NULL) PyEval_RestoreThread(ts);
     if (b > 0) {
         double *a = self->stats;
         const Py_ssize_t *st = self->st;
@@ -343,19 +330,7 @@ lease_impl(Engine *self, PyObject *args, int views)
         sum_add(&a[st[7]], waited);
     }
     self->busy = 0;
-    return views ? Py_BuildValue("ndn", b, dwell, start) : Py_BuildValue("nd", b, dwell);
-}
-
-static PyObject *
-Engine_lease(Engine *self, PyObject *args)
-{
-    return lease_impl(self, args, 0);
-}
-
-static PyObject *
-Engine_lease_run(Engine *self, PyObject *args)
-{
-    return lease_impl(self, args, 1);
+    return Py_BuildValue("nd", b, dwell);
 }
 
 PyDoc_STRVAR(answer_doc,
@@ -459,7 +434,6 @@ done:
 static PyMethodDef Engine_methods[] = {
     {"scan", (PyCFunction)Engine_scan, METH_NOARGS, scan_doc},
     {"lease", (PyCFunction)Engine_lease, METH_VARARGS, lease_doc},
-    {"lease_run", (PyCFunction)Engine_lease_run, METH_VARARGS, lease_run_doc},
     {"answer", (PyCFunction)Engine_answer, METH_VARARGS, answer_doc},
     {NULL, NULL, 0, NULL},
 };
