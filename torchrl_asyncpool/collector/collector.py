@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import threading
 import time
 import warnings
@@ -842,18 +841,17 @@ class _Stopped(Exception):
 
 
 def _auto_chunk(value, layout, frames_per_batch, chunks_per_env=2) -> int:
-    n = layout.num_slots
-    if value != "auto":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"transition_chunk_size must be a positive int or 'auto', got {value!r}.")
-        return value
-    from torchrl_asyncpool.delivery.chunks import transition_fields
+    """The chunk size for ``transition_chunk_size=value`` once the slot layout is known; refuses a
+    batch of ``frames_per_batch`` transitions that this machine's memory cannot hold."""
+    from torchrl_asyncpool.delivery.chunks import check_fits, transition_bytes
 
-    per_transition = sum(
-        math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        for shape, dtype in transition_fields(layout).values()
-    )
-    memory_cap = max(1, _AUTO_CHUNK_BYTES // (chunks_per_env * n * max(per_transition, 1)))
+    n = layout.num_slots
+    per_transition = max(transition_bytes(layout), 1)
+    check_fits(frames_per_batch * per_transition,
+               f"frames_per_batch={frames_per_batch} (a batch of transitions of {per_transition:,} bytes)")
+    if value != "auto":
+        return value
+    memory_cap = max(1, _AUTO_CHUNK_BYTES // (chunks_per_env * n * per_transition))
     # every env may fill chunks_per_env chunks ahead of the learner: at this size all of them
     # together hold about one batch, so a batch is at most about one batch behind the policy
     lag_cap = frames_per_batch // (n * chunks_per_env)

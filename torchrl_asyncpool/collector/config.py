@@ -186,6 +186,11 @@ class CollectorConfig:
             raise ValueError(f"frames_per_batch must be a positive int, got {given[0]!r}.")
         if total_frames is None or (total_frames < 1 and total_frames != -1):
             raise ValueError(f"total_frames must be -1 (endless) or a positive int, got {given[1]!r}.")
+        chunk_size, chunks_per_env = options.get("transition_chunk_size", "auto"), options.get("chunks_per_env", 2)
+        if chunk_size != "auto" and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"transition_chunk_size must be a positive int or 'auto', got {chunk_size!r}.")
+        if isinstance(chunks_per_env, bool) or not isinstance(chunks_per_env, int) or chunks_per_env < 1:
+            raise ValueError(f"chunks_per_env must be a positive int, got {chunks_per_env!r}.")
         if server_config is not None and any(v is not None for v in (max_batch_size, min_batch_size, server_timeout)):
             raise ValueError(
                 "server_config is mutually exclusive with max_batch_size, min_batch_size and server_timeout."

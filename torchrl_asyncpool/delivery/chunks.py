@@ -18,6 +18,8 @@ chunk leaves that env's action pending (back-pressure) instead of dropping data.
 """
 from __future__ import annotations
 
+import math
+
 import time
 from dataclasses import dataclass
 
@@ -32,13 +34,49 @@ from torchrl_asyncpool.exchange.gather import RowGather
 
 __all__ = [
     "ChunkBuffers", "ChunkHandle", "ChunkReader", "transition_fields", "delivered_keys", "FREE", "FILLING", "FULL",
-    "HELD",
+    "HELD", "transition_bytes", "available_memory", "check_fits",
 ]
 
 #: chunk state words (see the module docstring for who moves a chunk from one to the next)
 FREE, FILLING, FULL, HELD = 0, 1, 2, 3
 _STEP_KEYS = ("reward", "done", "terminated", "truncated")
 _DONE_KEYS = ("done", "terminated", "truncated")
+
+
+def transition_bytes(layout: ArenaLayout) -> int:
+    """Bytes of one transition in TorchRL's layout (what a chunk row and a batch row hold)."""
+    return sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+               for shape, dtype in transition_fields(layout).values())
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can still give (``MemAvailable`` of ``/proc/meminfo``), ``None`` where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits(nbytes: int, what: str, available: int | None = None) -> None:
+    """Refuses (``ValueError``, before anything is allocated) ``nbytes`` of buffers that this
+    machine's available memory cannot hold; ``what`` names the options that asked for them.
+
+    Examples:
+        >>> from torchrl_asyncpool.delivery.chunks import check_fits
+        >>> check_fits(2**20, "a test")
+        >>> check_fits(2**40, "a big batch", available=2**30)
+        Traceback (most recent call last):
+        ...
+        ValueError: a big batch needs 1024.0 GiB of memory, and this machine has 1.0 GiB available; ask for less.
+    """
+    available = available_memory() if available is None else available
+    if available is not None and nbytes > available:
+        raise ValueError(f"{what} needs {nbytes / 2**30:.1f} GiB of memory, and this machine has "
+                         f"{available / 2**30:.1f} GiB available; ask for less.")
 
 
 def transition_fields(layout: ArenaLayout) -> dict:
@@ -102,9 +140,14 @@ class ChunkBuffers:
     """
 
     def __init__(self, pool_layout: ArenaLayout, chunk_size: int, chunks_per_env: int = 2):
-        if chunk_size < 1 or chunks_per_env < 1:
-            raise ValueError(f"chunk_size and chunks_per_env must be >= 1, got {chunk_size}, {chunks_per_env}.")
-        self.num_envs = pool_layout.num_slots
+        for name, value in (("transition_chunk_size", chunk_size), ("chunks_per_env", chunks_per_env)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        n = pool_layout.num_slots
+        check_fits(n * chunks_per_env * chunk_size * transition_bytes(pool_layout),
+                   f"transition_chunk_size={chunk_size} with chunks_per_env={chunks_per_env} ({n} envs x "
+                   f"{chunks_per_env} chunks x {chunk_size} transitions of {transition_bytes(pool_layout):,} bytes)")
+        self.num_envs = n
         #: ``{chunk key: batch key or None}`` (see :func:`delivered_keys`)
         self.renamed = delivered_keys(pool_layout)
         self.chunk_size = int(chunk_size)
