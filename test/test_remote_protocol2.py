@@ -204,6 +204,12 @@ def test_batch_codec_round_trips_and_refuses_malformed_batches():
         codec.unpack_records(codec.pack_records([3], [1], [0.0], {k: v[:1] for k, v in obs.items()}))
     with pytest.raises(ValueError, match="step type 7"):
         codec.unpack_records(codec.pack_records([0], [7], [0.0], {k: v[:1] for k, v in obs.items()}))
+    for reward in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match="env 2 with reward .*must be finite"):
+            codec.unpack_records(codec.pack_records([0, 2], [1, 1], [0.0, reward], obs))
+    one = P.RecordCodec(spec)
+    with pytest.raises(ValueError, match="reward nan; rewards must be finite"):
+        one.unpack_record(one.pack_record(1, float("nan"), {k: v[0] for k, v in obs.items()}))
     bad = P.BatchCodec({"observation": {**spec["observation"], "tag": [[4], "int64"]}, "action": spec["action"]}, 3)
     with pytest.raises(ValueError, match="observation 'tag'"):
         codec.unpack_records(bad.pack_records([0], [1], [0.0], {**{k: v[:1] for k, v in obs.items()},
@@ -337,10 +343,11 @@ def test_two_hosts_share_one_vector_slot_and_one_of_them_drops(dev_shm_guard):
         assert "error" not in r.result, r.result
 
 
-def test_a_malformed_record_batch_ends_the_host_with_invalid_argument_and_truncates(dev_shm_guard):
-    """A protocol-2 client that sends a batch whose observation bytes do not fit the spec is
-    ended with INVALID_ARGUMENT (the reason in the details) and its envs' open episodes end
-    TRUNCATION; nothing it sent is unpickled."""
+@pytest.mark.parametrize("breakage", ["short observation", "nan reward"])
+def test_a_malformed_record_batch_ends_the_host_with_invalid_argument_and_truncates(dev_shm_guard, breakage):
+    """A protocol-2 client that sends a batch whose observation bytes do not fit the spec, or a
+    reward that is not a finite number, is ended with INVALID_ARGUMENT (the reason in the
+    details) and its envs' open episodes end TRUNCATION; nothing it sent is unpickled."""
     import queue
 
     address = free_address()
@@ -362,8 +369,11 @@ def test_a_malformed_record_batch_ends_the_host_with_invalid_argument_and_trunca
             out.put(codec.pack_records([0, 1], [0, 0], [0.0, 0.0], obs))
             envs, resets, actions = codec.unpack_commands(next(responses))
             result["commands"] = (envs.tolist(), resets.tolist())
-            bad = codec.pack_records([0, 1], [1, 1], [1.0, 1.0], obs)
-            out.put(bad[:-4])  # the last observation entry 4 bytes short (its length prefix says more)
+            if breakage == "nan reward":
+                out.put(codec.pack_records([0, 1], [1, 1], [1.0, float("nan")], obs))
+            else:
+                bad = codec.pack_records([0, 1], [1, 1], [1.0, 1.0], obs)
+                out.put(bad[:-4])  # the last observation entry 4 bytes short (its length prefix says more)
             next(responses)
         except grpc.RpcError as exc:
             result["code"], result["details"] = exc.code(), exc.details()
@@ -384,7 +394,10 @@ def test_a_malformed_record_batch_ends_the_host_with_invalid_argument_and_trunca
         t.join(20)  # before the pool (and its server) goes: the client hears why it was ended
     assert result["slot"] == 0 and result["commands"] == ([0, 1], [False, False])
     assert result["code"] == grpc.StatusCode.INVALID_ARGUMENT, result
-    assert "truncated" in result["details"] or "observation" in result["details"], result["details"]
+    if breakage == "nan reward":
+        assert "reward nan; rewards must be finite" in result["details"], result["details"]
+    else:
+        assert "truncated" in result["details"] or "observation" in result["details"], result["details"]
 
 
 class _Hanging(OracleGymEnv):

@@ -31,6 +31,7 @@ frees the slot for the next host that connects.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from typing import Dict, Tuple
 
@@ -332,6 +333,8 @@ class RecordCodec:
                 entries.append(value)
         if st > 3:
             raise ValueError(f"record with step type {st}; expected 0 (FIRST) .. 3 (TRUNCATION).")
+        if not math.isfinite(reward):
+            raise ValueError(f"record with reward {reward!r}; rewards must be finite numbers.")
         if len(entries) != len(self.obs):
             raise ValueError(f"record with {len(entries)} observation entries; the negotiated spec has "
                              f"{len(self.obs)} ({[k for k, _, _ in self.obs]}).")
@@ -458,6 +461,10 @@ class BatchCodec:
             raise ValueError(f"record for env {int(envs.max())}; the host declared {self.num_envs} envs.")
         if int(sts.max()) > 3:
             raise ValueError(f"record with step type {int(sts.max())}; expected 0 (FIRST) .. 3 (TRUNCATION).")
+        bad = np.flatnonzero(~np.isfinite(np.frombuffer(rewards, _F64)))
+        if bad.size:
+            env, value = int(envs[bad[0]]), float(np.frombuffer(rewards, _F64)[bad[0]])
+            raise ValueError(f"record for env {env} with reward {value!r}; rewards must be finite numbers.")
         if len(entries) != len(self.obs):
             raise ValueError(f"record batch with {len(entries)} observation entries; the negotiated spec has "
                              f"{len(self.obs)} ({[k for k, _, _ in self.obs]}).")
