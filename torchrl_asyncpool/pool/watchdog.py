@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from torchrl_asyncpool.errors import EnvError, WorkerDiedError
+from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena
 from torchrl_asyncpool._sys.descriptors import InheritedFd
 from torchrl_asyncpool._sys.forkserver import exit_code
@@ -107,6 +108,11 @@ class _PoolWatchdog:
         exit_code(p, 1.0)
         kill_process_group(p.pid, alive=False)  # what its envs started
         slots = np.flatnonzero(self._slot_worker == w).tolist()
+        reported = [j for j in slots if int(self._arena.state[j]) == S.ERROR]
+        if reported:  # it exited after reporting its env's fatal failure: that failure is the error
+            self._timed_out.pop(w, None)
+            phase, _, tb = self._arena.read_error(reported[0]).partition("\n")
+            self._fail(EnvError(reported[0], phase, tb))
         timed = self._timed_out.pop(w, None)
         if timed is not None:
             i, phase, secs = timed
