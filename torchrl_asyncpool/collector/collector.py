@@ -219,6 +219,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         step_timeout (float, optional): seconds an env's step (or reset) may take before its
             worker process is killed (and replaced with ``on_env_failure="restart"``); see
             :class:`~torchrl_asyncpool.AsyncEnvPool`. ``None`` (default): no limit.
+        build_timeout (float, "auto" or None, optional): seconds a rebuild of an env from its
+            factory may take (``on_env_failure="restart"``); a hung build is killed and counted
+            against the env's budget. ``"auto"`` (default): ten times the workers' measured
+            start-up, at least 60 s. See :class:`~torchrl_asyncpool.AsyncEnvPool`.
         check_action_bounds (bool, optional): check that actions lie in a ``Categorical``,
             ``OneHot``, ``Binary`` or integer ``Bounded`` spec (and an integer dtype's range).
             Defaults to ``True``; ``False`` saves a few tensor reductions per batch.
@@ -310,6 +314,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         restart_window_s: float = 60.0,
         max_restarts: int | None = 100,
         step_timeout: float | None = None,
+        build_timeout: float | str | None = "auto",
         **torchrl_kwargs,
     ):
         BaseCollector.__init__(self, post_collect_hook=post_collect_hook)
@@ -335,7 +340,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             policy_num_threads=policy_num_threads, exchange=exchange, seed=seed, idle_poll=idle_poll,
             cast_actions=cast_actions, check_action_bounds=check_action_bounds, on_env_failure=on_env_failure,
             max_restarts_per_env=max_restarts_per_env, restart_window_s=restart_window_s, max_restarts=max_restarts,
-            step_timeout=step_timeout,
+            step_timeout=step_timeout, build_timeout=build_timeout,
         )
         self.env_backend = config.env_backend
         self._policy = policy
@@ -427,6 +432,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             restart_window_s=config.restart_window_s,
             max_restarts=config.max_restarts,
             step_timeout=config.step_timeout,
+            build_timeout=config.build_timeout,
         )
 
     def _build_server(self, config: CollectorConfig, acting: ActingPolicy, policy_factory) -> InferenceServer:

@@ -92,6 +92,7 @@ class CollectorConfig:
     restart_window_s: float = 60.0
     max_restarts: int | None = 100
     step_timeout: float | None = None
+    build_timeout: float | str | None = "auto"
 
     @property
     def server_backend(self) -> str:

@@ -18,6 +18,7 @@ field                  dtype / shape (per slot)        written by
 ``restarts``           int64 ``[]``                    worker (a rebuilt env), pool (a restarted worker)
 ``busy_since``         float64 ``[]``                  watched worker: when its step/reset of the slot began
 ``busy_pos``           int64 ``[]``                    watched worker: that step's chunk row (-1: none)
+``build_since``        float64 ``[]``                  watched worker: when its rebuild of the env began (0: none)
 ``seq``, ``length``    int64, int32 ``[]``             chunk buffers only: sequence number and fill
 ``error_text``         uint8 ``[ERROR_TEXT_BYTES]``    worker: UTF-8 traceback of a failed env
 request fields         from the observation,           worker (observation keys, ``"reward"``,
@@ -64,6 +65,7 @@ CONTROL_FIELDS = (
     # worker's current step or reset of the slot began
     ("busy_since", torch.float64),
     ("busy_pos", torch.int64),  # and the chunk row of the transition that step writes (-1: none)
+    ("build_since", torch.float64),  # when a rebuild of the slot's env from its factory began (0: none running)
 )
 #: Bytes of traceback text a worker can leave per slot; longer tracebacks keep their tail.
 ERROR_TEXT_BYTES = 8192

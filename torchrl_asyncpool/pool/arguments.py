@@ -69,6 +69,13 @@ def _check_step_timeout(step_timeout, threads: bool):
                          "step cannot be killed. Use backend='multiprocessing'.")
 
 
+def _check_build_timeout(build_timeout):
+    if build_timeout is None or build_timeout == "auto":
+        return
+    if isinstance(build_timeout, bool) or not isinstance(build_timeout, (int, float)) or not build_timeout > 0:
+        raise ValueError(f"build_timeout must be 'auto', None or a positive number of seconds, got {build_timeout!r}.")
+
+
 def check_kwargs(kwargs, n):
     if kwargs is None:
         return [{} for _ in range(n)]

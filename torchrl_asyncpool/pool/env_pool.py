@@ -37,6 +37,7 @@ from torchrl_asyncpool.pool.arguments import (
     _check_process_options,
     _check_restart,
     _check_start_options,
+    _check_build_timeout,
     _check_step_timeout,
 )
 from torchrl_asyncpool.pool.grouping import _group_envs
@@ -227,6 +228,15 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
             ``None`` (default): no limit. Checked about every 20 ms while the pool's consumer
             waits, and by :meth:`check_workers` (a collector calls it about every 100 ms). Not
             with ``backend="threading"``.
+        build_timeout (float, "auto" or None, optional): seconds a rebuild of an env from its
+            factory may take once the pool has started (an env rebuilt after a failure, or the
+            envs of a replacement worker). Past it, its worker process is killed and the hung
+            build counts against the env's restart budget like a failure (phase ``"build"`` in
+            :meth:`restart_info` and in the error); past the budget, an
+            :class:`~torchrl_asyncpool.EnvError` says the factory hung. ``"auto"`` (default):
+            ten times the workers' measured start-up (building and resetting every env), at
+            least 60 s; ``None``: no limit. Only pools that rebuild envs
+            (``on_env_failure="restart"``) build after start-up.
         cancel_start (callable, optional): ``() -> bool``, asked before each worker is
             started and about every 0.1 s while they build and reset their envs (the fork
             server's own first start, once per process, is not cut short); when it
@@ -240,6 +250,8 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         num_workers (int): worker processes.
         worker_restarts (int): worker processes replaced so far (``on_env_failure="restart"``).
         step_timeout (float or None): as given.
+        build_timeout (float or None): the limit in force on a rebuild, in seconds (``"auto"``
+            resolved once the workers started).
         idle_poll (bool): whether the workers' and the serving loop's waits idle-poll.
         batch_size (torch.Size): ``[num_envs]``.
         full_observation_spec, full_action_spec, full_reward_spec, full_done_spec (Composite):
@@ -318,6 +330,7 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         restart_window_s: float = 60.0,
         max_restarts: int | None = 100,
         step_timeout: float | None = None,
+        build_timeout: float | str | None = "auto",
     ):
         self._closed = True  # until start-up completes, close() has little to undo
         self._procs = []
@@ -329,6 +342,7 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         self._restart = _check_restart(on_env_failure, max_restarts_per_env, restart_window_s, max_restarts)
         self.on_env_failure = on_env_failure
         _check_step_timeout(step_timeout, threads)
+        _check_build_timeout(build_timeout)
         fns = check_factories(create_env_fn)
         kwargs = check_kwargs(create_env_kwargs, len(fns))
         _check_process_options(mp_start_method, pin_memory, worker_affinity)
@@ -363,7 +377,7 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         self.recurrent_state = dict(recurrent)
 
         self._arena = Arena.create(self.layout)
-        self._init_watchdog(step_timeout, threads)
+        self._init_watchdog(step_timeout, threads, build_timeout)
         self._chunks = None
         if callable(transition_chunk_size):
             transition_chunk_size = transition_chunk_size(self.layout)
@@ -402,6 +416,7 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
             # the spec env above, nor starting the fork server)
             self._workers_started_at = time.monotonic()
             self._await_ready(start_timeout)
+            self._set_build_timeout(time.monotonic() - self._workers_started_at)
         except BaseException as exc:
             close_noting(self, 1.0, exc, "closing the pool after its failed start-up failed too")
             raise

@@ -27,17 +27,24 @@ from torchrl_asyncpool.workers.watch import WorkerWatch, hung_slots
 _ENDS = (int(StepType.TERMINATION), int(StepType.TRUNCATION))
 #: the phase a restart caused by a worker's death is recorded under (``restart_info()``)
 WORKER_DIED = "worker"
+#: the phase of a rebuild killed for build_timeout
+BUILD = "build"
+#: build_timeout="auto": this many times the workers' start-up, and at least this many seconds
+_AUTO_BUILD_FACTOR, _MIN_AUTO_BUILD_S = 10.0, 60.0
 
 
 class _PoolWatchdog:
     """Mixed into :class:`~torchrl_asyncpool.AsyncEnvPool`; reads its ``_procs``, ``_arena``,
     ``_slot_worker``, ``_restart`` and starts replacements with its ``_start_worker``."""
 
-    def _init_watchdog(self, step_timeout, threads: bool):
+    def _init_watchdog(self, step_timeout, threads: bool, build_timeout="auto"):
         """Decides whether the workers are watched (before they start) and sets up the shadow
         arena of the slots' last leased records when dead workers are to be replaced."""
         #: seconds an env's step (or reset) may take before its worker is killed (None: no limit)
         self.step_timeout = step_timeout
+        #: seconds a rebuild of an env may take before its worker is killed (None: no limit;
+        #: "auto" until the workers' start-up was measured)
+        self.build_timeout = build_timeout
         #: worker processes replaced so far (on_env_failure="restart")
         self.worker_restarts = 0
         self._watched = not threads and (self._restart is not None or step_timeout is not None)
@@ -56,6 +63,12 @@ class _PoolWatchdog:
         # worker -> when its current process was started as a replacement: the marks its dead
         # predecessor left (which the replacement reads to take over) are not hung steps
         self._started_at = {}
+
+    def _set_build_timeout(self, startup_s: float) -> None:
+        """Resolves ``build_timeout="auto"`` from the workers' measured start-up (generous: a
+        rebuild on a loaded machine may take several times what the first build took)."""
+        if self.build_timeout == "auto":
+            self.build_timeout = max(_MIN_AUTO_BUILD_S, _AUTO_BUILD_FACTOR * startup_s)
 
     def _close_watchdog(self):
         if getattr(self, "_shadow", None) is not None:
@@ -79,6 +92,8 @@ class _PoolWatchdog:
         try:
             if self.step_timeout is not None:
                 self._kill_hung(time.monotonic())
+            if isinstance(self.build_timeout, (int, float)):
+                self._kill_hung_builds(time.monotonic())
             if self._sentinel_poll is None:
                 self._refresh_sentinels()
             dead = sorted({self._sentinel_fds[fd] for fd, _ in self._sentinel_poll.poll(0)})
@@ -92,14 +107,25 @@ class _PoolWatchdog:
         for i in hung_slots(arena, self.step_timeout, now).tolist():
             w = int(self._slot_worker[i])
             began = float(arena.busy_since[i])
-            if w in self._timed_out or abs(began) < self._started_at.get(w, 0.0):
-                continue
+            if w in self._timed_out or abs(began) < self._started_at.get(w, 0.0) or arena.build_since[i] > 0:
+                continue  # (a rebuild that follows a failed step is build_timeout's)
             # an eager reset (negative), or the reset an answered terminal record asked for
             phase = "reset" if began < 0 or int(arena.request["step_type"][i]) in _ENDS else "step"
             self._timed_out[w] = (i, phase, now - abs(began))
             p = self._procs[w]
             if exit_code(p) is None:
                 p.kill()  # (its envs' processes go with its group, in _replace)
+
+    def _kill_hung_builds(self, now: float) -> None:
+        since = self._arena.build_since
+        for i in np.flatnonzero((since > 0) & (now - since > self.build_timeout)).tolist():
+            w = int(self._slot_worker[i])
+            if w in self._timed_out or float(since[i]) < self._started_at.get(w, 0.0):
+                continue
+            self._timed_out[w] = (i, BUILD, now - float(since[i]))
+            p = self._procs[w]
+            if exit_code(p) is None:
+                p.kill()
 
     def _replace(self, w: int) -> None:
         from torchrl_asyncpool.pool.processes import kill_process_group
@@ -114,7 +140,12 @@ class _PoolWatchdog:
             phase, _, tb = self._arena.read_error(reported[0]).partition("\n")
             self._fail(EnvError(reported[0], phase, tb))
         timed = self._timed_out.pop(w, None)
-        if timed is not None:
+        if timed is not None and timed[1] == BUILD:
+            i, phase, secs = timed
+            text = (f"env {i}'s factory hung: rebuilding the env took more than build_timeout="
+                    f"{self.build_timeout:g}s (it had run {secs:.1f}s): its worker {w} (pid {p.pid}, hosting envs "
+                    f"{slots}) was killed.")
+        elif timed is not None:
             i, phase, secs = timed
             text = (f"env {i} took more than step_timeout={self.step_timeout:g}s in a {phase} (it had run "
                     f"{secs:.1f}s): its worker {w} (pid {p.pid}, hosting envs {slots}) was killed.")
@@ -132,6 +163,7 @@ class _PoolWatchdog:
                 self._fail(fail(exc.tb))
             arena.write_error(j, f"{phase}\n{text}")
             arena.restarts[j] = r  # after the text; also the seed of its env's next build
+        arena.build_since[slots] = 0.0
         self._conns[w].close()
         self._started_at[w] = time.monotonic()
         self._procs[w], self._conns[w] = self._start_worker(w, self._watch.resumed())

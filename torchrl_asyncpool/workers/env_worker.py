@@ -976,8 +976,13 @@ class _Stepper:
         fn, kw = factory
         self.note("construction", index)
         env = adapter = None
+        build_since = self.worker.arena.build_since
         try:
-            env = fn(**kw)
+            build_since[index] = time.monotonic()  # the pool's watchdog kills a build past build_timeout
+            try:
+                env = fn(**kw)
+            finally:
+                build_since[index] = 0.0
             seed = own_attr(env, FIRST_SEED_ATTR)
             if seed is not None:
                 setattr(env, FIRST_SEED_ATTR, seed + r * self.worker.layout.num_slots)

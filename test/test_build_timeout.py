@@ -1,0 +1,99 @@
+"""Builds after start-up are watched like steps: a factory that hangs while rebuilding an env (in
+its worker, or in the worker that replaces a killed one) is killed after ``build_timeout``,
+counted against the env's restart budget, and ends in a named error past it, or the env is back."""
+import os
+import signal
+import time
+
+import pytest
+from tensordict import TensorDict
+
+from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, EnvError
+from torchrl_asyncpool.testing import OracleEnv, oracle_action
+
+
+class _HangingFactory:
+    """Env 1's factory: its first build (at start-up) returns an OracleEnv (failing at its 5th
+    step with ``fail_first``); the next ``hangs`` builds hang for an hour (counted in a file, so
+    replacement processes count too); later builds return an OracleEnv that does not fail."""
+
+    def __init__(self, path, hangs, fail_first):
+        self.path, self.hangs, self.fail_first = path, hangs, fail_first
+
+    def __call__(self):
+        count = int(open(self.path).read()) if os.path.exists(self.path) else 0
+        with open(self.path, "w") as f:
+            f.write(str(count + 1))
+        if 1 <= count <= self.hangs:
+            time.sleep(3600)
+        return OracleEnv(env_id=1, fail_at_step=5 if count == 0 and self.fail_first else None)
+
+
+def _factories(tmp_path, hangs, fail_first=True):
+    return [lambda: OracleEnv(env_id=0), _HangingFactory(str(tmp_path / "builds"), hangs, fail_first)]
+
+
+def _serve(pool, seconds, kill_worker_of=None):
+    """Answers every record for ``seconds``; returns the env indices that delivered, in order."""
+    seen, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            td = pool.recv(min_get=1, timeout=0.2)
+        except TimeoutError:
+            continue
+        seen.extend(td.env_indices.tolist())
+        pool.send(TensorDict({"action": oracle_action(td["tag"])}, td.batch_size), td.env_indices)
+        if kill_worker_of is not None and len(seen) > 20:
+            os.kill(pool.worker_pids[int(pool._slot_worker[kill_worker_of])], signal.SIGKILL)
+            kill_worker_of = None
+    return seen
+
+
+@pytest.mark.parametrize("how", ["env-failure", "worker-killed"])
+def test_a_factory_that_always_hangs_on_rebuild_ends_in_a_named_error(tmp_path, how):
+    budget, build_timeout = 2, 1.0
+    t0 = time.monotonic()
+    with pytest.raises(EnvError) as info:
+        with AsyncEnvPool(_factories(tmp_path, hangs=100, fail_first=how == "env-failure"), on_env_failure="restart",
+                          max_restarts_per_env=budget, build_timeout=build_timeout) as pool:
+            _serve(pool, 60, kill_worker_of=1 if how == "worker-killed" else None)
+    elapsed = time.monotonic() - t0
+    assert info.value.env_index == 1 and info.value.phase == "build", str(info.value)
+    assert "factory hung" in str(info.value) and "build_timeout=1s" in str(info.value)
+    assert "restart budget exhausted" in str(info.value)
+    assert elapsed < build_timeout * budget + 30, elapsed  # a few seconds over the builds' limit, not 60
+
+
+def test_a_factory_that_hangs_once_gets_its_env_back(tmp_path):
+    with AsyncEnvPool(_factories(tmp_path, hangs=1), on_env_failure="restart",
+                      max_restarts_per_env=5, build_timeout=1.0) as pool:
+        seen = _serve(pool, 8)
+        info = pool.restart_info()
+    after = seen[len(seen) // 2:]
+    assert 1 in after, "env 1 never came back after its hung rebuild"
+    count, cause = info[1]  # the hung build is the last failure on record (its worker died mid-rebuild)
+    assert count >= 1 and cause.splitlines()[0] == "build" and "factory hung" in cause, (count, cause)
+
+
+def test_build_timeout_auto_resolves_from_the_measured_start_up():
+    with AsyncEnvPool([lambda: OracleEnv(env_id=0)], on_env_failure="restart") as pool:
+        assert isinstance(pool.build_timeout, float) and pool.build_timeout >= 60.0
+
+
+@pytest.mark.parametrize("value", [0, -1, "soon", True])
+def test_bad_build_timeouts_are_refused(value):
+    with pytest.raises(ValueError, match="build_timeout must be 'auto', None or a positive number of seconds"):
+        AsyncEnvPool([lambda: OracleEnv(env_id=0)], build_timeout=value)
+
+
+def test_the_collector_takes_build_timeout(tmp_path):
+    collector = AsyncPoolCollector(_factories(tmp_path, hangs=100),
+                                   policy=lambda td: td.set("action", oracle_action(td["tag"])),
+                                   frames_per_batch=8, total_frames=100_000, on_env_failure="restart",
+                                   max_restarts_per_env=1, build_timeout=1.0)
+    try:
+        with pytest.raises(EnvError, match="factory hung"):
+            for _ in collector:
+                pass
+    finally:
+        collector.shutdown()
