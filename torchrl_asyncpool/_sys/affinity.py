@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 
 __all__ = [
     "AUTO", "auto_partition", "check_cpu_mask", "resolve_worker_affinity", "resolve_collector_affinity", "pinned",
+    "set_process_affinity",
 ]
 
 #: the collector's default for ``worker_affinity`` / ``driver_affinity`` (see the module docstring)
@@ -157,3 +158,30 @@ def resolve_collector_affinity(worker_affinity, driver_affinity, policy_num_thre
         return worker_affinity, None, policy_mask
     driver = None if driver_affinity is None else check_cpu_mask(driver_affinity, "driver_affinity")
     return worker_affinity, driver, None
+
+
+def set_process_affinity(pid: int, mask) -> None:
+    """Sets the CPU mask of every thread of process ``pid`` (an affinity belongs to a thread, and
+    ``sched_setaffinity(pid)`` alone changes only the main one); ``mask=None``: every CPU this
+    process may use. Threads that end meanwhile, or a process that is gone, are skipped.
+
+    Examples:
+        >>> import os, subprocess
+        >>> from torchrl_asyncpool._sys.affinity import set_process_affinity
+        >>> child = subprocess.Popen(["sleep", "5"])
+        >>> set_process_affinity(child.pid, [min(os.sched_getaffinity(0))])
+        >>> os.sched_getaffinity(child.pid) == {min(os.sched_getaffinity(0))}
+        True
+        >>> child.kill(); child.wait()
+        -9
+    """
+    mask = set(_available()) if mask is None else set(mask)
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, mask)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass

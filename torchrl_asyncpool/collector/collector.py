@@ -22,6 +22,7 @@ from torchrl_asyncpool.inference import InferenceServer, InferenceServerError, f
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange.metrics import log_metrics
 from torchrl_asyncpool.collector.policy_layout import PolicyLayout
+from torchrl_asyncpool.collector.workload_plan import AffinityPlan
 from torchrl_asyncpool.pool.env_pool import AsyncEnvPool
 from torchrl_asyncpool._sys.affinity import pinned
 from torchrl_asyncpool._sys.threads import start_daemon_thread
@@ -31,11 +32,11 @@ __all__ = ["AsyncPoolCollector"]
 _ENV_IDX_KEY = "env_index"
 # Chunk memory ceiling for transition_chunk_size="auto": pixel envs would otherwise pin GBs.
 _AUTO_CHUNK_BYTES = 256 * 2**20
-# Greedy flushing: records that arrive while the policy runs form the next batch anyway
-# (natural batching), so a deadline only idles envs. Measured on 2 cores: 1 ms cost 25 % of
-# CartPole throughput and 10 % on a 2 ms env against 0.1 ms; 0 against 0.1 ms: CartPole equal,
-# 2 ms env +3-8 % with 16 envs and +0-3 % with 64 (benchmarks/README.md).
-_DEFAULT_FLUSH_TIMEOUT_S = 0.0
+# The flush deadline follows the measured env step (inference.auto_flush_timeout): greedy for
+# cheap envs, where records that arrive while the policy runs form the next batch anyway and a
+# deadline only idles envs (1 ms cost CartPole 25 % on 2 cores), a fraction of a step for envs
+# whose step costs as much as a batch (Atari: batches of ~1 record when greedy).
+_DEFAULT_FLUSH_TIMEOUT = "auto"
 
 
 class AsyncPoolCollector(AsyncBatchedCollector):
@@ -104,12 +105,16 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             ``None``: every ready record is taken, and the flush size sizes itself to half the
             envs in flight.
         min_batch_size (int, optional): smallest inference batch (``min_get``). Defaults to 1.
-        server_timeout (float, optional): inference flush deadline in seconds: a batch is
-            run when the flush size is reached OR the oldest ready record has waited this
-            long. Defaults to ``0`` (greedy: a batch leaves as soon as a record is ready):
-            records arriving while the policy runs form the next batch anyway, and on few
-            cores a deadline (TorchRL's examples use ``0.001``) mostly leaves envs idle. Raise
-            it for a GPU policy whose per-call cost dominates.
+        server_timeout (float or "auto", optional): inference flush deadline in seconds: a
+            batch is run when the flush size is reached OR the oldest ready record has waited
+            this long. Defaults to ``"auto"``: the deadline follows the env step the workers
+            measure, re-measured every second (:func:`~torchrl_asyncpool.inference.auto_flush_timeout`):
+            greedy (``0``) for cheap envs such as CartPole, where records arriving while the
+            policy runs form the next batch anyway and a deadline only idles envs, and a quarter
+            of a step (at most 5 ms) for envs whose step costs as much as a batch (Atari, a
+            simulator), where a greedy loop would answer batches of one record. Pass seconds to
+            fix it (TorchRL's examples use ``0.001``); raise it for a GPU policy whose per-call
+            cost dominates.
         server_config (InferenceServerConfig, optional): TorchRL's structured server
             configuration, mutually exclusive with the three keywords above. Its
             ``max_batch_size``, ``min_batch_size`` and ``timeout`` are used;
@@ -386,6 +391,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             self._pool.close()
             raise
         self.startup_time_s = time.monotonic() - t0
+        self._affinity_plan = self._plan_affinity()
         if verbose:
             print(f"AsyncPoolCollector: {self._num_envs} envs in {self._pool.num_workers} workers, "
                   f"{self._server_backend} inference server, idle polling {'on' if self._pool.idle_poll else 'off'}, "
@@ -450,6 +456,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         # and preempt it there (measured on 2 cores: a worker's ring of a sleeping learner thread
         # took 90-100 us, against 2-3 us for rings that wake nothing on the workers' CPU)
         self._take_affinity = policy_affinity
+        # the default partition, kept or lifted while running by the measured env step (workload_plan)
+        self._auto_partition = ((policy_affinity, list(pool.worker_affinity))
+                                if config.auto_policy_affinity is not None and pool.worker_affinity is not None
+                                and policy_affinity == config.auto_policy_affinity else None)
         dtypes = {k: pool.layout_dtype(k) for k in pool.action_keys}
         checks = action_checks(pool.full_action_spec, dtypes, cast=config.cast_actions,
                                bounds=config.check_action_bounds)
@@ -458,7 +468,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         server_kwargs = dict(
             max_get=config.max_batch_size,
             min_get=config.min_batch_size or 1,
-            timeout=_DEFAULT_FLUSH_TIMEOUT_S if config.server_timeout is None else config.server_timeout,
+            timeout=_DEFAULT_FLUSH_TIMEOUT if config.server_timeout is None else config.server_timeout,
             device=config.policy_device,
             policy_version_key=config.policy_version_key,
             # padding buys fixed shapes for CUDA graphs; on CPU it only costs compute and a copy
@@ -528,6 +538,44 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         if self._respawn is not None:
             stats["server_restarts"] = self._respawn.count  # dead server processes replaced so far
         return stats
+
+    def _plan_affinity(self) -> AffinityPlan | None:
+        """The plan that keeps or lifts the default partition (``None`` when none is in force)."""
+        if getattr(self, "_auto_partition", None) is None:
+            return None
+        arena = self._pool._arena
+        return AffinityPlan(lambda: (float(arena.step_time.sum()), int(arena.step_count.sum())),
+                            self._apply_partition, partitioned=True)
+
+    def _apply_partition(self, partitioned: bool) -> None:
+        policy_mask, worker_masks = self._auto_partition
+        self._pool.set_worker_affinity(worker_masks if partitioned else None)
+        with self._server_lock:
+            self._server.set_cpu_affinity(policy_mask if partitioned else None)
+        self._take_affinity = policy_mask if partitioned else None
+
+    def plan(self) -> dict:
+        """What the collector decided from what it measured while running: whether the default
+        CPU partition is in force (``partitioned``; ``None`` with explicit or no masks), the mean
+        env step behind that decision, how often it changed, and the serving loop's flush
+        deadline with the env step it follows (thread server with ``server_timeout="auto"``).
+
+        Examples:
+            >>> from torchrl_asyncpool import AsyncPoolCollector
+            >>> from torchrl_asyncpool.testing import ZeroLatencyEnv
+            >>> act = lambda td: td.set("action", td["observation"][..., :1].long() * 0)
+            >>> collector = AsyncPoolCollector([ZeroLatencyEnv] * 2, policy=act, frames_per_batch=8, total_frames=8)
+            >>> sorted(collector.plan())
+            ['flush_timeout_s', 'measured_env_step_s', 'partition_changes', 'partitioned', 'server_measured_env_step_s']
+            >>> collector.shutdown()
+        """
+        out = ({"partitioned": None, "measured_env_step_s": None, "partition_changes": 0}
+               if self._affinity_plan is None else self._affinity_plan.describe())
+        loop = getattr(getattr(self._server, "_backend", None), "loop", None)
+        timeout = self._server.timeout
+        out["flush_timeout_s"] = loop.timeout if loop is not None else (None if timeout == "auto" else timeout)
+        out["server_measured_env_step_s"] = getattr(loop, "measured_step_s", None)
+        return out
 
     def pool_metrics(self, reset: bool = False) -> dict:
         """The exchange's health metrics (see :meth:`AsyncEnvPool.metrics
@@ -668,6 +716,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                         raise _Stopped() from None
                     raise
                 if td is not None:
+                    if self._affinity_plan is not None:  # a clock check, and a look about once a second
+                        self._affinity_plan.update()
                     return td
                 self._check()
 

@@ -351,10 +351,10 @@ def _check_batching(max_batch_size, min_batch_size, server_timeout) -> None:
         raise ValueError(
             f"min_batch_size={sizes['min_batch_size']} must not exceed max_batch_size={sizes['max_batch_size']}."
         )
-    if server_timeout is not None and (
+    if server_timeout is not None and server_timeout != "auto" and (
         isinstance(server_timeout, bool) or not isinstance(server_timeout, (int, float)) or not server_timeout >= 0
     ):
-        raise ValueError(f"server_timeout must be None or a number of seconds >= 0, got {server_timeout!r}.")
+        raise ValueError(f"server_timeout must be None, 'auto' or a number of seconds >= 0, got {server_timeout!r}.")
 
 
 def _server_config(config, policy_factory):

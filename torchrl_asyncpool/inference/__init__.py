@@ -3,7 +3,7 @@
 See :class:`InferenceServer` and :class:`ProcessSlotTransport`, and the "Inference" page of
 the documentation.
 """
-from torchrl_asyncpool.inference._common import BatchKey, InferenceServerError, bucket_ladder
+from torchrl_asyncpool.inference._common import BatchKey, InferenceServerError, auto_flush_timeout, bucket_ladder
 from torchrl_asyncpool.inference._runner import flatten_weights
 from torchrl_asyncpool.inference._shared import STAT_KEYS
 from torchrl_asyncpool.inference.server import InferenceServer
@@ -17,4 +17,5 @@ __all__ = [
     "bucket_ladder",
     "STAT_KEYS",
     "flatten_weights",
+    "auto_flush_timeout",
 ]

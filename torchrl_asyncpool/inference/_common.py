@@ -186,6 +186,7 @@ class ServerSpec:
     flush_fraction: float = 0.5
     initial_versions: Dict[str, int] = field(default_factory=dict)
     cpu_affinity: Optional[Tuple[int, ...]] = None  # where the policies run (thread or process)
+    auto_timeout: bool = False  # timeout="auto": the deadline follows the measured env step (auto_flush_timeout)
 
 
 
@@ -238,6 +239,40 @@ def resolve_slot_keys(slot_keys, names: List[str], hashes: Dict[str, str], num_e
                 raise ValueError(f"slot {slot} is bound to unknown policy {name!r}; known policies: {names}.")
         out.append(known[name])
     return out
+
+
+#: ``timeout="auto"``: envs whose mean step (measured in the workers) takes at least this long get
+#: a flush deadline; cheaper envs are served greedily (a deadline only idles them)
+BATCHING_STEP_S = 300e-6
+#: the deadline is this fraction of the mean env step ...
+AUTO_TIMEOUT_FRACTION = 0.25
+#: ... and at most this many seconds
+MAX_AUTO_TIMEOUT_S = 0.005
+#: how often (seconds) a serving loop with ``timeout="auto"`` re-measures the env step
+REPLAN_PERIOD_S = 1.0
+
+
+def auto_flush_timeout(mean_step_s: float) -> float:
+    """The flush deadline of ``timeout="auto"`` for envs whose mean step takes ``mean_step_s``.
+
+    A batch costs the serving loop about the same whatever its size (on CPU, ~0.1 ms of Python
+    and TensorDict work before the policy's own compute), and that time is taken from the env
+    workers on a machine with few cores. With cheap envs (CartPole: ~10 us a step) records
+    arrive faster than batches are served and form the next batch anyway, so the loop is
+    greedy (``0``). With envs whose step costs as much as a batch or more (Atari through
+    gymnasium: ~1.3 ms; a simulator), a greedy loop answers batches of about one record, and
+    waiting a quarter of a step for more costs the env that waits less than the batches it
+    saves everyone: the deadline is ``AUTO_TIMEOUT_FRACTION`` of a step, at most
+    ``MAX_AUTO_TIMEOUT_S``.
+
+    Examples:
+        >>> from torchrl_asyncpool.inference import auto_flush_timeout
+        >>> auto_flush_timeout(10e-6), auto_flush_timeout(1.2e-3), auto_flush_timeout(0.5)
+        (0.0, 0.0003, 0.005)
+    """
+    if not mean_step_s >= BATCHING_STEP_S:
+        return 0.0
+    return min(MAX_AUTO_TIMEOUT_S, AUTO_TIMEOUT_FRACTION * mean_step_s)
 
 
 def auto_threshold(live: int, min_get: int, fraction: float) -> int:

@@ -1,6 +1,8 @@
 """InferenceServer: the consumer of an AsyncEnvPool's slots, ``recv -> stage -> policy -> send``."""
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import os
 import threading
@@ -13,7 +15,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from torchrl_asyncpool._sys.forkserver import START_METHODS
-from torchrl_asyncpool._sys.affinity import check_cpu_mask
+from torchrl_asyncpool._sys.affinity import check_cpu_mask, set_process_affinity
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell
 from torchrl_asyncpool.inference._common import (
@@ -104,7 +106,10 @@ class InferenceServer:
             ready.
         timeout (float, optional): flush deadline in seconds, counted from when the oldest
             ready record became ready. A batch is flushed when full OR at the deadline.
-            Defaults to ``0.002``.
+            Defaults to ``0.002``. ``"auto"``: the deadline follows the env step measured in the
+            workers, re-measured every second (see
+            :func:`~torchrl_asyncpool.inference.auto_flush_timeout`): ``0`` (greedy) for cheap
+            envs, a quarter of a step (at most 5 ms) for envs whose step costs as much as a batch.
         device (str or torch.device, optional): where policies run. Defaults to ``"cpu"``.
         cuda_graphs (bool, optional): capture one CUDA graph per bucket (CUDA only).
         double_buffer (bool, optional): form batch N+1 while batch N runs on the device.
@@ -237,12 +242,13 @@ class InferenceServer:
         self._bucket_sizes_arg = bucket_sizes
         self.min_get = check_positive_int("min_get", min_get)
         self.max_get = check_positive_int("max_get", max_get, allow_none=True)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        if timeout != "auto" and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                  or not timeout >= 0):
             raise ValueError(
-                f"timeout must be a number of seconds >= 0 (a flush happens when a batch is full OR at this "
-                f"deadline), got {timeout!r}."
+                f"timeout must be 'auto' or a number of seconds >= 0 (a flush happens when a batch is full OR at "
+                f"this deadline), got {timeout!r}."
             )
-        self.timeout = float(timeout)
+        self.timeout = timeout if timeout == "auto" else float(timeout)
         if (isinstance(flush_fraction, bool) or not isinstance(flush_fraction, (int, float))
                 or not 0.0 < flush_fraction <= 1.0):
             raise ValueError(
@@ -251,6 +257,7 @@ class InferenceServer:
             )
         self.flush_fraction = float(flush_fraction)
         self.cpu_affinity = None if cpu_affinity is None else check_cpu_mask(cpu_affinity, "cpu_affinity")
+        self._cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None  # the creator's mask
         try:
             self.device = torch.device(device)
         except (RuntimeError, TypeError) as exc:  # torch's own text names neither the argument nor the value
@@ -360,7 +367,8 @@ class InferenceServer:
         stamp = version_stamping(layout, self.policy_version_key)
         spec = ServerSpec(
             names=self.names, plans=plans, slot_key=slot_key, min_get=self.min_get, max_get=self.max_get,
-            timeout=self.timeout, device=str(self.device), cuda_graphs=self.cuda_graphs,
+            timeout=0.0 if self.timeout == "auto" else self.timeout, auto_timeout=self.timeout == "auto",
+            device=str(self.device), cuda_graphs=self.cuda_graphs,
             policy_version_key=self.policy_version_key, stamp_version=stamp, overlap=self.double_buffer,
             num_threads=self.num_threads, factories=dict(self._factories), on_batch=self.on_batch,
             flush_fraction=self.flush_fraction, cpu_affinity=self.cpu_affinity,
@@ -401,6 +409,29 @@ class InferenceServer:
         """Lets a server started with ``hold=True`` serve; does nothing once it serves (or before start)."""
         if self._backend is not None:
             self._backend.release()
+
+    def set_cpu_affinity(self, cpu_affinity: Optional[Sequence[int]]) -> None:
+        """Moves the running server to another CPU mask (``None``: every CPU its creator could
+        use when it made the server): the serving thread in thread mode, every thread of the server process in process
+        mode. Does nothing before :meth:`start` or after :meth:`stop`.
+
+        Args:
+            cpu_affinity (sequence of int or None): the new mask.
+        """
+        mask = None if cpu_affinity is None else check_cpu_mask(cpu_affinity, "cpu_affinity")
+        backend = self._backend
+        if backend is None:
+            return
+        target = mask if mask is not None else self._cpus
+        if self.mode == "process":
+            if self.pid is not None:
+                set_process_affinity(self.pid, target)
+        else:
+            thread = getattr(backend, "_thread", None)
+            if thread is not None and thread.is_alive() and thread.native_id is not None:
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(thread.native_id, target)
+        self.cpu_affinity = mask
 
     # -- state ------------------------------------------------------------------------------
     @property

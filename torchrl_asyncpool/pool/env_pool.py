@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -20,7 +21,7 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.data import Composite
 
-from torchrl_asyncpool._sys.affinity import resolve_worker_affinity
+from torchrl_asyncpool._sys.affinity import resolve_worker_affinity, set_process_affinity
 from torchrl_asyncpool.delivery.chunks import ChunkBuffers, ChunkReader
 from torchrl_asyncpool.errors import PoolClosedError
 from torchrl_asyncpool.exchange.arena import Arena, as_key
@@ -334,6 +335,7 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
     ):
         self._closed = True  # until start-up completes, close() has little to undo
         self._procs = []
+        self._cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None  # the creator's mask
         self.exchange = resolve_exchange(exchange)  # before anything starts: a bad name costs nothing
         _check_start_options(idle_poll, cancel_start, backend)
         self._cancel_start = cancel_start
@@ -619,6 +621,26 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         if reset:
             self._metrics.reset()
         return out
+
+    def set_worker_affinity(self, masks) -> None:
+        """Moves the running worker processes to other CPU masks: one mask per worker, or
+        ``None`` (every CPU the pool's creator could use when it made the pool). Workers started
+        later (replacements) take the same masks; :attr:`worker_affinity` says which are in
+        force. Not with
+        ``backend="threading"`` (the workers are threads of this process).
+
+        Args:
+            masks (sequence of sequences of int, or None): as ``worker_affinity`` takes them.
+        """
+        if self.backend == "threading":
+            raise ValueError("set_worker_affinity needs worker processes (backend='multiprocessing').")
+        resolved = resolve_worker_affinity(masks, self.num_workers)
+        for w, p in enumerate(self._procs):
+            if p.pid is not None:
+                set_process_affinity(p.pid, self._cpus if resolved is None else resolved[w])
+        self.worker_affinity = resolved
+        ctx, groups, fns, kwargs, num_threads, _ = self._worker_start
+        self._worker_start = (ctx, groups, fns, kwargs, num_threads, resolved)
 
     def restart_info(self) -> dict:
         """``{env index: (rebuilds so far, the last failure's phase and traceback)}`` of the envs
