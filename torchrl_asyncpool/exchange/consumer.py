@@ -370,7 +370,6 @@ class SlotConsumer:
     def close(self) -> None:
         """Drops this process's mapping (descriptors belong to the handle's owner)."""
         self._batch_rows.clear()
-        self._run_rows.clear()
         # the C engine holds exports of the arena's buffers: let them go; a later call (a serving
         # thread finishing its batch) runs on the Python engine over the same arrays
         self._engine = build_engine("python", *self._reference_args)
