@@ -23,7 +23,7 @@ request outstanding, so this is the mean time from publishing an observation to 
 stepped with its action), plus each server's own mean batch size where it reports one.
 
 CUDA path (pinned staging, async H2D, CUDA graphs): measured only with ``--device cuda`` on
-a machine with a GPU; otherwise reported as "not measured: no GPU in this session".
+a machine with a GPU; otherwise reported as "not measured: no GPU on this machine".
 
 Usage::
 
@@ -179,10 +179,10 @@ def main(argv=None):
 
     print(f"# torchrl {torchrl.__version__}; flush timeout {args.timeout}s; window {args.duration}s")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("# CUDA path: not measured: no GPU in this session")
+        print("# CUDA path: not measured: no GPU on this machine")
         args.device = "cpu"
     elif not args.device.startswith("cuda"):
-        print("# CUDA path (pinned staging, async H2D, CUDA graphs): not measured: no GPU in this session"
+        print("# CUDA path (pinned staging, async H2D, CUDA graphs): not measured: no GPU on this machine"
               if not torch.cuda.is_available() else "# CUDA path: pass --device cuda to measure it")
 
     configs = [

@@ -13,8 +13,7 @@ fast as it is, on the same workloads and builders. For one workload and env coun
   process (env workers, a server process), user and system apart, and minor page faults.
 
 ``--policy zero`` swaps the benchmark MLP for a policy that only writes a zero action: the
-serving loop's own cost per batch, with the policy taken out. Earlier sessions rebuilt these
-probes by hand each time; the numbers in ``benchmarks/README.md`` ("Run bT") came from them::
+serving loop's own cost per batch, with the policy taken out. For example::
 
     python benchmarks/profile_collector.py --workload sleep2ms --envs 16
     python benchmarks/profile_collector.py --workload sleep2ms --envs 16 --policy zero

@@ -19,7 +19,7 @@ Run it::
 
     python benchmarks/scale_envs.py                             # N = 16 64 128 256 1024, 4 s each
     python benchmarks/scale_envs.py --envs 16 256 --seconds 2
-    python benchmarks/scale_envs.py --json benchmarks/results_scale_2core.json --cold 16 1024
+    python benchmarks/scale_envs.py --json benchmarks/results_scale_envs.json --cold 16 1024
 
 Linux only (``/proc``). Results depend on what else runs: the report records the load average.
 """
@@ -39,7 +39,7 @@ import time
 from compare_collectors import make_policy, make_sleep  # run as a script: this folder is sys.path[0]
 
 STEP_S = 0.002
-#: processes per core the collector's "auto" grouping gives blocking envs (pool_grouping._BLOCKING_WORKERS_PER_CORE)
+#: processes per core the collector's "auto" grouping gives blocking envs (pool.grouping._BLOCKING_WORKERS_PER_CORE)
 _WORKERS_PER_CORE = 2
 
 

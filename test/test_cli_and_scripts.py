@@ -20,7 +20,6 @@ import pytest
 
 from conftest import free_address
 from torchrl_asyncpool import cli
-from torchrl_asyncpool.exchange import doorbell as doorbell_module
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "sota-implementations"
@@ -352,60 +351,6 @@ def test_profile_collector_rejects_a_bad_set(capsys):
     assert exit_info.value.code == 2 and "NAME=VALUE" in capsys.readouterr().err
     with pytest.raises(ValueError, match="policy must be"):
         module.profile("cartpole", 2, 0.1, policy="random")
-
-
-@pytest.mark.skipif(not hasattr(os, "eventfd"), reason="the probe needs os.eventfd (Linux)")
-def test_probe_floor_script(tmp_path):
-    """``benchmarks/probe_floor.py`` with a short sleep and few rounds: each measurement is there,
-    the in-thread cycle is at least the env's step, and the share follows from the cycle."""
-    out = tmp_path / "floor.json"
-    script = ROOT / "benchmarks" / "probe_floor.py"
-    proc = _run([sys.executable, str(script), "--step-ms", "0.5", "--rounds", "20", "--json", str(out)], timeout=120)
-    assert "in-thread ceiling" in proc.stdout and "eventfd round trip" in proc.stdout
-    r = json.loads(out.read_text())
-    assert r["step_s"] == 0.0005 and r["rounds"] == 20
-    for key in ("sleep", "env_step", "policy_hot", "policy_after_sleep", "in_thread_cycle", "in_thread_cycle_td"):
-        assert r[key]["median_us"] > 0 and r[key]["mean_us"] > 0, key
-    assert r["sleep"]["median_us"] >= 500 and r["in_thread_cycle"]["mean_us"] >= 500
-    assert abs(r["in_thread_share"] - 500 / r["in_thread_cycle"]["mean_us"]) < 1e-9
-    assert abs(r["budget_beyond_in_thread_us"] - (500 / 0.85 - r["in_thread_cycle"]["mean_us"])) < 1e-6
-    expected = {"same_core_hot", "same_core_after_sleep"}
-    if len(os.sched_getaffinity(0)) > 1:
-        expected |= {"cross_core_hot", "cross_core_after_sleep"}
-        if doorbell_module._c is not None:  # the idle-polled round trips need the C extension
-            expected |= {"cross_core_idle_poll_hot", "cross_core_idle_poll_after_sleep"}
-    assert set(r["round_trip"]) == expected
-    assert all(v["median_us"] > 0 and 0 < v["ring_median_us"] <= v["median_us"] for v in r["round_trip"].values())
-
-
-def test_probe_floor_rejects_bad_arguments(capsys):
-    module = _load_benchmark_script("probe_floor")
-    for args, message in ((["--rounds", "0"], "--rounds must be at least 1"),
-                          (["--step-ms", "-1"], "--step-ms must be positive"),
-                          (["--target", "120"], "--target is a share")):
-        with pytest.raises(SystemExit) as exit_info:
-            module.main(args)
-        assert exit_info.value.code == 2 and message in capsys.readouterr().err
-
-
-def test_probe_local_policy_script(tmp_path):
-    """``benchmarks/probe_local_policy.py``, one short round: ABBA runs of both configurations."""
-    out = tmp_path / "local.json"
-    script = ROOT / "benchmarks" / "probe_local_policy.py"
-    proc = _run([sys.executable, str(script), "--envs", "4", "--seconds", "0.2", "--rounds", "1", "--json", str(out)],
-                timeout=120)
-    assert "ratio of the medians" in proc.stdout
-    r = json.loads(out.read_text())
-    assert len(r["one_process_fps"]) == len(r["split_fps"]) == 2
-    assert all(x > 0 for x in r["one_process_fps"] + r["split_fps"]) and r["ratio_of_medians"] > 0
-
-
-def test_probe_local_policy_rejects_bad_arguments(capsys):
-    module = _load_benchmark_script("probe_local_policy")
-    for args in (["--procs", "3"], ["--procs", "1"], ["--rounds", "0"]):
-        with pytest.raises(SystemExit) as exit_info:
-            module.main(args)
-        assert exit_info.value.code == 2 and "must be" in capsys.readouterr().err
 
 
 def test_ab_commits_rejects_bad_counts():

@@ -6,8 +6,8 @@ pins its rollout workers and EnvPool its threads) when its env workers are CPU-b
 their envs without threads): the policy-serving thread (or server process) runs on the first
 CPU this process may use and the env workers share the others (:func:`auto_partition`). On few
 cores this keeps the policy's code and weights hot in one core's caches and the envs' in the
-other's, and keeps the workers from preempting the policy. Measured on 2 cores (tenth session,
-interleaved in one sitting): 32 CartPole envs 46.9-48.7k frames/s partitioned against
+other's, and keeps the workers from preempting the policy. Measured on 2 cores (interleaved
+in one sitting): 32 CartPole envs 46.9-48.7k frames/s partitioned against
 40.6-43.4k unpinned in three pairs, 44.5k against 43.8k in a fourth; 8 CartPole envs +4-7 %;
 pinning only the policy and not the workers was worse than nothing (33-34k). Workers that run
 their envs in threads (blocking envs: sleep, I/O) are left unpinned: for the 2 ms pixel env the

@@ -4,8 +4,8 @@ grpcio's public client runs a bidirectional stream on three threads: the caller,
 pulls the request iterator and writes each message, and the channel's thread that polls the
 completion queue and wakes the other two. A host answers one message with the next, so every
 round trip pays those hand-offs (with the GIL) twice. Driving the call from the calling thread
-about halves the client's CPU per round trip (measured in :doc:`remote`, "How a host drives its
-stream", with ``benchmarks/probe_grpc.py``).
+about halves the client's CPU per round trip (see :doc:`remote`, "How a host drives its
+stream").
 
 :class:`HostCall` is that second way: grpcio's own single-threaded call object (the one behind
 its ``SingleThreadedUnaryStream`` option, ``cygrpc.SegregatedCall``: a completion queue of the
