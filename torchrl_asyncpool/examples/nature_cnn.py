@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from tensordict import TensorDict
+from torchrl.envs.utils import ExplorationType, exploration_type
 from torchrl.objectives.value.functional import vtrace_advantage_estimate
 
 from torchrl_asyncpool.examples.batches import normalize, segment_ends
@@ -48,10 +49,14 @@ class NatureCNNActorCritic(nn.Module):
 
     @torch.no_grad()
     def act(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sampled action index and its log-probability (the behaviour policy's)."""
+        """A sampled action index and its log-probability (the behaviour policy's); the most
+        likely action under TorchRL's ``ExplorationType.DETERMINISTIC`` or ``MODE`` (evaluation)."""
         logits, _ = self.heads(obs)
         dist = torch.distributions.Categorical(logits=logits)
-        action = dist.sample()
+        if exploration_type() in (ExplorationType.DETERMINISTIC, ExplorationType.MODE):
+            action = logits.argmax(-1)
+        else:
+            action = dist.sample()
         return action, dist.log_prob(action)
 
 
