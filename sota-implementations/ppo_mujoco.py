@@ -278,6 +278,8 @@ def main(argv=None) -> dict:
             stats = []
             for _ in range(cfg.epochs):
                 for idx in torch.randperm(n).split(cfg.minibatch_size):
+                    if idx.numel() < 2:  # a minibatch of one (a short last batch): its advantage std is NaN
+                        continue
                     if cfg.anneal_lr:
                         optim.param_groups[0]["lr"] = cfg.lr * max(0.0, 1.0 - updates / total_updates)
                     loss = loss_module(batch[idx])
