@@ -68,8 +68,6 @@ def test_ppo_mujoco_smoke(tmp_path):
     assert len(_scalar(tmp_path, "frames")) == 4  # one line per iteration
     assert _scalar(tmp_path, "updates")[-1] == 4 * 2  # 1 epoch x 2 minibatches per batch
     assert all(math.isfinite(x) for x in _scalar(tmp_path, "loss_policy") + _scalar(tmp_path, "loss_value"))
-    # 4 envs x 512 steps each: HalfCheetah's 1000-step episodes end twice per env by frame 2048
-    assert _scalar(tmp_path, "episodes")[-1] == 0 or math.isfinite(_scalar(tmp_path, "mean_return")[-1])
     assert math.isfinite(_scalar(tmp_path, "eval_return")[-1])
     assert "2048 frames" in proc.stdout
 
