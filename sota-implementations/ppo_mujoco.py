@@ -1,0 +1,366 @@
+"""PPO on HalfCheetah-v5 (MuJoCo) with :class:`torchrl_asyncpool.AsyncPoolCollector` (cleanrl style, one file).
+
+On-policy loop, as TorchRL's ``sota-implementations/ppo/ppo_mujoco.py``: ``for batch in
+collector:`` -> GAE -> ``epochs`` x (``frames_per_batch / minibatch_size``) steps of TorchRL's
+``ClipPPOLoss`` -> ``collector.update_policy_weights_(...)``. The policy is a TorchRL
+``ProbabilisticActor`` with a ``TanhNormal`` (state-independent scale), the critic a
+``ValueOperator``, both 64x64 tanh MLPs with TorchRL's recipe initialisation and
+hyper-parameters (lr 3e-4 annealed, 2048 frames per batch, 10 epochs of minibatches of 64,
+clip 0.2, critic coefficient 0.25, no entropy bonus, advantages normalised per minibatch).
+
+A batch of ``AsyncPoolCollector`` is a row of per-env chunks of consecutive transitions: it is
+grouped per env (``group_by_env``) and TorchRL's ``GAE`` runs on it with a trajectory cut at
+every episode end and at the end of each env's run (``segment_ends``, given to GAE as its
+``done`` key), so advantages never leak from one env into another; only ``terminated`` stops
+the bootstrap (the 1000-step time limit does not).
+
+Deviation from TorchRL's recipe: observations are normalised by running statistics that live in
+the model (:class:`~torchrl_asyncpool.examples.obs_norm.RunningObsNorm`, shared by the actor and
+the critic, updated by the learner from each batch after its PPO epochs and shipped to the acting
+copy with the weights) instead of a ``VecNorm`` transform inside one env, so that 16 envs in
+worker processes share one set of statistics; the stored observations are raw, which keeps the
+PPO ratio exact when the statistics move. The acting policy is a copy of the actor served by the
+collector's policy thread; the collector keeps stepping the envs while the learner trains, so a
+batch may come from the previous policy version: the ratio is taken against the stored
+behaviour log-probs (``"action_log_prob"``), and the lag is logged.
+
+``--collector torchrl`` runs the same learner on TorchRL's own ``Collector(ParallelEnv(16,
+...))`` (synchronous: the envs wait while the learner trains, and the learner waits while they
+step); its ``[16, 128]`` batches are flattened env by env into the same layout.
+
+Threads: ``torch.set_num_threads(1)`` in the learner; the collector's policy thread uses one
+thread too (``policy_num_threads=1``, its default); the env workers are processes.
+
+Run::
+
+    python sota-implementations/ppo_mujoco.py                       # 16 envs, 1M frames
+    python sota-implementations/ppo_mujoco.py --collector torchrl   # TorchRL's Collector(ParallelEnv(16))
+    python sota-implementations/ppo_mujoco.py --total-frames 200000 --stop-at-target true --log-dir /tmp/runs
+    python sota-implementations/ppo_mujoco.py --remote-address 127.0.0.1:50051 --ray-hosts 4  # envs in Ray actors
+
+What was measured (2-core development machine shared with other jobs, no GPU; see
+``sota-implementations/README.md`` for the commit and date): only short smoke runs; the 1M-frame
+run to a mean return of 1500 (``test/test_real_scripts.py::test_ppo_mujoco_reaches_target``,
+marked slow) has not been run yet.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import os
+import time
+from collections import deque
+
+import torch
+import tqdm
+from tensordict.nn import AddStateIndependentNormalScale, TensorDictModule
+from torchrl.envs import ExplorationType
+from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
+from torchrl.objectives import ClipPPOLoss
+from torchrl.objectives.value import GAE
+from torchrl.record.loggers.csv import CSVLogger
+
+from torchrl_asyncpool import AsyncPoolCollector
+from torchrl_asyncpool.examples.batches import EpisodeTracker, group_by_env, segment_ends
+from torchrl_asyncpool.examples.envs import make_mujoco_env, make_torchrl_mujoco_env
+from torchrl_asyncpool.examples.obs_norm import RunningObsNorm
+from torchrl_asyncpool.examples.plots import plot_curve
+from torchrl_asyncpool.examples.script_config import config_parser
+
+
+# ----------------------------------------------------------------------------------------------
+# Config: every field is a command-line flag (``total_frames`` -> ``--total-frames``).
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Config:
+    env_id: str = "HalfCheetah-v5"
+    collector: str = "asyncpool"          # "asyncpool" (AsyncPoolCollector) or "torchrl" (Collector(ParallelEnv))
+    num_envs: int = 16
+    frames_per_batch: int = 2048          # transitions per collector batch (= per PPO iteration)
+    total_frames: int = 1_000_000
+    target_return: float = 1500.0         # the frames at which the mean of the last `window` episodes reaches it
+                                          # are reported (and training stops there with --stop-at-target true)
+    stop_at_target: bool = False
+    window: int = 20                      # episodes in the moving mean of the return
+    # PPO (TorchRL's sota-implementations/ppo/config_mujoco.yaml)
+    lr: float = 3e-4
+    anneal_lr: bool = True                # linear to 0 over the network updates of total_frames
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    epochs: int = 10
+    minibatch_size: int = 64
+    clip_eps: float = 0.2
+    critic_coef: float = 0.25
+    ent_coef: float = 0.0
+    max_grad_norm: float = 0.0            # > 0: clip the gradient norm (TorchRL's recipe does not)
+    hidden: int = 64
+    normalize_obs: bool = True            # running observation statistics in the model (see the docstring)
+    # evaluation at the end (torchrl_asyncpool.evaluation.evaluate, deterministic actions)
+    eval_episodes: int = 5
+    eval_max_steps: int = 1000            # steps after which an evaluation episode is cut
+    # collector options (--collector asyncpool)
+    remote_address: str = ""              # "HOST:PORT": the envs run in env hosts that connect there over gRPC
+    ray_hosts: int = 0                    # with remote_address: start the hosts as this many Ray actors
+                                          # (num_envs / ray_hosts envs each), on RAY_ADDRESS's cluster or a local one
+    on_env_failure: str = "raise"         # "restart": an env that raises is rebuilt and training goes on
+    step_timeout: float = 0.0             # seconds an env step may take before its worker is killed; 0: no limit
+    seed: int = 0
+    # logging
+    log_dir: str = "runs"
+    exp_name: str = ""                    # default: ppo_mujoco_<collector>_<time>
+    plot_path: str = ""                   # default: <log_dir>/<exp_name>/ppo_mujoco.png
+    progress: bool = True
+
+
+def parse_config(argv=None) -> Config:
+    parser = config_parser(Config, __file__, __doc__)  # one flag per field, its comment as help
+    cfg = Config(**vars(parser.parse_args(argv)))
+    for name in ("num_envs", "frames_per_batch", "total_frames", "window", "epochs", "minibatch_size", "hidden"):
+        if getattr(cfg, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}.")
+    for name in ("gamma", "gae_lambda"):
+        if not 0.0 <= getattr(cfg, name) <= 1.0:
+            parser.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(cfg, name)}.")
+    if cfg.collector not in ("asyncpool", "torchrl"):
+        parser.error(f"--collector must be 'asyncpool' or 'torchrl', got {cfg.collector!r}.")
+    if cfg.collector == "torchrl" and cfg.frames_per_batch % cfg.num_envs:
+        parser.error(f"--collector torchrl: --frames-per-batch {cfg.frames_per_batch} must be a multiple of "
+                     f"--num-envs {cfg.num_envs}.")
+    if cfg.collector == "torchrl" and (cfg.remote_address or cfg.on_env_failure != "raise" or cfg.step_timeout):
+        parser.error("--remote-address, --on-env-failure and --step-timeout are AsyncPoolCollector options.")
+    if cfg.ray_hosts and (not cfg.remote_address or cfg.ray_hosts < 0 or cfg.num_envs % cfg.ray_hosts):
+        parser.error(f"--ray-hosts {cfg.ray_hosts} needs --remote-address HOST:PORT and a --num-envs it divides.")
+    if cfg.remote_address and not cfg.ray_hosts:
+        parser.error("--remote-address needs --ray-hosts N (or hosts you start: `torchrl-asyncpool env-host` "
+                     "serves gymnasium.make(env_id), whose float64 observations differ from this script's).")
+    if cfg.on_env_failure not in ("raise", "restart"):
+        parser.error(f"--on-env-failure must be 'raise' or 'restart', got {cfg.on_env_failure!r}.")
+    if cfg.step_timeout < 0:
+        parser.error(f"--step-timeout must be >= 0 (0: no limit), got {cfg.step_timeout}.")
+    if cfg.remote_address and (cfg.on_env_failure == "restart" or cfg.step_timeout):
+        parser.error("--on-env-failure restart and --step-timeout act on local envs: not with --remote-address.")
+    if cfg.eval_episodes < 0 or cfg.eval_max_steps < 1:
+        parser.error("--eval-episodes must be >= 0 and --eval-max-steps >= 1.")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Model (TorchRL's ppo/utils_mujoco.py, plus the observation normaliser)
+# ----------------------------------------------------------------------------------------------
+def make_ppo_models(obs_dim: int, action_spec, hidden: int, normalize_obs: bool):
+    norm = RunningObsNorm(obs_dim) if normalize_obs else torch.nn.Identity()
+    n_act = action_spec.shape[-1]
+    policy_mlp = MLP(in_features=obs_dim, out_features=n_act, num_cells=[hidden, hidden],
+                     activation_class=torch.nn.Tanh)
+    for layer in policy_mlp.modules():
+        if isinstance(layer, torch.nn.Linear):
+            torch.nn.init.orthogonal_(layer.weight, 1.0)
+            layer.bias.data.zero_()
+    actor = ProbabilisticActor(
+        TensorDictModule(torch.nn.Sequential(norm, policy_mlp, AddStateIndependentNormalScale(n_act, scale_lb=1e-8)),
+                         in_keys=["observation"], out_keys=["loc", "scale"]),
+        in_keys=["loc", "scale"], spec=action_spec, distribution_class=TanhNormal,
+        distribution_kwargs={"low": action_spec.space.low, "high": action_spec.space.high, "tanh_loc": False},
+        return_log_prob=True, default_interaction_type=ExplorationType.RANDOM,
+    )
+    value_mlp = MLP(in_features=obs_dim, out_features=1, num_cells=[hidden, hidden], activation_class=torch.nn.Tanh)
+    for layer in value_mlp.modules():
+        if isinstance(layer, torch.nn.Linear):
+            torch.nn.init.orthogonal_(layer.weight, 0.01)
+            layer.bias.data.zero_()
+    critic = ValueOperator(torch.nn.Sequential(norm, value_mlp), in_keys=["observation"])
+    return actor, critic, norm
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+def main(argv=None) -> dict:
+    cfg = parse_config(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    exp_name = cfg.exp_name or time.strftime(f"ppo_mujoco_{cfg.collector}_%Y%m%d-%H%M%S")
+    logger = CSVLogger(exp_name=exp_name, log_dir=cfg.log_dir)
+    logger.log_hparams(dataclasses.asdict(cfg))
+    plot_path = cfg.plot_path or os.path.join(cfg.log_dir, exp_name, "ppo_mujoco.png")
+
+    probe = make_torchrl_mujoco_env(cfg.env_id)
+    obs_dim = probe.observation_spec["observation"].shape[-1]
+    action_spec = probe.full_action_spec_unbatched["action"]
+    probe.close()
+    actor, critic, norm = make_ppo_models(obs_dim, action_spec, cfg.hidden, cfg.normalize_obs)
+    loss_module = ClipPPOLoss(actor, critic, clip_epsilon=cfg.clip_eps, entropy_bonus=cfg.ent_coef > 0,
+                              entropy_coeff=cfg.ent_coef, critic_coeff=cfg.critic_coef, loss_critic_type="l2",
+                              normalize_advantage=True)
+    # GAE along the grouped batch; the trajectory cuts are the "seg_end" key (episode end or end of an env's run)
+    adv_module = GAE(gamma=cfg.gamma, lmbda=cfg.gae_lambda, value_network=critic, average_gae=False)
+    adv_module.set_keys(done="seg_end")
+    optim = torch.optim.Adam(loss_module.parameters(), lr=cfg.lr, eps=1e-5)
+    updates_per_batch = cfg.epochs * -(-cfg.frames_per_batch // cfg.minibatch_size)
+    total_updates = -(-cfg.total_frames // cfg.frames_per_batch) * updates_per_batch
+
+    ray_hosts = None
+    if cfg.collector == "torchrl":
+        from torchrl.collectors import Collector
+        from torchrl.envs import EnvCreator, ParallelEnv
+
+        env = ParallelEnv(cfg.num_envs, EnvCreator(functools.partial(make_torchrl_mujoco_env, cfg.env_id)))
+        collector = Collector(env, actor, frames_per_batch=cfg.frames_per_batch, total_frames=cfg.total_frames,
+                              auto_register_policy_transforms=False)
+        collector.set_seed(cfg.seed)
+    else:
+        factories = [functools.partial(make_mujoco_env, cfg.env_id)] * cfg.num_envs
+        if cfg.remote_address:  # slots fed by env hosts in Ray actors (torchrl_asyncpool.remote)
+            import ray
+
+            from torchrl_asyncpool.remote import RemoteEnvSlot
+            from torchrl_asyncpool.remote.ray import RayEnvHosts
+
+            gym_probe = make_mujoco_env(cfg.env_id)
+            factories = [functools.partial(RemoteEnvSlot, cfg.remote_address, gym_probe.observation_space,
+                                           gym_probe.action_space)] * cfg.num_envs
+            gym_probe.close()
+            if not ray.is_initialized():
+                ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+            ray_hosts = RayEnvHosts(functools.partial(make_mujoco_env, cfg.env_id),
+                                    [cfg.remote_address] * cfg.ray_hosts, protocol=1,
+                                    envs_per_host=cfg.num_envs // cfg.ray_hosts, num_cpus=0).start()
+        try:
+            collector = AsyncPoolCollector(
+                factories,
+                policy=copy.deepcopy(actor),  # the acting copy, in the collector's policy thread
+                frames_per_batch=cfg.frames_per_batch,
+                total_frames=cfg.total_frames,
+                seed=None if cfg.remote_address else cfg.seed,  # env i's first reset: seed + i
+                on_env_failure=cfg.on_env_failure,
+                step_timeout=cfg.step_timeout or None,
+            )
+        except BaseException:
+            if ray_hosts is not None:
+                ray_hosts.stop()
+            raise
+
+    tracker = EpisodeTracker(cfg.num_envs)
+    recent = deque(maxlen=cfg.window)
+    curve_frames, curve_returns = [], []
+    frames, updates, wait_s, reached_at = 0, 0, 0.0, None
+    pbar = tqdm.tqdm(total=cfg.total_frames, unit="frames", disable=not cfg.progress, dynamic_ncols=True)
+    t0 = time.monotonic()
+    batches = iter(collector)
+    try:
+        while True:
+            t_wait = time.monotonic()
+            batch = next(batches, None)  # the learner waits for data here
+            wait_s += time.monotonic() - t_wait
+            if batch is None:
+                break
+            n = batch.numel()
+            frames += n
+            if cfg.collector == "torchrl":  # [num_envs, T] -> env by env, as group_by_env lays ours out
+                batch = batch.reshape(-1)
+                batch["env_index"] = torch.arange(cfg.num_envs).repeat_interleave(n // cfg.num_envs)
+                lag = 0.0
+            else:
+                lag = (collector.policy_version - batch["policy_version"]).float().mean().item()
+                batch = group_by_env(batch)
+            new_returns = tracker.update(batch)
+            recent.extend(new_returns)
+            curve_frames += [frames] * len(new_returns)
+            curve_returns += new_returns
+
+            # --- GAE on each env's run (episode end or end of the run cuts the recursion) -----
+            batch["next", "seg_end"] = segment_ends(batch)
+            with torch.no_grad():
+                adv_module(batch)
+
+            # --- PPO epochs ---------------------------------------------------------------------
+            stats = []
+            for _ in range(cfg.epochs):
+                for idx in torch.randperm(n).split(cfg.minibatch_size):
+                    if idx.numel() < 2:  # a minibatch of one (a short last batch): its advantage std is NaN
+                        continue
+                    if cfg.anneal_lr:
+                        optim.param_groups[0]["lr"] = cfg.lr * max(0.0, 1.0 - updates / total_updates)
+                    loss = loss_module(batch[idx])
+                    total = loss["loss_objective"] + loss["loss_critic"]
+                    if "loss_entropy" in loss.keys():
+                        total = total + loss["loss_entropy"]
+                    optim.zero_grad()
+                    total.backward()
+                    if cfg.max_grad_norm > 0:
+                        torch.nn.utils.clip_grad_norm_(loss_module.parameters(), cfg.max_grad_norm)
+                    optim.step()
+                    updates += 1
+                    stats.append(torch.stack([loss[k].detach().mean() for k in
+                                              ("loss_objective", "loss_critic", "kl_approx", "clip_fraction")]))
+            if cfg.normalize_obs:  # after the epochs: the statistics the next batch is collected with
+                norm.update(batch["observation"])
+            if cfg.collector == "torchrl":
+                collector.update_policy_weights_()  # the collector holds `actor` itself
+            else:
+                collector.update_policy_weights_(actor.state_dict())  # a copy, then a new policy version
+
+            # --- logging ------------------------------------------------------------------------
+            elapsed = time.monotonic() - t0
+            mean_ret = sum(recent) / len(recent) if recent else float("nan")
+            s = torch.stack(stats).mean(0).tolist()
+            metrics = {
+                "mean_return": mean_ret, "episodes": len(curve_returns), "frames": frames, "fps": frames / elapsed,
+                "updates": updates, "updates_per_s": updates / elapsed, "learner_wait_share": wait_s / elapsed,
+                "policy_lag": lag, "loss_policy": s[0], "loss_value": s[1], "approx_kl": s[2], "clip_fraction": s[3],
+                "lr": optim.param_groups[0]["lr"], "time_s": elapsed,
+            }
+            if new_returns:
+                metrics["batch_return"] = sum(new_returns) / len(new_returns)
+            for k, v in metrics.items():
+                logger.log_scalar(k, v, step=frames)
+            postfix = {"ret": f"{mean_ret:.0f}", "fps": f"{frames / elapsed:.0f}", "wait": f"{wait_s / elapsed:.2f}"}
+            if cfg.collector == "asyncpool":
+                collector.log_metrics(logger, step=frames)  # collector/pool/... and collector/server/...
+                pool = collector.pool_metrics()
+                postfix.update(fill=f"{pool['batch_fill_ratio']:.2f}", lag=f"{lag:.1f}")
+                if pool.get("env_restarts"):
+                    postfix["restarts"] = pool["env_restarts"]
+            pbar.update(n)
+            pbar.set_postfix(**postfix)
+            if reached_at is None and len(recent) == cfg.window and mean_ret >= cfg.target_return:
+                reached_at = (frames, elapsed)
+                if cfg.stop_at_target:
+                    break
+    finally:
+        pbar.close()
+        collector.shutdown()
+        if ray_hosts is not None:
+            ray_hosts.stop()
+    elapsed = time.monotonic() - t0
+    mean_ret = sum(recent) / len(recent) if recent else float("nan")
+
+    eval_return = float("nan")
+    if cfg.eval_episodes:
+        from torchrl_asyncpool.evaluation import Episode, evaluate
+
+        episodes = [Episode(f"eval-{i}", seed=10_000 + cfg.seed + i, max_steps=cfg.eval_max_steps)
+                    for i in range(cfg.eval_episodes)]
+        results = evaluate(functools.partial(make_mujoco_env, cfg.env_id), copy.deepcopy(actor), episodes,
+                           num_envs=min(cfg.eval_episodes, 4))
+        eval_return = sum(r.episode_return for r in results) / len(results)
+        logger.log_scalar("eval_return", eval_return, step=frames)
+
+    plot_curve(curve_frames, curve_returns, cfg.window, cfg.target_return, plot_path,
+               f"PPO {cfg.env_id} ({cfg.num_envs} envs, {cfg.collector})")
+    if reached_at is not None:
+        print(f"Target {cfg.target_return:g} reached: mean return of the last {cfg.window} episodes "
+              f">= {cfg.target_return:g} after {reached_at[0]} frames in {reached_at[1]:.1f}s.")
+    print(f"{frames} frames, {updates} updates in {elapsed:.1f}s: {frames / elapsed:.0f} frames/s, "
+          f"{updates / elapsed:.1f} updates/s, learner waited {100 * wait_s / elapsed:.0f}% of the time; "
+          f"mean return of the last {len(recent)} episodes {mean_ret:.1f}, evaluation {eval_return:.1f}.")
+    print(f"Logs: {os.path.join(cfg.log_dir, exp_name)}  Curve: {plot_path}")
+    return {"frames": frames, "updates": updates, "time_s": elapsed, "fps": frames / elapsed,
+            "learner_wait_share": wait_s / elapsed, "mean_return": mean_ret, "eval_return": eval_return,
+            "reached": reached_at is not None, "reached_at": reached_at,
+            "log_dir": os.path.join(cfg.log_dir, exp_name), "plot_path": plot_path}
+
+
+if __name__ == "__main__":
+    main()

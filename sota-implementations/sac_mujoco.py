@@ -1,0 +1,384 @@
+"""SAC on HalfCheetah-v5 (MuJoCo) with :class:`torchrl_asyncpool.AsyncPoolCollector` filling a replay buffer.
+
+Off-policy loop: ``collector.start()`` collects in a background thread and writes every batch
+to a TorchRL ``TensorDictReplayBuffer`` (the collector's ``replay_buffer=`` argument), while the
+learner samples minibatches of 256 from it and takes SAC steps (TorchRL's ``SACLoss``: two Q
+networks, target Q networks by Polyak averaging (0.995), learned temperature, 256x256 ReLU
+networks, ``TanhNormal`` actor; TorchRL's ``sota-implementations/sac`` defaults: lr 3e-4,
+25,000 random frames first, 1M frames, 1M-transition buffer).
+
+The learner keeps the update-to-data ratio at ``utd`` gradient steps per collected frame
+(after ``init_random_frames``), so the result does not depend on the machine's speed: it waits
+when it is ahead of the data (``learner_wait_share``: the share of wall-clock time spent
+waiting), and pauses the collector (``with collector.pause():``) when it falls more than
+``max_lead_frames`` behind (``collector_idle_share``: the share of wall-clock time the
+collector was paused). The acting policy is a copy of the actor served by the collector's
+policy thread, acting uniformly at random until ``init_random_frames`` (as TorchRL's
+``init_random_frames``) and refreshed every ``actor_update_interval`` gradient steps.
+
+``--collector torchrl`` interleaves TorchRL's ``Collector(ParallelEnv(8, ...))`` batches of
+1,000 frames and ``1000 * utd`` updates, as TorchRL's ``sac.py`` does: there the learner waits
+while the envs step (``learner_wait_share``: the collection time) and the envs wait while the
+learner trains (``collector_idle_share``: the training time).
+
+Threads on the 2-core development machine: the learner runs with ``torch.set_num_threads(1)``
+(a 256x256 MLP on batches of 256 gains little from a second thread, and that core is needed by
+the envs); the collector's policy thread uses one torch thread (``policy_num_threads=1``, its
+default) and with the collector's default affinity (``"auto"``) it is pinned to the first CPU
+and the env worker processes to the others; the learner thread is not pinned. At ``utd=1`` the
+learner is the bottleneck (SAC's gradient steps cost far more than stepping HalfCheetah), so the
+collector spends most of the time paused, and pausing frees the envs' core for the learner.
+
+Run::
+
+    python sota-implementations/sac_mujoco.py                          # 8 envs, utd 1, 1M frames
+    python sota-implementations/sac_mujoco.py --collector torchrl      # TorchRL's Collector(ParallelEnv(8))
+    python sota-implementations/sac_mujoco.py --total-frames 50000 --init-random-frames 5000 --log-dir /tmp/runs
+
+What was measured (2-core development machine shared with other jobs, no GPU; see
+``sota-implementations/README.md`` for the commit and date): only short smoke runs, no
+training run to a return.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import os
+import threading
+import time
+
+import torch
+import torch.nn as nn
+import tqdm
+from tensordict import TensorDict
+from tensordict.nn import InteractionType, NormalParamExtractor, TensorDictModule
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
+from torchrl.objectives import SACLoss, SoftUpdate
+from torchrl.record.loggers.csv import CSVLogger
+
+from torchrl_asyncpool import AsyncPoolCollector
+from torchrl_asyncpool.examples.batches import EpisodeTracker
+from torchrl_asyncpool.examples.envs import make_mujoco_env, make_torchrl_mujoco_env
+from torchrl_asyncpool.examples.plots import plot_curve
+from torchrl_asyncpool.examples.script_config import config_parser
+
+
+# ----------------------------------------------------------------------------------------------
+# Config: every field is a command-line flag (``total_frames`` -> ``--total-frames``).
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Config:
+    env_id: str = "HalfCheetah-v5"
+    collector: str = "asyncpool"          # "asyncpool" (AsyncPoolCollector.start()) or "torchrl"
+                                          # (TorchRL's Collector(ParallelEnv), batches and updates interleaved)
+    num_envs: int = 8
+    frames_per_batch: int = 1000          # transitions per replay-buffer write
+    total_frames: int = 1_000_000
+    init_random_frames: int = 25_000      # uniformly random actions, no update, until then
+    target_return: float = 5000.0         # drawn on the plot; the frames at which the mean of the last `window`
+                                          # episodes reaches it are reported
+    window: int = 20                      # episodes in the moving mean of the return
+    # SAC (TorchRL's sota-implementations/sac/config.yaml)
+    buffer_size: int = 1_000_000
+    batch_size: int = 256
+    utd: float = 1.0                      # gradient steps per collected frame (after init_random_frames)
+    max_lead_frames: int = 2_000          # asyncpool: the collector pauses when it is this far ahead of the learner
+    actor_update_interval: int = 25       # asyncpool: gradient steps between acting-policy weight pushes
+    lr: float = 3e-4
+    gamma: float = 0.99
+    polyak: float = 0.995                 # target <- polyak * target + (1 - polyak) * online
+    alpha_init: float = 1.0
+    hidden: int = 256
+    # evaluation at the end (torchrl_asyncpool.evaluation.evaluate, deterministic actions)
+    eval_episodes: int = 5
+    eval_max_steps: int = 1000            # steps after which an evaluation episode is cut
+    on_env_failure: str = "raise"         # asyncpool: "restart": an env that raises is rebuilt and training goes on
+    step_timeout: float = 0.0             # asyncpool: seconds an env step may take before its worker is killed
+    seed: int = 0
+    # logging
+    log_interval: int = 1000              # frames between log lines (and the progress bar's updates)
+    log_dir: str = "runs"
+    exp_name: str = ""                    # default: sac_mujoco_<collector>_<time>
+    plot_path: str = ""                   # default: <log_dir>/<exp_name>/sac_mujoco.png
+    progress: bool = True
+
+
+def parse_config(argv=None) -> Config:
+    parser = config_parser(Config, __file__, __doc__)  # one flag per field, its comment as help
+    cfg = Config(**vars(parser.parse_args(argv)))
+    for name in ("num_envs", "frames_per_batch", "total_frames", "window", "buffer_size", "batch_size",
+                 "max_lead_frames", "actor_update_interval", "hidden", "log_interval"):
+        if getattr(cfg, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}.")
+    if not 0.0 <= cfg.gamma <= 1.0 or not 0.0 <= cfg.polyak < 1.0:
+        parser.error("--gamma must be in [0, 1] and --polyak in [0, 1).")
+    if cfg.utd <= 0 or cfg.init_random_frames < 0:
+        parser.error("--utd must be > 0 and --init-random-frames >= 0.")
+    if cfg.collector not in ("asyncpool", "torchrl"):
+        parser.error(f"--collector must be 'asyncpool' or 'torchrl', got {cfg.collector!r}.")
+    if cfg.collector == "torchrl" and (cfg.frames_per_batch % cfg.num_envs or cfg.on_env_failure != "raise"
+                                       or cfg.step_timeout):
+        parser.error("--collector torchrl: --frames-per-batch must be a multiple of --num-envs; "
+                     "--on-env-failure and --step-timeout are AsyncPoolCollector options.")
+    if cfg.on_env_failure not in ("raise", "restart"):
+        parser.error(f"--on-env-failure must be 'raise' or 'restart', got {cfg.on_env_failure!r}.")
+    if cfg.step_timeout < 0:
+        parser.error(f"--step-timeout must be >= 0 (0: no limit), got {cfg.step_timeout}.")
+    if cfg.eval_episodes < 0 or cfg.eval_max_steps < 1:
+        parser.error("--eval-episodes must be >= 0 and --eval-max-steps >= 1.")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Model (TorchRL's sac/utils.py)
+# ----------------------------------------------------------------------------------------------
+def make_sac_models(obs_dim: int, action_spec, hidden: int):
+    n_act = action_spec.shape[-1]
+    actor_net = nn.Sequential(
+        MLP(in_features=obs_dim, out_features=2 * n_act, num_cells=[hidden, hidden], activation_class=nn.ReLU),
+        NormalParamExtractor(scale_mapping="biased_softplus_1.0", scale_lb=0.1),
+    )
+    actor = ProbabilisticActor(
+        TensorDictModule(actor_net, in_keys=["observation"], out_keys=["loc", "scale"]),
+        in_keys=["loc", "scale"], spec=action_spec, distribution_class=TanhNormal,
+        distribution_kwargs={"low": action_spec.space.low, "high": action_spec.space.high, "tanh_loc": False},
+        default_interaction_type=InteractionType.RANDOM, return_log_prob=False,
+    )
+    qvalue = ValueOperator(MLP(in_features=obs_dim + n_act, out_features=1, num_cells=[hidden, hidden],
+                               activation_class=nn.ReLU), in_keys=["action", "observation"])
+    return actor, qvalue
+
+
+class SACActing(nn.Module):
+    """The acting policy (``TensorDict -> TensorDict``, writes ``"action"`` only): uniform in the
+    action box while ``random`` (the learner clears it after ``init_random_frames``), else a sample
+    of the actor."""
+
+    def __init__(self, actor: nn.Module, low: torch.Tensor, high: torch.Tensor):
+        super().__init__()
+        self.actor = actor
+        self.low, self.high = low.clone(), high.clone()  # not buffers: the weights pushed are the actor's
+        self.random = True  # a flag the learner overwrites; read by the collector's policy thread
+
+    def forward(self, td: TensorDict) -> TensorDict:
+        if self.random:
+            u = torch.rand(*td.batch_size, *self.low.shape)
+            return td.set("action", self.low + (self.high - self.low) * u)
+        return td.set("action", self.actor(td.select("observation"))["action"])
+
+
+class Stats:
+    """What the collection reports to the learner (written in the collector's thread)."""
+
+    def __init__(self, num_envs: int):
+        self.lock = threading.Lock()
+        self.frames = 0
+        self.tracker = EpisodeTracker(num_envs)
+        self.curve_frames: list[int] = []
+        self.curve_returns: list[float] = []
+
+    def __call__(self, batch: TensorDict) -> None:  # AsyncPoolCollector's post_collect_hook
+        returns = self.tracker.update(batch)
+        with self.lock:
+            self.frames += batch.numel()
+            self.curve_frames += [self.frames] * len(returns)
+            self.curve_returns += returns
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+def main(argv=None) -> dict:
+    cfg = parse_config(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    exp_name = cfg.exp_name or time.strftime(f"sac_mujoco_{cfg.collector}_%Y%m%d-%H%M%S")
+    logger = CSVLogger(exp_name=exp_name, log_dir=cfg.log_dir)
+    logger.log_hparams(dataclasses.asdict(cfg))
+    plot_path = cfg.plot_path or os.path.join(cfg.log_dir, exp_name, "sac_mujoco.png")
+
+    probe = make_torchrl_mujoco_env(cfg.env_id)
+    obs_dim = probe.observation_spec["observation"].shape[-1]
+    action_spec = probe.full_action_spec_unbatched["action"]
+    probe.close()
+    actor, qvalue = make_sac_models(obs_dim, action_spec, cfg.hidden)
+    loss_module = SACLoss(actor_network=actor, qvalue_network=qvalue, num_qvalue_nets=2, loss_function="l2",
+                          delay_actor=False, delay_qvalue=True, alpha_init=cfg.alpha_init)
+    loss_module.make_value_estimator(gamma=cfg.gamma)
+    target_updater = SoftUpdate(loss_module, eps=cfg.polyak)
+    optim_actor = torch.optim.Adam(loss_module.actor_network_params.flatten_keys().values(), lr=cfg.lr)
+    optim_critic = torch.optim.Adam(loss_module.qvalue_network_params.flatten_keys().values(), lr=cfg.lr)
+    optim_alpha = torch.optim.Adam([loss_module.log_alpha], lr=3e-4)
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(cfg.buffer_size), batch_size=cfg.batch_size)
+
+    stats = Stats(cfg.num_envs)
+    updates, wait_s, idle_s, pauses = 0, 0.0, 0.0, 0
+    losses = []
+    pbar = tqdm.tqdm(total=cfg.total_frames, unit="frames", disable=not cfg.progress, dynamic_ncols=True)
+
+    def gradient_step() -> None:
+        nonlocal updates
+        loss = loss_module(rb.sample())
+        total = loss["loss_actor"] + loss["loss_qvalue"] + loss["loss_alpha"]
+        for opt in (optim_actor, optim_critic, optim_alpha):
+            opt.zero_grad()
+        total.backward()
+        for opt in (optim_actor, optim_critic, optim_alpha):
+            opt.step()
+        target_updater.step()
+        updates += 1
+        losses.append(torch.stack([loss[k].detach() for k in ("loss_actor", "loss_qvalue", "loss_alpha", "alpha",
+                                                               "entropy")]))
+
+    def log(t0: float, collector) -> tuple[int, float, int]:
+        with stats.lock:
+            frames = stats.frames
+            recent = stats.curve_returns[-cfg.window:]
+            n_episodes = len(stats.curve_returns)
+        mean_ret = sum(recent) / len(recent) if recent else float("nan")
+        elapsed = time.monotonic() - t0
+        metrics = {
+            "mean_return": mean_ret, "episodes": n_episodes, "frames": frames, "fps": frames / elapsed,
+            "updates": updates, "updates_per_s": updates / elapsed, "utd_measured": updates / max(1, frames),
+            "learner_wait_share": wait_s / elapsed, "collector_idle_share": idle_s / elapsed,
+            "collector_pauses": pauses, "buffer_size": len(rb), "time_s": elapsed,
+        }
+        if losses:
+            s = torch.stack(losses).mean(0).tolist()
+            metrics.update(zip(("loss_actor", "loss_qvalue", "loss_alpha", "alpha", "entropy"), s))
+            losses.clear()
+        for k, v in metrics.items():
+            logger.log_scalar(k, v, step=frames)
+        postfix = {"ret": f"{mean_ret:.0f}", "fps": f"{frames / elapsed:.0f}", "ups": f"{updates / elapsed:.0f}",
+                   "wait": f"{wait_s / elapsed:.2f}", "idle": f"{idle_s / elapsed:.2f}"}
+        if cfg.collector == "asyncpool" and collector is not None:
+            collector.log_metrics(logger, step=frames)  # collector/pool/... and collector/server/...
+        pbar.update(frames - pbar.n)
+        pbar.set_postfix(**postfix)
+        return frames, mean_ret, len(recent)
+
+    if cfg.collector == "torchrl":
+        from torchrl.collectors import Collector
+        from torchrl.envs import EnvCreator, ParallelEnv
+
+        env = ParallelEnv(cfg.num_envs, EnvCreator(functools.partial(make_torchrl_mujoco_env, cfg.env_id)))
+        collector = Collector(env, actor, frames_per_batch=cfg.frames_per_batch, total_frames=cfg.total_frames,
+                              init_random_frames=cfg.init_random_frames, auto_register_policy_transforms=False)
+        collector.set_seed(cfg.seed)
+        t0 = time.monotonic()
+        batches = iter(collector)
+        try:
+            while True:
+                t_wait = time.monotonic()
+                batch = next(batches, None)  # the learner waits while the envs step
+                wait_s += time.monotonic() - t_wait
+                if batch is None:
+                    break
+                t_train = time.monotonic()  # the envs wait while the learner trains
+                n = batch.numel()
+                batch = batch.reshape(-1)  # [num_envs, T] -> env by env
+                batch["env_index"] = torch.arange(cfg.num_envs).repeat_interleave(n // cfg.num_envs)
+                stats(batch)
+                rb.extend(batch)
+                if stats.frames >= cfg.init_random_frames:
+                    for _ in range(int(n * cfg.utd)):
+                        gradient_step()
+                collector.update_policy_weights_()  # the collector holds `actor` itself
+                idle_s += time.monotonic() - t_train
+                log(t0, collector)
+        finally:
+            pbar.close()
+            collector.shutdown()
+    else:
+        acting = SACActing(copy.deepcopy(actor), action_spec.space.low, action_spec.space.high)
+        collector = AsyncPoolCollector(
+            [functools.partial(make_mujoco_env, cfg.env_id)] * cfg.num_envs,
+            policy=acting,
+            frames_per_batch=cfg.frames_per_batch,
+            total_frames=cfg.total_frames,
+            replay_buffer=rb,
+            post_collect_hook=stats,
+            seed=cfg.seed,  # env i's first reset: seed + i
+            on_env_failure=cfg.on_env_failure,
+            step_timeout=cfg.step_timeout or None,
+        )
+        def acting_weights() -> dict:  # the acting policy's actor is its "actor" submodule
+            return {"actor." + k: v for k, v in actor.state_dict().items()}
+
+        next_log = cfg.log_interval
+        t0 = time.monotonic()
+        collector.start()
+        try:
+            while True:
+                collector.check_errors()  # a crashed worker or a policy error stops the run here
+                frames = stats.frames
+                if acting.random and frames >= cfg.init_random_frames:
+                    acting.random = False
+                due = int((frames - cfg.init_random_frames) * cfg.utd) if frames >= cfg.init_random_frames else 0
+                if frames >= next_log:
+                    next_log = frames + cfg.log_interval
+                    log(t0, collector)
+                if updates >= due:
+                    if frames >= cfg.total_frames:
+                        break
+                    t_wait = time.monotonic()
+                    time.sleep(0.001)  # ahead of the data: wait for the collector
+                    wait_s += time.monotonic() - t_wait
+                    continue
+                if (due - updates) / cfg.utd > cfg.max_lead_frames:
+                    t_pause = time.monotonic()
+                    with collector.pause():  # far behind: stop the envs while the learner catches up
+                        pauses += 1
+                        while updates < due:
+                            gradient_step()
+                            if updates % cfg.actor_update_interval == 0:
+                                collector.update_policy_weights_(acting_weights())
+                    idle_s += time.monotonic() - t_pause
+                else:
+                    gradient_step()
+                if updates % cfg.actor_update_interval == 0:
+                    # a copy of the weights goes to the acting policy (whose actor is its "actor" submodule)
+                    collector.update_policy_weights_(acting_weights())
+        finally:
+            pbar.close()
+            collector.shutdown()
+    frames, _, _ = log(t0, None)  # the last line: the frames and updates at the end
+    elapsed = time.monotonic() - t0
+    recent = stats.curve_returns[-cfg.window:]
+    mean_ret = sum(recent) / len(recent) if recent else float("nan")
+    reached_at = None
+    for i in range(cfg.window - 1, len(stats.curve_returns)):
+        if sum(stats.curve_returns[i - cfg.window + 1: i + 1]) / cfg.window >= cfg.target_return:
+            reached_at = stats.curve_frames[i]
+            break
+
+    eval_return = float("nan")
+    if cfg.eval_episodes:
+        from torchrl_asyncpool.evaluation import Episode, evaluate
+
+        episodes = [Episode(f"eval-{i}", seed=10_000 + cfg.seed + i, max_steps=cfg.eval_max_steps)
+                    for i in range(cfg.eval_episodes)]
+        results = evaluate(functools.partial(make_mujoco_env, cfg.env_id), copy.deepcopy(actor), episodes,
+                           num_envs=min(cfg.eval_episodes, 4))
+        eval_return = sum(r.episode_return for r in results) / len(results)
+        logger.log_scalar("eval_return", eval_return, step=frames)
+
+    plot_curve(stats.curve_frames, stats.curve_returns, cfg.window, cfg.target_return, plot_path,
+               f"SAC {cfg.env_id} ({cfg.num_envs} envs, {cfg.collector}, utd {cfg.utd:g})")
+    if reached_at is not None:
+        print(f"Mean return of {cfg.window} episodes reached {cfg.target_return:g} after {reached_at} frames.")
+    print(f"{frames} frames, {updates} updates in {elapsed:.1f}s: {frames / elapsed:.0f} frames/s, "
+          f"{updates / elapsed:.1f} updates/s; learner waited {100 * wait_s / elapsed:.0f}% of the time, collector "
+          f"idle {100 * idle_s / elapsed:.0f}% ({pauses} pauses); mean return of the last {len(recent)} episodes "
+          f"{mean_ret:.1f}, evaluation {eval_return:.1f}.")
+    print(f"Logs: {os.path.join(cfg.log_dir, exp_name)}  Curve: {plot_path}")
+    return {"frames": frames, "updates": updates, "time_s": elapsed, "fps": frames / elapsed,
+            "learner_wait_share": wait_s / elapsed, "collector_idle_share": idle_s / elapsed,
+            "mean_return": mean_ret, "eval_return": eval_return, "reached_at": reached_at,
+            "log_dir": os.path.join(cfg.log_dir, exp_name), "plot_path": plot_path}
+
+
+if __name__ == "__main__":
+    main()
