@@ -32,7 +32,7 @@ START_METHODS = ("forkserver", "spawn")
 # a script that imports gymnasium: ~10 s on 2 cores). A missing optional module is skipped.
 #: What the fork server imports when it starts (see the comment above).
 PRELOAD = [
-    "__main__", "torchrl_asyncpool.workers.env_worker", "torchrl_asyncpool.inference._process", "torchrl.envs",
+    "__main__", "torchrl_asyncpool.workers.worker", "torchrl_asyncpool.inference._process", "torchrl.envs",
     "gymnasium",
 ]
 

@@ -230,9 +230,11 @@ def step_group(exchange: str):
     for the Python loop (``exchange="python"`` or the engine not built).
 
     The function, ``step_group(stepper, fast, start, idx, sts, rewards, times, slow_s, hold_s)``,
-    steps ``fast[start:]`` (one tuple per slot, see ``workers.env_worker._fast_step``), copies
-    each observation into its slot's row and appends each record to the four staging lists of
-    a :class:`~torchrl_asyncpool.workers.record_writer.RecordWriter`, as its ``add`` does; it
+    steps ``fast[start:]`` (one tuple per slot, see ``workers.stepper._fast_step``), copies
+    each observation into its slot's row and appends each record to the four staging lists a
+    :class:`~torchrl_asyncpool.workers.record_writer.RecordWriter` hands out for it
+    (``RecordWriter.plain_staging``: only while its ``add`` would append nothing more, i.e.
+    no recurrent inputs and no restart flags), as its ``add`` does; it
     stops after a step slower than ``slow_s`` or once ``hold_s`` has passed, and returns
     ``(stepped, positions of the slots whose episode ended)``. A step that raises sets
     ``stepper.current`` to its slot's index and propagates.

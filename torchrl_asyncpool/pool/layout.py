@@ -11,7 +11,7 @@ import torch
 
 from torchrl_asyncpool.exchange.arena import CARRY_KEY, ArenaLayout, as_key
 from torchrl_asyncpool.envs.adapters import make_adapter
-from torchrl_asyncpool.workers.env_worker import RESTARTED_KEY
+from torchrl_asyncpool.workers.record_writer import RESTARTED_KEY
 from torchrl_asyncpool.envs.torchrl_vector_hosting import synchronous_vector_envs
 
 

@@ -18,7 +18,7 @@ from torchrl_asyncpool.errors import EnvError, PoolStartCancelled, WorkerDiedErr
 from torchrl_asyncpool._sys.descriptors import InheritedFd
 from torchrl_asyncpool._sys.forkserver import exit_code, forkserver_context, picklable
 from torchrl_asyncpool._sys.descriptors import ship_fds
-from torchrl_asyncpool.workers.env_worker import run_worker, worker_main
+from torchrl_asyncpool.workers.worker import run_worker, worker_main
 from torchrl_asyncpool.workers.thread_worker import ThreadWorker
 
 #: how often a start-up with ``cancel_start`` asks it

@@ -7,15 +7,21 @@ life on the worker side::
 
     the env's step writes the observation into the slot's request rows (the adapter's step_into)
     writer.add(i, ...)       stages slot i's step type, reward and step time (and, at once, its
-                             recurrent inputs and restart flag)
-    writer.add_block(...)    the same for a block of adjacent slots (a vector env), stored at once
+                             recurrent inputs and restart flag): the one way in for a row
+    writer.add_block(...)    the same for a block of adjacent slots (a vector env), stored at
+                             once: the one way in for a block
     writer.store()           writes the staged records' fields: one store per array for a group
     [the chunk copy of the record (``delivery``) reads the rows here]
     writer.publish()         ready times, then OBS_READY (after the data), then one ring of the
                              consumer's doorbell for the whole lot
 
 A record is visible to the consumer only after :meth:`RecordWriter.publish`; until then its rows
-are the worker's. The C stores of :func:`~torchrl_asyncpool.exchange.native.pass_stores` do the
+are the worker's. The C steps of a pass (:func:`~torchrl_asyncpool.exchange.native.step_group`)
+stage their rows without calling :meth:`~RecordWriter.add` once per record: they append to
+the lists :meth:`~RecordWriter.plain_staging` hands out, which it does only while ``add`` is
+nothing but those appends (no recurrent inputs, no restart flags: :attr:`~RecordWriter.plain`).
+
+The C stores of :func:`~torchrl_asyncpool.exchange.native.pass_stores` do the
 stores and the publish when the engine is built; numpy's stores (the reference) otherwise, with
 the same result.
 """
@@ -75,6 +81,10 @@ class RecordWriter:
         # staged single records, not yet stored: slot, step type, reward, step seconds
         self._idx, self._sts, self._rewards, self._times = [], [], [], []
         self._idx_buf = np.empty(n, np.int64)  # the staged slots as the int64 buffer the C stores take
+        # add() writes nothing but the four staging lists: no recurrent inputs to feed back, no
+        # restart flags to keep (the one condition under which plain_staging hands them out)
+        self.plain = not self.recurrent and self.restarted is None
+        self._staging = (self._idx, self._sts, self._rewards, self._times)
         self._stored = []  # stored single records awaiting publish (slot indices)
         self._blocks = []  # stored blocks awaiting publish (a slice or an index array each)
         self._block_records = 0
@@ -86,16 +96,32 @@ class RecordWriter:
         seconds its step (or reset) took, added to the slot's step timer with one step counted;
         ``restarted``: the record is a restart's (its ``env_restarted`` row is set).
         """
+        if not self.plain:
+            self._add_extras(i, step_type, restarted)
+        self._idx.append(i)
+        self._sts.append(step_type)
+        self._rewards.append(0.0 if reward is None else reward)
+        self._times.append(dt)
+
+    def _add_extras(self, i: int, step_type: int, restarted: bool) -> None:
+        """What :meth:`add` writes besides staging, at once: slot ``i``'s recurrent inputs (its
+        last answered state, zeros on ``FIRST``) and its restart flag."""
         if self.recurrent:
             for hidden_in, hidden_out in self.recurrent:
                 hidden_in[i] = 0 if step_type == _FIRST else hidden_out[i]
         if self.restarted is not None and self._restarted_now[i] != restarted:
             self.restarted[i] = restarted
             self._restarted_now[i] = restarted
-        self._idx.append(i)
-        self._sts.append(step_type)
-        self._rewards.append(0.0 if reward is None else reward)
-        self._times.append(dt)
+
+    def plain_staging(self):
+        """The four lists :meth:`add` appends a record to (slot index, int step type, reward,
+        seconds), for a stager that appends records itself, with :meth:`add`'s contract (a
+        reward of ``None`` staged as ``0.0``, no restart flag): the C steps of a pass
+        (:func:`~torchrl_asyncpool.exchange.native.step_group`). ``None`` unless the writer is
+        :attr:`plain` (``add`` then also writes recurrent inputs or restart flags, and every
+        record must go through it). The records staged there are stored and published with the
+        others (:meth:`store`, :meth:`publish`)."""
+        return self._staging if self.plain else None
 
     def add_block(self, lo: int, step_types: np.ndarray, rewards, dt: float, mask=None,
                   restarted: bool = False) -> None:

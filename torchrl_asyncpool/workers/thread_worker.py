@@ -1,7 +1,7 @@
 """Env workers as threads of the pool's own process (``AsyncEnvPool(backend="threading")``).
 
 A thread worker runs the same worker loop as a worker process
-(:func:`~torchrl_asyncpool.workers.env_worker.run_worker`) on the same shared-memory arena,
+(:func:`~torchrl_asyncpool.workers.worker.run_worker`) on the same shared-memory arena,
 doorbells and chunk buffers, so records, autoreset, delivery and every error path are those of
 the process backend. What differs is only what a process gave for free:
 
@@ -35,7 +35,7 @@ class ThreadWorker:
 
     Args:
         target (callable): the worker loop,
-            :func:`~torchrl_asyncpool.workers.env_worker.run_worker`.
+            :func:`~torchrl_asyncpool.workers.worker.run_worker`.
         args (tuple): its arguments; every :class:`~torchrl_asyncpool.exchange.doorbell.InheritedFd`
             in them (also inside lists and the chunk handle) is replaced by a duplicate that the
             thread owns and closes when it ends.

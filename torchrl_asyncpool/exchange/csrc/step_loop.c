@@ -1,15 +1,17 @@
 /*
- * The pass loop's env steps for plain gymnasium envs, in C (workers/env_worker.py,
+ * The pass loop's env steps for plain gymnasium envs, in C (workers/stepper.py,
  * _Stepper.step_pass). For each env of a group: its action value from the slot's action row,
  * env.step(action), the observation copied into the slot's row, and the record staged in the
- * RecordWriter's lists, as GymnasiumEnvAdapter.step_into and RecordWriter.add do in Python.
+ * lists RecordWriter.plain_staging() hands out (only for a writer whose add() does nothing
+ * more: no recurrent inputs, no restart flags), as GymnasiumEnvAdapter.step_into and
+ * RecordWriter.add do in Python.
  * What stays Python: the env's step itself (a call of its bound method) and the copy of an
  * observation that is not a same-format C-contiguous buffer (numpy converts it). Only the
  * worker's pass-loop thread calls it, with the GIL held throughout.
  */
 #include "native.h"
 
-/* the fields of a slot's fast tuple (env_worker._Slot.bind) */
+/* the fields of a slot's fast tuple (stepper._fast_step) */
 enum { F_INDEX, F_STEP, F_ACTION, F_MAKE_ACTION, F_OBS, F_FIELDS };
 /* the RecordWriter's staging lists, in the order step_group takes them */
 enum { L_IDX, L_STS, L_REWARDS, L_TIMES, L_LISTS };

@@ -1,0 +1,254 @@
+"""A vector env hosting all of a worker's slots, stepped in lockstep (:func:`run_lockstep`).
+
+A pass waits until every slot is answered, then steps all of them with one call, and writes
+their records as one block of adjacent slots (``RecordWriter.add_block``).
+
+A gymnasium vector env autoresets in NEXT_STEP mode: an env that ended last pass ignores its
+action and returns its reset observation, published as ``FIRST`` (no transition). A TorchRL
+batched env does not reset itself (``adapter.autoresets`` is False): the pass after an env ended
+resets only the ended envs and publishes their ``FIRST`` records; the others' answered actions
+wait for the next pass.
+
+With restarts on, a vector env that raises in a step or a reset is rebuilt whole (see
+:meth:`_Lockstep.rebuild`): every open episode of its envs ends with a ``TRUNCATION`` (reward 0,
+``env_restarted``) at its last observation, the envs whose episode had just ended publish
+nothing, and the next pass publishes every env's ``FIRST`` from the new env's reset (marked
+``env_restarted`` for the envs no truncation marked). A replacement worker (the one before it
+died) first cuts the episodes its dead worker left open, one ``TRUNCATION`` each, then publishes
+the new env's ``FIRST`` records the same way.
+
+Each pass is one of four steps, chosen by the state the last pass left: :meth:`_Lockstep.cut`,
+:meth:`_Lockstep.publish_reborn`, :meth:`_Lockstep.reset_ended`, :meth:`_Lockstep.step`.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+
+import numpy as np
+
+from torchrl_asyncpool.exchange import slot_states as S
+from torchrl_asyncpool.step_type import StepType
+from torchrl_asyncpool.workers.hosted_envs import check_life, close_reporting
+
+__all__ = ["run_lockstep"]
+
+_FIRST, _MID, _TERM, _TRUNC = (
+    int(StepType.FIRST), int(StepType.MID), int(StepType.TERMINATION), int(StepType.TRUNCATION)
+)
+
+
+def run_lockstep(worker) -> None:
+    """The loop of ``_Worker.run`` for one vector env (``worker.vector``) hosting all of
+    ``worker``'s slots, until the life pipe hangs up (see the module docstring)."""
+    _Lockstep(worker).run()
+
+
+class _Lockstep:
+    """One vector env's lockstep loop: its rows, views and the episode state of its envs."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.slots, self.delivery = worker.slots, worker.delivery
+        self.stepper = worker.stepper
+        self.writer, self.watcher = self.stepper.writer, self.stepper.watcher
+        self.k, self.lo = k, lo = len(self.slots), self.slots[0].index
+        self.rows = rows = slice(lo, lo + k)
+        req, resp = worker.arena.request, worker.arena.response
+        self.obs_rows = [(key, req.get(key).numpy()[rows]) for key in worker.vector.obs_keys]
+        self.actions = {key: resp.get(key).numpy()[rows] for key in worker.vector.action_keys}
+        self.reward_shape = self.writer.reward[rows].shape
+        self.state = worker.state[rows]
+        self.idx = np.arange(lo, lo + k)
+        self.first = np.full(k, _FIRST, np.int8)
+        self.reborn = None  # a rebuilt vector env's reset observation, every env's next FIRST
+        self.unmarked = None  # the envs whose rebuild no truncation marked: their FIRST is marked instead
+        self.cutting = None  # a replacement worker's envs whose episode its dead worker left open
+        self.ended = np.zeros(k, bool)  # the env's last record was terminal: its next one is FIRST
+
+    def run(self) -> None:
+        waiter = self.start()
+        life_fd, state = self.worker.life_fd, self.state
+        while True:
+            # (a rebuild that published nothing goes on at once, once every env is answered)
+            if self.reborn is None or not self.unmarked.all() or not (state == S.ACTION_READY).all():
+                for fd in waiter.wait():
+                    if fd == life_fd:
+                        return
+            if not (state == S.ACTION_READY).all():
+                continue
+            if self.cutting is not None:
+                self.cut()
+            elif self.reborn is not None:
+                self.publish_reborn()
+            elif not getattr(self.worker.vector, "autoresets", True) and self.ended.any():
+                self.reset_ended()
+            else:
+                self.step()
+
+    def start(self):
+        """Resets the env and publishes every env's ``FIRST``; a replacement worker instead takes
+        the slots over (the dead worker's records stand) and holds the new env's reset for the
+        pass after the cuts. Returns the worker's wait."""
+        worker, stepper, writer = self.worker, self.stepper, self.writer
+        stepper.note("reset", self.lo)
+        t = time.perf_counter()
+        obs = worker.vector.reset()
+        if worker.resuming:  # the new env's reset waits (see _Stepper.resume_slot)
+            for slot in self.slots:
+                stepper.resume_slot(slot)
+            cutting = np.array([slot.cut for slot in self.slots])
+            for slot in self.slots:
+                slot.cut = slot.ended = slot.reborn = False
+            self.reborn = {key: np.array(obs[key]) for key, _ in self.obs_rows}
+            self.unmarked = ~cutting
+            self.cutting = cutting if cutting.any() else None
+        else:
+            self.write_obs(obs)
+            writer.add_block(self.lo, self.first, None, time.perf_counter() - t)
+            writer.publish()
+        return worker.announce_ready()
+
+    # -- the four steps of a pass ---------------------------------------------------------------
+    def cut(self) -> None:
+        """The truncations of the episodes the dead worker left open (no step)."""
+        cut = np.flatnonzero(self.cutting)
+        moving, chunk_rows = self._write_roots(cut)
+        if moving is False:
+            return  # back-pressure: the driver frees a chunk and rings this worker
+        self._begin(cut, chunk_rows)  # this worker may die too: its own replacement reads it
+        self.writer.add_block(self.lo, np.full(self.k, _TRUNC, np.int8), None, 0.0, self.cutting, restarted=True)
+        self._write_nexts(moving, cut, chunk_rows)
+        self.writer.publish()
+        self.cutting = None
+
+    def publish_reborn(self) -> None:
+        """The pass after a rebuild: every env's ``FIRST`` from the new env's reset, no step."""
+        writer, lo = self.writer, self.lo
+        if self.watcher is not None:
+            self.watcher.begin_block(self.rows)
+        self.write_obs(self.reborn)
+        writer.add_block(lo, self.first, None, 0.0, self.unmarked, restarted=True)
+        writer.add_block(lo, self.first, None, 0.0, ~self.unmarked)
+        writer.publish()
+        self.reborn, self.ended = None, np.zeros(self.k, bool)
+
+    def reset_ended(self) -> None:
+        """An env that does not reset itself: resets the ended envs only, publishes their ``FIRST``."""
+        ended = self.ended
+        self.stepper.note("reset", self.lo + int(np.flatnonzero(ended)[0]))
+        if self.watcher is not None:
+            self.watcher.begin_block(self.rows)
+        t = time.perf_counter()
+        try:
+            obs = self.worker.vector.reset_some(ended)
+        except Exception:
+            if self.worker.restarts is None:
+                raise
+            self.reborn, self.unmarked = self.rebuild("reset", ~ended), ended.copy()
+            return
+        self.write_obs(obs, ended)
+        self.writer.add_block(self.lo, self.first, None, time.perf_counter() - t, ended)
+        self.writer.publish()
+        self.ended = np.zeros(self.k, bool)
+
+    def step(self) -> None:
+        """Steps every env with one call; the envs that ended last pass publish ``FIRST``."""
+        ended, writer = self.ended, self.writer
+        stepping = np.flatnonzero(~ended)
+        moving, chunk_rows = self._write_roots(stepping)
+        if moving is False:
+            return  # back-pressure: the driver frees a chunk and rings this worker
+        self._begin(stepping, chunk_rows)
+        self.stepper.note("step", self.lo)
+        t = time.perf_counter()
+        try:
+            obs, rew, term, trunc = self.worker.vector.step(self.actions)
+        except Exception:
+            if self.worker.restarts is None:
+                raise
+            self.reborn, self.unmarked = self.rebuild("step", ~ended), ended.copy()
+            self._write_nexts(moving, stepping, chunk_rows)  # the cut episodes' truncations, as "next"
+            writer.publish()
+            return
+        dt = time.perf_counter() - t
+        term, trunc = np.asarray(term, bool), np.asarray(trunc, bool)
+        st = np.where(ended, _FIRST, np.where(term, _TERM, np.where(trunc, _TRUNC, _MID))).astype(np.int8)
+        rew = np.array(rew, writer.reward.dtype).reshape(self.reward_shape)  # a copy: FIRST rows are zeroed
+        rew[ended] = 0
+        self.write_obs(obs)
+        writer.add_block(self.lo, st, rew, dt)
+        self._write_nexts(moving, stepping, chunk_rows)  # copied from the request rows, which are ours
+        writer.publish()
+        self.ended = (st == _TERM) | (st == _TRUNC)
+
+    # -- rebuilding -----------------------------------------------------------------------------
+    def rebuild(self, phase, open_episodes):
+        """Replaces the vector env, which just raised in ``phase`` (called from the ``except``):
+        counts the failure against the budget of its first env (raising past it), closes it,
+        builds a new one from the same factory and resets it. Stores (unpublished) a
+        ``TRUNCATION`` at the last observation for each env with an open episode
+        (``open_episodes``, a mask) and returns the new env's reset observation, every env's
+        next ``FIRST``. Failures to build or reset the new env count too."""
+        tb = traceback.format_exc()
+        worker, stepper, lo, k = self.worker, self.stepper, self.lo, self.k
+        failed = worker.vector  # the env to close before the next build
+        while True:
+            check_life(worker.life_fd)
+            r = worker.restarts.admit(lo, phase, tb)
+            if failed is not None:
+                close_reporting(failed, lo)
+            failed = None
+            try:
+                failed = adapter = stepper.replacement(lo, worker.vector_factory, r, num_envs=k)
+                stepper.note("reset", lo)
+                t = time.perf_counter()
+                obs = adapter.reset()
+                dt = time.perf_counter() - t
+            except Exception:  # noqa: BLE001 - a failed rebuild is one more failure of this env
+                tb, phase = traceback.format_exc(), "construction"
+                continue
+            break
+        worker.vector = adapter
+        for slot in self.slots:
+            slot.adapter = adapter
+        stepper.note_restart(lo, phase, tb, r)
+        obs = {key: np.array(obs[key]) for key, _ in self.obs_rows}  # held until the next pass: a copy
+        self.writer.add_block(lo, np.full(k, _TRUNC, np.int8), None, dt, open_episodes, restarted=True)
+        return obs
+
+    # -- rows ---------------------------------------------------------------------------------
+    def write_obs(self, obs, mask=None) -> None:
+        """Copies the vector env's observations (of the envs in ``mask``) into the slots' rows."""
+        for key, view in self.obs_rows:
+            if mask is None:
+                view[...] = obs[key]
+            else:
+                view[mask] = obs[key][mask]
+
+    def _write_roots(self, at):
+        """Claims a chunk for each env at positions ``at`` and copies its answered record and
+        action into it: ``(slots, chunk rows)``; ``(None, None)`` when nothing is delivered,
+        ``(False, None)`` when an env has no free chunk (back-pressure: nothing is written)."""
+        delivery = self.delivery
+        if delivery is None or not len(at):
+            return None, None
+        if not all([delivery.claim(self.slots[j]) for j in at]):
+            return False, None
+        moving = [self.slots[j] for j in at]
+        return moving, delivery.write_root_rows(moving, self.idx[at])
+
+    def _write_nexts(self, moving, at, chunk_rows) -> None:
+        """The transitions' ``"next"`` rows, after :meth:`_write_roots` (nothing when it wrote none)."""
+        if moving is not None:
+            self.delivery.write_next_rows(moving, self.idx[at], chunk_rows)
+
+    def _begin(self, at, chunk_rows) -> None:
+        """Tells the watcher (if any) that the block's step begins; ``chunk_rows``: the chunk rows
+        of the envs at ``at`` (``None``: no chunk rows)."""
+        if self.watcher is None:
+            return
+        pos = np.full(self.k, -1, np.int64)
+        if chunk_rows is not None:
+            pos[at] = chunk_rows
+        self.watcher.begin_block(self.rows, pos)
