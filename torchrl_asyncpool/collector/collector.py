@@ -22,6 +22,7 @@ from torchrl_asyncpool.inference import InferenceServer, InferenceServerError, f
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange.metrics import log_metrics
 from torchrl_asyncpool.collector.policy_layout import PolicyLayout
+from torchrl_asyncpool.collector.traj_ids import TRAJ_IDS_KEY, TrajectoryIds
 from torchrl_asyncpool.collector.workload_plan import AffinityPlan
 from torchrl_asyncpool.pool.env_pool import AsyncEnvPool
 from torchrl_asyncpool._sys.affinity import pinned
@@ -49,8 +50,17 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     ``frames_per_batch`` transitions in TorchRL's layout (root observation, ``"done"``,
     ``"terminated"`` and ``"truncated"`` (those of the record the action answered: ``False``,
     as in TorchRL's collectors), action, policy outputs, ``("next", obs..., "reward", "done",
-    "terminated", "truncated")``, ``"env_index"``, ``"policy_version"``). Nothing crosses a
-    pipe on the data path.
+    "terminated", "truncated")``, ``"env_index"``, ``"policy_version"``, and TorchRL's
+    ``("collector", "traj_ids")``: one id per episode of one env, carried across batches). Nothing
+    crosses a pipe on the data path.
+
+    A batch is a row of per-env chunks (one env's consecutive transitions each, in the order
+    they completed), not a ``[num_envs, T]`` block: before an advantage estimator that runs
+    along the batch (TorchRL's ``GAE``), order it by trajectory
+    (:func:`~torchrl_asyncpool.collector.traj_ids.by_trajectory`, then TorchRL's
+    :func:`~torchrl.collectors.utils.split_trajectories` if a padded ``[trajectories, T]``
+    layout is wanted) or group it by env, else one env's advantages flow into the next env's
+    chunk.
 
     The envs are built and reset when the collector is constructed, and the inference server
     is started and validated then too, but no action is served before the first iteration
@@ -380,6 +390,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         # 3. the assembly: env workers and their slots, then the inference server serving them
         self._pool = self._build_pool(create_env_fn, create_env_kwargs, config, layout)
         self._num_envs = self._pool.num_envs  # a vector env factory contributes several envs
+        self._traj_ids = TrajectoryIds(self._num_envs)  # TorchRL's ("collector", "traj_ids") of each batch
         try:
             self._server = self._build_server(config, acting, policy_factory)
             if policy_version:
@@ -725,7 +736,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         frames = self.frames_per_batch
         if self.total_frames >= 0:
             frames = min(frames, self.total_frames - self._frames)
-        return self._take(frames)
+        td = self._take(frames)
+        done = td.get(("next", "done")).reshape(td.shape[0], -1).any(-1)
+        td.set(TRAJ_IDS_KEY, self._traj_ids(td.get(_ENV_IDX_KEY), done))
+        return td
 
     def _rollout_yield_trajs(self) -> TensorDictBase:
         piece = max(1, min(self.frames_per_batch, self._pool._chunks.chunk_size))
