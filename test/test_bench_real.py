@@ -1,0 +1,47 @@
+"""Smoke test of ``benchmarks/compare_real.py --quick``: the real-workload benchmark runs end to end
+(Atari 16 and MuJoCo 16, our collector, the ``SyncVectorEnv`` loop and the env-only ceiling) and
+writes a JSON with every cell. Numbers are not checked: CI machines are shared.
+
+Runs the script in a subprocess, as a user would (its collector's fork server re-imports the main
+module). About 30-60 s on 2 cores.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ale_py")
+pytest.importorskip("mujoco")
+pytest.importorskip("cv2")  # gymnasium's AtariPreprocessing resizes with OpenCV
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_real.py"
+SYSTEMS = ["ours_gym", "gym_sync", "env_only"]
+
+
+def test_compare_real_quick(tmp_path):
+    out = tmp_path / "results_real.json"
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--workloads", "atari", "mujoco", "--envs", "16",
+           "--policies", "mean", "--systems", *SYSTEMS, "--json", str(out)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["meta"]["machine"]["cores"] >= 1
+    assert data["meta"]["commit"] is not None
+    cells = {c["cell"]: c for c in data["cells"]}
+    assert set(cells) == {"Atari 16", "MuJoCo 16"}, sorted(cells)
+    for name, cell in cells.items():
+        assert set(cell["systems"]) == set(SYSTEMS), (name, sorted(cell["systems"]))
+        for system, entry in cell["systems"].items():
+            assert "error" not in entry, (name, system, entry.get("error"))
+            assert entry["median"] > 0, (name, system, entry)
+            assert len(entry["fps"]) == 1  # --quick: one repeat
+        ours = cell["systems"]["ours_gym"]
+        assert {"gym_sync", "env_only"} <= set(ours["vs"])
+        assert ours["vs_ceiling"]["ceiling"] == "env_only"
+        assert ours["collector"]["pool"]["num_workers"] >= 1
+    assert "| Atari 16 |" in data["table_markdown"] and "| MuJoCo 16 |" in data["table_markdown"]
+    assert len(data["rows"]) == 2 * len(SYSTEMS)
