@@ -660,7 +660,7 @@ def test_after_a_weight_update_about_one_batch_at_most_was_collected_by_the_old_
 
 
 def test_auto_chunk_size_bounds_the_lag_and_the_memory():
-    from torchrl_asyncpool.collector import _auto_chunk
+    from torchrl_asyncpool.collector.collector import _auto_chunk
     from torchrl_asyncpool.exchange.arena import ArenaLayout
 
     def layout(n, obs_shape):

@@ -76,7 +76,7 @@ def ensure_fd_capacity(extra: int, what: str) -> None:
         what (str): who needs them, for the error message.
 
     Examples:
-        >>> from torchrl_asyncpool._sys.forkserver import ensure_fd_capacity
+        >>> from torchrl_asyncpool._sys.descriptors import ensure_fd_capacity
         >>> ensure_fd_capacity(16, "a test")
     """
     try:
@@ -126,7 +126,8 @@ def ship_fds():
     Examples:
         >>> import os
         >>> from torchrl_asyncpool._sys.descriptors import InheritedFd
-        >>> from torchrl_asyncpool._sys.forkserver import exit_code, forkserver_context, ship_fds
+        >>> from torchrl_asyncpool._sys.descriptors import ship_fds
+        >>> from torchrl_asyncpool._sys.forkserver import exit_code, forkserver_context
         >>> fds = [os.eventfd(0) for _ in range(300)]
         >>> p = forkserver_context().Process(target=len, args=([InheritedFd(fd) for fd in fds],))
         >>> with ship_fds():

@@ -572,9 +572,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         deadline with the env step it follows (thread server with ``server_timeout="auto"``).
 
         Examples:
+            >>> import torch
             >>> from torchrl_asyncpool import AsyncPoolCollector
             >>> from torchrl_asyncpool.testing import ZeroLatencyEnv
-            >>> act = lambda td: td.set("action", td["observation"][..., :1].long() * 0)
+            >>> act = lambda td: td.set("action", torch.zeros(td.batch_size, dtype=torch.int64))
             >>> collector = AsyncPoolCollector([ZeroLatencyEnv] * 2, policy=act, frames_per_batch=8, total_frames=8)
             >>> sorted(collector.plan())
             ['flush_timeout_s', 'measured_env_step_s', 'partition_changes', 'partitioned', 'server_measured_env_step_s']
