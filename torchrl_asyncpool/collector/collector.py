@@ -121,8 +121,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             measure, re-measured every second (:func:`~torchrl_asyncpool.inference.auto_flush_timeout`):
             greedy (``0``) for cheap envs such as CartPole, where records arriving while the
             policy runs form the next batch anyway and a deadline only idles envs, and a quarter
-            of a step (at most 5 ms) for envs whose step costs as much as a batch (Atari, a
-            simulator), where a greedy loop would answer batches of one record. Pass seconds to
+            of the steps a worker takes before it comes back to an env (at most 5 ms) for envs
+            whose step costs as much as a batch (Atari, a simulator), where a greedy loop would
+            answer batches of one record. Pass seconds to
             fix it (TorchRL's examples use ``0.001``); raise it for a GPU policy whose per-call
             cost dominates.
         server_config (InferenceServerConfig, optional): TorchRL's structured server

@@ -252,27 +252,32 @@ MAX_AUTO_TIMEOUT_S = 0.005
 REPLAN_PERIOD_S = 1.0
 
 
-def auto_flush_timeout(mean_step_s: float) -> float:
-    """The flush deadline of ``timeout="auto"`` for envs whose mean step takes ``mean_step_s``.
+def auto_flush_timeout(mean_step_s: float, envs_in_turn: float = 1.0) -> float:
+    """The flush deadline of ``timeout="auto"`` for envs whose mean step takes ``mean_step_s``,
+    stepped ``envs_in_turn`` at a time one after the other by each worker (its envs per worker;
+    ``1`` for envs stepped in threads of their own).
 
     A batch costs the serving loop about the same whatever its size (on CPU, ~0.1 ms of Python
     and TensorDict work before the policy's own compute), and that time is taken from the env
     workers on a machine with few cores. With cheap envs (CartPole: ~10 us a step) records
     arrive faster than batches are served and form the next batch anyway, so the loop is
     greedy (``0``). With envs whose step costs as much as a batch or more (Atari through
-    gymnasium: ~1.3 ms; a simulator), a greedy loop answers batches of about one record, and
-    waiting a quarter of a step for more costs the env that waits less than the batches it
-    saves everyone: the deadline is ``AUTO_TIMEOUT_FRACTION`` of a step, at most
+    gymnasium: ~1.3 ms; a simulator), a greedy loop answers batches of about one record. A
+    worker that steps ``k`` envs in turn comes back to an env only after stepping the ``k - 1``
+    others, so that env's answer may wait that long without idling anything: the deadline is
+    ``AUTO_TIMEOUT_FRACTION`` of ``k`` steps (a margin for uneven steps), at most
     ``MAX_AUTO_TIMEOUT_S``.
 
     Examples:
         >>> from torchrl_asyncpool.inference import auto_flush_timeout
         >>> auto_flush_timeout(10e-6), auto_flush_timeout(1.2e-3), auto_flush_timeout(0.5)
         (0.0, 0.0003, 0.005)
+        >>> auto_flush_timeout(1.2e-3, envs_in_turn=8)  # a worker of 8 envs stepped in turn
+        0.0024
     """
     if not mean_step_s >= BATCHING_STEP_S:
         return 0.0
-    return min(MAX_AUTO_TIMEOUT_S, AUTO_TIMEOUT_FRACTION * mean_step_s)
+    return min(MAX_AUTO_TIMEOUT_S, AUTO_TIMEOUT_FRACTION * mean_step_s * max(1.0, float(envs_in_turn)))
 
 
 def auto_threshold(live: int, min_get: int, fraction: float) -> int:

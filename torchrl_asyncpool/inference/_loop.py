@@ -83,6 +83,8 @@ class ServingLoop:
         self.auto_timeout = bool(getattr(spec, "auto_timeout", False))
         self._step_time, self._step_count = arena.step_time, arena.step_count
         self._planned_at, self._step_sums = time.monotonic(), (0.0, 0)
+        # envs a worker steps in turn: one doorbell per worker (k slots each), or per slot (env threads)
+        self._envs_in_turn = n / max(1, len(set(consumer.handle.slot_bell)))
         #: the mean env step (seconds) behind the current deadline (None: not measured yet)
         self.measured_step_s = None
         self.overlap = bool(spec.overlap)
@@ -135,7 +137,7 @@ class ServingLoop:
         (total0, count0), self._step_sums = self._step_sums, (total, count)
         if count - count0 >= _MIN_REPLAN_STEPS:
             self.measured_step_s = (total - total0) / (count - count0)
-            self.timeout = auto_flush_timeout(self.measured_step_s)
+            self.timeout = auto_flush_timeout(self.measured_step_s, self._envs_in_turn)
 
     def wait_flush(self) -> bool:
         """Blocks until a batch is due (``True``) or a stop was requested (``False``)."""

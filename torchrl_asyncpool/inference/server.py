@@ -109,7 +109,8 @@ class InferenceServer:
             Defaults to ``0.002``. ``"auto"``: the deadline follows the env step measured in the
             workers, re-measured every second (see
             :func:`~torchrl_asyncpool.inference.auto_flush_timeout`): ``0`` (greedy) for cheap
-            envs, a quarter of a step (at most 5 ms) for envs whose step costs as much as a batch.
+            envs, a quarter of the steps a worker takes before it comes back to an env (at most 5
+            ms) for envs whose step costs as much as a batch.
         device (str or torch.device, optional): where policies run. Defaults to ``"cpu"``.
         cuda_graphs (bool, optional): capture one CUDA graph per bucket (CUDA only).
         double_buffer (bool, optional): form batch N+1 while batch N runs on the device.
