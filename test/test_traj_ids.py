@@ -1,6 +1,7 @@
-"""Batches carry TorchRL's ("collector", "traj_ids"): one id per episode of one env, carried from
-one batch to the next; ordered by them (by_trajectory), TorchRL's split_trajectories and an
-advantage estimator after it see each env's transitions in order and never mix two envs."""
+"""With track_traj_ids=True, batches carry TorchRL's ("collector", "traj_ids"): one id per episode of
+one env, carried from one batch to the next; ordered by them (by_trajectory), TorchRL's
+split_trajectories and an advantage estimator after it see each env's transitions in order and
+never mix two envs."""
 import torch
 from torchrl.collectors.utils import split_trajectories
 from torchrl.objectives.value.functional import generalized_advantage_estimate
@@ -24,7 +25,8 @@ def test_trajectory_ids_follow_episodes_across_batches_and_envs():
 
 def test_every_episode_of_the_oracle_gets_one_id_and_split_trajectories_regroups_them():
     collector = AsyncPoolCollector([lambda i=i: OracleEnv(env_id=i, max_episode_len=5) for i in range(4)],
-                                   policy=_oracle_policy, frames_per_batch=24, total_frames=24 * 12)
+                                   policy=_oracle_policy, frames_per_batch=24, total_frames=24 * 12,
+                                   track_traj_ids=True)
     seen = {}  # traj id -> (env, episode)
     try:
         for batch in collector:
@@ -45,7 +47,8 @@ def test_every_episode_of_the_oracle_gets_one_id_and_split_trajectories_regroups
 
 def test_gae_after_split_trajectories_equals_gae_per_env():
     collector = AsyncPoolCollector([lambda i=i: OracleEnv(env_id=i, max_episode_len=6) for i in range(3)],
-                                   policy=_oracle_policy, frames_per_batch=60, total_frames=60)
+                                   policy=_oracle_policy, frames_per_batch=60, total_frames=60,
+                                   track_traj_ids=True)
     try:
         batch = next(iter(collector)).clone()
     finally:
@@ -73,3 +76,11 @@ def test_gae_after_split_trajectories_equals_gae_per_env():
     got = torch.empty(n, 1)
     got[trajs["_row"][mask]] = adv[mask]
     assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_trajectory_ids_are_off_by_default_as_in_torchrl_async_batched_collector():
+    collector = AsyncPoolCollector([OracleEnv] * 2, policy=_oracle_policy, frames_per_batch=8, total_frames=8)
+    try:
+        assert ("collector", "traj_ids") not in next(iter(collector)).keys(True)
+    finally:
+        collector.shutdown()

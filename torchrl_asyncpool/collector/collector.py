@@ -50,9 +50,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     ``frames_per_batch`` transitions in TorchRL's layout (root observation, ``"done"``,
     ``"terminated"`` and ``"truncated"`` (those of the record the action answered: ``False``,
     as in TorchRL's collectors), action, policy outputs, ``("next", obs..., "reward", "done",
-    "terminated", "truncated")``, ``"env_index"``, ``"policy_version"``, and TorchRL's
-    ``("collector", "traj_ids")``: one id per episode of one env, carried across batches). Nothing
-    crosses a pipe on the data path.
+    "terminated", "truncated")``, ``"env_index"``, ``"policy_version"``; with
+    ``track_traj_ids=True`` also TorchRL's ``("collector", "traj_ids")``: one id per episode of one
+    env, carried across batches). Nothing crosses a pipe on the data path.
 
     A batch is a row of per-env chunks (one env's consecutive transitions each, in the order
     they completed), not a ``[num_envs, T]`` block: before an advantage estimator that runs
@@ -239,6 +239,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             factory may take (``on_env_failure="restart"``); a hung build is killed and counted
             against the env's budget. ``"auto"`` (default): ten times the workers' measured
             start-up, at least 60 s. See :class:`~torchrl_asyncpool.AsyncEnvPool`.
+        track_traj_ids (bool, optional): TorchRL's ``Collector`` option: write
+            ``("collector", "traj_ids")`` into every batch, one id per episode of one env, carried
+            across batches (see :mod:`~torchrl_asyncpool.collector.traj_ids`). Defaults to
+            ``False``, the layout of TorchRL's ``AsyncBatchedCollector``.
         check_action_bounds (bool, optional): check that actions lie in a ``Categorical``,
             ``OneHot``, ``Binary`` or integer ``Bounded`` spec (and an integer dtype's range).
             Defaults to ``True``; ``False`` saves a few tensor reductions per batch.
@@ -331,6 +335,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         max_restarts: int | None = 100,
         step_timeout: float | None = None,
         build_timeout: float | str | None = "auto",
+        track_traj_ids: bool = False,
         **torchrl_kwargs,
     ):
         BaseCollector.__init__(self, post_collect_hook=post_collect_hook)
@@ -356,7 +361,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             policy_num_threads=policy_num_threads, exchange=exchange, seed=seed, idle_poll=idle_poll,
             cast_actions=cast_actions, check_action_bounds=check_action_bounds, on_env_failure=on_env_failure,
             max_restarts_per_env=max_restarts_per_env, restart_window_s=restart_window_s, max_restarts=max_restarts,
-            step_timeout=step_timeout, build_timeout=build_timeout,
+            step_timeout=step_timeout, build_timeout=build_timeout, track_traj_ids=track_traj_ids,
         )
         self.env_backend = config.env_backend
         self._policy = policy
@@ -391,7 +396,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         # 3. the assembly: env workers and their slots, then the inference server serving them
         self._pool = self._build_pool(create_env_fn, create_env_kwargs, config, layout)
         self._num_envs = self._pool.num_envs  # a vector env factory contributes several envs
-        self._traj_ids = TrajectoryIds(self._num_envs)  # TorchRL's ("collector", "traj_ids") of each batch
+        # TorchRL's ("collector", "traj_ids") of each batch, when asked for
+        self._traj_ids = TrajectoryIds(self._num_envs) if config.track_traj_ids else None
         try:
             self._server = self._build_server(config, acting, policy_factory)
             if policy_version:
@@ -739,8 +745,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         if self.total_frames >= 0:
             frames = min(frames, self.total_frames - self._frames)
         td = self._take(frames)
-        done = td.get(("next", "done")).reshape(td.shape[0], -1).any(-1)
-        td.set(TRAJ_IDS_KEY, self._traj_ids(td.get(_ENV_IDX_KEY), done))
+        if self._traj_ids is not None:
+            done = td.get(("next", "done")).reshape(td.shape[0], -1).any(-1)
+            td.set(TRAJ_IDS_KEY, self._traj_ids(td.get(_ENV_IDX_KEY), done))
         return td
 
     def _rollout_yield_trajs(self) -> TensorDictBase:

@@ -93,6 +93,7 @@ class CollectorConfig:
     max_restarts: int | None = 100
     step_timeout: float | None = None
     build_timeout: float | str | None = "auto"
+    track_traj_ids: bool = False
 
     @property
     def server_backend(self) -> str:
@@ -139,7 +140,7 @@ class CollectorConfig:
         _check_env_fns(create_env_fn)
         defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
         options = {**defaults, **options}
-        for name in ("cast_actions", "check_action_bounds"):
+        for name in ("cast_actions", "check_action_bounds", "track_traj_ids"):
             value = options[name]
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}.")

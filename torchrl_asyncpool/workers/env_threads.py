@@ -22,6 +22,12 @@ from torchrl_asyncpool.workers.hosted_envs import close_reporting
 from torchrl_asyncpool.workers.restarts import DeferredEnvError
 from torchrl_asyncpool.workers.stepper import _Stepper
 
+# The first env of a process is built alone: TorchRL sets some of its env classes' methods up on
+# their first use (implement_for), and two threads doing it at once can leave a GymEnv without them
+# ("'GymEnv' object has no attribute '_set_gym_default'"). Later builds run concurrently.
+_FIRST_BUILD = threading.Lock()
+_built_once = threading.Event()
+
 __all__ = ["run_threaded"]
 
 
@@ -70,7 +76,12 @@ def _slot_thread(worker, spec, bell, stop_fd, first, failures, failed_w):
     stepper = _Stepper(worker)
     writer = stepper.writer
     try:
-        slot = stepper.build_slot(*spec)
+        if _built_once.is_set():
+            slot = stepper.build_slot(*spec)
+        else:
+            with _FIRST_BUILD:
+                slot = stepper.build_slot(*spec)
+            _built_once.set()
         worker.slot_paths[slot.index] = getattr(slot.adapter, "path", "unknown")  # a dict all threads share
         worker.pin()
         listen = remote_listener(slot.adapter.env)
