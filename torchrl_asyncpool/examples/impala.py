@@ -21,7 +21,7 @@ from torchrl.objectives.value.functional import vtrace_advantage_estimate
 
 from torchrl_asyncpool.examples.batches import normalize, segment_ends
 
-__all__ = ["impala_update"]
+__all__ = ["impala_update", "vtrace_step"]
 
 
 def impala_update(agent: nn.Module, optim: torch.optim.Optimizer, batch: TensorDict, *, gamma: float,
@@ -39,12 +39,28 @@ def impala_update(agent: nn.Module, optim: torch.optim.Optimizer, batch: TensorD
     value = agent.critic(batch["observation"])
     with torch.no_grad():
         next_value = agent.critic(batch["next", "observation"])
+    return vtrace_step(optim, agent.parameters(), dist, log_pi, behaviour_log_prob, value, next_value,
+                       batch["next", "reward"], ends, batch["next", "terminated"], gamma=gamma, rho_bar=rho_bar,
+                       c_bar=c_bar, vf_coef=vf_coef, ent_coef=ent_coef, max_grad_norm=max_grad_norm,
+                       normalize_advantage=normalize_advantage)
+
+
+def vtrace_step(optim: torch.optim.Optimizer, params, dist, log_pi, behaviour_log_prob, value, next_value, reward,
+                ends, terminated, *, gamma: float, rho_bar: float, c_bar: float, vf_coef: float, ent_coef: float,
+                max_grad_norm: float, normalize_advantage: bool) -> dict:
+    """V-trace targets along the batch (cut at ``ends``), the actor-critic loss and one optimizer
+    step over ``params``: the part of an IMPALA update that does not depend on the network.
+
+    ``log_pi`` and ``value`` carry gradients; ``next_value`` (the value of each next
+    observation), ``behaviour_log_prob``, ``reward``, ``ends`` and ``terminated`` are ``[N, 1]``.
+    Returns ``{"loss", "loss_policy", "loss_value", "entropy", "rho_mean", "rho_clipped_frac"}``.
+    """
+    with torch.no_grad():
         # NB: TorchRL's argument names are swapped w.r.t. its docstring: the ratio is
         # exp(log_pi - log_mu), so log_pi is the learner and log_mu the behaviour policy.
         pg_adv, vs = vtrace_advantage_estimate(
             gamma, log_pi.detach()[None], behaviour_log_prob[None], value.detach()[None], next_value[None],
-            batch["next", "reward"][None], ends[None], batch["next", "terminated"][None],
-            rho_thresh=rho_bar, c_thresh=c_bar,
+            reward[None], ends[None], terminated[None], rho_thresh=rho_bar, c_thresh=c_bar,
         )
         pg_adv, vs = pg_adv[0], vs[0]
         rho = (log_pi - behaviour_log_prob).exp()
@@ -56,7 +72,7 @@ def impala_update(agent: nn.Module, optim: torch.optim.Optimizer, batch: TensorD
     loss = loss_pi + vf_coef * loss_v - ent_coef * entropy
     optim.zero_grad()
     loss.backward()
-    nn.utils.clip_grad_norm_(agent.parameters(), max_grad_norm)
+    nn.utils.clip_grad_norm_(params, max_grad_norm)
     optim.step()
     stats = torch.stack([loss.detach(), loss_pi.detach(), loss_v.detach(), entropy.detach(), rho.mean(),
                          (rho > rho_bar).float().mean()]).tolist()

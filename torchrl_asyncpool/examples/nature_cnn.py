@@ -18,9 +18,9 @@ import torch
 import torch.nn as nn
 from tensordict import TensorDict
 from torchrl.envs.utils import ExplorationType, exploration_type
-from torchrl.objectives.value.functional import vtrace_advantage_estimate
 
-from torchrl_asyncpool.examples.batches import normalize, segment_ends
+from torchrl_asyncpool.examples.batches import segment_ends
+from torchrl_asyncpool.examples.impala import vtrace_step
 
 __all__ = ["NatureCNNActorCritic", "ActModule", "impala_cnn_update"]
 
@@ -97,23 +97,6 @@ def impala_cnn_update(net: NatureCNNActorCritic, optim: torch.optim.Optimizer, b
         rows = ends.squeeze(-1).nonzero().squeeze(-1)
         if rows.numel():
             next_value[rows] = net.heads(batch["next", "observation"][rows])[1]
-        # TorchRL's argument names are swapped w.r.t. its docstring: the ratio is exp(log_pi - log_mu)
-        pg_adv, vs = vtrace_advantage_estimate(
-            gamma, log_pi.detach()[None], behaviour_log_prob[None], value.detach()[None], next_value[None],
-            reward[None], ends[None], batch["next", "terminated"][None], rho_thresh=rho_bar, c_thresh=c_bar,
-        )
-        pg_adv, vs = pg_adv[0], vs[0]
-        rho = (log_pi - behaviour_log_prob).exp()
-        if normalize_advantage:
-            pg_adv = normalize(pg_adv)
-    loss_pi = -(log_pi * pg_adv).mean()
-    loss_v = 0.5 * (value - vs).pow(2).mean()
-    entropy = dist.entropy().mean()
-    loss = loss_pi + vf_coef * loss_v - ent_coef * entropy
-    optim.zero_grad()
-    loss.backward()
-    nn.utils.clip_grad_norm_(net.parameters(), max_grad_norm)
-    optim.step()
-    stats = torch.stack([loss.detach(), loss_pi.detach(), loss_v.detach(), entropy.detach(), rho.mean(),
-                         (rho > rho_bar).float().mean()]).tolist()
-    return dict(zip(("loss", "loss_policy", "loss_value", "entropy", "rho_mean", "rho_clipped_frac"), stats))
+    return vtrace_step(optim, net.parameters(), dist, log_pi, behaviour_log_prob, value, next_value, reward, ends,
+                       batch["next", "terminated"], gamma=gamma, rho_bar=rho_bar, c_bar=c_bar, vf_coef=vf_coef,
+                       ent_coef=ent_coef, max_grad_norm=max_grad_norm, normalize_advantage=normalize_advantage)
