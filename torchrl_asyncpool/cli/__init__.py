@@ -96,7 +96,8 @@ class _VersionAction(argparse.Action):
             package_version = "unknown"
         from torchrl_asyncpool.exchange.native import describe_exchange
 
-        parser.exit(message=f"{parser.prog} {package_version} (exchange: {describe_exchange()})\n")
+        print(f"{parser.prog} {package_version} (exchange: {describe_exchange()})")  # stdout, as argparse's own
+        parser.exit()
 
 
 def _parser() -> argparse.ArgumentParser:
