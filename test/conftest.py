@@ -161,3 +161,17 @@ def thread_names(pid):
         except OSError:  # the thread ended meanwhile
             pass
     return names
+
+
+def run_checked(cmd, timeout: float, cwd=None):
+    """Runs ``cmd`` (unbuffered Python output) and fails the test with the tails of its stdout and
+    stderr unless it exits 0; returns the completed process."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (
+        f"{' '.join(map(str, cmd))} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+        f"\n--- stderr\n{proc.stderr[-4000:]}"
+    )
+    return proc

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_address
+from conftest import free_address, run_checked
 from torchrl_asyncpool import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,13 +31,7 @@ def _cli_command() -> list[str]:
 
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (
-        f"{' '.join(map(str, cmd))} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
-        f"\n--- stderr\n{proc.stderr[-4000:]}"
-    )
-    return proc
+    return run_checked(cmd, timeout, cwd=ROOT)
 
 
 def _run_script(name: str, tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:

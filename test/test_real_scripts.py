@@ -11,12 +11,12 @@ to PPO's target are opt-in: ``python -m pytest -m slow test/test_real_scripts.py
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_checked
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "sota-implementations"
@@ -25,13 +25,7 @@ SCRIPTS = ROOT / "sota-implementations"
 def _run_script(name: str, tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(SCRIPTS / name), "--log-dir", str(tmp_path), "--exp-name", "run",
            "--progress", "false", *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (
-        f"{' '.join(map(str, cmd))} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
-        f"\n--- stderr\n{proc.stderr[-4000:]}"
-    )
-    return proc
+    return run_checked(cmd, timeout, cwd=ROOT)
 
 
 def _scalar(tmp_path: Path, name: str) -> list[float]:
