@@ -174,6 +174,16 @@ class GymnasiumVectorAdapter(GymnasiumEnvAdapter):
     The vector env must autoreset in gymnasium's ``NEXT_STEP`` mode (its default), which is
     the pool's episode contract: the step after an env ended ignores that env's action and
     returns its reset observation, published as a ``FIRST`` record.
+
+    A vector env whose ``metadata["partial_steps"]`` is true answers each env when its record
+    is ready instead of all at once (a :class:`~torchrl_asyncpool.remote.RemoteVectorSlot`:
+    one block per host). It has ``step_some(actions, ready)``, which never waits: ``ready``
+    marks the envs whose last record the pool has answered; it takes the actions it can use
+    now and returns the records it has for ready envs ``(obs, reward, terminated, truncated,
+    info)`` (``info["answered"]`` marks them; an env that is not ready keeps its action and
+    gets no record), and ``fileno()``, readable when records come. The worker waits on that
+    descriptor next to its doorbell, so a slow or silent part of the env holds only its own
+    envs.
     """
 
     path = "gymnasium-vector"
@@ -200,6 +210,10 @@ class GymnasiumVectorAdapter(GymnasiumEnvAdapter):
             )
         self.env = env
         self.num_envs = int(env.num_envs)
+        self.partial = bool(env.metadata.get("partial_steps", False))
+        if self.partial and not (callable(getattr(env, "step_some", None)) and callable(getattr(env, "fileno", None))):
+            raise TypeError(f"{where} declares metadata['partial_steps'] but has no step_some(actions, ready) and "
+                            "fileno() methods (see GymnasiumVectorAdapter).")
         self._read_spaces(env.single_observation_space, env.single_action_space, where)
         self._first_seed = own_attr(env, FIRST_SEED_ATTR)
 
@@ -222,3 +236,13 @@ class GymnasiumVectorAdapter(GymnasiumEnvAdapter):
         ``(obs, reward, terminated, truncated)``, each with a leading ``k``."""
         obs, reward, terminated, truncated, _ = self.env.step(actions["action"].copy())
         return self._obs(obs), reward, terminated, truncated
+
+    def step_some(self, actions: Dict, ready):
+        """For a vector env of partial steps: its ``step_some`` (see the class docstring);
+        returns ``(obs, reward, terminated, truncated, answered)``."""
+        obs, reward, terminated, truncated, info = self.env.step_some(actions["action"], ready)
+        return self._obs(obs), reward, terminated, truncated, np.asarray(info["answered"], bool)
+
+    def fileno(self) -> int:
+        """For a vector env of partial steps: the descriptor readable when records are ready."""
+        return self.env.fileno()

@@ -273,6 +273,7 @@ class _Group(BlockIngress):
 
         def command(j, reset, action):
             waiting[j] = True
+            stream.expect(None)  # each env times its own answer; the ingress warns about a silent host
             stream.send((j, reset, action))
 
         return command
@@ -289,8 +290,11 @@ class _Group(BlockIngress):
                 except ValueError as err:
                     raise ProtocolError(str(err)) from None
                 if not waiting[envs].all() or len(np.unique(envs)) != len(envs):
-                    raise ProtocolError("a second record for an env before its next command")
+                    raise ProtocolError("a record for an env with no command to answer (sent before its command, or "
+                                        "a second answer to one)")
                 waiting[envs] = False
+                if not waiting.any():
+                    stream.answered()
                 keys = list(obs)
                 for i, j in enumerate(envs.tolist()):
                     inbox[j].put((stream, int(sts[i]), float(rewards[i]), {key: obs[key][i] for key in keys}))

@@ -20,8 +20,8 @@ from concurrent import futures
 
 from torchrl_asyncpool.remote import protocol as P
 
-__all__ = ["Ingress", "BlockIngress", "HostLost", "ProtocolError", "HELLO_MARGIN", "end_stream", "check_address",
-           "check_slot_arguments"]
+__all__ = ["Ingress", "BlockIngress", "HostLost", "ProtocolError", "HELLO_MARGIN", "SILENT_HOST_WARN_S", "end_stream",
+           "check_address", "check_slot_arguments"]
 
 _log = logging.getLogger("torchrl_asyncpool.remote")
 
@@ -57,16 +57,38 @@ class _HostStream:
         self.sent_first = False
         self.ended = False
         self.deadline = None  # monotonic time by which the host must answer (step_timeout)
+        self.asked_at = None  # monotonic time of the oldest command (or hello) the host has not answered
+        self.silence_warned = False
         self.timed_out = False
         self.counted = False  # counted in its ingress's streams served at once
         self._out = queue.SimpleQueue()
 
+    def expect(self, step_timeout: float | None) -> None:
+        """The host owes an answer from now: past ``step_timeout`` (``None``: no limit) the
+        watchdog cancels its call; past :data:`SILENT_HOST_WARN_S` it logs a warning either way."""
+        now = time.monotonic()
+        if step_timeout is not None:
+            self.deadline = now + step_timeout
+        if self.asked_at is None:
+            self.asked_at = now
+
+    def answered(self) -> None:
+        """The host answered everything it was asked."""
+        self.deadline = self.asked_at = None
+        self.silence_warned = False
+
     def check_deadline(self, now: float) -> None:
-        """Cancels the call of a host past its deadline (the ingress's watchdog calls it)."""
-        deadline = self.deadline
+        """Cancels the call of a host past its deadline, and warns (once per silence) about a host
+        that has owed an answer for :data:`SILENT_HOST_WARN_S` (the ingress's watchdog calls it)."""
+        deadline, asked_at = self.deadline, self.asked_at
         if deadline is not None and now > deadline and not self.timed_out:
             self.timed_out = True
             self.context.cancel()
+        elif asked_at is not None and now - asked_at > SILENT_HOST_WARN_S and not self.silence_warned:
+            self.silence_warned = True
+            _log.warning("remote env host %s has not answered for %.0f s and no step_timeout drops it: its envs "
+                         "deliver nothing meanwhile (the other hosts go on); set the slot's step_timeout to drop "
+                         "a host that hangs.", self.peer, now - asked_at)
 
     def send(self, msg: bytes) -> None:
         if self.ended:
@@ -170,6 +192,10 @@ def check_address(address) -> None:
         raise ValueError(f"address {address!r}: the port must be a number in 1..65535 (0 is not accepted: "
                          "hosts must know where to connect).")
 
+
+#: seconds a connected host may owe an answer before the ingress warns about it (when no
+#: ``step_timeout`` drops it first): a silent host holds its envs, and only its envs
+SILENT_HOST_WARN_S = 30.0
 
 #: seconds a client has to send its hello once connected
 _HELLO_TIMEOUT_S = 10.0

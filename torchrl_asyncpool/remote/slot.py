@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import gymnasium as gym
 
@@ -236,8 +235,7 @@ class RemoteEnvSlot(gym.Env):
             return self._stream
 
     def _read(self, stream):
-        if self.step_timeout is not None:  # the ingress's watchdog cancels the call past it
-            stream.deadline = time.monotonic() + self.step_timeout
+        stream.expect(self.step_timeout)  # the ingress's watchdog cancels the call past it
         try:
             data = next(stream.requests)
         except StopIteration:
@@ -247,7 +245,7 @@ class RemoteEnvSlot(gym.Env):
                    else f"the host's stream failed ({type(exc).__name__}: {exc})")
             raise HostLost(why) from None
         finally:
-            stream.deadline = None
+            stream.answered()
         try:
             return self._codec.unpack_record(data)
         except ValueError as exc:

@@ -1,18 +1,20 @@
 """Pool side of protocol 2: ``k`` slots fed by env hosts of ``h`` envs each, one stream per host.
 
 A :class:`RemoteVectorSlot` is a :class:`gymnasium.vector.VectorEnv` of ``k`` envs, so a pool
-factory that returns one gets ``k`` consecutive slots in one worker, stepped in lockstep (see
-"Vectorized simulators" in the quickstart): one ``step`` sends each of its ``k / h`` hosts the
-commands of its ``h`` envs in one message and returns their records, decoded from the messages'
-bytes as numpy views that the worker copies into the slots' rows (one host: straight from the
-message; several: through one concatenation). Per record, the ingress costs a share of one
-gRPC message and a few numpy operations instead of a message of its own.
+factory that returns one gets ``k`` consecutive slots in one worker (see "Vectorized
+simulators" in the quickstart), stepped block by block: each of its ``k / h`` hosts gets the
+commands of its ``h`` envs in one message once the pool has answered them all, and its
+records, decoded from the message's bytes as numpy views, are copied into the slots' rows as
+soon as they have all come (:meth:`RemoteVectorSlot.step_some`; a reader thread per host
+files them). Per record, the ingress costs a share of one gRPC message and a few numpy
+operations instead of a message of its own, and a slow or lost host holds only its block.
 """
 from __future__ import annotations
 
+import collections
 import logging
+import os
 import threading
-import time
 
 import gymnasium as gym
 import numpy as np
@@ -27,6 +29,7 @@ __all__ = ["RemoteVectorSlot"]
 
 _log = logging.getLogger("torchrl_asyncpool.remote")
 _FIRST, _MID, _TERM, _TRUNC = (int(s) for s in StepType)
+_LOST = "lost"  # a block's event: its host was lost
 
 
 class RemoteVectorSlot(BlockIngress, gym.vector.VectorEnv):
@@ -45,11 +48,13 @@ class RemoteVectorSlot(BlockIngress, gym.vector.VectorEnv):
 
     Each factory needs an address of its own (one worker, one gRPC server per address); a
     worker's first reset waits for all its hosts, so the pool's start-up (``start_timeout``)
-    lasts until every block has a host. Episodes follow the pool's contract: a host that drops
-    mid-episode ends every open episode of its block with a ``TRUNCATION`` record (last
-    observation, reward 0; envs whose record was terminal get the next host's ``FIRST``
-    instead), and the next host that connects takes the block over. Nothing received is
-    unpickled.
+    lasts until every block has a host. Each block goes at its own pace (partial steps, see
+    :meth:`step_some`): a slow, silent or lost host holds only its own envs. Episodes follow
+    the pool's contract: a host that drops mid-episode ends every open episode of its block
+    at once with a ``TRUNCATION`` record (last observation, reward 0), and the next host that
+    connects takes the block over, every env of it starting with that host's ``FIRST``
+    record. Records that answer no command end the host with ``INVALID_ARGUMENT``. Nothing
+    received is unpickled.
 
     Args:
         address (str): ``"host:port"`` to listen on.
@@ -63,7 +68,9 @@ class RemoteVectorSlot(BlockIngress, gym.vector.VectorEnv):
         token (str, optional): as :class:`~torchrl_asyncpool.remote.RemoteEnvSlot`'s.
         step_timeout (float, optional): seconds a host may take to answer a pass (all its
             envs) or to send its first records; past it, the host is dropped. Defaults to
-            ``None``.
+            ``None``: a host is never dropped for being slow, and one that has owed an
+            answer for :data:`~torchrl_asyncpool.remote.ingress.SILENT_HOST_WARN_S` seconds is
+            reported by a warning.
 
     Attributes:
         hosts_connected (int): hosts that took this slot so far (in the worker process).
@@ -84,7 +91,9 @@ class RemoteVectorSlot(BlockIngress, gym.vector.VectorEnv):
             collector = AsyncPoolCollector(make, policy=policy, frames_per_batch=4096)  # 128 envs
     """
 
-    metadata = {"render_modes": [], "autoreset_mode": gym.vector.AutoresetMode.NEXT_STEP}
+    # partial steps: a step returns the blocks whose hosts answered (info["answered"]), so a
+    # slow, silent or lost host holds only its own envs
+    metadata = {"render_modes": [], "autoreset_mode": gym.vector.AutoresetMode.NEXT_STEP, "partial_steps": True}
 
     def __init__(self, address: str, observation_space, action_space, num_envs: int, *,
                  host_envs: int | None = None, token: str | None = None, step_timeout: float | None = None):
@@ -107,6 +116,8 @@ class RemoteVectorSlot(BlockIngress, gym.vector.VectorEnv):
         self._blocks = [_Block(b * host_envs, host_envs) for b in range(num_envs // host_envs)]
         self._ingress = None
         self._closed = False
+        self._signal = None  # (read, write) ends of the pipe behind fileno()
+        self._signalled = False
 
     @classmethod
     def like(cls, env, address: str, num_envs: int, **kwargs) -> "RemoteVectorSlot":
@@ -122,8 +133,8 @@ class RemoteVectorSlot(BlockIngress, gym.vector.VectorEnv):
         """The same envs as ``like(env, address, num_envs, **kwargs)``, as ``num_envs`` pool
         factories of single envs instead of one vector env: the pool hosts them in one worker,
         one thread each, and publishes each env's record as soon as its host sent it (a
-        :class:`RemoteVectorSlot` is stepped in lockstep: a pass waits for the slowest env of
-        all its hosts). Same hosts, same wire: for envs of uneven step time (simulators,
+        :class:`RemoteVectorSlot` steps a host's block together: a pass waits for the slowest
+        env of the host). Same hosts, same wire: for envs of uneven step time (simulators,
         envs that sleep or wait on I/O) whose hosts step their envs one by one (a
         :class:`~torchrl_asyncpool.remote.VectorEnvHost` of a list of envs; a host stepping a
         vector env together gathers a command for each of its envs first). ``kwargs``:
@@ -163,38 +174,57 @@ class RemoteVectorSlot(BlockIngress, gym.vector.VectorEnv):
 
             set_process_idle_poll(False)
         parts = []
-        for block in self._blocks:
-            parts.append(self._first_records(block))
-            block.ended[:] = False
-        return self._out(self._join([p for p in parts])), {}
+        with self._cond:
+            for block in self._blocks:
+                while True:  # a host lost before its FIRST records: the next one's
+                    while not block.events:
+                        self._wait()
+                    event = block.events.popleft()
+                    if event is not _LOST:
+                        break
+                parts.append(self._take(block, event)[0])
+        return self._out(self._join(parts)), {}
 
     def step(self, actions):
-        """Sends each host one command per env of its block (``actions``' row, or a reset for an
-        env whose last record was terminal) and returns all records ``(obs, reward,
-        terminated, truncated, info)``; a host lost meanwhile ends the open episodes of its
-        block truncated (``info["host_lost"]``)."""
-        for block in self._blocks:  # every host steps while the pool waits for the first one's records
-            block.sent = False
-            # a host that took the block since the last pass has sent its FIRST records unasked: they
-            # answer this pass (every env of the block ended at the last one), it gets no command now
-            if block.stream is not None and block.stream.greeted:
-                try:
-                    block.stream.send(self._codec.pack_commands(block.everyone, block.ended,
-                                                                actions[block.start:block.stop]))
-                    block.sent = True
-                except HostLost as exc:
-                    block.lost = exc
-        obs, rewards, terminated, truncated, lost = [], [], [], [], False
-        for block in self._blocks:
-            part = self._block_step(block)
-            lost = lost or part[4]
-            for out, value in zip((obs, rewards, terminated, truncated), part):
-                out.append(value)
-        info = {"host_lost": True} if lost else {}
-        if len(self._blocks) == 1:
-            return self._out(obs[0]), rewards[0], terminated[0], truncated[0], info
-        return (self._out(self._join(obs)), np.concatenate(rewards), np.concatenate(terminated),
-                np.concatenate(truncated), info)
+        """Sends each host whose last records were taken one command per env of its block
+        (``actions``' row, or a reset for an env whose last record was terminal), waits until
+        at least one block has answered or lost its host, and returns the records of those
+        blocks ``(obs, reward, terminated, truncated, info)``; ``info["answered"]`` marks their
+        envs (the other rows hold no record: theirs come in a later step, and their actions
+        are not sent again until then). A host lost meanwhile ends the open episodes of its
+        block truncated (``info["host_lost"]``); its envs' next records are the next host's
+        ``FIRST`` records."""
+        with self._cond:
+            self._command_free(actions, None)
+            while not any(block.events for block in self._blocks):
+                self._wait()
+            return self._collect(None)
+
+    def step_some(self, actions, ready):
+        """The pool's step, which never waits. ``ready`` (bool ``[num_envs]``) marks the envs
+        whose last record the pool has answered (their row of ``actions`` is that answer).
+        Sends the commands of each free host whose envs are all ready, then returns the records
+        that have come for envs that are ready, as :meth:`step` does (``info["answered"]`` marks
+        them; it may mark none). :meth:`fileno` becomes readable when more records come."""
+        with self._cond:
+            if self._signalled:
+                os.read(self._signal[0], 4096)
+                self._signalled = False
+            self._command_free(actions, ready)
+            return self._collect(ready)
+
+    def fileno(self) -> int:
+        """A descriptor that becomes readable when a host's records (or its loss) are ready for
+        :meth:`step_some`; the pool's worker waits on it next to its doorbell."""
+        with self._cond:
+            if self._signal is None:
+                self._signal = os.pipe()
+                for fd in self._signal:
+                    os.set_blocking(fd, False)
+                self._signalled = False
+                if any(block.events for block in self._blocks):
+                    self._ring()
+            return self._signal[0]
 
     def close(self, **kwargs):
         """Lets go of the hosts (their streams end) and stops listening. Idempotent."""
@@ -204,6 +234,9 @@ class RemoteVectorSlot(BlockIngress, gym.vector.VectorEnv):
             for block in self._blocks:
                 block.stream = None
             self._cond.notify_all()
+            signal, self._signal = self._signal, None
+        for fd in signal or ():
+            os.close(fd)
         for stream in streams:
             if stream is not None:
                 stream.end()
@@ -211,7 +244,7 @@ class RemoteVectorSlot(BlockIngress, gym.vector.VectorEnv):
             self._ingress.leave(self)
             self._ingress = None
 
-    # -- internals --------------------------------------------------------------------------------
+    # -- internals (the caller holds self._cond where a method waits or reads a block) ------------
     def _where(self) -> str:
         return f"the remote vector slot of {self.num_envs} envs on {self.address}"
 
@@ -223,147 +256,176 @@ class RemoteVectorSlot(BlockIngress, gym.vector.VectorEnv):
             return parts[0]
         return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
 
-    def _block_step(self, block):
-        """``(obs, rewards, terminated, truncated, lost)`` of one block's pass."""
-        h = self.host_envs
-        zeros = np.zeros(h, bool)
-        if not block.sent and block.lost is None:
-            # lost at the last pass: every env of the block ended there; the next host's FIRST records follow
-            obs = self._first_records(block)
-            block.ended = np.zeros(h, bool)
-            return obs, np.zeros(h), zeros, zeros, False
-        ended = block.ended
+    def _wait(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self._where()} was closed while waiting for its hosts.")
+        self._cond.wait()
+
+    def _command_free(self, actions, ready) -> None:
+        """Commands every free host (its last records taken) whose envs all have an action
+        (``ready``; ``None``: all do)."""
+        for block in self._blocks:  # every free host steps while the pool waits for the first one
+            if block.stream is None or block.events or block.pending.any():
+                continue
+            if ready is None or ready[block.start:block.stop].all():
+                self._command(block, actions[block.start:block.stop])
+
+    def _ring(self) -> None:
+        """Makes :meth:`fileno` readable (once until :meth:`step_some` drains it)."""
+        if self._signal is not None and not self._signalled:
+            os.write(self._signal[1], b"x")
+            self._signalled = True
+
+    def _command(self, block, actions) -> None:
+        """Sends ``block``'s host one command per env (a reset where its last record ended)."""
+        stream = block.stream
+        block.pending[:] = True  # before sending: the answer may come at once
+        block.resets = block.ended.copy()
+        stream.expect(self.step_timeout)
         try:
-            if block.lost is not None:
-                raise block.lost
-            obs, rewards, sts = self._read_pass(block.stream, ended)
-        except HostLost as exc:
-            block.lost = None
-            self._lose(block, block.stream, exc)
-            return self._lost(block, ended)
+            stream.send(self._codec.pack_commands(block.everyone, block.resets, actions))
+        except HostLost:
+            pass  # the call has ended: its reader loses the host
+
+    def _take(self, block, event):
+        """A complete pass of ``block`` (``(obs, rewards, step types)``), as the pool takes it."""
+        obs, rewards, sts = event
         block.ended = (sts == _TERM) | (sts == _TRUNC)
         block.last_obs = obs
-        return obs, rewards, sts == _TERM, sts == _TRUNC, False
+        return obs, rewards, sts
+
+    def _collect(self, ready):
+        """The step's records: every block that answered or lost its host and whose envs are
+        all ``ready`` (``None``: all are; see :meth:`step_some`)."""
+        k = self.num_envs
+        answered, lost = np.zeros(k, bool), False
+        rewards, sts = np.zeros(k), np.full(k, _MID, np.uint8)
+        parts = []
+        for block in self._blocks:
+            rows = slice(block.start, block.stop)
+            take = block.events and (ready is None or ready[rows].all())
+            event = block.events.popleft() if take else None
+            if event is _LOST:
+                obs, sts[rows], answered[rows] = self._lost(block)
+                lost = True
+            elif event is not None:  # a host's records, even if it was lost since (they stand)
+                obs, rewards[rows], sts[rows] = self._take(block, event)
+                answered[rows] = True
+            else:
+                obs = block.last_obs  # no record: rows the pool ignores
+            parts.append(obs)
+        info = {"answered": answered}
+        if lost:
+            info["host_lost"] = True
+        return self._out(self._join(parts)), rewards, sts == _TERM, sts == _TRUNC, info
+
+    def _lost(self, block):
+        """A block's records after its host was lost: its open episodes end TRUNCATION (last
+        observation, reward 0); the envs whose last record ended wait for the next host's
+        ``FIRST`` records, as every env of the block does after this step.
+        Returns ``(obs, step types, answered)``."""
+        truncated = ~block.ended
+        block.ended = np.ones(self.host_envs, bool)
+        return block.last_obs, np.where(truncated, _TRUNC, _MID).astype(np.uint8), truncated
 
     def _attach(self, stream) -> bool:
         with self._cond:
             if self._closed:
                 return False
-            for block in self._blocks:
-                if block.stream is None:
-                    block.stream = stream
-                    stream.accept_index = block.start  # the accept says where the host's envs start
-                    stream.greeted = False  # its FIRST records, sent unasked, are not read yet
-                    self.hosts_connected += 1
-                    self._cond.notify_all()
-                    break
-            else:
+            block = next((b for b in self._blocks if b.stream is None), None)
+            if block is None:
                 return False
+            block.stream = stream
+            stream.accept_index = block.start  # the accept says where the host's envs start
+            block.pending[:] = block.resets[:] = True  # its FIRST records come unasked
+            stream.expect(self.step_timeout)
+            self.hosts_connected += 1
         _log.info("%s: host %s connected (envs %d..%d)", self._where(), stream.peer, block.start, block.stop - 1)
+        threading.Thread(target=self._read_loop, args=(block, stream), name="env-host-reader", daemon=True).start()
         return True
 
-    def _wait_host(self, block):
-        with self._cond:
-            while block.stream is None:
-                if self._closed:
-                    raise RuntimeError(f"{self._where()} was closed while waiting for a host.")
-                self._cond.wait()
-            return block.stream
+    def _read_loop(self, block, stream) -> None:
+        """Reads the host's record batches into ``block`` until the stream ends; then the host is lost."""
+        exc = HostLost("the host ended its stream")
+        try:
+            for data in stream.requests:
+                try:
+                    envs, st, rew, part = self._codec.unpack_records(data)
+                except ValueError as err:
+                    raise ProtocolError(str(err)) from None
+                with self._cond:
+                    if block.stream is not stream:
+                        return
+                    self._receive(block, stream, envs, st, rew, part)
+        except ProtocolError as err:
+            exc = err
+        except Exception as err:  # noqa: BLE001 - grpc raises its RpcError (cancelled, reset) here
+            exc = HostLost(f"no answer within step_timeout={self.step_timeout:g}s" if stream.timed_out
+                           else f"the host's stream failed ({type(err).__name__}: {err})")
+        self._lose(block, stream, exc)
 
-    def _first_records(self, block):
-        """The FIRST records of a block's envs from the host holding it, or the next one."""
-        while True:
-            stream = self._wait_host(block)
-            try:
-                obs, _, _ = self._read_pass(stream, np.ones(self.host_envs, bool))
-            except HostLost as exc:
-                self._lose(block, stream, exc)
-                continue
-            stream.greeted = True
-            block.last_obs = obs
-            return obs
-
-    def _lost(self, block, ended):
-        """A block's records after its host was lost: the open episodes end TRUNCATION (last
-        observation, reward 0); envs whose last record was terminal need a FIRST record, which
-        only the next host can give (waited for here)."""
-        h = self.host_envs
-        obs = {key: np.array(v) for key, v in block.last_obs.items()}
-        if ended.any():
-            first = self._first_records(block)
-            for key in obs:
-                obs[key][ended] = first[key][ended]
-        truncated = ~ended
-        block.ended = truncated  # the truncated envs' next records are FIRST (a reset to the next host)
-        block.last_obs = obs
-        return obs, np.zeros(h), np.zeros(h, bool), truncated, True
-
-    def _read_pass(self, stream, resets):
-        """Reads record batches until every env of the host has answered its command; returns
-        ``(obs, rewards, step types)`` in env order."""
+    def _receive(self, block, stream, envs, st, rew, part) -> None:
+        """Files one record batch of ``block``'s host; a pass that every env answered becomes
+        an event of the block. Records that answer no command are refused (ProtocolError)."""
+        pending = block.pending
+        if len(np.unique(envs)) != len(envs) or not pending[envs].all():
+            raise ProtocolError("a record for an env with no command to answer (sent before its command, or a "
+                                "second answer to one)")
         k = self.host_envs
-        everyone = self._blocks[0].everyone
-        got = None
-        obs = rewards = sts = None
-        while True:
-            data = self._next(stream)
-            try:
-                envs, st, rew, part = self._codec.unpack_records(data)
-            except ValueError as exc:
-                raise ProtocolError(str(exc)) from None
-            if got is None and len(envs) == k and (envs == everyone).all():
-                obs, rewards, sts = part, rew, st  # the usual pass: views of the message, no copy
-                break
-            if got is None:
-                got = np.zeros(k, bool)
-                obs = {key: np.empty((k, *v.shape[1:]), v.dtype) for key, v in part.items()}
-                rewards, sts = np.zeros(k), np.zeros(k, np.uint8)
-            if got[envs].any() or len(np.unique(envs)) != len(envs):
-                raise ProtocolError("a second record for an env before its next command")
-            got[envs] = True
+        if pending.all() and len(envs) == k and (envs == block.everyone).all():
+            block.buffer = part, rew, st  # the usual pass: views of the message, no copy
+        else:
+            if pending.all():
+                block.buffer = ({key: np.empty((k, *v.shape[1:]), v.dtype) for key, v in part.items()},
+                                np.zeros(k), np.zeros(k, np.uint8))
+            obs, rewards, sts = block.buffer
             for key, v in part.items():
                 obs[key][envs] = v
             rewards[envs], sts[envs] = rew, st
-            if got.all():
-                break
-        first = sts == _FIRST
-        if (first != resets).any():
-            j = int(np.flatnonzero(first != resets)[0])
-            raise ProtocolError(f"env {j}: a record answering {'a reset' if resets[j] else 'an action'} has step "
-                                 f"type {int(sts[j])}; {'only' if resets[j] else 'not'} FIRST (0) answers a reset")
-        return obs, rewards, sts
+        pending[envs] = False
+        if pending.any():
+            return
+        obs, rewards, sts = block.buffer
+        block.buffer = None
+        wrong = (sts == _FIRST) != block.resets
+        if wrong.any():
+            j = int(np.flatnonzero(wrong)[0])
+            raise ProtocolError(f"env {j}: a record answering {'a reset' if block.resets[j] else 'an action'} has "
+                                f"step type {int(sts[j])}; {'only' if block.resets[j] else 'not'} FIRST (0) answers "
+                                "a reset")
+        stream.answered()
+        block.events.append((obs, rewards, sts))
+        self._cond.notify_all()
+        self._ring()
 
-    def _next(self, stream):
-        if self.step_timeout is not None:  # the ingress's watchdog cancels the call past it
-            stream.deadline = time.monotonic() + self.step_timeout
-        try:
-            return next(stream.requests)
-        except StopIteration:
-            raise HostLost("the host ended its stream") from None
-        except Exception as exc:  # noqa: BLE001 - grpc raises its RpcError (cancelled, reset) here
-            why = (f"no answer within step_timeout={self.step_timeout:g}s" if stream.timed_out
-                   else f"the host's stream failed ({type(exc).__name__}: {exc})")
-            raise HostLost(why) from None
-        finally:
-            stream.deadline = None
-
-    def _lose(self, block, stream, exc):
+    def _lose(self, block, stream, exc) -> None:
         with self._cond:
-            if block.stream is stream:
-                block.stream = None
-        if stream is not None:
+            if block.stream is not stream:
+                return
+            block.stream = None
+            block.pending[:] = False
+            block.buffer = None
+            if not self._closed:
+                block.events.append(_LOST)
+                self._ring()
             self.hosts_lost += 1
-            end_stream(stream, exc, self._closed, self._where())
+            self._cond.notify_all()
+        end_stream(stream, exc, self._closed, self._where())
 
 
 class _Block:
-    """The envs ``start .. start + n - 1`` of a vector slot, fed by one host."""
+    """The envs ``start .. start + n - 1`` of a vector slot, fed by one host at a time; its
+    fields change under the slot's lock."""
 
     def __init__(self, start: int, n: int):
         self.start, self.stop = start, start + n
         self.everyone = np.arange(n)
         self.stream = None
-        self.ended = np.zeros(n, bool)  # the env's last record was terminal: its next one is FIRST
+        self.ended = np.ones(n, bool)  # the env's last record was terminal: its next one is FIRST
         self.last_obs = None
-        self.sent = False  # the commands of the pass in progress went out
-        self.lost = None  # the HostLost met while sending them
+        self.pending = np.zeros(n, bool)  # the env owes a record (its command, or the FIRST of a new host)
+        self.resets = np.ones(n, bool)  # the env's pending record answers a reset: it must be FIRST
+        self.buffer = None  # the pass being received
+        # what the pool has not taken yet, in order: complete passes (obs, rewards, step types)
+        # and _LOST (the host was lost: the open episodes end); at most one per step
+        self.events = collections.deque()

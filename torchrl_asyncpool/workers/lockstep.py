@@ -28,6 +28,7 @@ import traceback
 import numpy as np
 
 from torchrl_asyncpool.exchange import slot_states as S
+from torchrl_asyncpool.exchange.doorbell import BellWait
 from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.workers.hosted_envs import check_life, close_reporting
 
@@ -67,6 +68,8 @@ class _Lockstep:
         self.ended = np.zeros(k, bool)  # the env's last record was terminal: its next one is FIRST
 
     def run(self) -> None:
+        if getattr(self.worker.vector, "partial", False):
+            return self.run_partial()
         waiter = self.start()
         life_fd, state = self.worker.life_fd, self.state
         while True:
@@ -85,6 +88,52 @@ class _Lockstep:
                 self.reset_ended()
             else:
                 self.step()
+
+    def run_partial(self) -> None:
+        """The loop for a vector env of partial steps (see ``GymnasiumVectorAdapter``): each wake-up
+        (an answer from the consumer, or records ready in the env) hands the env the new actions
+        and publishes the records it has, whichever envs they are. A replacement worker's cuts
+        and rebuilds go first, as in :meth:`run`."""
+        worker, state, life_fd = self.worker, self.state, self.worker.life_fd
+        bell_only = self.start()
+        waiter = BellWait(worker.bells[0], (life_fd, worker.vector.fileno()))
+        while self.cutting is not None or self.reborn is not None:
+            if life_fd in bell_only.wait():
+                return
+            if (state == S.ACTION_READY).all():
+                self.cut() if self.cutting is not None else self.publish_reborn()
+        while True:
+            # every open episode holds a chunk before the env may answer it (a lost host's
+            # truncations come unasked); without one, only the driver's ring can help
+            if self._claim(np.flatnonzero(~self.ended)):
+                self.step_partial(state == S.ACTION_READY)
+                fired = waiter.wait()
+            else:
+                fired = bell_only.wait()
+            if life_fd in fired:
+                return
+
+    def step_partial(self, ready) -> None:
+        """Gives the env the answers of the envs in ``ready`` (those it can use now) and publishes
+        the records it has for them (their chunks are claimed): an env's root row is written once
+        its record is there, from the request row its answer saw (ours until it is published)."""
+        ended, writer = self.ended, self.writer
+        self.stepper.note("step", self.lo)
+        t = time.perf_counter()
+        obs, rew, term, trunc, answered = self.worker.vector.step_some(self.actions, ready)
+        dt = time.perf_counter() - t
+        if not answered.any():
+            return
+        st = np.where(ended, _FIRST, np.where(term, _TERM, np.where(trunc, _TRUNC, _MID))).astype(np.int8)
+        rew = np.array(rew, writer.reward.dtype).reshape(self.reward_shape)  # a copy: FIRST rows are zeroed
+        rew[ended] = 0
+        stepping = np.flatnonzero(answered & ~ended)
+        moving, chunk_rows = self._write_roots(stepping)
+        self.write_obs(obs, answered)
+        writer.add_block(self.lo, st, rew, dt, answered)
+        self._write_nexts(moving, stepping, chunk_rows)
+        writer.publish()
+        self.ended = np.where(answered, (st == _TERM) | (st == _TRUNC), ended)
 
     def start(self):
         """Resets the env and publishes every env's ``FIRST``; a replacement worker instead takes
@@ -237,6 +286,12 @@ class _Lockstep:
             return False, None
         moving = [self.slots[j] for j in at]
         return moving, delivery.write_root_rows(moving, self.idx[at])
+
+    def _claim(self, at):
+        """Claims a chunk for each env at positions ``at``, writing nothing: False when one has no
+        free chunk (back-pressure)."""
+        delivery = self.delivery
+        return delivery is None or all([delivery.claim(self.slots[j]) for j in at])
 
     def _write_nexts(self, moving, at, chunk_rows) -> None:
         """The transitions' ``"next"`` rows, after :meth:`_write_roots` (nothing when it wrote none)."""
