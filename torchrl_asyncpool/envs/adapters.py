@@ -40,7 +40,7 @@ def _torchrl_adapter(env, env_index):
             adapter = fast.TorchRLGymVectorFastAdapter(env, plan, env_index)
         else:
             adapter = fast.TorchRLGymFastAdapter(env, plan, env_index)
-        fast._log_choice(adapter, env, env_index)
+        fast.log_choice(adapter, env, env_index)
         return adapter
     if batched and _next_step_vector(env):
         what = _describe_vector(env)
@@ -58,7 +58,7 @@ def _torchrl_adapter(env, env_index):
         )
     adapter = TorchRLBatchedAdapter(env, env_index) if batched else TorchRLEnvAdapter(env, env_index)
     adapter.fast_path_reason = reason
-    fast._log_choice(adapter, env, env_index, reason)
+    fast.log_choice(adapter, env, env_index, reason)
     return adapter
 
 
