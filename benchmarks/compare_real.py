@@ -23,7 +23,9 @@ Systems (``--systems``; each one cell per workload, policy and env count):
 * ``ours_ale_vec``    the collector hosting ``gym.make_vec("ALE/Pong-v5", num_envs=k,
                       vectorization_mode="vector_entry_point")`` factories (ale-py's
                       ``AtariVectorEnv``), one factory per core (``--vec-factories``), Atari only
-* ``ours_envpool``    the collector hosting ``envpool.make_gymnasium(...)`` factories, one per core
+* ``ours_envpool``    the collector hosting ``envpool.make_gymnasium(...)`` factories (EnvPool's
+                      ``Pong-v5`` on Atari, its ``HalfCheetah-v4`` vector env on MuJoCo, synchronous
+                      mode, one thread each), one factory per core (``--vec-factories``)
 * ``ours_gym_unpinned`` (diagnostic, only when named) ``ours_gym`` with ``worker_affinity=None,
                       driver_affinity=None``: nothing pinned, against the default CPU partition
 * ``gym_async``       a hand-written ``gymnasium.vector.AsyncVectorEnv(shared_memory=True, fork)``
@@ -209,18 +211,19 @@ class _TDAct(nn.Module):
         return a.to(self.dtype) if self.dtype is not None else a
 
 
-def make_td_policy(workload, policy, torchrl_specs=False, envpool=False):
+def make_td_policy(workload, policy, torchrl_specs=False):
     """A ``TensorDictModule`` (observation -> action): what the collectors take. Its actions have
     the dtype of the action spec the collector reads from the envs: one-hot for TorchRL's Atari
-    specs, float32 after ``DoubleToFloat``, int32 for EnvPool's discrete actions (the collector
-    checks the dtype: ``cast_actions=False`` by default)."""
+    specs, float32 after ``DoubleToFloat``, int64 for a gymnasium ``Discrete`` space (EnvPool's
+    too: the pool casts nothing, EnvPool casts to its int32 when stepped; the collector checks
+    the dtype: ``cast_actions=False`` by default)."""
     from tensordict.nn import TensorDictModule
 
     one_hot = ATARI_ACTIONS if (torchrl_specs and workload == "atari") else 0
     if workload == "mujoco":
         dtype = torch.float32 if torchrl_specs else torch.float64
     else:
-        dtype = torch.int32 if envpool else None
+        dtype = None
     return TensorDictModule(_TDAct(make_net(workload, policy), one_hot, dtype), in_keys=["observation"],
                             out_keys=["action"])
 
@@ -368,7 +371,7 @@ def build_ours(w, p, n, fpb, system, vec_factories=None):
         fns = [functools.partial(make_envpool, w, k) for k in _split(n, vec_factories or _cores())]
     else:
         raise ValueError(system)
-    policy = make_td_policy(w, p, torchrl_specs=system == "ours_torchrl", envpool=system == "ours_envpool")
+    policy = make_td_policy(w, p, torchrl_specs=system == "ours_torchrl")
     return AsyncPoolCollector(fns, policy=policy, frames_per_batch=fpb, total_frames=-1, **kwargs)
 
 

@@ -1,6 +1,7 @@
 """Smoke test of ``benchmarks/compare_real.py --quick``: the real-workload benchmark runs end to end
-(Atari 16 and MuJoCo 16, our collector, the ``SyncVectorEnv`` loop and the env-only ceiling) and
-writes a JSON with every cell. Numbers are not checked: CI machines are shared.
+(Atari 16 and MuJoCo 16, our collector, the ``SyncVectorEnv`` loop and the env-only ceiling; our
+collector hosting EnvPool's vector envs) and writes a JSON with every cell. Numbers are not
+checked: CI machines are shared.
 
 Runs the script in a subprocess, as a user would (its collector's fork server re-imports the main
 module). About 30-60 s on 2 cores.
@@ -21,14 +22,19 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_real.py"
 SYSTEMS = ["ours_gym", "gym_sync", "env_only"]
 
 
-def test_compare_real_quick(tmp_path):
+def run_quick(tmp_path, systems, envs):
+    """``compare_real.py --quick`` on both workloads with the mean policy: its JSON."""
     out = tmp_path / "results_real.json"
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--workloads", "atari", "mujoco", "--envs", "16",
-           "--policies", "mean", "--systems", *SYSTEMS, "--json", str(out)]
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--workloads", "atari", "mujoco", "--envs", str(envs),
+           "--policies", "mean", "--systems", *systems, "--json", str(out)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_compare_real_quick(tmp_path):
+    data = run_quick(tmp_path, SYSTEMS, 16)
     assert data["meta"]["machine"]["cores"] >= 1
     assert data["meta"]["commit"] is not None
     cells = {c["cell"]: c for c in data["cells"]}
@@ -45,3 +51,17 @@ def test_compare_real_quick(tmp_path):
         assert ours["collector"]["pool"]["num_workers"] >= 1
     assert "| Atari 16 |" in data["table_markdown"] and "| MuJoCo 16 |" in data["table_markdown"]
     assert len(data["rows"]) == 2 * len(SYSTEMS)
+
+
+def test_compare_real_hosts_envpool(tmp_path):
+    """``ours_envpool``: the collector hosting EnvPool's ``Pong-v5`` and ``HalfCheetah-v4`` vector
+    envs as factories (4 envs: one factory of 2 per core on 2 cores)."""
+    pytest.importorskip("envpool")
+    data = run_quick(tmp_path, ["ours_envpool"], 4)
+    cells = {c["cell"]: c for c in data["cells"]}
+    assert set(cells) == {"Atari 4", "MuJoCo 4"}, sorted(cells)
+    for name, cell in cells.items():
+        entry = cell["systems"]["ours_envpool"]
+        assert "error" not in entry, (name, entry.get("error"))
+        assert entry["median"] > 0, (name, entry)
+        assert entry["collector"]["pool"]["slots_envpool"] == 4  # every slot stepped by the EnvPool adapter

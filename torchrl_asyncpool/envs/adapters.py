@@ -14,6 +14,7 @@ from torchrl.envs import EnvBase
 
 from torchrl_asyncpool.envs import torchrl_vector_hosting
 from torchrl_asyncpool.envs.env_attrs import env_where
+from torchrl_asyncpool.envs.envpool_adapter import EnvPoolVectorAdapter, is_envpool
 from torchrl_asyncpool.envs.gymnasium_adapters import GymnasiumEnvAdapter, GymnasiumVectorAdapter
 from torchrl_asyncpool.envs.torchrl_adapters import TorchRLBatchedAdapter, TorchRLEnvAdapter
 
@@ -39,7 +40,7 @@ def _torchrl_adapter(env, env_index):
             adapter = fast.TorchRLGymVectorFastAdapter(env, plan, env_index)
         else:
             adapter = fast.TorchRLGymFastAdapter(env, plan, env_index)
-        fast._log_choice(adapter, env, env_index)
+        fast.log_choice(adapter, env, env_index)
         return adapter
     if batched and _next_step_vector(env):
         what = _describe_vector(env)
@@ -57,7 +58,7 @@ def _torchrl_adapter(env, env_index):
         )
     adapter = TorchRLBatchedAdapter(env, env_index) if batched else TorchRLEnvAdapter(env, env_index)
     adapter.fast_path_reason = reason
-    fast._log_choice(adapter, env, env_index, reason)
+    fast.log_choice(adapter, env, env_index, reason)
     return adapter
 
 
@@ -136,20 +137,28 @@ def make_adapter(env, env_index: int | None = None):
         import gymnasium as gym
     except ImportError:  # pragma: no cover - gymnasium is a dependency
         gym = None
-    if gym is not None and isinstance(env, gym.Env):
-        return GymnasiumEnvAdapter(env, env_index)
+    # an EnvPool env is a gymnasium.Env too (with one env's spaces but batched steps): the vector
+    # env test comes first
+    if is_envpool(env):
+        return EnvPoolVectorAdapter(env, env_index)
     if gym is not None and isinstance(env, gym.vector.VectorEnv):
         return GymnasiumVectorAdapter(env, env_index)
+    if gym is not None and isinstance(env, gym.Env):
+        return GymnasiumEnvAdapter(env, env_index)
+    hint = (" (EnvPool's dm_env API: use envpool.make_gymnasium instead)"
+            if type(env).__module__.startswith("envpool") else "")
     raise TypeError(
-        f"create_env_fn for {env_where(env_index)} returned {type(env).__name__}; expected a torchrl.envs.EnvBase, "
-        "a gymnasium.Env or a gymnasium.vector.VectorEnv."
+        f"create_env_fn for {env_where(env_index)} returned {type(env).__name__}{hint}; expected a "
+        "torchrl.envs.EnvBase, a gymnasium.Env, a gymnasium.vector.VectorEnv or an EnvPool env "
+        "(envpool.make_gymnasium)."
     )
 
 
 def adapter_path(adapter) -> str:
     """The name of the path an adapter steps its env on: ``"torchrl-fast"``,
     ``"torchrl-fast-vector"``, ``"torchrl"``, ``"torchrl-batched"``, ``"gymnasium"``,
-    ``"gymnasium-vector"`` (see :mod:`~torchrl_asyncpool.envs.torchrl_fast`).
+    ``"gymnasium-vector"``, ``"envpool"`` (see :mod:`~torchrl_asyncpool.envs.torchrl_fast` and
+    :mod:`~torchrl_asyncpool.envs.envpool_adapter`).
 
     Args:
         adapter: what :func:`make_adapter` returned.

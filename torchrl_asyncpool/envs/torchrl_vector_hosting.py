@@ -6,9 +6,9 @@ allowed to have children". In a daemonic process, and only there (anywhere else 
 behaviour is kept), :func:`install` makes ``GymEnv`` build a ``SyncVectorEnv`` of the same env
 factories instead: the same envs, seeded the same way (sub-env ``j`` with ``seed + j``), in the
 same ``NEXT_STEP`` autoreset mode, so the same records; the worker then hosts them as ``k``
-slots (:class:`~torchrl_asyncpool.envs.torchrl_fast.TorchRLGymVectorFastAdapter`), each
+slots (:class:`~torchrl_asyncpool.envs.torchrl_fast.adapters.TorchRLGymVectorFastAdapter`), each
 sub-env stepped on its own when nothing on top needs the lockstep
-(:meth:`~torchrl_asyncpool.envs.torchrl_fast.TorchRLGymVectorFastAdapter.split`).
+(:meth:`~torchrl_asyncpool.envs.torchrl_fast.adapters.TorchRLGymVectorFastAdapter.split`).
 """
 from __future__ import annotations
 
