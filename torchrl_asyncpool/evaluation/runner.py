@@ -158,7 +158,10 @@ def evaluate(
 
     Keyword Args:
         num_envs (int): envs run at once (at most one per episode). Defaults to 8.
-        max_steps (int, optional): step limit of episodes that set none (``"timeout"``).
+        max_steps (int, optional): step limit of episodes that set none: an episode still
+            running after that many steps is cut (``"timeout"``); one the env ends itself at
+            that very step (terminated, or truncated by its own time limit, e.g. HalfCheetah's
+            1,000 steps with ``max_steps=1000``) is ``"completed"``.
         episode_timeout_s (float, optional): wall-clock limit per episode (``"timeout"``),
             counted from the moment its env starts being built (a slot's first episode) or
             reset for it (the next ones): a creation or reset that hangs times out too.
@@ -310,12 +313,12 @@ def evaluate(
                 # restarts while the evaluation's budget lasts; past it, a failure closes the pool (as "new_pool")
                 restarts_left = None if max_restarts is None else max_restarts - rebuilt[0]
                 restart = on_env_failure == "restart" and (restarts_left is None or restarts_left > 0)
-                plan_progress = PlanProgress.create(n) if restart else None
+                plan_progress = PlanProgress.create(n)
                 fns = [PlannedEnvFactory(create_env_fn, [(episodes[i].seed, limits[i], episodes[i].options) for i in q],
-                                         progress=None if plan_progress is None else plan_progress.slot(s))
+                                         progress=plan_progress.slot(s))
                        for s, q in enumerate(queues)]
                 run = _Run(episodes, limits, queues, acting, finish, episode_timeout_s, stop, device,
-                           committed=draining, progress=plan_progress)
+                           committed=draining, progress=plan_progress, restarts=restart)
                 run.begin(time.monotonic())
                 pool = None
                 primary: Optional[BaseException] = None
@@ -370,8 +373,7 @@ def evaluate(
                     try:
                         close_noting(pool, min(grace, close_timeout_s), primary)
                     finally:
-                        if plan_progress is not None:
-                            plan_progress.remove()
+                        plan_progress.remove()
                 rerun = run.interrupted()
                 isolate |= bool(run.deferred)  # a dead worker of several envs: which one killed it is unknown
             fail_unstarted("not started: the evaluation was stopped")  # drained: these never started
@@ -430,10 +432,11 @@ class _Run:
     """
 
     def __init__(self, episodes, limits, queues, acting, finish, timeout_s, stop=None, device=None,
-                 committed=False, progress: Optional[PlanProgress] = None):
+                 committed=False, progress: Optional[PlanProgress] = None, restarts: bool = False):
         self.episodes, self.limits, self.queues = episodes, limits, queues
-        # on_env_failure="restart": how far each slot's envs got through its plan (None: no restarts)
-        self.progress = progress
+        # how far each slot's envs got through its plan, and which episodes the env itself ended
+        # at their step limit; restarts: on_env_failure="restart" (a rebuilt env goes on with the plan)
+        self.progress, self.restarts = progress, restarts
         self.plan_len = [len(q) for q in queues]
         self.position = {i: k for q in queues for k, i in enumerate(q)}  # manifest index -> place in its slot's plan
         self.acting, self.finish, self.timeout_s = acting, finish, timeout_s
@@ -555,7 +558,7 @@ class _Run:
                 self._cut(s, pool, now, stopping)
                 answer[row] = self.current[s] is not None
                 continue
-            if st == _FIRST and self.progress is not None:
+            if st == _FIRST and self.restarts:
                 self._resets_failed(s, pool, now)  # before the episode this FIRST record starts
                 i = self.current[s]
                 if i is None:
@@ -571,7 +574,8 @@ class _Run:
                 self.length[s] += 1
                 if st >= _TERM:
                     limit = self.limits[i]
-                    cut = st == _TRUNC and limit is not None and self.length[s] >= limit
+                    cut = st == _TRUNC and limit is not None and self.length[s] >= limit and not (
+                        self.progress is not None and self.progress.ended_by_env(s, self.position[i]))
                     error = f"cut after max_steps={limit} steps" if cut else None
                     self.finish(i, self._result(s, "timeout" if cut else "completed", terminated=st == _TERM,
                                                 truncated=st == _TRUNC and not cut, error=error))
@@ -692,7 +696,7 @@ class _Run:
         record of them yet) fail those episodes first: ``exc`` belongs to the last one taken."""
         error = f"env raised during {exc.phase}:\n{exc.worker_traceback}"
         s = exc.env_index
-        if self.progress is not None and pool is not None and not all_remaining and s is not None \
+        if self.restarts and pool is not None and not all_remaining and s is not None \
                 and s < len(self.current) and self.current[s] is not None:
             try:  # the resets that failed in a row before this failure, each followed by a rebuild
                 before = self.progress.taken(s) - 1 - self.position[self.current[s]]
