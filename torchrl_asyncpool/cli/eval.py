@@ -4,18 +4,31 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 import time
 
-from torchrl_asyncpool.cli._common import Terminated, _raise_terminated, _start_fork_server, _wait_fork_server_ready
+from torchrl_asyncpool.cli._common import (
+    Terminated,
+    _import_callable,
+    _raise_terminated,
+    _start_fork_server,
+    _wait_fork_server_ready,
+)
+
+#: the env ``torchrl-asyncpool eval`` runs without ``--env-id`` or ``--env-factory``
+_DEFAULT_ENV_ID = "CartPole-v1"
 
 
-def _random_policy(action_space):
-    """Uniform random actions for a gymnasium ``Discrete`` or ``Box`` action space."""
+def _random_policy(env):
+    """Uniform random actions for ``env``: a gymnasium env's ``Discrete`` or ``Box`` action
+    space, or a TorchRL env's action spec."""
     import gymnasium as gym
     import torch
 
+    action_space = getattr(env, "action_space", None)
+    if not isinstance(action_space, gym.spaces.Space):  # a TorchRL env: its own spec draws
+        spec = env.full_action_spec
+        return lambda td: td.update(spec.expand(*td.batch_size).rand())
     if isinstance(action_space, gym.spaces.Discrete):
         n, start = int(action_space.n), int(action_space.start)
         return lambda td: td.set("action", torch.randint(start, start + n, (td.batch_size[0],)))
@@ -29,27 +42,138 @@ def _random_policy(action_space):
     raise ValueError(f"--policy random supports Discrete and Box action spaces, not {action_space!r}.")
 
 
-def _load_policy(spec: str, env_id: str):
+def _load_policy(spec: str, env):
+    """The policy ``--policy`` names: ``"random"`` (for ``env``'s actions) or ``MODULE:FACTORY``
+    called with no arguments."""
     if spec == "random":
+        return _random_policy(env)
+    return _import_callable(spec, "--policy", "'random' or MODULE:FACTORY")()
+
+
+def _env_kwargs(text: str | None) -> dict:
+    """``--env-kwargs`` parsed: a JSON object (``ValueError`` naming what is wrong)."""
+    if text is None:
+        return {}
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--env-kwargs must be a JSON object, e.g. '{{\"env_id\": \"ALE/Pong-v5\"}}'; got {text!r}, "
+                         f"which is not valid JSON ({exc}).") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--env-kwargs must be a JSON object (keyword arguments), got a {type(value).__name__}: "
+                         f"{text!r}.")
+    return value
+
+
+def _env_name(args: argparse.Namespace) -> str:
+    """The env's name in the episode ids and messages (no import: the episodes come first)."""
+    if args.env_factory:
+        kwargs = _env_kwargs(args.env_kwargs)
+        return str(kwargs.get("env_id") or args.env_factory.partition(":")[2] or args.env_factory)
+    return args.env_id or _DEFAULT_ENV_ID
+
+
+def _env_maker(args: argparse.Namespace):
+    """A picklable no-argument env factory: ``gym.make(--env-id, **--env-kwargs)``, or the
+    ``--env-factory`` function called with ``--env-kwargs`` (none: no arguments)."""
+    kwargs = _env_kwargs(args.env_kwargs)
+    if not args.env_factory:
         import gymnasium as gym
 
-        env = gym.make(env_id)
-        try:
-            return _random_policy(env.action_space)
-        finally:
-            env.close()
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise ValueError(f"--policy must be 'random' or MODULE:FACTORY, got {spec!r}.")
-    import importlib
+        return functools.partial(gym.make, args.env_id or _DEFAULT_ENV_ID, **kwargs)
+    return functools.partial(_import_callable(args.env_factory, "--env-factory"), **kwargs)
 
-    # modules in the current directory import, as with `python -m` (a console script's
-    # sys.path starts with its own bin/ folder instead)
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
 
-    factory = getattr(importlib.import_module(module), attr)
-    return factory()
+def _build_env(make, args: argparse.Namespace):
+    """One env from ``make``, in this process; a factory's own error becomes a usage error
+    (``ValueError``) naming the factory (gymnasium's errors for an unknown id pass as they are)."""
+    gym = sys.modules.get("gymnasium")
+    try:
+        return make()
+    except Exception as exc:  # noqa: BLE001 - reported with what was called
+        if gym is not None and isinstance(exc, gym.error.Error) and not args.env_factory:
+            raise
+        env_id = args.env_id or _DEFAULT_ENV_ID
+        what = f"--env-factory {args.env_factory}" if args.env_factory else f"gymnasium.make({env_id!r})"
+        kwargs = f" with --env-kwargs {args.env_kwargs}" if args.env_kwargs else ""
+        raise ValueError(f"{what}{kwargs} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _close_env(env) -> None:
+    try:
+        env.close()
+    except Exception:  # noqa: BLE001 - the env was built to check it; its close is not the point
+        pass
+
+
+def _obs_dtypes(request: dict, obs_keys) -> str:
+    return ", ".join(f"{k!r} {str(request[k][1]).replace('torch.', '')} {tuple(request[k][0])}" for k in obs_keys)
+
+
+def _dtype_hint(request: dict, obs_keys, policy) -> str:
+    """What to do when the env's float observations and the policy's float parameters differ
+    (a float64 MuJoCo observation into a float32 network); empty when they agree."""
+    import torch
+
+    params = [p.dtype for p in policy.parameters() if p.dtype.is_floating_point] \
+        if isinstance(policy, torch.nn.Module) else []
+    obs = sorted({str(request[k][1]) for k in obs_keys if request[k][1].is_floating_point})
+    if not params or not obs or obs == [str(params[0])]:
+        return ""
+    want = str(params[0]).replace("torch.", "")
+    have = ", ".join(o.replace("torch.", "") for o in obs)
+    return (f" The env's observations are {have} but the policy's parameters are {want}: cast the observations "
+            f"in the env factory (gymnasium.wrappers.DtypeObservation(env, numpy.{want}); for MuJoCo, --env-factory "
+            f"torchrl_asyncpool.examples.envs:make_mujoco_env does it), or the policy to the observations' dtype "
+            f"(policy.to(torch.{obs[0].replace('torch.', '')})).")
+
+
+def _act_once(env, policy, device) -> str:
+    """Resets ``env`` (in this process), builds the record the pool would hand the policy (the
+    env's observation entries in their slot dtypes, zero reward, ``FIRST``), runs ``policy`` on
+    it as :func:`~torchrl_asyncpool.evaluation.evaluate` would and checks its actions against
+    the env's action spec; ``ValueError`` says what failed. Returns a description of the action."""
+    import torch
+    from tensordict import TensorDict, TensorDictBase
+    from torchrl.envs.utils import ExplorationType
+
+    from torchrl_asyncpool.collector.acting_policy import ActingPolicy
+    from torchrl_asyncpool.collector.action_checks import ActionCheck
+    from torchrl_asyncpool.envs.adapters import make_adapter
+
+    adapter = make_adapter(env)
+    request, response = adapter.fields()
+    action_spec = adapter.specs()["full_action_spec"]
+    obs = adapter.reset()
+    record = TensorDict({}, [1])
+    for key, (shape, dtype) in request.items():
+        value = obs[key] if key in adapter.obs_keys else torch.zeros(shape, dtype=dtype)
+        record.set(key, torch.as_tensor(value).to(dtype).reshape(1, *shape))
+    record.set("env_index", torch.zeros(1, dtype=torch.int64))
+    checks = {k: ActionCheck(k, dtype, action_spec[k]) for k, (_, dtype) in response.items()}
+    acting = ActingPolicy(policy, ExplorationType.DETERMINISTIC, action_checks=checks)
+    where = f"the policy, run once on a real observation of the env ({_obs_dtypes(request, adapter.obs_keys)})"
+    try:
+        with torch.no_grad():
+            out = acting(record.to(device))
+    except Exception as exc:  # noqa: BLE001 - the policy's own error, with what it was given
+        raise ValueError(f"{where}, raised {type(exc).__name__}: {str(exc).strip()}."
+                         f"{_dtype_hint(request, adapter.obs_keys, policy)}") from exc
+    if not isinstance(out, TensorDictBase):
+        raise ValueError(f"{where}, returned a {type(out).__name__}; it must return a TensorDict (or None, having "
+                         "written into its input).")
+    shown = []
+    for key, (shape, dtype) in response.items():
+        value = out.get(key, None)
+        if value is None:
+            raise ValueError(f"{where}, wrote no {key!r}: its output has {sorted(map(str, out.keys(True, True)))}.")
+        if tuple(value.shape) != (1, *shape):
+            raise ValueError(f"{where}, wrote {key!r} of shape {tuple(value.shape)}; the env takes {tuple(shape)} "
+                             f"per env, so a batch of one is {(1, *shape)}.")
+        shown.append(f"{key!r} {str(dtype).replace('torch.', '')} {tuple(shape)}")
+    return ", ".join(shown)
 
 
 #: exit statuses of ``torchrl-asyncpool eval`` (see its ``--help``)
@@ -70,6 +194,23 @@ def _check_eval_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--episode-timeout-s must be a number of seconds > 0 (or left out: no limit), got {timeout}.")
     if not args.manifest and args.episodes < 1:
         raise ValueError(f"--episodes must be >= 1, got {args.episodes}.")
+
+
+def _check_env_and_policy(make, args: argparse.Namespace):
+    """Builds one env (an unknown id or a failing factory fails here, before any worker starts),
+    loads the policy and finds its device; with ``--validate-only``, runs the policy once on the
+    env's first observation (:func:`_act_once`). Returns ``(policy, device, action description
+    or None)``."""
+    from torchrl_asyncpool.evaluation.runner import resolve_policy_device  # imports torch
+
+    env = _build_env(make, args)
+    try:
+        policy = _load_policy(args.policy, env)
+        device = resolve_policy_device(policy, args.device)
+        acted = _act_once(env, policy, device) if args.validate_only else None
+    finally:
+        _close_env(env)
+    return policy, device, acted
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -125,17 +266,12 @@ def _eval(args: argparse.Namespace) -> int:
         if args.manifest:
             episodes = load_manifest(args.manifest)
         else:
-            episodes = [Episode(f"{args.env_id}-{args.seed + i}", seed=args.seed + i) for i in range(args.episodes)]
+            name = _env_name(args)
+            episodes = [Episode(f"{name}-{args.seed + i}", seed=args.seed + i) for i in range(args.episodes)]
         if not args.capacity_smoke:  # found now, not after the whole run
             check_output_path(args.output)
-        import gymnasium as gym
-
-        from torchrl_asyncpool.evaluation.runner import resolve_policy_device  # imports torch
-
-        make = functools.partial(gym.make, args.env_id)
-        make().close()  # an unknown id fails here, with gymnasium's message
-        policy = _load_policy(args.policy, args.env_id)
-        device = resolve_policy_device(policy, args.device)
+        make = _env_maker(args)
+        policy, device, acted = _check_env_and_policy(make, args)
     except _usage_errors() as exc:
         print(f"torchrl-asyncpool eval: {exc}", file=sys.stderr)
         return _EVAL_USAGE
@@ -144,7 +280,8 @@ def _eval(args: argparse.Namespace) -> int:
             raise
         return stopped_before_the_first_episode(exc)
     if args.validate_only:
-        print(f"{len(episodes)} episodes of {args.env_id} are valid; nothing was run.")
+        print(f"{len(episodes)} episodes of {_env_name(args)} are valid; the policy acted on one real observation "
+              f"of the env ({acted}); nothing else was run.")
         return _EVAL_OK
     try:
         _start_fork_server()
@@ -164,7 +301,7 @@ def _eval(args: argparse.Namespace) -> int:
         except (EnvError, WorkerDiedError, TimeoutError) as exc:
             print(f"torchrl-asyncpool eval --capacity-smoke: {exc}", file=sys.stderr)
             return _EVAL_EPISODE_FAILED
-        print(f"capacity smoke: {r['envs']} envs of {args.env_id} built and reset (seeds of the first "
+        print(f"capacity smoke: {r['envs']} envs of {_env_name(args)} built and reset (seeds of the first "
               f"{r['envs']} episodes) in {r['workers']} worker processes in {r['start_s']:.2f} s, closed in "
               f"{r['close_s']:.2f} s; nothing was stepped.")
         return _EVAL_OK
@@ -260,18 +397,29 @@ def add_parser(sub) -> None:
     """Registers the command and its options on the ``torchrl-asyncpool`` subparsers ``sub``."""
     ev = sub.add_parser(
         "eval", help="run a fixed set of episodes with a policy; write one result per episode",
-        description="Run a fixed set of episodes of a gymnasium env on AsyncEnvPool workers and write one "
+        description="Run a fixed set of episodes of a gymnasium env (or one from --env-factory) on AsyncEnvPool "
+                    "workers and write one "
                     "result per episode (completed, timeout or failed), in manifest order, as JSON. The first "
                     "Ctrl-C or SIGTERM drains: the running episodes finish (a pool still starting is abandoned at "
                     "once), the others are reported failed ('not started'), the results are written; a second one "
                     "aborts: the running episodes are cut (failed, 'did not finish'), the results are still written.",
         epilog="exit status: 0 every episode completed or timed out; 1 an episode failed (or the capacity smoke "
-               "failed); 2 bad arguments or input (nothing ran); 3 the evaluation itself failed (the policy raised "
+               "failed); 2 bad arguments or input (no episode ran; with --validate-only, also a policy that fails on "
+               "the env's first observation); 3 the evaluation itself failed (the policy raised "
                "or wrote no action, the results could not be written): the finished episodes' results are "
                "written, the others failed with the cause; 130 / 143 stopped by Ctrl-C / SIGTERM (results "
                "written).",
     )
-    ev.add_argument("--env-id", default="CartPole-v1", help="gymnasium env id (default: CartPole-v1)")
+    envs = ev.add_mutually_exclusive_group()
+    envs.add_argument("--env-id", default=None, help=f"gymnasium env id (default: {_DEFAULT_ENV_ID})")
+    envs.add_argument("--env-factory", default=None, metavar="MODULE:FUNCTION",
+                      help="a function that builds one env (gymnasium or TorchRL), called in each worker with "
+                           "--env-kwargs (or no arguments), e.g. torchrl_asyncpool.examples.envs:make_atari_env "
+                           "(ALE/Pong-v5, standard preprocessing); MODULE on the Python path or in the current "
+                           "directory")
+    ev.add_argument("--env-kwargs", default=None, metavar="JSON",
+                    help="a JSON object of keyword arguments for gymnasium.make(--env-id, ...) or for the "
+                         "--env-factory function, e.g. '{\"env_id\": \"HalfCheetah-v5\"}'")
     which = ev.add_mutually_exclusive_group()
     which.add_argument("--manifest", default=None,
                        help="JSON list of {episode_id, seed, max_steps} (or {'episodes': [...]})")
@@ -292,8 +440,9 @@ def add_parser(sub) -> None:
                          "(a temporary file renamed over it); returns that are not finite are written as null")
     mode = ev.add_mutually_exclusive_group()
     mode.add_argument("--validate-only", action="store_true",
-                      help="check the arguments, the manifest, the env, the policy and the --output location; "
-                           "run nothing")
+                      help="check the arguments, the manifest, the env, the policy and the --output location, "
+                           "and run the policy once on a real observation of one env (in this process: a dtype "
+                           "mismatch or a missing action is found here); run no episode")
     mode.add_argument("--capacity-smoke", action="store_true",
                       help="build and reset --num-envs envs at once (seeds of the first episodes), close them, "
                            "report the times; step nothing, write no --output (--episode-timeout-s bounds the "
