@@ -106,7 +106,7 @@ def test_validate_only_finds_a_policy_that_writes_no_action(envs_module, capsys)
     assert _eval("--env-factory", "cli_eval_envs:make", "--policy", "cli_eval_envs:no_action",
                  "--validate-only") == 2
     err = capsys.readouterr().err
-    assert "wrote no 'action'" in err and "'act'" in err, err
+    assert "the policy's output has no 'action'" in err and "'act'" in err, err
 
 
 def test_env_kwargs_reach_gymnasium_make(capsys):

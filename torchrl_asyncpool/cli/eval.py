@@ -136,12 +136,13 @@ def _act_once(env, policy, device) -> str:
     it as :func:`~torchrl_asyncpool.evaluation.evaluate` would and checks its actions against
     the env's action spec; ``ValueError`` says what failed. Returns a description of the action."""
     import torch
-    from tensordict import TensorDict, TensorDictBase
+    from tensordict import TensorDict
     from torchrl.envs.utils import ExplorationType
 
     from torchrl_asyncpool.collector.acting_policy import ActingPolicy
     from torchrl_asyncpool.collector.action_checks import ActionCheck
     from torchrl_asyncpool.envs.adapters import make_adapter
+    from torchrl_asyncpool.evaluation.episode_run import policy_answers
 
     adapter = make_adapter(env)
     request, response = adapter.fields()
@@ -161,17 +162,15 @@ def _act_once(env, policy, device) -> str:
     except Exception as exc:  # noqa: BLE001 - the policy's own error, with what it was given
         raise ValueError(f"{where}, raised {type(exc).__name__}: {str(exc).strip()}."
                          f"{_dtype_hint(request, adapter.obs_keys, policy)}") from exc
-    if not isinstance(out, TensorDictBase):
-        raise ValueError(f"{where}, returned a {type(out).__name__}; it must return a TensorDict (or None, having "
-                         "written into its input).")
+    try:  # what evaluate() sends: the action entries (a missing one is named with what was written)
+        actions = policy_answers(out, list(response), torch.arange(1), None)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
     shown = []
     for key, (shape, dtype) in response.items():
-        value = out.get(key, None)
-        if value is None:
-            raise ValueError(f"{where}, wrote no {key!r}: its output has {sorted(map(str, out.keys(True, True)))}.")
-        if tuple(value.shape) != (1, *shape):
-            raise ValueError(f"{where}, wrote {key!r} of shape {tuple(value.shape)}; the env takes {tuple(shape)} "
-                             f"per env, so a batch of one is {(1, *shape)}.")
+        if tuple(actions[key].shape) != (1, *shape):
+            raise ValueError(f"{where}, wrote {key!r} of shape {tuple(actions[key].shape)}; the env takes "
+                             f"{tuple(shape)} per env, so a batch of one is {(1, *shape)}.")
         shown.append(f"{key!r} {str(dtype).replace('torch.', '')} {tuple(shape)}")
     return ", ".join(shown)
 
@@ -236,31 +235,9 @@ def _eval(args: argparse.Namespace) -> int:
     # the episodes, their results and the results file need no torch (nor numpy): they come first,
     # so a Ctrl-C while torch is imported (seconds, longer on a busy machine) still writes every
     # episode's result, none started
-    from torchrl_asyncpool.evaluation.episodes import (
-        Episode,
-        EpisodeResult,
-        check_output_path,
-        load_manifest,
-        summarize,
-        write_results,
-    )
+    from torchrl_asyncpool.evaluation.episodes import Episode, check_output_path, load_manifest
 
     episodes = None
-
-    def stopped_before_the_first_episode(exc: KeyboardInterrupt) -> int:  # every episode is written, none started
-        stopped, code = ("terminated (SIGTERM)", 143) if isinstance(exc, Terminated) else ("interrupted", 130)
-        results = [EpisodeResult(e.episode_id, "failed", seed=e.seed, error="not started: the evaluation was stopped")
-                   for e in episodes]
-        try:
-            write_results(results, args.output)
-        except OSError as err:
-            print(f"\ntorchrl-asyncpool eval: {stopped} before the first episode started; could not write the "
-                  f"results: {err}", file=sys.stderr)
-            return code
-        print(f"\ntorchrl-asyncpool eval: {stopped} before the first episode started; {len(results)} episodes "
-              f"reported not started in {args.output}.", file=sys.stderr)
-        return code
-
     try:
         _check_eval_args(args)
         if args.manifest:
@@ -278,7 +255,7 @@ def _eval(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:  # before the run: a real run still writes every episode, none started
         if episodes is None or args.validate_only or args.capacity_smoke:
             raise
-        return stopped_before_the_first_episode(exc)
+        return _stopped_before_the_first_episode(exc, episodes, args)
     if args.validate_only:
         print(f"{len(episodes)} episodes of {_env_name(args)} are valid; the policy acted on one real observation "
               f"of the env ({acted}); nothing else was run.")
@@ -291,61 +268,100 @@ def _eval(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:
         if args.capacity_smoke:
             raise
-        return stopped_before_the_first_episode(exc)
+        return _stopped_before_the_first_episode(exc, episodes, args)
     if args.capacity_smoke:
-        from torchrl_asyncpool.errors import EnvError, WorkerDiedError
-        from torchrl_asyncpool.evaluation import check_capacity
+        return _capacity_smoke(make, episodes, args)
+    return _run_and_write(make, policy, device, episodes, args)
 
-        try:
-            r = check_capacity(make, episodes, num_envs=args.num_envs, timeout_s=args.episode_timeout_s)
-        except (EnvError, WorkerDiedError, TimeoutError) as exc:
-            print(f"torchrl-asyncpool eval --capacity-smoke: {exc}", file=sys.stderr)
-            return _EVAL_EPISODE_FAILED
-        print(f"capacity smoke: {r['envs']} envs of {_env_name(args)} built and reset (seeds of the first "
-              f"{r['envs']} episodes) in {r['workers']} worker processes in {r['start_s']:.2f} s, closed in "
-              f"{r['close_s']:.2f} s; nothing was stepped.")
-        return _EVAL_OK
-    import signal
-    import threading
-    import traceback
 
-    from torchrl_asyncpool.evaluation.runner import EvaluationError, EvaluationInterrupted, evaluate
+def _stopped_before_the_first_episode(exc: KeyboardInterrupt, episodes, args: argparse.Namespace) -> int:
+    """Ctrl-C or SIGTERM before any episode started: every episode is written, none started."""
+    from torchrl_asyncpool.evaluation.episodes import EpisodeResult, write_results
 
-    stop = threading.Event()
-    evaluated = threading.Event()  # evaluate() has returned or raised: only the writing is left
-    received = []  # the signals that asked to stop, in order
+    stopped, code = ("terminated (SIGTERM)", 143) if isinstance(exc, Terminated) else ("interrupted", 130)
+    results = [EpisodeResult(e.episode_id, "failed", seed=e.seed, error="not started: the evaluation was stopped")
+               for e in episodes]
+    try:
+        write_results(results, args.output)
+    except OSError as err:
+        print(f"\ntorchrl-asyncpool eval: {stopped} before the first episode started; could not write the "
+              f"results: {err}", file=sys.stderr)
+        return code
+    print(f"\ntorchrl-asyncpool eval: {stopped} before the first episode started; {len(results)} episodes "
+          f"reported not started in {args.output}.", file=sys.stderr)
+    return code
 
-    def on_signal(signum, frame):
-        # the first Ctrl-C or SIGTERM drains (running episodes finish, no new one starts, a pool that
-        # is starting is abandoned); the second aborts (the results so far are still written); more,
-        # or any once the evaluation is over, are ignored: the pool is closing (about a second) and
-        # the results are being written
-        received.append(signum)
+
+def _capacity_smoke(make, episodes, args: argparse.Namespace) -> int:
+    """``--capacity-smoke``: builds and resets ``--num-envs`` envs at once, steps none."""
+    from torchrl_asyncpool.errors import EnvError, WorkerDiedError
+    from torchrl_asyncpool.evaluation import check_capacity
+
+    try:
+        r = check_capacity(make, episodes, num_envs=args.num_envs, timeout_s=args.episode_timeout_s)
+    except (EnvError, WorkerDiedError, TimeoutError) as exc:
+        print(f"torchrl-asyncpool eval --capacity-smoke: {exc}", file=sys.stderr)
+        return _EVAL_EPISODE_FAILED
+    print(f"capacity smoke: {r['envs']} envs of {_env_name(args)} built and reset (seeds of the first "
+          f"{r['envs']} episodes) in {r['workers']} worker processes in {r['start_s']:.2f} s, closed in "
+          f"{r['close_s']:.2f} s; nothing was stepped.")
+    return _EVAL_OK
+
+
+class _Signals:
+    """The first Ctrl-C or SIGTERM drains (running episodes finish, no new one starts, a pool
+    that is starting is abandoned); the second aborts (the results so far are still written);
+    more, or any once the evaluation is over, are ignored: the pool is closing (about a second)
+    and the results are being written."""
+
+    def __init__(self):
+        import threading
+
+        self.stop = threading.Event()
+        self.evaluated = threading.Event()  # evaluate() has returned or raised: only the writing is left
+        self.received = []  # the signals that asked to stop, in order
+
+    def __call__(self, signum, frame):
+        import signal
+
+        self.received.append(signum)
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        if evaluated.is_set():
+        if self.evaluated.is_set():
             return
-        if len(received) == 1:
-            stop.set()
+        if len(self.received) == 1:
+            self.stop.set()
             print(f"\ntorchrl-asyncpool eval: {name}: stopping: the running episodes finish, no new one starts "
                   "(Ctrl-C or SIGTERM again to abort: the finished results are still written)", file=sys.stderr)
-        elif len(received) == 2:
+        elif len(self.received) == 2:
             print(f"\ntorchrl-asyncpool eval: {name} again: aborting: the running episodes are cut, the finished "
                   "results are written", file=sys.stderr)
             raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    def abort_status(self) -> int:
+        """130 or 143, after the signal that aborted (a policy's own KeyboardInterrupt: 130)."""
+        import signal
+
+        return 128 + (self.received[1] if len(self.received) > 1 else signal.SIGINT)
+
+
+def _run_and_write(make, policy, device, episodes, args: argparse.Namespace) -> int:
+    """Runs the evaluation under the command's signal handling, writes the results, reports."""
+    import signal
+    import traceback
+
+    from torchrl_asyncpool.evaluation.episodes import write_results
+    from torchrl_asyncpool.evaluation.runner import EvaluationError, EvaluationInterrupted, evaluate
+
+    signals = _Signals()
+    previous = {sig: signal.signal(sig, signals) for sig in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
     failure = results = None
     aborted = False
-
-    def abort_status():  # 130 or 143, after the signal that aborted (a policy's own KeyboardInterrupt: 130)
-        return 128 + (received[1] if len(received) > 1 else signal.SIGINT)
-
     try:
         try:
             results = evaluate(make, policy, episodes, num_envs=args.num_envs, max_steps=args.max_steps,
-                               episode_timeout_s=args.episode_timeout_s, stop=stop, progress=not args.no_progress,
-                               device=device)
+                               episode_timeout_s=args.episode_timeout_s, stop=signals.stop,
+                               progress=not args.no_progress, device=device)
         except EvaluationInterrupted as exc:  # the second signal: what ended is kept, the rest failed
             aborted, results = True, exc.results
         except KeyboardInterrupt:  # the second signal as evaluate() returned (with or without its results)
@@ -358,12 +374,12 @@ def _eval(args: argparse.Namespace) -> int:
             print("torchrl-asyncpool eval: the evaluation failed (above); no results written.", file=sys.stderr)
             return _EVAL_FAILED
         finally:
-            evaluated.set()
+            signals.evaluated.set()
         if failure is not None:  # the policy's own traceback, once (the summary line below says the rest)
             traceback.print_exception(failure.__cause__ or failure)
         if results is None:  # the abort came as evaluate() returned, before its results were received
             print("torchrl-asyncpool eval: aborted; no results written.", file=sys.stderr)
-            return abort_status()
+            return signals.abort_status()
         try:
             write_results(results, args.output)  # atomic: the previous file or every result, never a part
         except OSError as exc:
@@ -372,9 +388,16 @@ def _eval(args: argparse.Namespace) -> int:
     finally:  # the handlers stay until the results are written: a third signal cannot cut that short
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    return _report(results, failure, aborted, signals, time.monotonic() - t0, args)
+
+
+def _report(results, failure, aborted: bool, signals: _Signals, elapsed_s: float, args: argparse.Namespace) -> int:
+    """Prints the summary line (and why the run ended early); returns the exit status."""
+    from torchrl_asyncpool.evaluation.episodes import summarize
+
     summary = summarize(results)
     mean = "n/a" if summary["mean_return"] is None else f"{summary['mean_return']:.2f}"
-    print(f"{summary['episodes']} episodes in {time.monotonic() - t0:.1f} s: {summary['completed']} completed, "
+    print(f"{summary['episodes']} episodes in {elapsed_s:.1f} s: {summary['completed']} completed, "
           f"{summary['timeout']} timeout, {summary['failed']} failed; mean return of the completed: {mean}; "
           f"results in {args.output}")
     if failure is not None:
@@ -386,11 +409,10 @@ def _eval(args: argparse.Namespace) -> int:
     if aborted:
         print("torchrl-asyncpool eval: aborted: the episodes that were running are reported failed "
               "(\"did not finish\"), the others \"not started\".", file=sys.stderr)
-        return abort_status()
-    if received:
-        return 128 + received[0]  # 130 (Ctrl-C) or 143 (SIGTERM): the unstarted are reported failed
+        return signals.abort_status()
+    if signals.received:
+        return 128 + signals.received[0]  # 130 (Ctrl-C) or 143 (SIGTERM): the unstarted are reported failed
     return _EVAL_EPISODE_FAILED if summary["failed"] else _EVAL_OK
-
 
 
 def add_parser(sub) -> None:
