@@ -302,6 +302,24 @@ def test_cli_bench_default_script_gets_a_plot_path(tmp_path, capsys, monkeypatch
     assert "ARGS ['--plot', 'mine.png']" in capsys.readouterr().out
 
 
+def test_cli_bench_without_matplotlib_runs_without_the_default_plot(tmp_path, capsys, monkeypatch):
+    """``bench --quick`` with no matplotlib: the default plot is skipped with a one-line notice and
+    the benchmark runs; a plot asked for explicitly is refused (status 2) before anything runs."""
+    script = tmp_path / "compare_collectors.py"
+    script.write_text("import sys\nprint('ARGS', sys.argv[1:])\n")
+    monkeypatch.setattr(cli.bench, "_default_benchmark", lambda: script)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    assert cli.main(["bench", "--quick"]) == 0
+    out, err = capsys.readouterr()
+    assert "ARGS ['--quick']" in out
+    assert err.strip().splitlines() == ["torchrl-asyncpool bench: matplotlib is not installed: no plot (pip install "
+                                        "'torchrl-asyncpool[benchmarks]' for one)."]
+    for args in (["--plot", "mine.png", "--quick"], ["--quick", "--", "--plot=mine.png"]):
+        assert cli.main(["bench", *args]) == 2
+        out, err = capsys.readouterr()
+        assert "ARGS" not in out and "'mine.png' needs matplotlib" in err and "[benchmarks]" in err, err
+
+
 def test_profile_collector_script(tmp_path):
     """``benchmarks/profile_collector.py`` on a tiny cell: the cycle parts add up to the cycle, and
     the CPU table names the serving thread and each env worker."""

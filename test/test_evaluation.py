@@ -89,6 +89,56 @@ def test_step_limits_cut_episodes_as_timeouts():
     assert c.status == "completed" and c.length == _alone(3)[1]
 
 
+class _Endless(gym.Env):
+    """Never terminates; truncates itself after ``truncate_at`` steps (``None``: never)."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, truncate_at=None):
+        self.truncate_at, self.t = truncate_at, 0
+
+    def reset(self, *, seed=None, options=None):
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        truncated = self.truncate_at is not None and self.t >= self.truncate_at
+        return np.full(1, self.t, np.float32), 1.0, False, truncated, {}
+
+
+def _push_left(td):
+    return td.set("action", torch.zeros(td.shape[0], dtype=torch.int64))
+
+
+@pytest.mark.parametrize("on_env_failure", ["restart", "new_pool"])
+def test_an_env_that_truncates_itself_at_max_steps_completes_and_one_cut_by_it_times_out(on_env_failure):
+    """The env's own truncation at step N is the episode's end even when max_steps is N too
+    (HalfCheetah's 1,000 steps with max_steps=1000); only the plan's cut is a timeout."""
+    episodes = [Episode("own", seed=0, max_steps=7), Episode("cut", seed=1, max_steps=5), Episode("short", seed=2)]
+    results = evaluate(functools.partial(_Endless, truncate_at=7), _push_left, episodes, num_envs=2, max_steps=9,
+                       on_env_failure=on_env_failure)
+    own, cut, short = results
+    assert (own.status, own.length, own.truncated, own.error) == ("completed", 7, True, None)
+    assert (cut.status, cut.length, cut.truncated) == ("timeout", 5, False) and "max_steps=5" in cut.error
+    assert (short.status, short.length, short.truncated) == ("completed", 7, True)
+    never = evaluate(_Endless, _push_left, episodes[:2], num_envs=2, on_env_failure=on_env_failure)
+    assert [(r.status, r.length) for r in never] == [("timeout", 7), ("timeout", 5)]
+
+
+def test_a_torchrl_env_truncated_by_its_own_time_limit_at_max_steps_completes():
+    from torchrl.envs import GymEnv
+
+    def one_hot_balance(td):
+        return td.set("action", torch.nn.functional.one_hot((td["observation"][:, 2] > 0).long(), 2))
+
+    make = functools.partial(GymEnv, "CartPole-v1", max_episode_steps=30)
+    results = evaluate(make, one_hot_balance, [Episode(f"e{i}", seed=i) for i in range(2)], num_envs=2,
+                       max_steps=30)
+    assert [(r.status, r.length, r.truncated) for r in results] == [("completed", 30, True)] * 2
+
+
 @pytest.mark.parametrize("on_env_failure", ["restart", "new_pool"])
 def test_a_failing_env_fails_only_its_episode(on_env_failure):
     """Reset and step failures mark their own episode; the others end exactly as they would

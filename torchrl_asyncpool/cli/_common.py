@@ -73,6 +73,47 @@ def _raise_terminated(signum, frame):
     raise Terminated
 
 
+def _import_callable(spec: str, option: str, what: str = "MODULE:FUNCTION"):
+    """The callable that ``spec`` (``"module.path:name"``) names, imported for the command-line
+    ``option``; ``ValueError`` (naming the option, what was given and what is expected) for a
+    malformed string, a module that cannot be imported, a missing or non-callable attribute.
+
+    Modules in the current directory import, as with ``python -m`` (a console script's
+    ``sys.path`` starts with its own ``bin/`` folder instead).
+
+    Examples:
+        >>> _import_callable("json:dumps", "--env-factory")({"a": 1})
+        '{"a": 1}'
+        >>> _import_callable("json", "--env-factory")
+        Traceback (most recent call last):
+        ...
+        ValueError: --env-factory must be MODULE:FUNCTION (e.g. mypkg.envs:make_env), got 'json'.
+    """
+    import importlib
+
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr or ":" in attr:
+        raise ValueError(f"{option} must be {what} (e.g. mypkg.envs:make_env), got {spec!r}.")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise ValueError(f"{option} {spec!r}: cannot import the module {module!r} ({type(exc).__name__}: {exc}); "
+                         "it must be on the Python path or in the current directory.") from exc
+    target = mod
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            public = sorted(n for n in dir(mod) if not n.startswith("_") and callable(getattr(mod, n, None)))
+            raise ValueError(f"{option} {spec!r}: the module {module!r} has no attribute {attr!r} (its callables: "
+                             f"{', '.join(public[:12]) or 'none'}{', ...' if len(public) > 12 else ''}).") from None
+    if not callable(target):
+        raise ValueError(f"{option} {spec!r}: {attr!r} is a {type(target).__name__}, not a function.")
+    return target
+
+
 def _positive_int(text: str) -> int:
     """An ``int`` >= 1 (argparse names the option when this raises)."""
     try:

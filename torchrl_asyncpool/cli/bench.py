@@ -15,6 +15,44 @@ def _default_benchmark() -> Path:
     return Path(__file__).resolve().parents[2] / "benchmarks" / "compare_collectors.py"
 
 
+#: the plot the default benchmark script writes when matplotlib is installed and --plot is not given
+_DEFAULT_PLOT = "compare_collectors.png"
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401 - only whether it is there
+    except ImportError:
+        return False
+    return True
+
+
+def _plot_arguments(extra: list, args: argparse.Namespace) -> list:
+    """The script's arguments ``extra`` with the plot settled.
+
+    The default script gets ``--plot compare_collectors.png`` when no plot is named (``--plot``
+    here or after ``--``) and matplotlib is installed; without matplotlib that default plot is
+    skipped with a one-line notice and the benchmark runs. A plot named explicitly without
+    matplotlib raises ``ImportError`` naming the extra to install (before anything runs).
+    """
+    helping = "-h" in extra or "--help" in extra
+    asked = next((extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--plot"), None)
+    asked = next((a.split("=", 1)[1] for a in extra if a.startswith("--plot=")), asked)
+    if asked is None and args.script is None:
+        if args.plot is None and not helping:  # the default plot, only where it can be drawn
+            if _has_matplotlib():
+                return extra + ["--plot", _DEFAULT_PLOT]
+            print("torchrl-asyncpool bench: matplotlib is not installed: no plot (pip install "
+                  "'torchrl-asyncpool[benchmarks]' for one).", file=sys.stderr)
+            return extra
+        if args.plot:
+            asked, extra = args.plot, extra + ["--plot", args.plot]
+    if asked and not helping and not _has_matplotlib():
+        raise ImportError(f"the plot {asked!r} needs matplotlib, which is not installed: pip install "
+                          "'torchrl-asyncpool[benchmarks]' (or --plot '' for no plot).")
+    return extra
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     script = Path(args.script) if args.script else _default_benchmark()
     if not script.is_file():
@@ -28,17 +66,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     extra = list(args.bench_args)
     if extra and extra[0] == "--":
         extra = extra[1:]
-    if args.script is None and args.plot and not any(a == "--plot" or a.startswith("--plot=") for a in extra):
-        extra += ["--plot", args.plot]
-    plot = next((extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--plot"), None)
-    plot = next((a.split("=", 1)[1] for a in extra if a.startswith("--plot=")), plot)
-    if plot and "-h" not in extra and "--help" not in extra:
-        try:
-            import matplotlib  # noqa: F401 - only whether it is there
-        except ImportError:
-            print("torchrl-asyncpool bench: the plot needs matplotlib, which is not installed: "
-                  "pip install 'torchrl-asyncpool[benchmarks]' (or --plot '' for no plot).", file=sys.stderr)
-            return 2
+    try:
+        extra = _plot_arguments(extra, args)
+    except ImportError as exc:
+        print(f"torchrl-asyncpool bench: {exc}", file=sys.stderr)
+        return 2
     if args.script is None:
         _start_fork_server()
     print(f"Running {script} {' '.join(extra)}".rstrip(), flush=True)
@@ -73,8 +105,9 @@ def add_parser(sub) -> None:
                     "'torchrl-asyncpool bench -- --help' lists them.",
     )
     bench.add_argument("--script", default=None, help=f"benchmark script (default: {_default_benchmark()})")
-    bench.add_argument("--plot", default="compare_collectors.png",
-                       help="PNG plot written by the default benchmark script (default: compare_collectors.png; "
-                            "'' for none); needs matplotlib: pip install 'torchrl-asyncpool[benchmarks]'")
+    bench.add_argument("--plot", default=None,
+                       help="PNG plot written by the default benchmark script ('' for none; default: "
+                            f"{_DEFAULT_PLOT} when matplotlib is installed, else no plot and a notice); needs "
+                            "matplotlib: pip install 'torchrl-asyncpool[benchmarks]'")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark script")
     bench.set_defaults(func=_cmd_bench)

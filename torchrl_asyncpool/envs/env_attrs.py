@@ -40,10 +40,20 @@ class EpisodePlan:
         self.t = 0
         return seed, options
 
-    def cut(self) -> bool:
-        """Counts a step; True when it reaches the episode's step limit."""
+    def cut(self, truncated: bool = False) -> bool:
+        """Counts a step; True when it reaches the episode's step limit.
+
+        ``truncated``: the env truncated the episode itself at this step. When that step is also
+        the limit's, the plan's entry is told (its ``ended_by_env()``, where it has one): the
+        env's own end, not the plan's cut, ended the episode (the evaluation reports it
+        completed, not timed out)."""
         self.t += 1
-        return self.limit is not None and self.t >= self.limit
+        at_limit = self.limit is not None and self.t >= self.limit
+        if at_limit and truncated:
+            note = getattr(self.plan[self.episode], "ended_by_env", None)
+            if note is not None:
+                note()
+        return at_limit
 
 
 def own_attr(env, name):

@@ -120,7 +120,7 @@ class GymnasiumEnvAdapter:
 
     def _planned_step(self, actions: Dict):
         obs, reward, terminated, truncated = GymnasiumEnvAdapter.step(self, actions)
-        if self._plan.cut() and not terminated:
+        if self._plan.cut(truncated) and not terminated:
             truncated = True
         return obs, reward, terminated, truncated
 

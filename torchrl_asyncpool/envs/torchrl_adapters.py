@@ -110,7 +110,7 @@ class TorchRLEnvAdapter:
 
     def _planned_step(self, actions: Dict):
         obs, reward, terminated, truncated = TorchRLEnvAdapter.step(self, actions)
-        if self._plan.cut() and not terminated:
+        if self._plan.cut(truncated) and not terminated:
             truncated = True
         return obs, reward, terminated, truncated
 

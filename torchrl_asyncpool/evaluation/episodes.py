@@ -31,7 +31,8 @@ class Episode:
         episode_id (str): a name, unique within the set.
         seed (int, optional): the seed the env is reset with (``None``: unseeded).
         max_steps (int, optional): steps after which the evaluation cuts the episode
-            (status ``"timeout"``); ``None`` uses :func:`~torchrl_asyncpool.evaluation.evaluate`'s
+            (status ``"timeout"``, unless the env ends it itself at that very step: then it is
+            ``"completed"``); ``None`` uses :func:`~torchrl_asyncpool.evaluation.evaluate`'s
             ``max_steps``.
         options (dict, optional): passed to a gymnasium env's ``reset(options=...)`` (a TorchRL
             env given options fails the episode: it has no such argument).
@@ -226,15 +227,22 @@ def summarize(results: Sequence[EpisodeResult]) -> dict:
     }
 
 
+#: bytes of one slot in a :class:`PlanProgress` file: three little-endian 8-byte counts
+_SLOT_BYTES = 24
+
+
 class PlanProgress:
     """How far each slot of one pool got through its planned episodes, kept in a small file so
     that every process of the pool sees it: the workers write it, a rebuilt env reads it.
 
-    Slot ``s`` has two numbers: how many of its planned episodes have begun their reset (an
-    entry is taken when the env adapter reads its seed), and where the plan of the slot's latest
-    env starts. An env rebuilt after a failure (``evaluate(..., on_env_failure="restart")``), in
-    its worker or in a worker that replaces a dead one, gets the plan from there on: the rest of
-    its slot's episodes, with their own seeds. The driver reads both to tell which episode a
+    Slot ``s`` has three numbers: how many of its planned episodes have begun their reset (an
+    entry is taken when the env adapter reads its seed), where the plan of the slot's latest
+    env starts, and which of its planned episodes the env last ended itself (truncated) at the
+    very step of its step limit (the driver then reports it completed, not cut: both end as a
+    truncation, the record alone cannot tell them apart). An env rebuilt after a failure
+    (``evaluate(..., on_env_failure="restart")``), in its worker or in a worker that replaces a
+    dead one, gets the plan from there on: the rest of its slot's episodes, with their own
+    seeds. The driver reads the first two to tell which episode a
     ``FIRST`` record starts (the worker waits for its answer, so they are settled): the last one
     taken, or none when the slot's env was built after its plan had run out.
 
@@ -254,7 +262,7 @@ class PlanProgress:
 
         fd, path = tempfile.mkstemp(prefix="torchrl_asyncpool_eval_", suffix=".progress")
         try:
-            os.write(fd, bytes(16 * num_slots))
+            os.write(fd, bytes(_SLOT_BYTES * num_slots))
         finally:
             os.close(fd)
         return cls(path, num_slots)
@@ -272,19 +280,29 @@ class PlanProgress:
 
     def taken(self, slot: int) -> int:
         """Planned episodes of ``slot`` whose reset has begun."""
-        return int.from_bytes(os.pread(self._file(), 8, 16 * slot), "little")
+        return int.from_bytes(os.pread(self._file(), 8, _SLOT_BYTES * slot), "little")
 
     def take(self, slot: int, position: int) -> None:
         """The reset of ``slot``'s planned episode ``position`` (0-based) begins."""
-        os.pwrite(self._file(), (position + 1).to_bytes(8, "little"), 16 * slot)
+        os.pwrite(self._file(), (position + 1).to_bytes(8, "little"), _SLOT_BYTES * slot)
 
     def built_from(self, slot: int) -> int:
         """The position in its plan where the plan of ``slot``'s latest env starts."""
-        return int.from_bytes(os.pread(self._file(), 8, 16 * slot + 8), "little")
+        return int.from_bytes(os.pread(self._file(), 8, _SLOT_BYTES * slot + 8), "little")
 
     def build(self, slot: int, start: int) -> None:
         """``slot``'s env was built with the plan from position ``start`` on."""
-        os.pwrite(self._file(), start.to_bytes(8, "little"), 16 * slot + 8)
+        os.pwrite(self._file(), start.to_bytes(8, "little"), _SLOT_BYTES * slot + 8)
+
+    def ended_by_env(self, slot: int, position: int) -> bool:
+        """Whether the env of ``slot`` ended its planned episode ``position`` itself, truncated
+        at the step of its step limit (see :meth:`note_ended_by_env`)."""
+        return int.from_bytes(os.pread(self._file(), 8, _SLOT_BYTES * slot + 16), "little") == position + 1
+
+    def note_ended_by_env(self, slot: int, position: int) -> None:
+        """The env of ``slot`` truncated its planned episode ``position`` itself at the step its
+        step limit cut it (written in the worker before the episode's last record is published)."""
+        os.pwrite(self._file(), (position + 1).to_bytes(8, "little"), _SLOT_BYTES * slot + 16)
 
     def slot(self, s: int) -> "_SlotProgress":
         return _SlotProgress(self, s)
@@ -315,6 +333,9 @@ class _SlotProgress:
     def build(self, start: int) -> None:
         self.progress.build(self.index, start)
 
+    def note_ended_by_env(self, position: int) -> None:
+        self.progress.note_ended_by_env(self.index, position)
+
 
 class _PlanEntry:
     """One ``(seed, max_steps, options)`` entry of an env's episode plan that notes, when the
@@ -329,6 +350,11 @@ class _PlanEntry:
     def __iter__(self):
         self.progress.take(self.position)
         return iter(self.entry)
+
+    def ended_by_env(self) -> None:
+        """The env truncated this episode itself at the step of its step limit (called by the
+        env adapter's :class:`~torchrl_asyncpool.envs.env_attrs.EpisodePlan`)."""
+        self.progress.note_ended_by_env(self.position)
 
     def __getitem__(self, k):
         return self.entry[k]

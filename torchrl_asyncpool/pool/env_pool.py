@@ -728,6 +728,18 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         """Process ids of the worker processes (``None`` for each worker of ``backend="threading"``)."""
         return [p.pid for p in self._procs]
 
+    @property
+    def slot_workers(self) -> list:
+        """The worker process hosting each env: env ``i`` runs in the process
+        ``worker_pids[slot_workers[i]]``."""
+        return self._slot_worker.tolist()
+
+    @property
+    def workers_started_at(self) -> float:
+        """``time.monotonic()`` when the workers began building their envs (after the env this
+        process builds to learn the specs): the moment ``start_timeout`` counts from."""
+        return self._workers_started_at
+
     def __enter__(self):
         return self
 

@@ -113,7 +113,7 @@ class TorchRLGymFastAdapter(TorchRLEnvAdapter):
 
     def _planned_step(self, actions):
         rec, reward, terminated, truncated = self._gym_step(actions)
-        if self._plan.cut() and not terminated:
+        if self._plan.cut(truncated) and not terminated:
             truncated = True
         return rec, reward, terminated, truncated
 
