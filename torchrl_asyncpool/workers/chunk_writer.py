@@ -26,6 +26,50 @@ def _np(t) -> np.ndarray:
     return t.numpy()
 
 
+class _NumpyRows:
+    """numpy's stores of chunk rows: the pure-Python engine of :class:`_Delivery`, with the
+    interface of the C copier (``exchange.native.row_copier``) it stands in for.
+
+    Args:
+        pairs (list): ``(src, dst)`` numpy arrays, ``src`` a slot field ``[n, *row]`` and ``dst``
+            the matching chunk field ``[chunks, T, *row]``.
+        T (int): the chunk length; a flat chunk row ``r`` is ``dst[r // T, r % T]``.
+
+    Examples:
+        >>> import numpy as np
+        >>> src, dst = np.arange(6.0).reshape(3, 2), np.zeros((2, 2, 2))
+        >>> rows = _NumpyRows([(src, dst)], 2)
+        >>> rows.copy(np.array([2, 0]), np.array([2, 1]))
+        >>> dst[1, 0].tolist(), dst[0, 1].tolist()
+        ([4.0, 5.0], [0.0, 1.0])
+    """
+
+    __slots__ = ("pairs", "T")
+
+    def __init__(self, pairs, T):
+        self.pairs, self.T = pairs, T
+
+    def copy_one(self, i, row):
+        """Slot ``i``'s row of every field into flat chunk row ``row``."""
+        c, p = divmod(row, self.T)
+        for src, dst in self.pairs:
+            dst[c, p] = src[i]
+
+    def copy(self, idx, rows):
+        """Slots ``idx``'s rows into flat chunk rows ``rows`` (int64 arrays of one length)."""
+        chunk, pos = np.divmod(rows, self.T)
+        for src, dst in self.pairs:
+            dst[chunk, pos] = src[idx]
+
+
+def _row_engine(exchange, pairs, T):
+    """The copier of ``pairs``' rows, chosen once: the C one (``exchange.native.row_copier``)
+    where it runs and can copy every pair as raw rows, else :class:`_NumpyRows`; both have
+    ``copy_one(i, row)`` and ``copy(idx, rows)``, so the writer never asks which."""
+    rows = row_copier(exchange, pairs)
+    return rows if rows is not None else _NumpyRows(pairs, T)
+
+
 class _Delivery:
     """The worker's side of the chunk buffers: copies of (record, answer, next record) rows."""
 
@@ -50,9 +94,10 @@ class _Delivery:
                 self.root.append((_np(req.get(k)), _np(c.get(k))))
                 self.next.append((_np(req.get(k)), _np(c.get(("next",) + k))))
         self.root += [(_np(resp.get(f.key)), _np(c.get(f.key))) for f in arena.layout.response]
-        # the same copies in one C call per group of slots (None: numpy's stores above)
-        self._root_rows = row_copier(exchange, self.root)
-        self._next_rows = row_copier(exchange, self.next)
+        # the copies of those pairs: one C call per group of slots, or numpy's stores (one engine
+        # each, chosen here once, as the consumer chooses its engine)
+        self._root_rows = _row_engine(exchange, self.root, self.T)
+        self._next_rows = _row_engine(exchange, self.next, self.T)
         # watched workers: each chunk's length counts its complete transitions, for a replacement
         self.persist = False
 
@@ -73,35 +118,20 @@ class _Delivery:
 
     def write_root(self, slot):
         """Row ``pos``: the record the action answered, and the answer (before publishing)."""
-        i, c, p = slot.index, slot.chunk, slot.pos
-        if self._root_rows is not None:
-            self._root_rows.copy_one(i, c * self.T + p)
-            return
-        for src, dst in self.root:
-            dst[c, p] = src[i]
+        self._root_rows.copy_one(slot.index, slot.chunk * self.T + slot.pos)
 
     def write_root_rows(self, slots, idx):
         """:meth:`write_root` for several claimed ``slots`` at once (``idx``: their indices);
         returns their chunk rows (``chunk * T + pos``, flat) for :meth:`write_next_rows`."""
         T = self.T
         rows = np.array([s.chunk * T + s.pos for s in slots], np.int64)
-        if self._root_rows is not None:
-            self._root_rows.copy(idx, rows)
-        else:
-            chunk, pos = np.divmod(rows, T)
-            for src, dst in self.root:
-                dst[chunk, pos] = src[idx]
+        self._root_rows.copy(idx, rows)
         return rows
 
     def write_next_rows(self, slots, idx, rows):
         """:meth:`write_next` for several slots at once (``rows``: from :meth:`write_root_rows`)."""
         T = self.T
-        if self._next_rows is not None:
-            self._next_rows.copy(np.ascontiguousarray(idx), rows)
-        else:
-            chunk, pos = np.divmod(rows, T)
-            for src, dst in self.next:
-                dst[chunk, pos] = src[idx]
+        self._next_rows.copy(np.ascontiguousarray(idx), rows)
         full = 0
         length = self.chunks.length if self.persist else None
         for slot in slots:
@@ -116,13 +146,9 @@ class _Delivery:
 
     def write_next(self, slot):
         """Row ``pos``: the record the step produced (after publishing); closes full chunks."""
-        i, c, p = slot.index, slot.chunk, slot.pos
-        if self._next_rows is not None:
-            self._next_rows.copy_one(i, c * self.T + p)
-        else:
-            for src, dst in self.next:
-                dst[c, p] = src[i]
-        slot.pos = p + 1
+        c = slot.chunk
+        self._next_rows.copy_one(slot.index, c * self.T + slot.pos)
+        slot.pos += 1
         if self.persist:
             self.chunks.length[c] = slot.pos  # after the data
         if slot.pos == self.T:

@@ -18,7 +18,10 @@ died) first cuts the episodes its dead worker left open, one ``TRUNCATION`` each
 the new env's ``FIRST`` records the same way.
 
 Each pass is one of four steps, chosen by the state the last pass left: :meth:`_Lockstep.cut`,
-:meth:`_Lockstep.publish_reborn`, :meth:`_Lockstep.reset_ended`, :meth:`_Lockstep.step`.
+:meth:`_Lockstep.publish_reborn`, :meth:`_Lockstep.reset_ended`, :meth:`_Lockstep.step`. That
+state, and every episode transition, is the stepper's state machine over masks
+(:class:`~torchrl_asyncpool.workers.stepper._Block`, the rules of a single slot's); this loop
+makes the vector env's calls and writes the records it names.
 """
 from __future__ import annotations
 
@@ -31,12 +34,11 @@ from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.doorbell import BellWait
 from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.workers.hosted_envs import check_life, close_reporting
+from torchrl_asyncpool.workers.stepper import _Block
 
 __all__ = ["run_lockstep"]
 
-_FIRST, _MID, _TERM, _TRUNC = (
-    int(StepType.FIRST), int(StepType.MID), int(StepType.TERMINATION), int(StepType.TRUNCATION)
-)
+_FIRST, _TRUNC = int(StepType.FIRST), int(StepType.TRUNCATION)
 
 
 def run_lockstep(worker) -> None:
@@ -46,7 +48,8 @@ def run_lockstep(worker) -> None:
 
 
 class _Lockstep:
-    """One vector env's lockstep loop: its rows, views and the episode state of its envs."""
+    """One vector env's lockstep loop: its rows, views and the episode state of its envs (a
+    :class:`~torchrl_asyncpool.workers.stepper._Block`)."""
 
     def __init__(self, worker):
         self.worker = worker
@@ -62,32 +65,23 @@ class _Lockstep:
         self.state = worker.state[rows]
         self.idx = np.arange(lo, lo + k)
         self.first = np.full(k, _FIRST, np.int8)
-        self.reborn = None  # a rebuilt vector env's reset observation, every env's next FIRST
-        self.unmarked = None  # the envs whose rebuild no truncation marked: their FIRST is marked instead
-        self.cutting = None  # a replacement worker's envs whose episode its dead worker left open
-        self.ended = np.zeros(k, bool)  # the env's last record was terminal: its next one is FIRST
+        self.episodes = _Block(k)
 
     def run(self) -> None:
         if getattr(self.worker.vector, "partial", False):
             return self.run_partial()
         waiter = self.start()
-        life_fd, state = self.worker.life_fd, self.state
+        life_fd, state, episodes = self.worker.life_fd, self.state, self.episodes
+        passes = {"cut": self.cut, "reborn": self.publish_reborn, "reset": self.reset_ended, "step": self.step}
         while True:
             # (a rebuild that published nothing goes on at once, once every env is answered)
-            if self.reborn is None or not self.unmarked.all() or not (state == S.ACTION_READY).all():
+            if not episodes.silent() or not (state == S.ACTION_READY).all():
                 for fd in waiter.wait():
                     if fd == life_fd:
                         return
             if not (state == S.ACTION_READY).all():
                 continue
-            if self.cutting is not None:
-                self.cut()
-            elif self.reborn is not None:
-                self.publish_reborn()
-            elif not getattr(self.worker.vector, "autoresets", True) and self.ended.any():
-                self.reset_ended()
-            else:
-                self.step()
+            passes[episodes.next_pass(getattr(self.worker.vector, "autoresets", True))]()
 
     def run_partial(self) -> None:
         """The loop for a vector env of partial steps (see ``GymnasiumVectorAdapter``): each wake-up
@@ -145,13 +139,9 @@ class _Lockstep:
         obs = worker.vector.reset()
         if worker.resuming:  # the new env's reset waits (see _Stepper.resume_slot)
             for slot in self.slots:
-                stepper.resume_slot(slot)
-            cutting = np.array([slot.cut for slot in self.slots])
-            for slot in self.slots:
-                slot.cut = slot.ended = slot.reborn = False
-            self.reborn = {key: np.array(obs[key]) for key, _ in self.obs_rows}
-            self.unmarked = ~cutting
-            self.cutting = cutting if cutting.any() else None
+                stepper.take_over(slot)
+            held = {key: np.array(obs[key]) for key, _ in self.obs_rows}
+            self.episodes.taken_over(writer.step_type[self.rows], held)
         else:
             self.write_obs(obs)
             writer.add_block(self.lo, self.first, None, time.perf_counter() - t)
@@ -161,30 +151,31 @@ class _Lockstep:
     # -- the four steps of a pass ---------------------------------------------------------------
     def cut(self) -> None:
         """The truncations of the episodes the dead worker left open (no step)."""
-        cut = np.flatnonzero(self.cutting)
+        cutting = self.episodes.cut
+        cut = np.flatnonzero(cutting)
         moving, chunk_rows = self._write_roots(cut)
         if moving is False:
             return  # back-pressure: the driver frees a chunk and rings this worker
         self._begin(cut, chunk_rows)  # this worker may die too: its own replacement reads it
-        self.writer.add_block(self.lo, np.full(self.k, _TRUNC, np.int8), None, 0.0, self.cutting, restarted=True)
+        self.writer.add_block(self.lo, np.full(self.k, _TRUNC, np.int8), None, 0.0, cutting, restarted=True)
         self._write_nexts(moving, cut, chunk_rows)
         self.writer.publish()
-        self.cutting = None
+        self.episodes.cut_done()
 
     def publish_reborn(self) -> None:
         """The pass after a rebuild: every env's ``FIRST`` from the new env's reset, no step."""
-        writer, lo = self.writer, self.lo
+        writer, lo, episodes = self.writer, self.lo, self.episodes
         if self.watcher is not None:
             self.watcher.begin_block(self.rows)
-        self.write_obs(self.reborn)
-        writer.add_block(lo, self.first, None, 0.0, self.unmarked, restarted=True)
-        writer.add_block(lo, self.first, None, 0.0, ~self.unmarked)
+        self.write_obs(episodes.held)
+        writer.add_block(lo, self.first, None, 0.0, episodes.marked, restarted=True)
+        writer.add_block(lo, self.first, None, 0.0, ~episodes.marked)
         writer.publish()
-        self.reborn, self.ended = None, np.zeros(self.k, bool)
+        episodes.reborn_done()
 
     def reset_ended(self) -> None:
         """An env that does not reset itself: resets the ended envs only, publishes their ``FIRST``."""
-        ended = self.ended
+        ended = self.episodes.ended
         self.stepper.note("reset", self.lo + int(np.flatnonzero(ended)[0]))
         if self.watcher is not None:
             self.watcher.begin_block(self.rows)
@@ -194,16 +185,17 @@ class _Lockstep:
         except Exception:
             if self.worker.restarts is None:
                 raise
-            self.reborn, self.unmarked = self.rebuild("reset", ~ended), ended.copy()
+            self.rebuild("reset")
             return
         self.write_obs(obs, ended)
         self.writer.add_block(self.lo, self.first, None, time.perf_counter() - t, ended)
         self.writer.publish()
-        self.ended = np.zeros(self.k, bool)
+        self.episodes.reset_done()
 
     def step(self) -> None:
         """Steps every env with one call; the envs that ended last pass publish ``FIRST``."""
-        ended, writer = self.ended, self.writer
+        episodes, writer = self.episodes, self.writer
+        ended = episodes.ended
         stepping = np.flatnonzero(~ended)
         moving, chunk_rows = self._write_roots(stepping)
         if moving is False:
@@ -216,29 +208,28 @@ class _Lockstep:
         except Exception:
             if self.worker.restarts is None:
                 raise
-            self.reborn, self.unmarked = self.rebuild("step", ~ended), ended.copy()
+            self.rebuild("step")
             self._write_nexts(moving, stepping, chunk_rows)  # the cut episodes' truncations, as "next"
             writer.publish()
             return
         dt = time.perf_counter() - t
-        term, trunc = np.asarray(term, bool), np.asarray(trunc, bool)
-        st = np.where(ended, _FIRST, np.where(term, _TERM, np.where(trunc, _TRUNC, _MID))).astype(np.int8)
+        st = episodes.step_types(np.asarray(term, bool), np.asarray(trunc, bool))
         rew = np.array(rew, writer.reward.dtype).reshape(self.reward_shape)  # a copy: FIRST rows are zeroed
         rew[ended] = 0
         self.write_obs(obs)
         writer.add_block(self.lo, st, rew, dt)
         self._write_nexts(moving, stepping, chunk_rows)  # copied from the request rows, which are ours
         writer.publish()
-        self.ended = (st == _TERM) | (st == _TRUNC)
+        episodes.stepped(st)
 
     # -- rebuilding -----------------------------------------------------------------------------
-    def rebuild(self, phase, open_episodes):
+    def rebuild(self, phase) -> None:
         """Replaces the vector env, which just raised in ``phase`` (called from the ``except``):
         counts the failure against the budget of its first env (raising past it), closes it,
         builds a new one from the same factory and resets it. Stores (unpublished) a
-        ``TRUNCATION`` at the last observation for each env with an open episode
-        (``open_episodes``, a mask) and returns the new env's reset observation, every env's
-        next ``FIRST``. Failures to build or reset the new env count too."""
+        ``TRUNCATION`` at the last observation for each env with an open episode and holds the
+        new env's reset observation, every env's next ``FIRST`` (``_Block.rebuilt``). Failures
+        to build or reset the new env count too."""
         tb = traceback.format_exc()
         worker, stepper, lo, k = self.worker, self.stepper, self.lo, self.k
         failed = worker.vector  # the env to close before the next build
@@ -262,9 +253,9 @@ class _Lockstep:
         for slot in self.slots:
             slot.adapter = adapter
         stepper.note_restart(lo, phase, tb, r)
-        obs = {key: np.array(obs[key]) for key, _ in self.obs_rows}  # held until the next pass: a copy
-        self.writer.add_block(lo, np.full(k, _TRUNC, np.int8), None, dt, open_episodes, restarted=True)
-        return obs
+        held = {key: np.array(obs[key]) for key, _ in self.obs_rows}  # held until the next pass: a copy
+        truncated = self.episodes.rebuilt(held)
+        self.writer.add_block(lo, np.full(k, _TRUNC, np.int8), None, dt, truncated, restarted=True)
 
     # -- rows ---------------------------------------------------------------------------------
     def write_obs(self, obs, mask=None) -> None:

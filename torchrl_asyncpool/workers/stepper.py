@@ -18,7 +18,15 @@ episode ends as a truncation marked as a restart's. Every record goes through th
 the observation, straight into the slot's rows. The pass loop of a worker has one stepper for
 all its slots (:mod:`~torchrl_asyncpool.workers.worker`), each env thread its own
 (:mod:`~torchrl_asyncpool.workers.env_threads`); a vector env stepped in lockstep
-(:mod:`~torchrl_asyncpool.workers.lockstep`) uses one for its notes, rebuilds and takeovers.
+(:mod:`~torchrl_asyncpool.workers.lockstep`) uses one for its notes, rebuilds and takeovers, and
+a :class:`_Block`, the same state machine over masks, for its envs' episodes.
+
+The episode transitions are decided here only, by three rules that hold for one slot (Python
+bools and ints) and for a block of envs (numpy masks) alike: :func:`_ends` (a terminal record's
+next answer gets ``FIRST``), :func:`_on_rebuild` (a rebuilt env truncates the open episodes and
+marks the next ``FIRST`` of the ended ones) and :func:`_on_takeover` (a replacement worker
+resumes an ended episode with a marked ``FIRST`` and cuts an open one). A slot keeps its state
+in attributes (one read per record on the hot path), a block in masks (one store per pass).
 """
 from __future__ import annotations
 
@@ -55,6 +63,115 @@ _FIRST, _MID, _TERM, _TRUNC = (
     int(StepType.FIRST), int(StepType.MID), int(StepType.TERMINATION), int(StepType.TRUNCATION)
 )
 
+
+
+def _ends(st):
+    """Whether a record of step type ``st`` (an int, or an int8 array of a block) ends its
+    episode: the answer to it is discarded and the env's next record is its ``FIRST``."""
+    return (st == _TERM) | (st == _TRUNC)
+
+
+def _on_rebuild(ended):
+    """What rebuilding an env does to its episodes, given ``ended`` (the last record was
+    terminal; a bool, or a block's mask): ``(truncated, marked)``, the open episodes end with a
+    ``TRUNCATION`` marked ``env_restarted`` at their last observation, and the ended ones' next
+    ``FIRST`` is marked instead (no truncation marked them). Every episode has ended after it."""
+    return ended ^ True, ended
+
+
+def _on_takeover(last_st):
+    """A replacement worker's state of a slot (or a block's mask of them) whose last published
+    record has step type ``last_st``: ``(ended, marked, cut)``, an ended episode's next record
+    is the new env's ``FIRST``, marked ``env_restarted``; an open one is cut first, by a
+    ``TRUNCATION`` at that record's observation (marked, no step)."""
+    ended = _ends(last_st)
+    return ended, ended, ended ^ True
+
+
+class _Block:
+    """The episode state machine of the adjacent slots of one vector env stepped in lockstep
+    (:mod:`~torchrl_asyncpool.workers.lockstep`), as masks over its ``k`` envs: the rules of a
+    single slot's (:func:`_ends`, :func:`_on_rebuild`, :func:`_on_takeover`), one store per
+    pass. The lockstep loop does the env's calls and writes the records this state names.
+
+    Args:
+        k (int): the number of envs.
+
+    Examples:
+        >>> import numpy as np
+        >>> block = _Block(3)
+        >>> block.next_pass(autoresets=True)
+        'step'
+        >>> st = block.step_types(np.array([True, False, False]), np.array([False, True, False]))
+        >>> block.stepped(st)
+        >>> block.ended.tolist(), block.step_types(np.zeros(3, bool), np.zeros(3, bool)).tolist()
+        ([True, True, False], [0, 0, 1])
+    """
+
+    def __init__(self, k):
+        self.k = k
+        self.ended = np.zeros(k, bool)  # the env's last record was terminal: its next one is FIRST
+        self.cut = np.zeros(k, bool)  # a dead worker's open episode: its TRUNCATION comes first, no step
+        self.marked = np.zeros(k, bool)  # the env's next FIRST is marked env_restarted
+        self.held = None  # a rebuilt (or replacement's) env's reset observation: every env's next FIRST
+
+    def next_pass(self, autoresets) -> str:
+        """What the next pass (every env answered) does: ``"cut"`` the open episodes a dead
+        worker left, publish the ``"reborn"`` env's ``FIRST`` records, ``"reset"`` the ended envs
+        of an env that does not reset itself (``autoresets`` False), or ``"step"`` every env
+        (the ended ones' ``FIRST``, NEXT_STEP autoreset)."""
+        if self.cut.any():
+            return "cut"
+        if self.held is not None:
+            return "reborn"
+        if not autoresets and self.ended.any():
+            return "reset"
+        return "step"
+
+    def silent(self) -> bool:
+        """Whether a rebuild published nothing (every env had ended): its ``FIRST`` records go
+        out without waiting for another answer."""
+        return self.held is not None and bool(self.marked.all())
+
+    def step_types(self, terminated, truncated) -> np.ndarray:
+        """The step types of a step's records (int8 ``[k]``): ``FIRST`` where the episode had ended
+        (the action was discarded), else ``TERMINATION``, ``TRUNCATION`` or ``MID``."""
+        st = np.where(terminated, _TERM, np.where(truncated, _TRUNC, _MID))
+        return np.where(self.ended, _FIRST, st).astype(np.int8)
+
+    def stepped(self, st) -> None:
+        """A step's records (``st``, from :meth:`step_types`) are written."""
+        self.ended = _ends(st)
+
+    def reset_done(self) -> None:
+        """The ended envs' ``FIRST`` records (their own resets) are written."""
+        self.ended = np.zeros(self.k, bool)
+
+    def cut_done(self) -> None:
+        """The cut episodes' ``TRUNCATION`` records are written: those episodes have ended."""
+        self.ended = self.ended | self.cut
+        self.cut = np.zeros(self.k, bool)
+
+    def rebuilt(self, held) -> np.ndarray:
+        """The env was rebuilt, its reset observation ``held`` for the next pass: returns the
+        mask of the episodes to end with a marked ``TRUNCATION`` (see :func:`_on_rebuild`)."""
+        truncated, marked = _on_rebuild(self.ended)
+        self.marked = marked.copy()
+        self.ended = np.ones(self.k, bool)
+        self.held = held
+        return truncated
+
+    def taken_over(self, last_st, held) -> None:
+        """A replacement worker's block, whose last published records have step types
+        ``last_st`` (see :func:`_on_takeover`); ``held``: its new env's reset observation."""
+        self.ended, self.marked, self.cut = _on_takeover(np.asarray(last_st))
+        self.held = held
+
+    def reborn_done(self) -> None:
+        """Every env's ``FIRST`` from the held reset observation is written."""
+        self.held = None
+        self.ended = np.zeros(self.k, bool)
+        self.marked = np.zeros(self.k, bool)
 
 
 def _np(t) -> np.ndarray:
@@ -376,6 +493,10 @@ class _Stepper:
             slot.bind(adapter, self.worker.arena)
             self.note_restart(slot.index, phase, tb, r)
             slot.pending_first = slot.pending_error = None
+            # a step's failure (open episode): its caller stages the marked TRUNCATION; a reset's
+            # (ended): the next FIRST is marked
+            _, slot.reborn = _on_rebuild(slot.ended)
+            slot.ended = True
             return
 
     def replacement(self, index, factory, r, num_envs=None):
@@ -408,7 +529,16 @@ class _Stepper:
         a whole record that worker did not publish is published now; an episode the slot's last
         record left open is cut when the slot is next answered (a ``TRUNCATION`` at that
         record's observation, marked ``env_restarted``); after a terminal record, the answer gets
-        the new env's ``FIRST``, marked instead. Returns whether it published a record."""
+        the new env's ``FIRST``, marked instead (see :func:`_on_takeover`). Returns whether it
+        published a record."""
+        pending = self.take_over(slot)
+        slot.ended, slot.reborn, slot.cut = _on_takeover(int(self.writer.step_type[slot.index]))
+        return pending
+
+    def take_over(self, slot) -> bool:
+        """:meth:`resume_slot`'s rows: the watcher's and the chunk buffers' state of ``slot`` as its
+        dead worker left them, and its whole unpublished record published now (then True); the
+        episode state is the caller's (a slot's attributes, or a :class:`_Block`'s masks)."""
         i = slot.index
         delivery = self.delivery
         if delivery is None:
@@ -418,10 +548,6 @@ class _Stepper:
             delivery.resume(slot)
         if pending:
             self.writer.publish_stored(i)
-        if int(self.writer.step_type[i]) in (_TERM, _TRUNC):
-            slot.ended, slot.reborn = True, True
-        else:
-            slot.cut = True
         return pending
 
     def note_restart(self, index, phase, tb, r):
@@ -441,8 +567,7 @@ class _Stepper:
             except Exception:  # noqa: BLE001 - counted by the next _rebuild
                 tb = traceback.format_exc()  # here: _rebuild runs outside this except
                 continue
-            slot.reborn = True
-            return obs
+            return obs  # marked as a restart's by _rebuild's rule
 
 
 def _plan_done(adapter) -> bool:
