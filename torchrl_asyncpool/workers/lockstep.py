@@ -88,18 +88,19 @@ class _Lockstep:
         (an answer from the consumer, or records ready in the env) hands the env the new actions
         and publishes the records it has, whichever envs they are. A replacement worker's cuts
         and rebuilds go first, as in :meth:`run`."""
-        worker, state, life_fd = self.worker, self.state, self.worker.life_fd
+        worker, state, life_fd, episodes = self.worker, self.state, self.worker.life_fd, self.episodes
         bell_only = self.start()
         waiter = BellWait(worker.bells[0], (life_fd, worker.vector.fileno()))
-        while self.cutting is not None or self.reborn is not None:
-            if life_fd in bell_only.wait():
+        passes = {"cut": self.cut, "reborn": self.publish_reborn}
+        while episodes.next_pass(True) in passes:
+            if (not episodes.silent() or not (state == S.ACTION_READY).all()) and life_fd in bell_only.wait():
                 return
             if (state == S.ACTION_READY).all():
-                self.cut() if self.cutting is not None else self.publish_reborn()
+                passes[episodes.next_pass(True)]()
         while True:
             # every open episode holds a chunk before the env may answer it (a lost host's
             # truncations come unasked); without one, only the driver's ring can help
-            if self._claim(np.flatnonzero(~self.ended)):
+            if self._claim(np.flatnonzero(~episodes.ended)):
                 self.step_partial(state == S.ACTION_READY)
                 fired = waiter.wait()
             else:
@@ -111,14 +112,15 @@ class _Lockstep:
         """Gives the env the answers of the envs in ``ready`` (those it can use now) and publishes
         the records it has for them (their chunks are claimed): an env's root row is written once
         its record is there, from the request row its answer saw (ours until it is published)."""
-        ended, writer = self.ended, self.writer
+        episodes, writer = self.episodes, self.writer
+        ended = episodes.ended
         self.stepper.note("step", self.lo)
         t = time.perf_counter()
         obs, rew, term, trunc, answered = self.worker.vector.step_some(self.actions, ready)
         dt = time.perf_counter() - t
         if not answered.any():
             return
-        st = np.where(ended, _FIRST, np.where(term, _TERM, np.where(trunc, _TRUNC, _MID))).astype(np.int8)
+        st = episodes.step_types(np.asarray(term, bool), np.asarray(trunc, bool))
         rew = np.array(rew, writer.reward.dtype).reshape(self.reward_shape)  # a copy: FIRST rows are zeroed
         rew[ended] = 0
         stepping = np.flatnonzero(answered & ~ended)
@@ -127,7 +129,7 @@ class _Lockstep:
         writer.add_block(self.lo, st, rew, dt, answered)
         self._write_nexts(moving, stepping, chunk_rows)
         writer.publish()
-        self.ended = np.where(answered, (st == _TERM) | (st == _TRUNC), ended)
+        episodes.stepped_some(st, answered)
 
     def start(self):
         """Resets the env and publishes every env's ``FIRST``; a replacement worker instead takes

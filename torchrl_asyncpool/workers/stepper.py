@@ -143,6 +143,10 @@ class _Block:
         """A step's records (``st``, from :meth:`step_types`) are written."""
         self.ended = _ends(st)
 
+    def stepped_some(self, st, answered) -> None:
+        """A partial step's records (``st``) are written for the envs in ``answered``."""
+        self.ended = np.where(answered, _ends(st), self.ended)
+
     def reset_done(self) -> None:
         """The ended envs' ``FIRST`` records (their own resets) are written."""
         self.ended = np.zeros(self.k, bool)
