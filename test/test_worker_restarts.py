@@ -150,8 +150,10 @@ def test_a_hung_step_with_raise_is_an_env_error_naming_the_env():
 def test_past_the_budget_a_dead_worker_is_raised_with_the_history():
     with AsyncEnvPool(oracles(2), envs_per_worker=2, on_env_failure="restart", max_restarts_per_env=1,
                       restart_window_s=600) as pool:
+        pids = []
         for kill in range(2):
-            os.kill(pool.worker_pids[0], signal.SIGKILL)
+            pids.append(pool.worker_pids[0])
+            os.kill(pids[-1], signal.SIGKILL)
             try:
                 for _ in range(200):
                     td = pool.recv(min_get=1, timeout=30)
@@ -162,6 +164,10 @@ def test_past_the_budget_a_dead_worker_is_raised_with_the_history():
                 assert kill == 1
                 assert "restart budget exhausted" in str(exc) and "max_restarts_per_env=1" in str(exc)
                 assert exc.env_indices == (0, 1)
+                # the history lists the death before the last one, and the last one once
+                text = str(exc)
+                assert text.count(f"pid {pids[1]},") == 1 and text.count(f"pid {pids[0]},") == 1, text
+                assert "earlier failures: " in text.split(f"pid {pids[1]},")[1], text
                 return
         pytest.fail("the second death was not raised")
 

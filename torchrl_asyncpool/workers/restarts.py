@@ -79,8 +79,9 @@ class _RestartBudget:
             what = (f"env {index} was rebuilt {len(recent)} times within {self.policy.window_s:g}s "
                     f"(max_restarts_per_env={self.policy.per_env})" if over == "per_env"
                     else f"the pool's envs were rebuilt {total} times (max_restarts={self.policy.total})")
-            shown = "; ".join(f"{p}: {c}" for p, c in history[-10:])
-            raise DeferredEnvError(f"{tb}\nrestart budget exhausted: {what}; env {index}'s failures so far: {shown}")
+            # the failure above is the last one: the history lists the ones before it
+            shown = "; ".join(f"{p}: {c}" for p, c in history[-11:-1]) or "none"
+            raise DeferredEnvError(f"{tb}\nrestart budget exhausted: {what}; env {index}'s earlier failures: {shown}")
         recent.append(now)
         return int(self.arena.restarts[index]) + 1
 
