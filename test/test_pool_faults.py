@@ -649,6 +649,30 @@ def test_close_is_idempotent_and_closed_pool_refuses_use():
         pool.recv()
 
 
+def _open_fds():
+    fds = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed already
+            pass
+    return fds
+
+
+def test_a_closed_pool_still_referenced_holds_only_its_arena_mapping():
+    """close() frees each worker process's pipes and sentinel at once, not when the pool object
+    is garbage collected; what stays while the object lives is the arena's mapping (one
+    descriptor: batches already handed out may still view it). worker_pids still answers."""
+    before = _open_fds()
+    pool = AsyncEnvPool(_factories(8), envs_per_worker=1)
+    pids = pool.worker_pids
+    assert len(_open_fds()) > len(before) + 8
+    pool.close()
+    left = {fd: what for fd, what in _open_fds().items() if before.get(fd) != what}
+    assert list(left.values()) in ([], ["/memfd:torchrl_asyncpool_arena (deleted)"]), left
+    assert pool.worker_pids == pids
+
+
 # -- no /dev/shm segment ----------------------------------------------------------------------------
 @pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (2, False), (2, True)])
 def test_no_dev_shm_entry_during_or_after_pool_lifetime(envs_per_worker, env_threads):

@@ -725,8 +725,10 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
 
     @property
     def worker_pids(self) -> list:
-        """Process ids of the worker processes (``None`` for each worker of ``backend="threading"``)."""
-        return [p.pid for p in self._procs]
+        """Process ids of the worker processes (``None`` for each worker of ``backend="threading"``);
+        after :meth:`close`, those the workers had."""
+        closed = getattr(self, "_closed_pids", None)
+        return list(closed) if closed is not None else [p.pid for p in self._procs]
 
     @property
     def slot_workers(self) -> list:

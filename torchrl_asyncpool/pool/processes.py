@@ -168,9 +168,22 @@ class _PoolWorkers:
         self._life_r_close()
         for c in getattr(self, "_conns", []):
             c.close()
+        self._closed_pids = [p.pid for p in self._procs]  # worker_pids after close (a closed Process has none)
         for p in self._procs:
-            if isinstance(p, ThreadWorker):
-                p.close()
+            release_process(p)
+
+
+def release_process(p) -> None:
+    """Frees what a worker that has exited still holds in this process (a process's sentinel
+    and start-up pipes, a thread worker's descriptors) now, not when it is garbage collected;
+    a worker still running keeps them."""
+    if isinstance(p, ThreadWorker):
+        p.close()
+    elif exit_code(p) is not None:
+        try:
+            p.close()
+        except ValueError:  # closed already
+            pass
 
 
 def _shutdown(procs, life_w_box, timeout, stacklevel=3):

@@ -128,7 +128,7 @@ class _PoolWatchdog:
                 p.kill()
 
     def _replace(self, w: int) -> None:
-        from torchrl_asyncpool.pool.processes import kill_process_group
+        from torchrl_asyncpool.pool.processes import kill_process_group, release_process
 
         p = self._procs[w]
         exit_code(p, 1.0)
@@ -165,6 +165,7 @@ class _PoolWatchdog:
             arena.restarts[j] = r  # after the text; also the seed of its env's next build
         arena.build_since[slots] = 0.0
         self._conns[w].close()
+        release_process(p)
         self._started_at[w] = time.monotonic()
         self._procs[w], self._conns[w] = self._start_worker(w, self._watch.resumed())
         self._refresh_sentinels()
