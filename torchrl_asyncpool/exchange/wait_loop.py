@@ -58,6 +58,7 @@ class WaitLoop:
             takes it (``None``, the default: as this process's setting says).
 
     Attributes:
+        waiter (BellWait): the blocking wait (on ``bell`` and ``others``).
         now (float): ``time.monotonic()`` at the last readiness test of the last run.
         waited (float): seconds the last run spent in blocking waits.
 
@@ -76,7 +77,7 @@ class WaitLoop:
         >>> bell.close()
     """
 
-    __slots__ = ("_bell_fd", "_drain", "_waiter", "_stop_fds", "_max_wait", "now", "waited")
+    __slots__ = ("_bell_fd", "_drain", "waiter", "_stop_fds", "_max_wait", "now", "waited")
 
     def __init__(self, bell: Doorbell, others=(), *, stop_fds=(), max_wait: float | None = None,
                  idle_poll: bool | None = None):
@@ -84,7 +85,7 @@ class WaitLoop:
             raise ValueError(f"max_wait must be None or > 0 seconds, got {max_wait!r}.")
         self._bell_fd = bell.fd
         self._drain = bell.drain
-        self._waiter = BellWait(bell, others, idle_poll=idle_poll)
+        self.waiter = BellWait(bell, others, idle_poll=idle_poll)
         self._stop_fds = frozenset(stop_fds)
         unknown = self._stop_fds - set(others)
         if unknown:
@@ -127,7 +128,7 @@ class WaitLoop:
                 left = max(0.0, deadline - now)
             if left > self._max_wait:
                 left = self._max_wait
-            fired = self._waiter.wait(None if left == math.inf else left)
+            fired = self.waiter.wait(None if left == math.inf else left)
             self.waited += _monotonic() - now
             drained = False
             for fd in fired:
