@@ -43,7 +43,7 @@ def _check_chunks(num_envs, envs_per_worker, env_threads, chunk, frames, **pool_
             total += frames
             time.sleep(0.01)  # a slow learner: workers must wait, not drop
         # the learner's waits follow the pool's idle_poll
-        assert pool._chunk_reader._waiter.idle == int(bool(pool.idle_poll))
+        assert pool._chunk_reader._wait.waiter.idle == int(bool(pool.idle_poll))
     assert checker.records == total
     assert checker.episodes_done > 0
 

@@ -212,6 +212,32 @@ def test_double_buffered_loop_on_cpu():
     assert checker.records >= 300
 
 
+@pytest.mark.parametrize("config", ["buckets", "two_keys", "double_buffer", "unpadded"])
+def test_each_record_is_gathered_once(config):
+    """Where each key's runner gathers its records from the slots into its own staging (padded
+    buckets, several keys, double buffering, and CUDA, which takes the same path), the lease copies
+    no record: one gather per record. Unpadded on CPU the leased batch itself feeds the policy.
+    Either way every record is answered exactly once with its own action."""
+    rec, checker = Recorder(), OracleChecker()
+    kwargs = {"buckets": {"bucket_sizes": (2, 4)}, "double_buffer": {"double_buffer": True, "bucket_sizes": None},
+              "unpadded": {"bucket_sizes": None},
+              "two_keys": {"policies": {"a": OracleTagPolicy(), "b": OracleTagPolicy()}, "slot_keys": ["a", "b"] * 3,
+                           "bucket_sizes": None}}[config]
+    policy = None if config == "two_keys" else OracleTagPolicy()
+    with AsyncEnvPool(oracle_factories(6), envs_per_worker=3) as pool:
+        with InferenceServer(policy, on_batch=rec, **kwargs).start(pool) as server:
+            _serve_until(server, 200)
+            staged = set(server._backend.loop.consumer._staging.keys()) - {"env_index"}
+    # on_batch hooks see every entry, so an unpadded lease carries all of them
+    assert staged == ({"tag", "echo", "observation", "reward", "step_type", "done", "terminated", "truncated"}
+                      if config == "unpadded" else set())
+    for row in rec.rows:
+        checker.observe(int(row["env_index"]), row["tag"], row["step_type"], echo=row["echo"])
+        assert int(row["action"]) == int(oracle_action(row["tag"]))
+    assert checker.records >= 200
+    _check_echo_chain(rec.rows)
+
+
 class _KeySpy(torch.nn.Module):
     """Answers the oracle's action and notes which keys each batch carried."""
 

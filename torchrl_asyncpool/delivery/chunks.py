@@ -28,9 +28,10 @@ import torch
 from tensordict import TensorDict
 
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout, as_key
-from torchrl_asyncpool.exchange.doorbell import BellWait, Doorbell
+from torchrl_asyncpool.exchange.doorbell import Doorbell
 from torchrl_asyncpool._sys.descriptors import InheritedFd
 from torchrl_asyncpool.exchange.gather import RowGather
+from torchrl_asyncpool.exchange.wait_loop import NOT_DUE, TIMED_OUT, WaitLoop
 
 __all__ = [
     "ChunkBuffers", "ChunkHandle", "ChunkReader", "transition_fields", "delivered_keys", "FREE", "FILLING", "FULL",
@@ -214,7 +215,8 @@ class ChunkReader:
         self._carry = None  # (chunk id, offset) of a partly consumed chunk
         self._pending = None  # (batch, filled) of a call that timed out
         self._last, self._last_leaves = None, []  # the last batch allocated, for take(reuse=True)
-        self._waiter = BellWait(buffers.driver_bell, idle_poll=bool(idle_poll))
+        self._wait = WaitLoop(buffers.driver_bell, max_wait=_CHECK_EVERY_S, idle_poll=bool(idle_poll))
+        self._check, self._checked, self._full = None, 0.0, None  # the running take's check and full chunks
 
     def full_chunks(self) -> int:
         """How many chunks are full and not yet taken by the driver."""
@@ -245,7 +247,6 @@ class ChunkReader:
                 in it (TorchRL's ``return_same_td``): no allocation and no page faults on first
                 touch per batch (with 84x84x3 pixels, 42 KB per transition). Else a new batch.
         """
-        T = self.buffers.chunk_size
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._pending is None or self._pending[0].batch_size[0] != frames:
             if self._pending is not None:
@@ -258,57 +259,71 @@ class ChunkReader:
             self._pending = (out, 0)
         out, pos = self._pending
         gathers = [RowGather(src, out.get(k)) for k, src in self._flat]
-        checked = time.monotonic()
-        bell, drained = self.buffers.driver_bell, False
-        while pos < frames:
-            if not drained:
-                bell.drain()  # before the scan: a ring after this wakes the wait
-            drained = False
-            full = np.flatnonzero(self._state == FULL)
-            if not full.size and self._carry is None:
-                now = time.monotonic()
-                # the check every 100 ms, not at every wake-up: a batch of small chunks waits
-                # dozens of times (its pool's check costs ~15 us each time)
-                if check is not None and now - checked >= _CHECK_EVERY_S:
-                    check()
-                    checked = now = time.monotonic()
-                if deadline is not None and now >= deadline:
+        self._check, self._checked = check, time.monotonic()
+        health = None if check is None else self._check_due
+        try:
+            while pos < frames:
+                if self._wait.run(self._chunks_due, deadline, health) == TIMED_OUT:
+                    if health is not None:
+                        health(self._wait.now)  # as at every wait: a caller that always times out still checks
                     self._pending = (out, pos)
                     return None
-                fired = self._waiter.wait(0.1 if deadline is None else max(0.0, min(0.1, deadline - now)))
-                drained = bell.fd in fired  # the wait drained the bell it was woken by
-                continue
-            # the rows to copy, oldest chunk first, without a Python step per chunk (a batch of
-            # 1,024 envs' one-transition chunks is 1,024 chunks): the partly consumed chunk, the
-            # whole chunks that fit, then the first rows of one more (carried to the next call)
-            rows, used, need = [], [], frames - pos
-            if self._carry is not None:
-                c, off = self._carry
-                n = min(T - off, need)
-                rows.append(np.arange(c * T + off, c * T + off + n))
-                need -= n
-                self._carry = (c, off + n) if off + n < T else None
-                if self._carry is None:
-                    used.append(np.array([c]))
-            if need and full.size:
-                order = full[np.argsort(self._ready_time[full], kind="stable")]
-                whole = order[: need // T]
-                self._state[whole] = HELD
-                rows.append((whole[:, None] * T + np.arange(T)).reshape(-1))
-                used.append(whole)
-                need -= whole.size * T
-                if need and order.size > whole.size:
-                    c = int(order[whole.size])
-                    self._state[c] = HELD
-                    rows.append(np.arange(c * T, c * T + need))
-                    self._carry = (c, need)
-            idx = np.concatenate(rows) if len(rows) > 1 else rows[0]
-            for gather in gathers:
-                gather(idx, pos)
-            pos += idx.size
-            used = np.concatenate(used) if used else used
-            if len(used):
-                self._state[used] = FREE
-                self._release(used // self.buffers.chunks_per_env)
+                pos = self._copy_due(gathers, frames, pos)
+        finally:
+            self._check, self._full = None, None  # nothing of the caller's is kept
         self._pending = None
         return out
+
+    def _chunks_due(self, now: float) -> float:
+        """``take``'s readiness test: due while a chunk is full or partly consumed (keeps the
+        full chunks' ids for the copy)."""
+        full = self._full = np.flatnonzero(self._state == FULL)
+        return 0.0 if (full.size or self._carry is not None) else NOT_DUE
+
+    def _check_due(self, now: float) -> bool:
+        """Runs ``take``'s ``check`` every :data:`_CHECK_EVERY_S`, not at every wake-up: a batch
+        of small chunks waits dozens of times (its pool's check costs ~15 us each time).
+        Returns whether it ran (and so took time)."""
+        if now - self._checked < _CHECK_EVERY_S:
+            return False
+        self._check()
+        self._checked = time.monotonic()
+        return True
+
+    def _copy_due(self, gathers, frames: int, pos: int) -> int:
+        """Copies what is due (the carried chunk's rest, then the full chunks, oldest first)
+        into the batch from row ``pos``, up to ``frames``; frees the chunks it emptied and
+        returns the new ``pos``."""
+        T, full = self.buffers.chunk_size, self._full
+        # the rows to copy, oldest chunk first, without a Python step per chunk (a batch of
+        # 1,024 envs' one-transition chunks is 1,024 chunks): the partly consumed chunk, the
+        # whole chunks that fit, then the first rows of one more (carried to the next call)
+        rows, used, need = [], [], frames - pos
+        if self._carry is not None:
+            c, off = self._carry
+            n = min(T - off, need)
+            rows.append(np.arange(c * T + off, c * T + off + n))
+            need -= n
+            self._carry = (c, off + n) if off + n < T else None
+            if self._carry is None:
+                used.append(np.array([c]))
+        if need and full.size:
+            order = full[np.argsort(self._ready_time[full], kind="stable")]
+            whole = order[: need // T]
+            self._state[whole] = HELD
+            rows.append((whole[:, None] * T + np.arange(T)).reshape(-1))
+            used.append(whole)
+            need -= whole.size * T
+            if need and order.size > whole.size:
+                c = int(order[whole.size])
+                self._state[c] = HELD
+                rows.append(np.arange(c * T, c * T + need))
+                self._carry = (c, need)
+        idx = np.concatenate(rows) if len(rows) > 1 else rows[0]
+        for gather in gathers:
+            gather(idx, pos)
+        used = np.concatenate(used) if used else used
+        if len(used):
+            self._state[used] = FREE
+            self._release(used // self.buffers.chunks_per_env)
+        return pos + idx.size

@@ -20,11 +20,12 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl_asyncpool.errors import EnvError, WorkerDiedError
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
-from torchrl_asyncpool.exchange.doorbell import Doorbell, poll_for
+from torchrl_asyncpool.exchange.doorbell import Doorbell
 from torchrl_asyncpool._sys.descriptors import InheritedFd
 from torchrl_asyncpool.exchange.gather import numpy_or_none
 from torchrl_asyncpool.exchange.metrics import record_wait
 from torchrl_asyncpool.exchange.native import build_engine
+from torchrl_asyncpool.exchange.wait_loop import NOT_DUE, TIMED_OUT, WaitLoop
 
 __all__ = ["ConsumerHandle", "SlotConsumer"]
 
@@ -82,14 +83,16 @@ class SlotConsumer:
         self._death_info = death_info
         self._watchdog = watchdog
         self._last_watch = 0.0
-        self._poller = select.poll()
-        self._poller.register(self._bell.fd, select.POLLIN)
         self._sentinels = {}
         self._sentinel_poller = select.poll()
         for w, s in enumerate(handle.worker_sentinels):
-            self._poller.register(s.fd, select.POLLIN)
             self._sentinel_poller.register(s.fd, select.POLLIN)
             self._sentinels[s.fd] = w
+        # recv's and wait_ready's waits: the doorbell and the sentinels (a death is noticed at
+        # once), blocking in poll(2), at most a watchdog period at a time when there is one
+        self._wait = WaitLoop(self._bell, list(self._sentinels), max_wait=self.wait_bound(None), idle_poll=False)
+        self._want = (1, 1, None)  # what the running wait needs: (min_get or count, cap, deadline)
+        self._ready = 0  # records ready at the running wait's last look
         # keys: the request entries batches carry (all by default); a serving loop whose policies
         # declare what they read leaves the others in the slots instead of copying them per batch
         request = self.arena.request if keys is None else self.arena.request.select(*keys)
@@ -144,29 +147,29 @@ class SlotConsumer:
             raise ValueError(f"timeout must be None or >= 0, got {timeout!r}.")
         deadline = None if timeout is None else t_enter + timeout
         cap = n if max_get is None else min(max_get, n)
-        waited = 0.0
-        while True:
-            self._bell.drain()  # before the scan: a ring after this wakes the poll below
-            ready, _, errors, _ = self._engine.scan()  # counts only: no array per look
-            if errors:
-                self.raise_worker_errors()
-            now = time.monotonic()
-            if ready >= min_get:
-                if deadline is None or ready >= cap or now >= deadline:
-                    self._check_sentinels(now)  # a dead worker is reported, not skipped
-                    break
-            elif deadline is not None and now >= deadline:
-                raise TimeoutError(
-                    f"recv timed out after {timeout}s with {ready}/{min_get} envs ready; "
-                    "nothing was consumed, ready records stay available to the next call."
-                )
-            self._check_sentinels(now)
-            events = poll_for(self._poller, self.wait_bound(None if deadline is None else deadline - now))
-            waited += time.monotonic() - now
-            for fd, _ in events:
-                if fd != self._bell.fd:
-                    self.raise_worker_errors()
-        return self._lease(cap, waited)
+        self._want = (min_get, cap, deadline)
+        wait = self._wait
+        if wait.run(self._recv_due, deadline, self._check_sentinels, self.raise_worker_errors) == TIMED_OUT:
+            raise TimeoutError(
+                f"recv timed out after {timeout}s with {self._ready}/{min_get} envs ready; "
+                "nothing was consumed, ready records stay available to the next call."
+            )
+        self._check_sentinels(wait.now)  # a dead worker is reported, not skipped
+        return self._lease(cap, wait.waited)
+
+    def _recv_due(self, now: float) -> float:
+        """``recv``'s readiness test (see :class:`~torchrl_asyncpool.exchange.wait_loop.WaitLoop`):
+        due once ``min_get`` records are ready and either ``cap`` are or the deadline passed."""
+        ready, _, errors, _ = self._engine.scan()  # counts only: no array per look
+        if errors:
+            self.raise_worker_errors()
+        self._ready = ready
+        min_get, cap, deadline = self._want
+        if ready < min_get:
+            return NOT_DUE
+        if deadline is None or ready >= cap:
+            return 0.0
+        return deadline - now
 
     def lease_ready(self, cap: int, extras: Optional[dict] = None) -> Optional[TensorDictBase]:
         """Leases what is ready now (oldest first, at most ``cap``) for a serving loop that has
@@ -221,22 +224,24 @@ class SlotConsumer:
         if self.error is not None:
             raise self.error
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            self._bell.drain()
-            ready, _, errors, _ = self._engine.scan()
-            if ready >= count:
-                return ready
-            if errors:
-                self.raise_worker_errors()
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                return ready
-            self._check_sentinels(now)
-            events = poll_for(self._poller, self.wait_bound(None if deadline is None else deadline - now))
-            record_wait(self._stats, time.monotonic() - now)
-            for fd, _ in events:
-                if fd != self._bell.fd:
-                    self.raise_worker_errors()
+        self._want = (count, 0, None)
+        wait = self._wait
+        try:
+            wait.run(self._count_due, deadline, self._check_sentinels, self.raise_worker_errors)
+        finally:  # the wait before a fault counts too
+            record_wait(self._stats, wait.waited)
+        return self._ready
+
+    def _count_due(self, now: float) -> float:
+        """``wait_ready``'s readiness test: due once ``count`` records are ready (env errors
+        raise only while fewer are)."""
+        ready, _, errors, _ = self._engine.scan()
+        self._ready = ready
+        if ready >= self._want[0]:
+            return 0.0
+        if errors:
+            self.raise_worker_errors()
+        return NOT_DUE
 
     def _lease(self, cap: int, waited: float, extras: Optional[dict] = None) -> Optional[TensorDictBase]:
         """Leases up to ``cap`` of the oldest ready slots (the engine scans for itself and adds

@@ -188,6 +188,20 @@ class ServerSpec:
     cpu_affinity: Optional[Tuple[int, ...]] = None  # where the policies run (thread or process)
     auto_timeout: bool = False  # timeout="auto": the deadline follows the measured env step (auto_flush_timeout)
 
+    @property
+    def feeds_leased_batch(self) -> bool:
+        """Whether the serving loop hands the leased batch itself to the policy: one key, served
+        unpadded (no bucket ladder), not on CUDA, without double buffering. Otherwise each key's
+        runner gathers its records straight from the (leased, so stable) slots into its own
+        staging, and the lease copies no record (``lease_keys``): one gather per record."""
+        return (len(self.plans) == 1 and self.plans[0].buckets is None and not self.overlap
+                and torch.device(self.device).type != "cuda")
+
+    def lease_keys(self, keys):
+        """The request keys the serving loop's consumer copies at lease: ``keys`` (the keys the
+        policies read, ``None`` for all) when the leased batch feeds the policy, none otherwise."""
+        return keys if self.feeds_leased_batch else ()
+
 
 
 def key_repr(key: Tuple[str, ...]):

@@ -22,6 +22,7 @@ import torch
 from torchrl_asyncpool.exchange.arena import as_key
 from torchrl_asyncpool.exchange.doorbell import BellWait, Doorbell
 from torchrl_asyncpool.exchange.metrics import record_wait
+from torchrl_asyncpool.exchange.wait_loop import NOT_DUE, STOPPED, WaitLoop
 from torchrl_asyncpool.inference._common import REPLAN_PERIOD_S, ServerSpec, auto_flush_timeout, auto_threshold
 from torchrl_asyncpool.inference._runner import VALID_MASK, KeyRunner, PolicyFailure, format_exc
 
@@ -96,7 +97,8 @@ class ServingLoop:
         self._sentinels = {s.fd for s in consumer.handle.worker_sentinels}
         # one GIL hand-over per wait, the bell's drain included; the stop check keeps the GIL
         idle = bool(getattr(consumer.handle, "idle_poll", False))  # the pool's choice for its exchange
-        self._waiter = BellWait(self._bell, [*self._stop_fds, *self._sentinels], idle_poll=idle)
+        self._wait = WaitLoop(self._bell, [*self._stop_fds, *self._sentinels], stop_fds=self._stop_fds,
+                              max_wait=consumer.wait_bound(None), idle_poll=idle)
         self._stop_waiter = BellWait(None, self._stop_fds)
         self._hold_fd = hold_fd
         self._waited = 0.0
@@ -104,31 +106,33 @@ class ServingLoop:
         self._send_orders = {}
         self._pool_stats = memoryview(arena.consumer_stats)
         # one key served unpadded on CPU without double buffering: the leased batch itself is the
-        # policy's input, and it gets its all-True "valid_mask" from the consumer's cached rows
-        whole_ok = self.single_key and runners[0].takes_whole and not self.overlap
+        # policy's input, and it gets its all-True "valid_mask" from the consumer's cached rows.
+        # Otherwise the runners gather from the slots, and the consumer copies no record at lease
+        # (built with spec.lease_keys(...)): one gather per record
+        whole_ok = spec.feeds_leased_batch and runners[0].takes_whole
         self._extras = {VALID_MASK: torch.ones(n, dtype=torch.bool)} if whole_ok else None
         self.current_key = None
         for k, runner in enumerate(runners):
             stats.set_version(k, runner.version)
 
     # -- flush rule -------------------------------------------------------------------------
-    def _due(self, now):
-        """``(flush now?, seconds until the deadline or None)``: one counting pass over the state words."""
+    def _due(self, now) -> float:
+        """Seconds until a batch is due (``<= 0``: now; ``NOT_DUE`` while fewer than ``min_get``
+        records are ready), from one counting pass over the state words."""
         n, answered, errors, oldest = self.consumer.scan_states()
         if errors:
             self.consumer.raise_worker_errors()
         if n < self.min_get:
-            return False, None
+            return NOT_DUE
         if self.max_get is not None:
             threshold = self.max_get
         else:
             threshold = auto_threshold(n + answered, self.min_get, self.spec.flush_fraction)
         if n >= threshold or self.timeout <= 0.0:
-            return True, 0.0
+            return 0.0
         # only this loop takes slots out of OBS_READY, so the ready set seen now holds at
         # least the n counted above (workers may have added some: their deadline is later)
-        due = oldest + self.timeout
-        return (now >= due), max(0.0, due - now)
+        return oldest + self.timeout - now
 
     def _replan(self, now: float) -> None:
         """``timeout="auto"``: the deadline for the env step measured since the last look."""
@@ -148,32 +152,15 @@ class ServingLoop:
             self._last_stop_check = t0
             if self._stop_requested():
                 return False
-        drained = False
-        while True:
-            now = time.monotonic()
-            flush, remaining = self._due(now)
-            if not flush and not drained:
-                # drain, then scan again: a ring after the drain wakes the poll below, and records
-                # published between the first scan and the drain are counted by the second one.
-                # (Draining only before a wait saves a system call per batch when one is due.)
-                self._bell.drain()
-                drained = True
-                continue
-            if flush:
-                self._waited = now - t0
-                # the pool's consumer_busy_fraction counts waits inside recv only; this loop waits
-                # before calling recv(timeout=0), so it adds its wait to the same (consumer-only) sum
-                record_wait(self._pool_stats, self._waited)
-                return True
-            self.consumer.watch(now)  # a pool's watchdog, when it has one (a clock check otherwise)
-            fired = self._waiter.wait(self.consumer.wait_bound(remaining))
-            for fd in fired:
-                if fd in self._stop_fds:
-                    return False
-                if fd in self._sentinels:
-                    self.consumer.raise_worker_errors()
-            # the wait drained the bell if it fired; a timeout (or another fd) drains on the next pass
-            drained = self._bell.fd in fired
+        consumer = self.consumer
+        # the pool's watchdog, when it has one, runs before each wait (a clock check otherwise)
+        if self._wait.run(self._due, None, consumer.watch, consumer.raise_worker_errors) == STOPPED:
+            return False
+        self._waited = self._wait.now - t0
+        # the pool's consumer_busy_fraction counts waits inside recv only; this loop waits
+        # before calling recv(timeout=0), so it adds its wait to the same (consumer-only) sum
+        record_wait(self._pool_stats, self._waited)
+        return True
 
     def _stop_requested(self) -> bool:
         return bool(self._stop_waiter.wait(0.0))
@@ -200,7 +187,7 @@ class ServingLoop:
                 previous = list(inflight)
                 if not self._stop_requested():
                     self._bell.drain()
-                    if self._due(time.monotonic())[0]:
+                    if self._due(time.monotonic()) <= 0.0:
                         self._waited = 0.0
                         self._recv_and_launch(inflight)
                 for flight in previous:

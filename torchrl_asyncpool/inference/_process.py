@@ -42,7 +42,7 @@ def server_main(handle, spec, weights_fd, stats_fd, life_fd, conn, release_fd=No
             for name, factory in spec.factories.items():
                 policies[name] = factory()
             keys = policy_reads(policies.values(), handle.layout, spec.on_batch)
-            consumer = SlotConsumer(handle, keys=keys)
+            consumer = SlotConsumer(handle, keys=spec.lease_keys(keys))  # none where the runners gather
             runners = build_runners(spec, policies, handle.layout, consumer.arena.request, keys)
             weights = SharedWeights.create(
                 weights_fd.fd,

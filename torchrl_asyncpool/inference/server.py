@@ -675,7 +675,8 @@ class _ThreadBackend:
             policies[name] = factory()
         self.policies = policies
         keys = policy_reads(policies.values(), self.handle.layout, self.spec.on_batch)
-        consumer = SlotConsumer(self.handle, death_info=self.death_info, keys=keys, watchdog=self.watchdog)
+        consumer = SlotConsumer(self.handle, death_info=self.death_info, keys=self.spec.lease_keys(keys),
+                                watchdog=self.watchdog)
         self.runners = build_runners(self.spec, policies, self.handle.layout, consumer.arena.request, keys)
         self.stats_block = StatsBlock(self.spec.names)
         self.weights = LocalWeights(self.spec.names)
