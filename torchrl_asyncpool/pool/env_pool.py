@@ -114,8 +114,10 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
             times a few steps of the spec env: cheap CPU-bound envs are grouped so that there
             is about one worker per core; envs that block (sleep, I/O) are grouped about two
             workers per core and stepped in threads (with ``env_threads=False``, one process
-            each). Defaults to ``1``. With vector env factories each worker hosts one vector
-            env (``"auto"``, ``1`` or ``k``).
+            each). Defaults to ``1`` (one process per env, as TorchRL's ``AsyncEnvPool``):
+            each process carries its own interpreter, imports and descriptors, so for dozens
+            of envs ``"auto"`` (the collector's default) costs a fraction of the memory. With
+            vector env factories each worker hosts one vector env (``"auto"``, ``1`` or ``k``).
         env_threads (bool or "auto", optional): step each env of a worker in its own thread,
             each slot with its own doorbell, so that envs whose step blocks (sleep, I/O, a
             simulator that releases the GIL) overlap inside one process instead of needing a
@@ -682,7 +684,9 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         """Stops the workers and frees the arena. Idempotent.
 
         Workers are told through their life pipe (they exit at their next wake-up, closing
-        their envs); any worker still running after ``timeout`` seconds is killed.
+        their envs); any worker still running after ``timeout`` seconds is killed. Their pipes
+        and sentinels are closed here; the arena's mapping (one descriptor) goes with the last
+        view of it, as batches handed out may still read it.
 
         Args:
             timeout (float, optional): seconds the workers get to exit. Defaults to ``1.0``.
