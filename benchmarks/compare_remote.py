@@ -333,7 +333,10 @@ def time_to_come_back(pool, hosts, actor=0, host_envs=8, timeout=60.0):
     t0 = time.perf_counter()
     lost_at = None
     while time.perf_counter() - t0 < timeout:
-        td = pool.recv(min_get=1, timeout=timeout)
+        # what is ready now: a recv with a timeout would wait for every env, the killed host's too
+        if pool.wait_ready(1, timeout) < 1:
+            break
+        td = pool.recv(min_get=1)
         idx, st = td.env_indices, td["step_type"].reshape(-1)
         mine = (idx >= lo) & (idx < hi)
         now = time.perf_counter() - t0
