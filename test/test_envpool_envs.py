@@ -8,15 +8,16 @@ transition of that env starts from a reset observation, with step counts that re
 """
 import functools
 
-import envpool
 import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
 
-from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, StepType
-from torchrl_asyncpool.envs.adapters import factory_path, make_adapter
+envpool = pytest.importorskip("envpool")  # the benchmarks extra; CI installs it
+
+from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, StepType  # noqa: E402
+from torchrl_asyncpool.envs.adapters import factory_path, make_adapter  # noqa: E402
 
 MAX_STEPS = 15  # short episodes: both terminations and truncations within a few hundred steps
 X_LIMIT, THETA_LIMIT = 2.4, 12 * 2 * np.pi / 360  # CartPole's termination thresholds

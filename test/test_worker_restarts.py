@@ -178,12 +178,18 @@ def test_a_killed_vector_env_worker_is_replaced_and_records_stay_exact(kind, dev
 
     checker = OracleChecker()
     with AsyncEnvPool(_vectors(kind, 2, 3), **UNLIMITED) as pool:
-        for step in range(300):
+        killed = []  # six kills, the two workers in turn, each of a worker that was replaced since
+        step = 0
+        while step < 300 or len(killed) < 6:
+            assert step < 20_000, f"the workers were not replaced in time: killed {killed}"
             td = pool.recv(min_get=1)
             checker.observe_batch(td)
             _answer(pool, td)
-            if step % 50 == 20:
-                os.kill(pool.worker_pids[step // 50 % 2], signal.SIGKILL)
+            pid = pool.worker_pids[len(killed) % 2]
+            if len(killed) < 6 and step >= 20 + 50 * len(killed) and pid not in killed:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            step += 1
         assert _await_restarts(pool, 6) == 6
     assert checker.records >= 300 and checker.restarts >= 6
 
