@@ -275,7 +275,7 @@ class _Lockstep:
         delivery = self.delivery
         if delivery is None or not len(at):
             return None, None
-        if not all([delivery.claim(self.slots[j]) for j in at]):
+        if not self._claim(at):
             return False, None
         moving = [self.slots[j] for j in at]
         return moving, delivery.write_root_rows(moving, self.idx[at])
