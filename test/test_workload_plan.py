@@ -10,6 +10,7 @@ import torch
 from torchrl_asyncpool import AsyncPoolCollector
 from torchrl_asyncpool.collector.workload_plan import PIN_STEP_S, UNPIN_STEP_S, AffinityPlan
 from torchrl_asyncpool.inference import auto_flush_timeout
+from torchrl_asyncpool.inference.flush_deadline import HOLD_S, TRIAL_WINDOW_S, TRIAL_WINDOWS, FlushDeadline
 from torchrl_asyncpool.testing import OracleEnv, oracle_action
 
 CPUS = sorted(os.sched_getaffinity(0))
@@ -23,6 +24,83 @@ def test_the_flush_deadline_follows_the_env_step():
     assert auto_flush_timeout(1.3e-3, 64) == 0.005  # capped
     assert auto_flush_timeout(0.2) == 0.005  # a slow simulator: capped
     assert auto_flush_timeout(float("nan")) == 0.0
+
+
+class _Clock:
+    """Feeds a FlushDeadline windows of env steps at chosen rates (frames/s per option)."""
+
+    def __init__(self, step_s, envs_in_turn=1):
+        self.t, self.count, self.total, self.step_s = 0.0, 0, 0.0, step_s
+        self.deadline = FlushDeadline(envs_in_turn, now=0.0, sums=(0.0, 0))
+
+    def window(self, rate, seconds=TRIAL_WINDOW_S, step_s=None):
+        self.step_s = self.step_s if step_s is None else step_s
+        self.t += seconds
+        self.count += int(rate * seconds)
+        self.total += int(rate * seconds) * self.step_s
+        self.deadline.look(self.t, (self.total, self.count))
+        return self.deadline
+
+    def round(self, wait_rate, greedy_rate):
+        d = self.deadline
+        for _ in range(TRIAL_WINDOWS):
+            d = self.window(wait_rate if d.timeout > 0 else greedy_rate)
+        return d
+
+
+def test_cheap_envs_are_served_greedily_without_trials():
+    d = _Clock(12e-6).window(50_000)
+    assert (d.choice, d.timeout, d.rounds) == ("greedy", 0.0, 0)
+    assert _Clock(12e-6).window(50_000).describe()["flush_trial_rates"] == {}
+
+
+@pytest.mark.parametrize("wait_rate, greedy_rate, choice", [
+    (1_800, 1_000, "wait"),  # Atari-like: serving takes the envs' CPU, fuller batches win
+    (1_000, 1_150, "greedy"),  # 16 sleeping envs: the wait only adds latency
+    (1_010, 1_000, "greedy"),  # within the margin: greedy, the lower latency
+])
+def test_a_costly_step_tries_both_and_keeps_the_faster(wait_rate, greedy_rate, choice):
+    clock = _Clock(1.3e-3, envs_in_turn=8)
+    d = clock.window(1_000)
+    assert d.choice == "trial" and d.timeout == pytest.approx(auto_flush_timeout(1.3e-3, 8))  # waiting first
+    d = clock.round(wait_rate, greedy_rate)
+    assert d.choice == choice and d.rounds == 1
+    assert d.timeout == (d.candidate_s if choice == "wait" else 0.0)
+    rates = d.describe()["flush_trial_rates"]
+    assert rates == {"wait": [wait_rate, wait_rate], "greedy": [greedy_rate, greedy_rate]}
+
+
+def test_the_decision_holds_then_is_tried_again_and_can_change():
+    clock = _Clock(2e-3)
+    clock.window(1_000)
+    d = clock.round(1_000, 1_200)
+    assert d.choice == "greedy"
+    windows = int(HOLD_S / TRIAL_WINDOW_S) - 1
+    for _ in range(windows):  # held: the load of a moment does not decide for good
+        assert clock.window(5_000).choice == "greedy"
+    d = clock.window(1_000)
+    assert d.choice == "trial"  # the hold is over: a new round
+    d = clock.round(1_500, 1_000)  # the load went away: now waiting wins
+    assert d.choice == "wait" and d.rounds == 2
+
+
+def test_a_drifting_env_step_starts_a_round_at_once():
+    clock = _Clock(2e-3)
+    clock.window(1_000)
+    assert clock.round(1_500, 1_000).choice == "wait"
+    assert clock.window(1_000).choice == "wait"
+    d = clock.window(1_000, step_s=5e-3)  # the env's steps got 2.5x slower
+    assert d.choice == "trial"
+    d = clock.window(1_000, step_s=50e-6)  # ... or cheap: greedy at once, no deadline tried
+    assert (d.choice, d.timeout) == ("greedy", 0.0)
+
+
+def test_a_window_with_too_few_steps_stays_open():
+    clock = _Clock(2e-3)
+    d = clock.window(10)  # 5 steps in half a second: not enough to judge
+    assert d.choice == "unmeasured" and d.measured_step_s is None
+    d = clock.window(1_000)
+    assert d.choice == "trial" and d.measured_step_s == pytest.approx(2e-3)
 
 
 class _Steps:
@@ -102,7 +180,9 @@ def test_a_slow_env_lifts_the_partition_and_gets_a_flush_deadline():
         _run(collector, 3.5)
         plan = collector.plan()
         assert plan["partitioned"] is False and plan["measured_env_step_s"] >= 1e-3, plan  # resets are cheaper
-        assert 0.0 < plan["flush_timeout_s"] <= 0.005, plan
+        # a deadline is a candidate: tried against greedy, the faster one kept (not asserted: a speed)
+        assert 0.0 < plan["flush_candidate_s"] <= 0.005 and plan["flush_choice"] != "unmeasured", plan
+        assert plan["flush_timeout_s"] in (0.0, plan["flush_candidate_s"]), plan
         for pid in collector.env.worker_pids:
             assert os.sched_getaffinity(pid) == set(CPUS)
         assert all(os.sched_getaffinity(t.native_id) == set(CPUS) for t in _serving_threads())
@@ -120,7 +200,8 @@ def test_a_cheap_env_keeps_the_partition_and_greedy_batches():
         _run(collector, 3.5)
         plan = collector.plan()
         assert plan["partitioned"] is True and plan["partition_changes"] == 0, plan
-        assert plan["flush_timeout_s"] == 0.0, plan
+        assert plan["flush_timeout_s"] == 0.0 and plan["flush_choice"] == "greedy", plan
+        assert plan["flush_trial_rounds"] == 0, plan  # nothing to try: no deadline is a candidate
         for pid in collector.env.worker_pids:
             assert os.sched_getaffinity(pid) == set(CPUS[1:])
     finally:

@@ -18,7 +18,7 @@ from torchrl.envs.utils import ExplorationType
 from torchrl_asyncpool.collector.action_checks import action_checks
 from torchrl_asyncpool.collector.acting_policy import WEIGHT_PREFIX, ActingPolicy, ActingPolicyFactory
 from torchrl_asyncpool.collector.config import CollectorConfig, as_int, check_slot_transport, check_transport_keys
-from torchrl_asyncpool.inference import InferenceServer, InferenceServerError, flatten_weights
+from torchrl_asyncpool.inference import FlushDeadline, InferenceServer, InferenceServerError, flatten_weights
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange.metrics import log_metrics
 from torchrl_asyncpool.collector.policy_layout import PolicyLayout
@@ -33,10 +33,10 @@ __all__ = ["AsyncPoolCollector"]
 _ENV_IDX_KEY = "env_index"
 # Chunk memory ceiling for transition_chunk_size="auto": pixel envs would otherwise pin GBs.
 _AUTO_CHUNK_BYTES = 256 * 2**20
-# The flush deadline follows the measured env step (inference.auto_flush_timeout): greedy for
-# cheap envs, where records that arrive while the policy runs form the next batch anyway and a
-# deadline only idles envs (1 ms cost CartPole 25 % on 2 cores), a fraction of a step for envs
-# whose step costs as much as a batch (Atari: batches of ~1 record when greedy).
+# The flush deadline: greedy for cheap envs, where records that arrive while the policy runs
+# form the next batch anyway and a deadline only idles envs (1 ms cost CartPole 25 % on 2 cores);
+# for costly steps a deadline is tried against greedy (inference.FlushDeadline): it won Atari
+# (batches of ~1 record when greedy) and lost 16 sleeping envs.
 _DEFAULT_FLUSH_TIMEOUT = "auto"
 
 
@@ -117,13 +117,16 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         min_batch_size (int, optional): smallest inference batch (``min_get``). Defaults to 1.
         server_timeout (float or "auto", optional): inference flush deadline in seconds: a
             batch is run when the flush size is reached OR the oldest ready record has waited
-            this long. Defaults to ``"auto"``: the deadline follows the env step the workers
-            measure, re-measured every second (:func:`~torchrl_asyncpool.inference.auto_flush_timeout`):
-            greedy (``0``) for cheap envs such as CartPole, where records arriving while the
-            policy runs form the next batch anyway and a deadline only idles envs, and a quarter
-            of the steps a worker takes before it comes back to an env (at most 5 ms) for envs
-            whose step costs as much as a batch (Atari, a simulator), where a greedy loop would
-            answer batches of one record. Pass seconds to
+            this long. Defaults to ``"auto"``: greedy (``0``) for cheap envs such as CartPole,
+            where records arriving while the policy runs form the next batch anyway and a
+            deadline only idles envs; for envs whose step costs as much as a batch (Atari, a
+            simulator), where a greedy loop answers batches of about one record, a deadline of a
+            quarter of the steps a worker takes before it comes back to an env (at most 5 ms,
+            :func:`~torchrl_asyncpool.inference.auto_flush_timeout`) is tried against greedy
+            and kept only if the envs step faster with it (it pays when the CPUs are the
+            bottleneck, not when the envs sleep or wait), tried again every 15 s
+            (:class:`~torchrl_asyncpool.inference.FlushDeadline`; :meth:`plan` shows the
+            trials). Pass seconds to
             fix it (TorchRL's examples use ``0.001``); raise it for a GPU policy whose per-call
             cost dominates.
         server_config (InferenceServerConfig, optional): TorchRL's structured server
@@ -584,8 +587,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             >>> from torchrl_asyncpool.testing import ZeroLatencyEnv
             >>> act = lambda td: td.set("action", torch.zeros(td.batch_size, dtype=torch.int64))
             >>> collector = AsyncPoolCollector([ZeroLatencyEnv] * 2, policy=act, frames_per_batch=8, total_frames=8)
-            >>> sorted(collector.plan())
-            ['flush_timeout_s', 'measured_env_step_s', 'partition_changes', 'partitioned', 'server_measured_env_step_s']
+            >>> plan = collector.plan()
+            >>> sorted(k for k in plan if not k.startswith("flush_trial"))
+            ['flush_candidate_s', 'flush_choice', 'flush_timeout_s', 'measured_env_step_s', 'partition_changes', 'partitioned', 'server_measured_env_step_s']
             >>> collector.shutdown()
         """
         out = ({"partitioned": None, "measured_env_step_s": None, "partition_changes": 0}
@@ -594,6 +598,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         timeout = self._server.timeout
         out["flush_timeout_s"] = loop.timeout if loop is not None else (None if timeout == "auto" else timeout)
         out["server_measured_env_step_s"] = getattr(loop, "measured_step_s", None)
+        deadline = getattr(loop, "deadline", None)
+        out.update(deadline.describe() if deadline is not None else dict.fromkeys(FlushDeadline.REPORTED))
         return out
 
     def pool_metrics(self, reset: bool = False) -> dict:

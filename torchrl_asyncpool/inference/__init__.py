@@ -6,6 +6,7 @@ the documentation.
 from torchrl_asyncpool.inference._common import BatchKey, InferenceServerError, auto_flush_timeout, bucket_ladder
 from torchrl_asyncpool.inference._runner import flatten_weights
 from torchrl_asyncpool.inference._shared import STAT_KEYS
+from torchrl_asyncpool.inference.flush_deadline import FlushDeadline
 from torchrl_asyncpool.inference.server import InferenceServer
 from torchrl_asyncpool.inference.transport import ProcessSlotTransport
 
@@ -18,4 +19,5 @@ __all__ = [
     "STAT_KEYS",
     "flatten_weights",
     "auto_flush_timeout",
+    "FlushDeadline",
 ]

@@ -262,8 +262,6 @@ BATCHING_STEP_S = 300e-6
 AUTO_TIMEOUT_FRACTION = 0.25
 #: ... and at most this many seconds
 MAX_AUTO_TIMEOUT_S = 0.005
-#: how often (seconds) a serving loop with ``timeout="auto"`` re-measures the env step
-REPLAN_PERIOD_S = 1.0
 
 
 def auto_flush_timeout(mean_step_s: float, envs_in_turn: float = 1.0) -> float:

@@ -23,7 +23,8 @@ from torchrl_asyncpool.exchange.arena import as_key
 from torchrl_asyncpool.exchange.doorbell import BellWait, Doorbell
 from torchrl_asyncpool.exchange.metrics import record_wait
 from torchrl_asyncpool.exchange.wait_loop import NOT_DUE, STOPPED, WaitLoop
-from torchrl_asyncpool.inference._common import REPLAN_PERIOD_S, ServerSpec, auto_flush_timeout, auto_threshold
+from torchrl_asyncpool.inference._common import ServerSpec, auto_threshold
+from torchrl_asyncpool.inference.flush_deadline import FlushDeadline
 from torchrl_asyncpool.inference._runner import VALID_MASK, KeyRunner, PolicyFailure, format_exc
 
 __all__ = ["ServingLoop"]
@@ -31,8 +32,6 @@ __all__ = ["ServingLoop"]
 #: a busy loop (a batch due at every pass) looks at its stop descriptors at most this often;
 #: a waiting one sees them in its poll at once
 _STOP_CHECK_S = 0.001
-#: the fewest env steps a re-measurement of timeout="auto" trusts (fewer: the deadline stays)
-_MIN_REPLAN_STEPS = 32
 
 
 class _Flight:
@@ -79,15 +78,15 @@ class ServingLoop:
         self.max_get = None if spec.max_get is None else min(spec.max_get, n)
         self.cap = self.max_get if self.max_get is not None else n
         self.timeout = float(spec.timeout)
-        # timeout="auto": the deadline follows the env step the workers measure (arena sums),
-        # re-measured every REPLAN_PERIOD_S over the steps since the last look
+        # timeout="auto": the deadline is tried against greedy on the env steps the workers
+        # count (arena sums), see flush_deadline.py
         self.auto_timeout = bool(getattr(spec, "auto_timeout", False))
         self._step_time, self._step_count = arena.step_time, arena.step_count
-        self._planned_at, self._step_sums = time.monotonic(), (0.0, 0)
         # envs a worker steps in turn: one doorbell per worker (k slots each), or per slot (env threads)
-        self._envs_in_turn = n / max(1, len(set(consumer.handle.slot_bell)))
-        #: the mean env step (seconds) behind the current deadline (None: not measured yet)
-        self.measured_step_s = None
+        envs_in_turn = n / max(1, len(set(consumer.handle.slot_bell)))
+        #: the deadline's chooser (None: a fixed timeout)
+        self.deadline = (FlushDeadline(envs_in_turn, time.monotonic(), self._step_sums())
+                         if self.auto_timeout else None)
         self.overlap = bool(spec.overlap)
         self.version_key = spec.policy_version_key if spec.stamp_version else None
         # per key: (buffer, the version it holds)
@@ -119,6 +118,10 @@ class ServingLoop:
     def _due(self, now) -> float:
         """Seconds until a batch is due (``<= 0``: now; ``NOT_DUE`` while fewer than ``min_get``
         records are ready), from one counting pass over the state words."""
+        deadline = self.deadline
+        if deadline is not None and deadline.due(now):  # timeout="auto": a trial window ended
+            deadline.look(now, self._step_sums())
+            self.timeout = deadline.timeout
         n, answered, errors, oldest = self.consumer.scan_states()
         if errors:
             self.consumer.raise_worker_errors()
@@ -134,20 +137,17 @@ class ServingLoop:
         # least the n counted above (workers may have added some: their deadline is later)
         return oldest + self.timeout - now
 
-    def _replan(self, now: float) -> None:
-        """``timeout="auto"``: the deadline for the env step measured since the last look."""
-        self._planned_at = now
-        total, count = float(self._step_time.sum()), int(self._step_count.sum())
-        (total0, count0), self._step_sums = self._step_sums, (total, count)
-        if count - count0 >= _MIN_REPLAN_STEPS:
-            self.measured_step_s = (total - total0) / (count - count0)
-            self.timeout = auto_flush_timeout(self.measured_step_s, self._envs_in_turn)
+    def _step_sums(self) -> tuple:
+        return float(self._step_time.sum()), int(self._step_count.sum())
+
+    @property
+    def measured_step_s(self):
+        """The mean env step behind the current deadline (``None``: not measured, or fixed)."""
+        return None if self.deadline is None else self.deadline.measured_step_s
 
     def wait_flush(self) -> bool:
         """Blocks until a batch is due (``True``) or a stop was requested (``False``)."""
         t0 = time.monotonic()
-        if self.auto_timeout and t0 - self._planned_at > REPLAN_PERIOD_S:
-            self._replan(t0)
         if t0 - self._last_stop_check > _STOP_CHECK_S:  # a busy server still stops
             self._last_stop_check = t0
             if self._stop_requested():

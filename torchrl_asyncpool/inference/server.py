@@ -106,11 +106,12 @@ class InferenceServer:
             ready.
         timeout (float, optional): flush deadline in seconds, counted from when the oldest
             ready record became ready. A batch is flushed when full OR at the deadline.
-            Defaults to ``0.002``. ``"auto"``: the deadline follows the env step measured in the
-            workers, re-measured every second (see
-            :func:`~torchrl_asyncpool.inference.auto_flush_timeout`): ``0`` (greedy) for cheap
-            envs, a quarter of the steps a worker takes before it comes back to an env (at most 5
-            ms) for envs whose step costs as much as a batch.
+            Defaults to ``0.002``. ``"auto"``: greedy (``0``) for cheap envs; for envs whose
+            step costs as much as a batch, a deadline of a quarter of the steps a worker takes
+            before it comes back to an env (at most 5 ms,
+            :func:`~torchrl_asyncpool.inference.auto_flush_timeout`) is tried against greedy
+            and the one under which the envs stepped faster is kept, tried again every 15 s
+            (:class:`~torchrl_asyncpool.inference.FlushDeadline`).
         device (str or torch.device, optional): where policies run. Defaults to ``"cpu"``.
         cuda_graphs (bool, optional): capture one CUDA graph per bucket (CUDA only).
         double_buffer (bool, optional): form batch N+1 while batch N runs on the device.

@@ -1,0 +1,150 @@
+"""The serving loop's flush deadline with ``timeout="auto"``: chosen by trying both.
+
+Waiting for more records before running a batch pays only when the machine's CPUs are the
+bottleneck: a batch costs the serving loop about the same whatever its size, and the time a
+bigger batch saves goes to the env workers. When they are not (envs that sleep, wait for I/O or
+a simulator on other cores), the wait only adds latency to every record in it. Which case holds
+depends on the envs, the policy, the cores and what else runs on them, so no rule of the env
+step alone decides it: with a 2 ms sleeping env, 64 envs on 2 cores gained from a deadline and
+16 envs lost 14 % with it; Atari through gymnasium (1.3 ms of CPU a step) gained 1.4x.
+
+So :class:`FlushDeadline` measures. The candidate deadline comes from the env step the workers
+measure (:func:`~torchrl_asyncpool.inference.auto_flush_timeout`: ``0`` for cheap envs, which
+ends the question). Otherwise it runs *trials*: the loop alternates between the candidate and
+greedy for :data:`TRIAL_WINDOWS` windows of :data:`TRIAL_WINDOW_S` seconds each, counts the env
+steps done in each (the throughput the envs reached, whatever paces it), keeps the faster
+option (greedy unless waiting wins by :data:`WAIT_MARGIN`), and holds it for
+:data:`HOLD_S` seconds before trying again: a measurement taken under a moment's load does not
+decide for good. A mean env step that moves by more than 2x since the decision starts new
+trials at once (an env whose steps got slower, a bigger policy).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+from torchrl_asyncpool.inference._common import auto_flush_timeout
+
+__all__ = ["FlushDeadline", "TRIAL_WINDOW_S", "TRIAL_WINDOWS", "HOLD_S", "WAIT_MARGIN"]
+
+#: seconds each trial window serves with one option
+TRIAL_WINDOW_S = 0.5
+#: windows per trial round, alternating wait / greedy (an even number: each option gets half)
+TRIAL_WINDOWS = 4
+#: seconds a decision holds before the next trial round
+HOLD_S = 15.0
+#: waiting must beat greedy by this fraction of greedy's rate (ties go to greedy: less latency)
+WAIT_MARGIN = 0.02
+#: the fewest env steps a window must see to count (fewer: the window is measured again)
+_MIN_STEPS = 32
+#: a mean env step this many times larger or smaller than at the decision starts a new round
+_DRIFT = 2.0
+
+
+class FlushDeadline:
+    """Chooses the flush deadline of a serving loop from the env steps its workers count.
+
+    Args:
+        envs_in_turn (float): envs a worker steps one after the other (see
+            :func:`~torchrl_asyncpool.inference.auto_flush_timeout`).
+        now (float): the clock at creation (``time.monotonic()``).
+        sums (tuple): ``(total env step seconds, env steps)`` at creation.
+
+    Attributes:
+        timeout (float): the deadline in force (seconds; ``0``: greedy).
+        measured_step_s (float or None): the mean env step of the last window.
+        choice (str): ``"greedy"`` (cheap envs, or greedy won), ``"wait"`` (the deadline won),
+            ``"trial"`` (a round is running) or ``"unmeasured"`` (no window yet).
+
+    Examples:
+        >>> from torchrl_asyncpool.inference.flush_deadline import FlushDeadline
+        >>> d = FlushDeadline(envs_in_turn=1, now=0.0, sums=(0.0, 0))
+        >>> d.look(1.0, (1000 * 10e-6, 1000))  # CartPole-like steps: greedy, no trials
+        >>> d.choice, d.timeout
+        ('greedy', 0.0)
+        >>> d = FlushDeadline(envs_in_turn=1, now=0.0, sums=(0.0, 0))
+        >>> d.look(1.0, (500 * 2e-3, 500))  # 2 ms steps: a round of trials starts, waiting first
+        >>> d.choice, d.timeout
+        ('trial', 0.0005)
+        >>> t, steps = 1.0, 500
+        >>> for rate in (1000, 1200, 1000, 1200):  # frames/s while waiting, then greedy, ...
+        ...     t, steps = t + 0.5, steps + rate // 2
+        ...     d.look(t, (steps * 2e-3, steps))
+        >>> d.choice, d.timeout  # greedy was 20 % faster
+        ('greedy', 0.0)
+    """
+
+    #: the keys of :meth:`describe`
+    REPORTED = ("flush_choice", "flush_candidate_s", "flush_trial_rounds", "flush_trial_rates", "flush_trial_sure")
+
+    def __init__(self, envs_in_turn: float, now: float, sums: tuple):
+        self.envs_in_turn = float(envs_in_turn)
+        self.timeout = 0.0
+        self.measured_step_s: Optional[float] = None
+        self.choice = "unmeasured"
+        self.candidate_s = 0.0
+        self.rounds = 0
+        #: the last round's rates (env steps per second) per option, one per window
+        self.last_trial: Dict[str, List[float]] = {}
+        self._at, self._sums = now, tuple(sums)
+        self._trial: List[tuple] = []  # (option, rate) of the running round
+        self._decided_step: Optional[float] = None  # the mean step when a round last decided
+        self._hold_until: Optional[float] = None  # None: no round's decision is in force
+
+    def due(self, now: float) -> bool:
+        """Whether the current window is over (the loop then calls :meth:`look`)."""
+        return now - self._at >= TRIAL_WINDOW_S
+
+    def look(self, now: float, sums: tuple) -> None:
+        """Closes the window that ends ``now`` (``sums``: the arena's step sums so far) and sets
+        :attr:`timeout` for the next one."""
+        total, count = sums
+        total0, count0 = self._sums
+        if count - count0 < _MIN_STEPS:
+            return  # too few steps to judge: the window stays open
+        elapsed = max(now - self._at, 1e-9)
+        self._at, self._sums = now, (total, count)
+        step = self.measured_step_s = (total - total0) / (count - count0)
+        candidate = auto_flush_timeout(step, self.envs_in_turn)
+        if candidate <= 0.0:  # cheap envs: greedy, nothing to try (a running round ends)
+            self.choice, self.candidate_s, self.timeout, self._hold_until = "greedy", 0.0, 0.0, None
+            return
+        if self.choice == "trial":
+            self._trial.append(("wait" if self.timeout > 0.0 else "greedy", (count - count0) / elapsed))
+            if len(self._trial) >= TRIAL_WINDOWS:
+                self._decide(now)
+            else:  # alternate: wait, greedy, wait, greedy
+                self.timeout = self.candidate_s if len(self._trial) % 2 == 0 else 0.0
+            return
+        drifted = self._decided_step is not None and not (1.0 / _DRIFT <= step / self._decided_step <= _DRIFT)
+        if self._hold_until is None or now >= self._hold_until or drifted:
+            self.candidate_s, self.choice, self._trial = candidate, "trial", []
+            self.timeout = candidate
+
+    def _decide(self, now: float) -> None:
+        rates: Dict[str, List[float]] = {"wait": [], "greedy": []}
+        for option, rate in self._trial:
+            rates[option].append(rate)
+        self.last_trial, self.rounds = rates, self.rounds + 1
+        wait, greedy = (sum(r) / max(len(r), 1) for r in (rates["wait"], rates["greedy"]))
+        self.choice = "wait" if wait > greedy * (1.0 + WAIT_MARGIN) else "greedy"
+        self.timeout = self.candidate_s if self.choice == "wait" else 0.0
+        self._decided_step, self._hold_until = self.measured_step_s, now + HOLD_S
+
+    def describe(self) -> dict:
+        """The decision and the measurements behind it (for the collector's ``plan()``)."""
+        def _mean(rates):
+            return None if not rates else sum(rates) / len(rates)
+
+        spread = {k: (max(v) - min(v)) / max(_mean(v), 1e-9) for k, v in self.last_trial.items() if len(v) > 1}
+        gap = None
+        if self.last_trial.get("wait") and self.last_trial.get("greedy"):
+            gap = abs(_mean(self.last_trial["wait"]) / _mean(self.last_trial["greedy"]) - 1.0)
+        return {
+            "flush_choice": self.choice,
+            "flush_candidate_s": self.candidate_s,
+            "flush_trial_rounds": self.rounds,
+            "flush_trial_rates": {k: [round(r, 1) for r in v] for k, v in self.last_trial.items()},
+            # sure when the options differ by more than each option's own window-to-window spread
+            "flush_trial_sure": None if gap is None else bool(gap > max(spread.values(), default=math.inf)),
+        }
