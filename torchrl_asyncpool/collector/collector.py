@@ -588,8 +588,11 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             >>> act = lambda td: td.set("action", torch.zeros(td.batch_size, dtype=torch.int64))
             >>> collector = AsyncPoolCollector([ZeroLatencyEnv] * 2, policy=act, frames_per_batch=8, total_frames=8)
             >>> plan = collector.plan()
-            >>> sorted(k for k in plan if not k.startswith("flush_trial"))
-            ['flush_candidate_s', 'flush_choice', 'flush_timeout_s', 'measured_env_step_s', 'partition_changes', 'partitioned', 'server_measured_env_step_s']
+            >>> sorted(k for k in plan if not k.startswith("flush_"))
+            ['measured_env_step_s', 'partition_changes', 'partitioned', 'server_measured_env_step_s']
+            >>> sorted(k for k in plan if k.startswith("flush_"))  # doctest: +NORMALIZE_WHITESPACE
+            ['flush_candidate_s', 'flush_choice', 'flush_timeout_s', 'flush_trial_rates',
+             'flush_trial_rounds', 'flush_trial_sure']
             >>> collector.shutdown()
         """
         out = ({"partitioned": None, "measured_env_step_s": None, "partition_changes": 0}
