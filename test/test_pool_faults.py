@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import multiprocessing as mp
+import gc
 import os
 import pickle
 import signal
@@ -663,6 +664,7 @@ def test_a_closed_pool_still_referenced_holds_only_its_arena_mapping():
     """close() frees each worker process's pipes and sentinel at once, not when the pool object
     is garbage collected; what stays while the object lives is the arena's mapping (one
     descriptor: batches already handed out may still view it). worker_pids still answers."""
+    AsyncEnvPool(_factories(1)).close()  # the fork server's pipes (started once) are not the pool's
     before = _open_fds()
     pool = AsyncEnvPool(_factories(8), envs_per_worker=1)
     pids = pool.worker_pids
@@ -671,6 +673,20 @@ def test_a_closed_pool_still_referenced_holds_only_its_arena_mapping():
     left = {fd: what for fd, what in _open_fds().items() if before.get(fd) != what}
     assert list(left.values()) in ([], ["/memfd:torchrl_asyncpool_arena (deleted)"]), left
     assert pool.worker_pids == pids
+
+
+def test_threaded_workers_of_the_threading_backend_leave_no_pipe_open():
+    """backend="threading" runs the workers in this process: a worker stepping its envs in
+    threads closes its own pipes once those threads are done (closed pools add no descriptor
+    but, at most, the arena mapping of the one still referenced)."""
+    before = _open_fds()
+    for _ in range(3):
+        pool = AsyncEnvPool(_factories(4), backend="threading", envs_per_worker=2, env_threads=True)
+        pool.close()
+        del pool
+    gc.collect()
+    left = {fd: what for fd, what in _open_fds().items() if before.get(fd) != what}
+    assert [what for what in left.values() if "arena" not in what] == [], left
 
 
 # -- no /dev/shm segment ----------------------------------------------------------------------------

@@ -37,6 +37,7 @@ def run_threaded(worker) -> None:
     the first failure a thread reports."""
     failed_r, failed_w = os.pipe()
     stop_r, worker.stop_w = os.pipe()
+    worker.thread_fds = [failed_r, failed_w, stop_r]  # closed by close_envs once the threads are done
     failures = []  # (phase, env index, traceback) of the threads that raised
     firsts = []
     for spec, bell in zip(worker.specs, worker.bells):

@@ -78,6 +78,7 @@ class _Worker:
         self.specs = []  # (index, factory, kwargs) of each slot a threaded worker's threads build
         self.threads = []  # a threaded worker's env threads
         self.stop_w = -1  # a threaded worker's stop pipe (its threads see it hang up)
+        self.thread_fds = []  # a threaded worker's other pipe ends, closed once its threads are done
         self.vector = None  # the adapter of a vector env hosting all the slots (stepped in lockstep)
         self.vector_factory = None  # (factory, kwargs) that built it, to rebuild it after a failure
         self.slot_paths = {}  # slot index -> the path its env is stepped on (threaded workers)
@@ -172,6 +173,12 @@ class _Worker:
         deadline = time.monotonic() + timeout
         for t in self.threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        # a worker thread of this process (backend="threading") would leave them open for good;
+        # a thread still alive may yet write to them, so they stay then (the number not reused)
+        if not any(t.is_alive() for t in self.threads):
+            for fd in self.thread_fds:
+                os.close(fd)
+            self.thread_fds = []
 
     def _paths(self) -> dict:
         """``{slot index: the path its env is stepped on}`` (``adapter.path``: ``"torchrl-fast"``,
