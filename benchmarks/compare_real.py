@@ -51,7 +51,7 @@ Each cell: constructor, first batch, ``--warmup`` seconds not counted, then ``--
 the order rotated by one each repeat, and the table shows medians; the ratios are medians of
 per-repeat ratios (neighbours in time), which drift less than either number. The collector
 cells also record what the collector chose (``pool_metrics()``: workers, envs per worker,
-threads, idle polling, step paths; ``server_stats()``: mean policy batch) and the CPU affinity
+threads, idle polling, step paths; ``server_stats()``: mean policy batch; ``plan()``) and the CPU affinity
 of its worker processes and of this process's threads. Run with nothing else busy::
 
     python benchmarks/compare_real.py                            # fast systems, 2 repeats -> results_real.json
@@ -284,6 +284,10 @@ def _collector_info(c) -> dict:
                                              "queueing_time_s") if k in st}
     except Exception as e:  # noqa: BLE001
         info["server"] = f"{type(e).__name__}: {e}"
+    try:
+        info["plan"] = c.plan()  # the partition and the flush deadline, with their trials
+    except Exception as e:  # noqa: BLE001
+        info["plan"] = f"{type(e).__name__}: {e}"
     try:
         pids = list(c.env.worker_pids)
         info["worker_affinity"] = [sorted(os.sched_getaffinity(p)) for p in pids]

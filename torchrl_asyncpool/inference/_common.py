@@ -256,8 +256,10 @@ def resolve_slot_keys(slot_keys, names: List[str], hashes: Dict[str, str], num_e
 
 
 #: ``timeout="auto"``: envs whose mean step (measured in the workers) takes at least this long get
-#: a flush deadline; cheaper envs are served greedily (a deadline only idles them)
-BATCHING_STEP_S = 300e-6
+#: a candidate flush deadline (tried against greedy, see flush_deadline.py); cheaper envs are
+#: served greedily without trying (CartPole: ~10 us; a deadline only idles them). The same line
+#: as the CPU partition's (collector/workload_plan.py): from here on the envs are the work
+BATCHING_STEP_S = 80e-6
 #: the deadline is this fraction of the mean env step ...
 AUTO_TIMEOUT_FRACTION = 0.25
 #: ... and at most this many seconds
