@@ -10,8 +10,10 @@ each with ``--collector asyncpool`` (this package's collector) and ``--collector
 (TorchRL's own collector as TorchRL's recipe uses it), the two collectors of one seed back to
 back. Every script logs its metrics once per iteration through TorchRL's ``CSVLogger``
 (``<log-dir>/<run>/scalars/<name>.csv``, ``step,value`` lines with the frames as step); this
-reads ``frames``, ``time_s`` (wall-clock since training started) and ``mean_return`` (the mean
-return of the script's window of recent training episodes) from there, and writes
+reads ``frames``, ``time_s`` (wall-clock since the script's training loop started: the
+collector's construction is not in it; each run's whole wall-clock, start-up included, is its
+``wall_s``) and ``mean_return`` (the mean return of the script's window of recent training
+episodes) from there, and writes
 
 * a JSON (``--out``, default ``benchmarks/results_training.json``): the commit and date, the
   versions, every run's command, exit status, wall-clock and curve, and per run the frames and
@@ -182,7 +184,7 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
     for row, script in zip(axes, scripts):
         for r in (r for r in runs if r["script"] == script):
             points = [p for p in r["curve"] if p["mean_return"] is not None]
-            style = dict(color=colors[r["collector"]], ls=("-", "--", ":")[r["seed"] % 3], lw=1.5,
+            style = dict(color=colors[r["collector"]], ls=("-", "--", ":")[r["seed"] % 3], lw=1.5, marker=".",
                          label=f"{r['collector']}, seed {r['seed']}")
             row[0].plot([p["time_s"] for p in points], [p["mean_return"] for p in points], **style)
             row[1].plot([p["frames"] for p in points], [p["mean_return"] for p in points], **style)
