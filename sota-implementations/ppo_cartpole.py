@@ -1,7 +1,10 @@
 """PPO on CartPole-v1 with :class:`torchrl_asyncpool.AsyncPoolCollector` (cleanrl style, one file).
 
 On-policy loop: ``for batch in collector:`` -> GAE per env -> a few epochs of clipped PPO ->
-``collector.update_policy_weights_(...)``. The acting policy is a separate copy of the actor
+``collector.update_policy_weights_(...)``. The collector's ``batch_layout="env_major"`` gives
+``[num_envs, T]`` batches (each row one env's consecutive transitions, left-padded), along whose
+rows TorchRL's GAE runs as on ``Collector(ParallelEnv)``'s; the PPO epochs then take the real
+transitions, ``batch[batch["collector", "mask"]]``. The acting policy is a separate copy of the actor
 that runs in the collector's policy thread; it writes ``"action"`` and the behaviour
 log-probability ``"sample_log_prob"``. The collector keeps stepping the envs while the learner
 trains, so a batch may have been collected by the previous policy version: the PPO ratio is
@@ -43,7 +46,7 @@ from torchrl.record.loggers.csv import CSVLogger
 
 from torchrl_asyncpool import AsyncPoolCollector
 from torchrl_asyncpool.examples.actor_critic import ActorCritic
-from torchrl_asyncpool.examples.batches import EpisodeTracker, group_by_env, normalize, segment_ends
+from torchrl_asyncpool.examples.batches import EpisodeTracker, normalize
 from torchrl_asyncpool.examples.plots import plot_curve
 from torchrl_asyncpool.examples.script_config import config_parser
 from torchrl_asyncpool.remote import RemoteEnvSlot
@@ -175,6 +178,7 @@ def main(argv=None) -> dict:
             seed=None if cfg.remote_address else cfg.seed,  # env i's first reset: seed + i (hosts seed their own)
             on_env_failure=cfg.on_env_failure,
             step_timeout=cfg.step_timeout or None,
+            batch_layout="env_major",  # [num_envs, T]: GAE along each env's row
         )
     except BaseException:
         if hosts is not None:  # no pool for them: do not leave them waiting for one
@@ -190,8 +194,18 @@ def main(argv=None) -> dict:
     t0 = time.monotonic()
     try:
         for it, batch in enumerate(collector):
+            # --- GAE along each env's row (episode ends cut the recursion; the padding before a
+            # row's first real step never reaches a real one) -------------------------------------
+            with torch.no_grad():
+                value = agent.critic(batch["observation"])
+                next_value = agent.critic(batch["next", "observation"])
+                adv, value_target = vec_generalized_advantage_estimate(
+                    cfg.gamma, cfg.gae_lambda, value, next_value, batch["next", "reward"],
+                    batch["next", "done"], batch["next", "terminated"], time_dim=-2,
+                )
+            batch["advantage"], batch["value_target"] = adv, value_target
+            batch = batch[batch["collector", "mask"]]  # the real transitions, env by env, in time order
             frames += batch.numel()
-            batch = group_by_env(batch)
             new_returns = tracker.update(batch)
             recent.extend(new_returns)
             curve_frames += [frames] * len(new_returns)
@@ -200,16 +214,6 @@ def main(argv=None) -> dict:
 
             if cfg.anneal_lr:  # linear to 0 over total_frames, from the frames before this batch (cleanrl)
                 optim.param_groups[0]["lr"] = cfg.lr * (1.0 - (frames - batch.numel()) / cfg.total_frames)
-
-            # --- GAE on each env's run (done or end-of-run cuts the recursion) ---------------
-            with torch.no_grad():
-                value = agent.critic(batch["observation"])
-                next_value = agent.critic(batch["next", "observation"])
-                adv, value_target = vec_generalized_advantage_estimate(
-                    cfg.gamma, cfg.gae_lambda, value[None], next_value[None], batch["next", "reward"][None],
-                    segment_ends(batch)[None], batch["next", "terminated"][None],
-                )
-            batch["advantage"], batch["value_target"] = adv[0], value_target[0]
 
             # --- PPO epochs ---------------------------------------------------------------------
             stats = []

@@ -8,11 +8,12 @@ collector:`` -> GAE -> ``epochs`` x (``frames_per_batch / minibatch_size``) step
 hyper-parameters (lr 3e-4 annealed, 2048 frames per batch, 10 epochs of minibatches of 64,
 clip 0.2, critic coefficient 0.25, no entropy bonus, advantages normalised per minibatch).
 
-A batch of ``AsyncPoolCollector`` is a row of per-env chunks of consecutive transitions: it is
-grouped per env (``group_by_env``) and TorchRL's ``GAE`` runs on it with a trajectory cut at
-every episode end and at the end of each env's run (``segment_ends``, given to GAE as its
-``done`` key), so advantages never leak from one env into another; only ``terminated`` stops
-the bootstrap (the 1000-step time limit does not).
+The collector is built with ``batch_layout="env_major"``: every batch is ``[16, T]``, one row per
+env (its consecutive transitions, left-padded, ``("collector", "mask")`` marking the 2048 real
+ones), the layout of TorchRL's ``Collector(ParallelEnv)``, so TorchRL's ``GAE`` runs on the batch
+as it comes, as in TorchRL's recipe, and advantages never leak from one env into another; only
+``terminated`` stops the bootstrap (the 1000-step time limit does not). The minibatches are then
+drawn from ``batch[batch["collector", "mask"]]``.
 
 Deviation from TorchRL's recipe: observations are normalised by running statistics that live in
 the model (:class:`~torchrl_asyncpool.examples.obs_norm.RunningObsNorm`, shared by the actor and
@@ -26,7 +27,7 @@ behaviour log-probs (``"action_log_prob"``), and the lag is logged.
 
 ``--collector torchrl`` runs the same learner on TorchRL's own ``Collector(ParallelEnv(16,
 ...))`` (synchronous: the envs wait while the learner trains, and the learner waits while they
-step); its ``[16, 128]`` batches are flattened env by env into the same layout.
+step); its ``[16, 128]`` batches go through the same GAE call and are flattened env by env.
 
 Threads: ``torch.set_num_threads(1)`` in the learner; the collector's policy thread uses one
 thread too (``policy_num_threads=1``, its default); the env workers are processes.
@@ -62,7 +63,7 @@ from torchrl.objectives.value import GAE
 from torchrl.record.loggers.csv import CSVLogger
 
 from torchrl_asyncpool import AsyncPoolCollector
-from torchrl_asyncpool.examples.batches import EpisodeTracker, group_by_env, segment_ends
+from torchrl_asyncpool.examples.batches import EpisodeTracker
 from torchrl_asyncpool.examples.envs import make_mujoco_env, make_torchrl_mujoco_env
 from torchrl_asyncpool.examples.obs_norm import RunningObsNorm
 from torchrl_asyncpool.examples.plots import plot_curve
@@ -193,9 +194,8 @@ def main(argv=None) -> dict:
     loss_module = ClipPPOLoss(actor, critic, clip_epsilon=cfg.clip_eps, entropy_bonus=cfg.ent_coef > 0,
                               entropy_coeff=cfg.ent_coef, critic_coeff=cfg.critic_coef, loss_critic_type="l2",
                               normalize_advantage=True)
-    # GAE along the grouped batch; the trajectory cuts are the "seg_end" key (episode end or end of an env's run)
+    # GAE along each env's row of a [num_envs, T] batch (both collectors' layout here)
     adv_module = GAE(gamma=cfg.gamma, lmbda=cfg.gae_lambda, value_network=critic, average_gae=False)
-    adv_module.set_keys(done="seg_end")
     optim = torch.optim.Adam(loss_module.parameters(), lr=cfg.lr, eps=1e-5)
     updates_per_batch = cfg.epochs * -(-cfg.frames_per_batch // cfg.minibatch_size)
     total_updates = -(-cfg.total_frames // cfg.frames_per_batch) * updates_per_batch
@@ -235,6 +235,7 @@ def main(argv=None) -> dict:
                 seed=None if cfg.remote_address else cfg.seed,  # env i's first reset: seed + i
                 on_env_failure=cfg.on_env_failure,
                 step_timeout=cfg.step_timeout or None,
+                batch_layout="env_major",  # [num_envs, T]: TorchRL's GAE is exact on it
             )
         except BaseException:
             if ray_hosts is not None:
@@ -255,24 +256,23 @@ def main(argv=None) -> dict:
             wait_s += time.monotonic() - t_wait
             if batch is None:
                 break
-            n = batch.numel()
-            frames += n
-            if cfg.collector == "torchrl":  # [num_envs, T] -> env by env, as group_by_env lays ours out
+            # --- GAE along each env's row of the [num_envs, T] batch, as TorchRL's recipe -------
+            with torch.no_grad():
+                adv_module(batch)
+            mask = batch.get(("collector", "mask"), None)  # ours: rows left-padded to the longest
+            if mask is None:  # TorchRL's Collector(ParallelEnv): no padding, no env index
+                batch["env_index"] = torch.arange(cfg.num_envs).unsqueeze(-1).expand(batch.shape)
                 batch = batch.reshape(-1)
-                batch["env_index"] = torch.arange(cfg.num_envs).repeat_interleave(n // cfg.num_envs)
                 lag = 0.0
             else:
+                batch = batch[mask]  # the real transitions, env by env, each env's in time order
                 lag = (collector.policy_version - batch["policy_version"]).float().mean().item()
-                batch = group_by_env(batch)
+            n = batch.numel()
+            frames += n
             new_returns = tracker.update(batch)
             recent.extend(new_returns)
             curve_frames += [frames] * len(new_returns)
             curve_returns += new_returns
-
-            # --- GAE on each env's run (episode end or end of the run cuts the recursion) -----
-            batch["next", "seg_end"] = segment_ends(batch)
-            with torch.no_grad():
-                adv_module(batch)
 
             # --- PPO epochs ---------------------------------------------------------------------
             stats = []

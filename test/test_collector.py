@@ -470,14 +470,16 @@ def test_len_list_and_stats_as_torchrl_collectors_have_them():
 
 
 def test_batches_have_torchrl_collector_keys_including_root_done_flags():
-    """Same env and policy through TorchRL's AsyncBatchedCollector and this one: the same keys,
-    shapes and dtypes; the root done flags (those of the record the action answered) are False."""
+    """Same env and policy through TorchRL's AsyncBatchedCollector and this one (without the
+    ("collector", "traj_ids") it writes by default, see test_traj_ids.py): the same keys, shapes
+    and dtypes; the root done flags (those of the record the action answered) are False."""
     import warnings
 
     from torchrl_asyncpool.testing.policies import OracleTagPolicy
 
     layouts = []
-    for cls, kwargs in ((AsyncBatchedCollector, {"env_backend": "threading"}), (AsyncPoolCollector, {})):
+    for cls, kwargs in ((AsyncBatchedCollector, {"env_backend": "threading"}),
+                        (AsyncPoolCollector, {"track_traj_ids": False})):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             c = cls(oracle_factories(2), policy=OracleTagPolicy(), frames_per_batch=20, total_frames=40, **kwargs)

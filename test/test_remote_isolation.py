@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import queue
 import threading
 import time
 
@@ -15,11 +14,10 @@ from tensordict import TensorDict
 grpc = pytest.importorskip("grpc")
 
 from conftest import free_address  # noqa: E402
-from test_remote_protocol2 import _Hanging, _Running, _sync_oracles  # noqa: E402
+from test_remote_protocol2 import _Hanging, _RawHost, _Running, _sync_oracles  # noqa: E402
 from torchrl_asyncpool import AsyncEnvPool, StepType  # noqa: E402
 from torchrl_asyncpool.remote import RemoteVectorSlot, VectorEnvHost  # noqa: E402
 from torchrl_asyncpool.remote import ingress  # noqa: E402
-from torchrl_asyncpool.remote import protocol as P  # noqa: E402
 from torchrl_asyncpool.testing import OracleChecker, OracleGymEnv, oracle_action  # noqa: E402
 
 K = 2  # envs per host
@@ -105,29 +103,10 @@ def test_a_silent_host_holds_only_its_block_and_the_other_host_goes_on(dev_shm_g
     hosts[0].stop(timeout=40)
 
 
-def _premature_client(address, result):
-    """A protocol-2 client of 2 envs that sends its FIRST records, then a record batch that
-    answers no command; ``result`` gets the status it was ended with."""
-    env = OracleGymEnv(0)
-    spec = P.spec_of_spaces(env.observation_space, env.action_space)
-    codec = P.BatchCodec(spec, 2)
-    obs = {"tag": np.array([[0, 0, 0], [1, 0, 0]]), "echo": np.array([-1, -1]),
-           "observation": np.zeros((2, 2), np.float32)}
-    channel = grpc.insecure_channel(address)
-    out = queue.SimpleQueue()
-    try:
-        grpc.channel_ready_future(channel).result(timeout=30)
-        responses = channel.stream_stream(P.METHOD)(iter(out.get, None))
-        out.put(P.encode_hello(spec, 2))
-        result["slot"] = P.decode_accept(next(responses))
-        out.put(codec.pack_records([0, 1], [0, 0], [0.0, 0.0], obs))
-        out.put(codec.pack_records([0, 1], [1, 1], [1.0, 1.0], obs))  # sent before any command
-        next(responses)
-    except grpc.RpcError as exc:
-        result["code"], result["details"] = exc.code(), exc.details()
-    finally:
-        out.put(None)
-        channel.close()
+def _premature(host):
+    """After its FIRST records, a record batch that answers no command."""
+    host.send(host.codec.pack_records([0, 1], [1, 1], [1.0, 1.0], host.obs))  # sent before any command
+    host.receive()
 
 
 @pytest.mark.parametrize("mode", ["lockstep", "per_env"])
@@ -135,9 +114,8 @@ def test_a_record_batch_sent_before_its_command_is_refused(dev_shm_guard, mode):
     """A host that sends records no command asked for is ended with INVALID_ARGUMENT (they are
     never taken as the answer to the next command), and its envs' open episodes end."""
     address = free_address()
-    result = {}
-    client = threading.Thread(target=_premature_client, args=(address, result), daemon=True)
-    client.start()
+    host = _RawHost(address, _premature)
+    client, result = host.thread, host.result
     if mode == "lockstep":
         factories = [functools.partial(RemoteVectorSlot.like, OracleGymEnv(0), address, num_envs=2)]
     else:

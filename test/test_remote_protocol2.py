@@ -49,6 +49,49 @@ def _answer(pool, td):
     pool.send(TensorDict({"action": oracle_action(td["tag"])}, [td.shape[0]]), td.env_indices)
 
 
+class _RawHost:
+    """A hand-written protocol-2 client of 2 oracle envs, for tests that break the protocol on
+    purpose: in a thread it connects to ``address``, says hello, keeps the accepted slot in
+    ``result["slot"]``, sends both envs' FIRST records, then runs ``script(self)`` (which talks
+    through :meth:`send` and :meth:`receive`); the status it is ended with lands in
+    ``result["code"]`` and ``result["details"]``."""
+
+    def __init__(self, address: str, script):
+        env = OracleGymEnv(0)
+        self.spec = P.spec_of_spaces(env.observation_space, env.action_space)
+        self.codec = P.BatchCodec(self.spec, 2)
+        self.obs = {"tag": np.array([[0, 0, 0], [1, 0, 0]]), "echo": np.array([-1, -1]),
+                    "observation": np.zeros((2, 2), np.float32)}
+        self.address, self._script, self.result = address, script, {}
+        self._out, self._responses = None, None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def send(self, message: bytes) -> None:
+        self._out.put(message)
+
+    def receive(self) -> bytes:
+        return next(self._responses)
+
+    def _run(self) -> None:
+        import queue
+
+        channel = grpc.insecure_channel(self.address)
+        self._out = queue.SimpleQueue()
+        try:
+            grpc.channel_ready_future(channel).result(timeout=30)
+            self._responses = channel.stream_stream(P.METHOD)(iter(self._out.get, None))
+            self.send(P.encode_hello(self.spec, 2))
+            self.result["slot"] = P.decode_accept(self.receive())
+            self.send(self.codec.pack_records([0, 1], [0, 0], [0.0, 0.0], self.obs))
+            self._script(self)
+        except grpc.RpcError as exc:
+            self.result["code"], self.result["details"] = exc.code(), exc.details()
+        finally:
+            self._out.put(None)
+            channel.close()
+
+
 def _drive(pool, checker, records, timeout=30.0):
     n = 0
     while n < records:
@@ -334,41 +377,19 @@ def test_a_malformed_record_batch_ends_the_host_with_invalid_argument_and_trunca
     """A protocol-2 client that sends a batch whose observation bytes do not fit the spec, or a
     reward that is not a finite number, is ended with INVALID_ARGUMENT (the reason in the
     details) and its envs' open episodes end TRUNCATION; nothing it sent is unpickled."""
-    import queue
+    def script(host):
+        envs, resets, _ = host.codec.unpack_commands(host.receive())
+        host.result["commands"] = (envs.tolist(), resets.tolist())
+        if breakage == "nan reward":
+            host.send(host.codec.pack_records([0, 1], [1, 1], [1.0, float("nan")], host.obs))
+        else:
+            bad = host.codec.pack_records([0, 1], [1, 1], [1.0, 1.0], host.obs)
+            host.send(bad[:-4])  # the last observation entry 4 bytes short (its length prefix says more)
+        host.receive()
 
     address = free_address()
-    env = OracleGymEnv(0)
-    spec = P.spec_of_spaces(env.observation_space, env.action_space)
-    codec = P.BatchCodec(spec, 2)
-    obs = {"tag": np.array([[0, 0, 0], [1, 0, 0]]), "echo": np.array([-1, -1]),
-           "observation": np.zeros((2, 2), np.float32)}
-    result = {}
-
-    def client():
-        channel = grpc.insecure_channel(address)
-        out = queue.SimpleQueue()
-        try:
-            grpc.channel_ready_future(channel).result(timeout=30)
-            responses = channel.stream_stream(P.METHOD)(iter(out.get, None))
-            out.put(P.encode_hello(spec, 2))
-            result["slot"] = P.decode_accept(next(responses))
-            out.put(codec.pack_records([0, 1], [0, 0], [0.0, 0.0], obs))
-            envs, resets, actions = codec.unpack_commands(next(responses))
-            result["commands"] = (envs.tolist(), resets.tolist())
-            if breakage == "nan reward":
-                out.put(codec.pack_records([0, 1], [1, 1], [1.0, float("nan")], obs))
-            else:
-                bad = codec.pack_records([0, 1], [1, 1], [1.0, 1.0], obs)
-                out.put(bad[:-4])  # the last observation entry 4 bytes short (its length prefix says more)
-            next(responses)
-        except grpc.RpcError as exc:
-            result["code"], result["details"] = exc.code(), exc.details()
-        finally:
-            out.put(None)
-            channel.close()
-
-    t = threading.Thread(target=client, daemon=True)
-    t.start()
+    client = _RawHost(address, script)
+    t, result = client.thread, client.result
     slot = functools.partial(RemoteVectorSlot.like, OracleGymEnv(0), address, num_envs=2)
     with AsyncEnvPool([slot], start_timeout=60) as pool:
         td = pool.recv(min_get=2, timeout=30)

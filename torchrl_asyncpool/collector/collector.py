@@ -22,7 +22,7 @@ from torchrl_asyncpool.inference import FlushDeadline, InferenceServer, Inferenc
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange.metrics import log_metrics
 from torchrl_asyncpool.collector.policy_layout import PolicyLayout
-from torchrl_asyncpool.collector.traj_ids import TRAJ_IDS_KEY, TrajectoryIds
+from torchrl_asyncpool.collector.traj_ids import MASK_KEY, TRAJ_IDS_KEY, TrajectoryIds, env_major
 from torchrl_asyncpool.collector.workload_plan import AffinityPlan
 from torchrl_asyncpool.pool.env_pool import AsyncEnvPool
 from torchrl_asyncpool._sys.affinity import pinned
@@ -50,17 +50,21 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     ``frames_per_batch`` transitions in TorchRL's layout (root observation, ``"done"``,
     ``"terminated"`` and ``"truncated"`` (those of the record the action answered: ``False``,
     as in TorchRL's collectors), action, policy outputs, ``("next", obs..., "reward", "done",
-    "terminated", "truncated")``, ``"env_index"``, ``"policy_version"``; with
-    ``track_traj_ids=True`` also TorchRL's ``("collector", "traj_ids")``: one id per episode of one
-    env, carried across batches). Nothing crosses a pipe on the data path.
+    "terminated", "truncated")``, ``"env_index"``, ``"policy_version"`` and TorchRL's
+    ``("collector", "traj_ids")`` (one id per episode of one env, carried across batches, as
+    TorchRL's other collectors write it). Nothing crosses a pipe on the data path.
 
     A batch is a row of per-env chunks (one env's consecutive transitions each, in the order
-    they completed), not a ``[num_envs, T]`` block: before an advantage estimator that runs
-    along the batch (TorchRL's ``GAE``), order it by trajectory
-    (:func:`~torchrl_asyncpool.collector.traj_ids.by_trajectory`, then TorchRL's
-    :func:`~torchrl.collectors.utils.split_trajectories` if a padded ``[trajectories, T]``
-    layout is wanted) or group it by env, else one env's advantages flow into the next env's
-    chunk.
+    they completed), not a ``[num_envs, T]`` block. TorchRL's value estimators (``GAE``, ...) run
+    along the last batch dim and cut only where an episode ends, so on such a row they would
+    carry one env's advantages into the next env's chunk: for on-policy learning pass
+    ``batch_layout="env_major"``, and every batch is ``[num_envs, T]`` as
+    ``Collector(ParallelEnv)`` gives it (each row one env's consecutive transitions,
+    left-padded, with ``("collector", "mask")``), on which ``GAE(...)(batch)`` is exact; then
+    ``batch[batch["collector", "mask"]]`` holds the ``frames_per_batch`` real transitions. The
+    flat default is the layout of TorchRL's ``AsyncBatchedCollector`` and what a replay buffer
+    takes (:func:`~torchrl_asyncpool.collector.traj_ids.by_trajectory` and TorchRL's
+    :func:`~torchrl.collectors.utils.split_trajectories` regroup it by trajectory).
 
     The envs are built and reset when the collector is constructed, and the inference server
     is started and validated then too, but no action is served before the first iteration
@@ -245,7 +249,18 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         track_traj_ids (bool, optional): TorchRL's ``Collector`` option: write
             ``("collector", "traj_ids")`` into every batch, one id per episode of one env, carried
             across batches (see :mod:`~torchrl_asyncpool.collector.traj_ids`). Defaults to
-            ``False``, the layout of TorchRL's ``AsyncBatchedCollector``.
+            ``True``, as TorchRL's ``Collector`` and multi-process collectors write them (its
+            ``AsyncBatchedCollector`` does not: ``False`` gives its exact key set).
+        batch_layout (str, optional): ``"flat"`` (default): ``[frames_per_batch]``, a row of
+            per-env chunks (TorchRL's ``AsyncBatchedCollector`` layout, what a replay buffer
+            takes). ``"env_major"``: ``[num_envs, T]`` with dims named ``[None, "time"]``, row
+            ``e`` env ``e``'s transitions of the batch in time order, left-padded to the longest
+            row, ``("collector", "mask")`` marking the ``frames_per_batch`` real ones (see
+            :func:`~torchrl_asyncpool.collector.traj_ids.env_major`): TorchRL's value estimators
+            are exact on it (``GAE(...)(batch)``), as on ``Collector(ParallelEnv)``'s batches;
+            ``T`` varies from batch to batch, as envs step at their own pace. Not with
+            ``replay_buffer=``, ``yield_completed_trajectories`` or ``return_same_td``
+            (:class:`ValueError`).
         check_action_bounds (bool, optional): check that actions lie in a ``Categorical``,
             ``OneHot``, ``Binary`` or integer ``Bounded`` spec (and an integer dtype's range).
             Defaults to ``True``; ``False`` saves a few tensor reductions per batch.
@@ -338,7 +353,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         max_restarts: int | None = 100,
         step_timeout: float | None = None,
         build_timeout: float | str | None = "auto",
-        track_traj_ids: bool = False,
+        track_traj_ids: bool = True,
+        batch_layout: str = "flat",
         **torchrl_kwargs,
     ):
         BaseCollector.__init__(self, post_collect_hook=post_collect_hook)
@@ -365,7 +381,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             cast_actions=cast_actions, check_action_bounds=check_action_bounds, on_env_failure=on_env_failure,
             max_restarts_per_env=max_restarts_per_env, restart_window_s=restart_window_s, max_restarts=max_restarts,
             step_timeout=step_timeout, build_timeout=build_timeout, track_traj_ids=track_traj_ids,
+            batch_layout=batch_layout,
         )
+        self.batch_layout = config.batch_layout
         self.env_backend = config.env_backend
         self._policy = policy
         self._policy_factory = policy_factory
@@ -757,6 +775,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         if self._traj_ids is not None:
             done = td.get(("next", "done")).reshape(td.shape[0], -1).any(-1)
             td.set(TRAJ_IDS_KEY, self._traj_ids(td.get(_ENV_IDX_KEY), done))
+        if self.batch_layout == "env_major":
+            td = env_major(td, self._num_envs, _ENV_IDX_KEY)
         return td
 
     def _rollout_yield_trajs(self) -> TensorDictBase:
@@ -826,7 +846,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 with self._replay_lock:
                     if self._storing_device is not None:
                         td = td.to(self._storing_device)
-                    self._frames += td.numel()
+                    # real transitions only: an env-major batch is padded
+                    self._frames += td.numel() if self.batch_layout == "flat" else int(td.get(MASK_KEY).sum())
                     if self._postproc is not None:
                         td = self._postproc(td)
                     if self.post_collect_hook is not None:

@@ -93,7 +93,8 @@ class CollectorConfig:
     max_restarts: int | None = 100
     step_timeout: float | None = None
     build_timeout: float | str | None = "auto"
-    track_traj_ids: bool = False
+    track_traj_ids: bool = True
+    batch_layout: str = "flat"
 
     @property
     def server_backend(self) -> str:
@@ -227,6 +228,7 @@ class CollectorConfig:
                 f"({type(replay_buffer.storage).__name__}): every stored batch would be the same reused tensors. "
                 "Use a LazyTensorStorage or LazyMemmapStorage, or return_same_td=False."
             )
+        _check_batch_layout(options, replay_buffer)
         return cls(
             env_backend=env_backend,
             process_server=process_server,
@@ -424,3 +426,26 @@ def _devices(device, device_config):
         if value is not None and value.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"{name}={str(value)!r}, but CUDA is not available in this process.")
     return policy_device, storing
+
+
+#: the values of ``batch_layout``
+BATCH_LAYOUTS = ("flat", "env_major")
+
+
+def _check_batch_layout(options: dict, replay_buffer) -> None:
+    """``batch_layout="env_major"`` pads (see :func:`~torchrl_asyncpool.collector.traj_ids.env_major`):
+    refused where padding or a new TensorDict per batch would be wrong."""
+    layout = options["batch_layout"]
+    if layout not in BATCH_LAYOUTS:
+        raise ValueError(f"batch_layout must be one of {BATCH_LAYOUTS}, got {layout!r}.")
+    if layout == "flat":
+        return
+    clashes = {"replay_buffer": replay_buffer is not None,
+               "yield_completed_trajectories=True": options["yield_completed_trajectories"],
+               "return_same_td=True": options["return_same_td"]}
+    for name, given in clashes.items():
+        if given:
+            raise ValueError(
+                f"batch_layout='env_major' cannot be combined with {name}: its batches are padded "
+                "[num_envs, T] TensorDicts made anew for each batch; use batch_layout='flat' (the default)."
+            )

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TrajectoryIds", "TRAJ_IDS_KEY", "by_trajectory"]
+__all__ = ["TrajectoryIds", "TRAJ_IDS_KEY", "MASK_KEY", "by_trajectory", "env_major"]
 
 #: where TorchRL's collectors put the trajectory ids
 TRAJ_IDS_KEY = ("collector", "traj_ids")
+#: where TorchRL puts the mask of valid entries of a padded batch (``split_trajectories``)
+MASK_KEY = ("collector", "mask")
 
 
 class TrajectoryIds:
@@ -91,3 +93,66 @@ def by_trajectory(batch):
     """
     order = torch.sort(batch.get(TRAJ_IDS_KEY), stable=True).indices
     return batch[order]
+
+
+def env_major(batch, num_envs: int, env_key: str = "env_index"):
+    """``batch`` (``[N]``, a collector batch) as ``[num_envs, T]``: row ``e`` holds env ``e``'s
+    transitions in time order, left-padded with zeros up to ``T``, the most any env has in the
+    batch; ``("collector", "mask")`` is ``True`` on the ``N`` real entries, and the dims are named
+    ``[None, "time"]`` as TorchRL's collectors name theirs.
+
+    This is the layout on which TorchRL's value estimators are exact: they run along the time dim
+    and an advantage depends only on the steps after it in its row, so each env's advantages are
+    those of its own transitions, and the padding, all before the first real step of a row, never
+    reaches a real one (whatever the value network says of a zero observation). The last real step
+    of a row bootstraps from its next value unless it terminated, as the last step of a row of
+    ``Collector(ParallelEnv)`` does. Take ``batch[batch["collector", "mask"]]`` for the ``N`` real
+    transitions (env by env) after the estimator, as after TorchRL's ``split_trajectories``. A
+    padded ``("collector", "traj_ids")`` is ``-1``; a padded ``env_key`` is its row's env.
+
+    Each env's rows in a collector batch are consecutive transitions (see :mod:`this module
+    <torchrl_asyncpool.collector.traj_ids>`), so a row never has a gap.
+
+    Args:
+        batch (TensorDictBase): ``[N]`` transitions with ``env_key``.
+        num_envs (int): envs of the collector (rows of the result, some all padding when an env
+            has no transition in the batch).
+        env_key (NestedKey, optional): the env index key. Defaults to ``"env_index"``.
+
+    Returns:
+        a new ``[num_envs, T]`` TensorDict.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl_asyncpool.collector.traj_ids import env_major
+        >>> batch = TensorDict({"env_index": torch.tensor([1, 1, 0, 1]), "x": torch.arange(4)}, [4])
+        >>> out = env_major(batch, 2)
+        >>> out["x"].tolist(), out["collector", "mask"].tolist()
+        ([[0, 0, 2], [0, 1, 3]], [[False, False, True], [True, True, True]])
+    """
+    env = batch.get(env_key).reshape(-1)
+    if env.numel() != batch.numel() or batch.batch_dims != 1:
+        raise ValueError(f"env_major expects a [N] batch with one {env_key!r} per row, got batch size "
+                         f"{tuple(batch.batch_size)} and {env_key!r} of shape {tuple(batch.get(env_key).shape)}.")
+    n = env.numel()
+    counts = torch.bincount(env, minlength=num_envs)
+    if counts.numel() > num_envs:
+        raise ValueError(f"env_major: {env_key!r} holds env {int(env.max())}, but num_envs is {num_envs}.")
+    T = int(counts.max()) if n else 0
+    order = torch.sort(env, stable=True).indices  # each env's rows together, in time order
+    env_sorted = env[order]
+    rank = torch.arange(n) - (torch.cumsum(counts, 0) - counts)[env_sorted]
+    dest = env_sorted * T + (T - counts[env_sorted]) + rank  # left-padded: real steps end each row
+    out = batch.apply(lambda x: x.new_zeros((num_envs * T, *x.shape[1:])), batch_size=[num_envs * T])
+    if TRAJ_IDS_KEY in batch.keys(True):
+        out.get(TRAJ_IDS_KEY).fill_(-1)
+    out.set(env_key, torch.arange(num_envs).repeat_interleave(T).view_as(out.get(env_key))
+            .to(out.get(env_key).dtype))
+    out[dest] = batch[order]
+    mask = torch.zeros(num_envs * T, dtype=torch.bool)
+    mask[dest] = True
+    out.set(MASK_KEY, mask)
+    out = out.reshape(num_envs, T)
+    out.names = [None, "time"]
+    return out
