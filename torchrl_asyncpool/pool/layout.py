@@ -5,6 +5,7 @@ workers carry from one record to the next, and the ``env_restarted`` flag of
 ``on_env_failure="restart"``."""
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import torch
@@ -22,6 +23,41 @@ def build_spec_env(fns, kwargs):
     with synchronous_vector_envs():
         env = fns[0](**kwargs[0])
         return env, make_adapter(env, 0)
+
+
+class SpecEnv:
+    """The env of the first factory, built once in this process to read the fields and specs of
+    every slot (and, for ``envs_per_worker="auto"``, timed); the start-up plan
+    (:class:`~torchrl_asyncpool.pool.plan.PoolPlan`) reads it, and a collector reads its policy's
+    side of the layout from the same env before that, so that it is built once.
+
+    Args:
+        fns (list of callables): the checked factories (only the first is called).
+        kwargs (list of dicts): their keyword arguments.
+
+    Attributes:
+        env: the env as the factory returned it.
+        adapter: its env adapter (:func:`~torchrl_asyncpool.envs.adapters.make_adapter`).
+        build_s (float): seconds the factory took.
+    """
+
+    def __init__(self, fns, kwargs):
+        t0 = time.perf_counter()
+        self.env, self.adapter = build_spec_env(fns, kwargs)
+        self.build_s = time.perf_counter() - t0
+        self.closed = False
+
+    def close(self) -> None:
+        """Closes the env (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            self.adapter.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _slot_layout(n, request, response, action_keys, policy_output_spec, recurrent_state, *, restart, transitions):
