@@ -14,6 +14,7 @@ from torchrl_asyncpool.exchange.arena import CARRY_KEY, ArenaLayout, as_key
 from torchrl_asyncpool.envs.adapters import make_adapter
 from torchrl_asyncpool.workers.record_writer import RESTARTED_KEY
 from torchrl_asyncpool.envs.torchrl_vector_hosting import synchronous_vector_envs
+from torchrl_asyncpool.pool.arguments import check_factories, check_kwargs
 
 
 def build_spec_env(fns, kwargs):
@@ -40,6 +41,21 @@ class SpecEnv:
         adapter: its env adapter (:func:`~torchrl_asyncpool.envs.adapters.make_adapter`).
         build_s (float): seconds the factory took.
     """
+
+    @classmethod
+    def open(cls, create_env_fn, create_env_kwargs=None) -> SpecEnv:
+        """Checks ``create_env_fn`` and ``create_env_kwargs`` as the pool does and builds the env
+        of the first factory.
+
+        Examples:
+            >>> from torchrl_asyncpool.pool.layout import SpecEnv
+            >>> from torchrl_asyncpool.testing import ZeroLatencyEnv
+            >>> with SpecEnv.open([ZeroLatencyEnv] * 3) as spec:
+            ...     sorted(spec.adapter.fields()[1])
+            ['action']
+        """
+        fns = check_factories(create_env_fn)
+        return cls(fns, check_kwargs(create_env_kwargs, len(fns)))
 
     def __init__(self, fns, kwargs):
         t0 = time.perf_counter()
