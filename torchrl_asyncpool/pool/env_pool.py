@@ -253,8 +253,6 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
             that sets a flag can stop a long start-up this way; ``evaluate()`` uses it).
 
     Attributes:
-        plan (PoolPlan): what the pool decided at start-up, and what it measured to decide it
-            (see :mod:`torchrl_asyncpool.pool.plan`).
         num_envs (int): slots, i.e. envs: ``len(create_env_fn)`` times ``envs_per_factory``.
         envs_per_factory (int): envs one factory builds (``k`` for vector or batched envs, else ``1``).
         num_workers (int): worker processes.
