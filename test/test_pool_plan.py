@@ -11,6 +11,7 @@ import torch
 
 from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector
 from torchrl_asyncpool.evaluation import Episode, evaluate
+from torchrl_asyncpool.pool.layout import SpecEnv
 from torchrl_asyncpool.pool.plan import OPTIONS, PoolPlan, restart_policy
 from torchrl_asyncpool.testing import SleepPixelEnv, ZeroLatencyEnv
 
@@ -123,10 +124,20 @@ def test_options_next_to_a_plan_are_refused():
         AsyncEnvPool(plan={"envs_per_worker": 2})
     with pytest.raises(TypeError, match="unexpected keyword argument 'cancel_start'"):
         PoolPlan.build([ZeroLatencyEnv], cancel_start=lambda: False)
+    with SpecEnv.open([ZeroLatencyEnv] * 2) as spec_env:
+        with pytest.raises(TypeError, match="from the spec env"):
+            PoolPlan.build([ZeroLatencyEnv] * 2, spec_env=spec_env)
+        plan = PoolPlan.build(spec_env=spec_env, envs_per_worker="auto")  # its factories, checked
+        assert plan.num_envs == 2 and "probe_step_s" in plan.measured and not spec_env.closed
+    assert spec_env.closed
 
 
 def test_the_plan_defaults_are_the_pool_defaults():
     import inspect
+
+    import torchrl_asyncpool.pool
+
+    assert torchrl_asyncpool.pool.PoolPlan is PoolPlan
 
     params = inspect.signature(AsyncEnvPool.__init__).parameters
     assert {name: params[name].default for name in OPTIONS} == OPTIONS

@@ -395,7 +395,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         with SpecEnv.open(create_env_fn, create_env_kwargs) as spec_env:
             layout = PolicyLayout.from_spec_env(acting, spec_env, version_key=policy_version_key,
                                                 device=config.policy_device)
-            plan = self._plan_pool(create_env_fn, create_env_kwargs, config, layout, spec_env)
+            plan = self._plan_pool(config, layout, spec_env)
         #: ``{key: slot key}`` of the recurrent states carried in TorchRL's convention
         self.recurrent_keys = layout.recurrent_keys
         # 3. the assembly: env workers and their slots, then the inference server serving them
@@ -436,14 +436,12 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self._trajectories: deque = deque()
 
     @staticmethod
-    def _plan_pool(create_env_fn, create_env_kwargs, config: CollectorConfig, layout: PolicyLayout,
-                   spec_env: SpecEnv) -> PoolPlan:
-        """The pool's start-up plan: the env workers, their slots (the env's records with the
-        policy's ``layout``) and the chunk buffers that deliver their transitions."""
+    def _plan_pool(config: CollectorConfig, layout: PolicyLayout, spec_env: SpecEnv) -> PoolPlan:
+        """The pool's start-up plan, from the spec env ``layout`` was read from (its factories
+        included): the env workers, their slots (the env's records with the policy's ``layout``)
+        and the chunk buffers that deliver their transitions."""
         return PoolPlan.build(
-            create_env_fn,
             spec_env=spec_env,
-            create_env_kwargs=create_env_kwargs,
             envs_per_worker=config.envs_per_worker,
             env_threads=config.env_threads,
             policy_output_spec=layout.outputs,

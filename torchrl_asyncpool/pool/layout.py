@@ -58,6 +58,8 @@ class SpecEnv:
         return cls(fns, check_kwargs(create_env_kwargs, len(fns)))
 
     def __init__(self, fns, kwargs):
+        #: the factories and their keyword arguments, as checked (a plan built from this env takes them)
+        self.create_env_fn, self.create_env_kwargs = list(fns), list(kwargs)
         t0 = time.perf_counter()
         self.env, self.adapter = build_spec_env(fns, kwargs)
         self.build_s = time.perf_counter() - t0

@@ -152,20 +152,24 @@ class PoolPlan:
         return len(self.groups)
 
     @classmethod
-    def build(cls, create_env_fn: Sequence[Callable], *, spec_env: SpecEnv | None = None,
+    def build(cls, create_env_fn: Sequence[Callable] | None = None, *, spec_env: SpecEnv | None = None,
               batching: Mapping | None = None, **options) -> PoolPlan:
         """Checks the options, builds the spec env (unless ``spec_env`` is given) and decides.
 
         Args:
-            create_env_fn (list of callables): as :class:`~torchrl_asyncpool.AsyncEnvPool` takes it.
+            create_env_fn (list of callables): as :class:`~torchrl_asyncpool.AsyncEnvPool` takes
+                it; left out with ``spec_env``, which holds them (checked).
 
         Keyword Args:
             **options: :class:`~torchrl_asyncpool.AsyncEnvPool`'s keyword arguments (but
                 ``cancel_start``, which belongs to the building), with the same defaults
                 (:data:`OPTIONS`) and the same errors.
-            spec_env (SpecEnv, optional): the spec env, already built from ``create_env_fn[0]``
-                by the caller (a collector, which read its policy's layout from it); the caller
-                closes it. Defaults to ``None``: built here and closed before this returns.
+            spec_env (SpecEnv, optional): the spec env, already built by the caller (a collector,
+                which read its policy's layout from it) with :meth:`SpecEnv.open
+                <torchrl_asyncpool.pool.layout.SpecEnv.open>`, which checked the factories and
+                their keyword arguments: the plan takes them from it (``create_env_fn`` and
+                ``create_env_kwargs`` are then left out). The caller closes it. Defaults to
+                ``None``: built here and closed before this returns.
             batching (mapping, optional): inference batching options to record as given
                 (``min_batch_size``, ``max_batch_size``, ``server_timeout``); the pool does not
                 use them.
@@ -184,8 +188,11 @@ class PoolPlan:
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise TypeError(f"PoolPlan.build() got an unexpected keyword argument {unknown[0]!r}.")
+        if spec_env is not None and (create_env_fn is not None or "create_env_kwargs" in options):
+            raise TypeError("PoolPlan.build(spec_env=...) takes the factories and their keyword arguments from the "
+                            "spec env; leave create_env_fn and create_env_kwargs out.")
         o = dict(OPTIONS, **options)
-        exchange, restart, fns, kwargs = _check_options(create_env_fn, o)
+        exchange, restart, fns, kwargs = _check_options(create_env_fn, o, spec_env)
         threads = o["backend"] == "threading"
         measured: dict = {}
         spec = SpecEnv(fns, kwargs) if spec_env is None else spec_env
@@ -295,17 +302,21 @@ def _slot_bytes(layout) -> int:
     return sum(f.numel * torch.empty((), dtype=f.dtype).element_size() for f in layout.request + layout.response)
 
 
-def _check_options(create_env_fn, o: dict):
+def _check_options(create_env_fn, o: dict, spec_env=None):
     """``(exchange, restart policy, factories, their kwargs)``: the checks that need no env, one
-    function per concern, each before anything is built (a bad value costs nothing)."""
+    function per concern, each before anything is built (a bad value costs nothing); the
+    factories of a ``spec_env`` were checked when it was opened."""
     exchange = resolve_exchange(o["exchange"])
     _check_start_options(o["idle_poll"], None, o["backend"])
     restart = restart_policy(o["on_env_failure"], o["max_restarts_per_env"], o["restart_window_s"],
                              o["max_restarts"])
     _check_step_timeout(o["step_timeout"], o["backend"] == "threading")
     _check_build_timeout(o["build_timeout"])
-    fns = check_factories(create_env_fn)
-    kwargs = check_kwargs(o["create_env_kwargs"], len(fns))
+    if spec_env is None:
+        fns = check_factories(create_env_fn)
+        kwargs = check_kwargs(o["create_env_kwargs"], len(fns))
+    else:
+        fns, kwargs = spec_env.create_env_fn, spec_env.create_env_kwargs
     _check_process_options(o["mp_start_method"], o["pin_memory"], o["worker_affinity"])
     _check_seed(o["seed"])
     return exchange, restart, fns, kwargs
