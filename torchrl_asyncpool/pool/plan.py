@@ -197,20 +197,12 @@ class PoolPlan:
         measured: dict = {}
         spec = SpecEnv(fns, kwargs) if spec_env is None else spec_env
         try:  # the spec env: its fields fix the slot layout, its step (timed for "auto") the grouping
-            adapter = spec.adapter
-            request, response = adapter.fields()
-            specs, obs_keys = slot_specs(adapter), list(adapter.obs_keys)
-            # a vector env hosts k envs, in k consecutive slots of one worker, stepped in lockstep
-            k_vec = getattr(adapter, "num_envs", 1)
-            n = len(fns) * k_vec
-            per_worker, threaded, groups = _group_envs(
-                adapter, o["envs_per_worker"], o["env_threads"], fns, kwargs, n, threads, seed=o["seed"],
-                restart=restart, measured=measured,
-            )
+            request, response, specs, obs_keys, k_vec, (per_worker, threaded, groups) = _read_spec_env(
+                spec, fns, kwargs, o, restart, measured)
         finally:
             if spec_env is None:
                 spec.close()
-        measured["spec_env_build_s"] = spec.build_s
+        n = len(fns) * k_vec
         chunk_size = o["transition_chunk_size"]
         layout, outputs, recurrent = _slot_layout(
             n, request, response, list(response), o["policy_output_spec"], o["recurrent_state"],
@@ -300,6 +292,20 @@ class PoolPlan:
 def _slot_bytes(layout) -> int:
     """Bytes of one slot's record and answer (the fields a step moves)."""
     return sum(f.numel * torch.empty((), dtype=f.dtype).element_size() for f in layout.request + layout.response)
+
+
+def _read_spec_env(spec: SpecEnv, fns, kwargs, o: dict, restart, measured: dict):
+    """``(request fields, response fields, slot specs, observation keys, envs per factory,
+    (envs per worker, threaded, groups))`` read from the spec env; ``measured`` receives what its
+    timing measured and how long it took to build."""
+    adapter = spec.adapter
+    request, response = adapter.fields()
+    # a vector env hosts k envs, in k consecutive slots of one worker, stepped in lockstep
+    k_vec = getattr(adapter, "num_envs", 1)
+    grouping = _group_envs(adapter, o["envs_per_worker"], o["env_threads"], fns, kwargs, len(fns) * k_vec,
+                           o["backend"] == "threading", seed=o["seed"], restart=restart, measured=measured)
+    measured["spec_env_build_s"] = spec.build_s
+    return request, response, slot_specs(adapter), list(adapter.obs_keys), k_vec, grouping
 
 
 def _check_options(create_env_fn, o: dict, spec_env=None):
