@@ -552,9 +552,9 @@ def test_policy_layout_is_computed_before_the_pool_and_handed_to_it_as_values(mo
     the pool gets them as plain mappings (no callback filling a dict the pool reads later)."""
     import functools
 
-    from torchrl_asyncpool import AsyncEnvPool
     from torchrl_asyncpool.collector.acting_policy import CARRY_KEY, ActingPolicy
     from torchrl_asyncpool.collector.policy_layout import PolicyLayout
+    from torchrl_asyncpool.pool.plan import PoolPlan
 
     factories = [functools.partial(_recurrent_env, i) for i in range(2)]
     layout = PolicyLayout.probe(ActingPolicy(_recurrent_policy()), factories)
@@ -564,14 +564,14 @@ def test_policy_layout_is_computed_before_the_pool_and_handed_to_it_as_values(mo
     assert {("next", "recurrent_state_h"), "feat", "policy_version"} <= set(layout.outputs)
 
     given = {}
-    build = AsyncEnvPool.__init__
+    build = PoolPlan.build.__func__
 
-    def spy(self, *args, **kwargs):
-        # copies, as they are when the pool is built (a dict filled later would not count)
+    def spy(cls, *args, **kwargs):
+        # copies, as they are when the pool's plan is built (a dict filled later would not count)
         given.update(outputs=kwargs["policy_output_spec"], recurrent=dict(kwargs["recurrent_state"]))
-        return build(self, *args, **kwargs)
+        return build(cls, *args, **kwargs)
 
-    monkeypatch.setattr(AsyncEnvPool, "__init__", spy)
+    monkeypatch.setattr(PoolPlan, "build", classmethod(spy))
     c = AsyncPoolCollector(factories, policy=_recurrent_policy(), frames_per_batch=10, total_frames=10,
                            env_backend="threading")
     try:

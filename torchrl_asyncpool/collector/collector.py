@@ -25,6 +25,8 @@ from torchrl_asyncpool.collector.policy_layout import PolicyLayout
 from torchrl_asyncpool.collector.traj_ids import MASK_KEY, TRAJ_IDS_KEY, TrajectoryIds, env_major
 from torchrl_asyncpool.collector.workload_plan import AffinityPlan
 from torchrl_asyncpool.pool.env_pool import AsyncEnvPool
+from torchrl_asyncpool.pool.layout import SpecEnv
+from torchrl_asyncpool.pool.plan import PoolPlan
 from torchrl_asyncpool._sys.affinity import pinned
 from torchrl_asyncpool._sys.threads import start_daemon_thread
 
@@ -405,17 +407,20 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self._init_collection_state()
 
         t0 = time.monotonic()
-        # 2. what the policy writes and which recurrent states the workers carry for it: one env
-        # built here, and one acting policy in this process (the thread server's, or, built once
-        # from the factory as TorchRL does, a probe of the process server's policy)
+        # 2. the start-up plan, from one env built here: what the policy writes and which recurrent
+        # states the workers carry for it (one acting policy in this process: the thread server's,
+        # or, built once from the factory as TorchRL does, a probe of the process server's policy),
+        # then the pool's plan from the same env (grouping, seeding, CPU masks, ...)
         acting = ActingPolicy(policy if policy is not None else policy_factory(), exploration_type)
         self._acting = None if config.process_server else acting
-        layout = PolicyLayout.probe(acting, create_env_fn, create_env_kwargs, version_key=policy_version_key,
-                                    device=config.policy_device)
+        with SpecEnv.open(create_env_fn, create_env_kwargs) as spec_env:
+            layout = PolicyLayout.from_spec_env(acting, spec_env, version_key=policy_version_key,
+                                                device=config.policy_device)
+            plan = self._plan_pool(config, layout, spec_env)
         #: ``{key: slot key}`` of the recurrent states carried in TorchRL's convention
         self.recurrent_keys = layout.recurrent_keys
         # 3. the assembly: env workers and their slots, then the inference server serving them
-        self._pool = self._build_pool(create_env_fn, create_env_kwargs, config, layout)
+        self._pool = AsyncEnvPool(plan=plan)
         self._num_envs = self._pool.num_envs  # a vector env factory contributes several envs
         # TorchRL's ("collector", "traj_ids") of each batch, when asked for
         self._traj_ids = TrajectoryIds(self._num_envs) if config.track_traj_ids else None
@@ -452,17 +457,17 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self._trajectories: deque = deque()
 
     @staticmethod
-    def _build_pool(create_env_fn, create_env_kwargs, config: CollectorConfig, layout: PolicyLayout) -> AsyncEnvPool:
-        """The env workers, their slots (the env's records with the policy's ``layout``) and the
-        chunk buffers that deliver their transitions."""
-        return AsyncEnvPool(
-            create_env_fn,
-            create_env_kwargs=create_env_kwargs,
+    def _plan_pool(config: CollectorConfig, layout: PolicyLayout, spec_env: SpecEnv) -> PoolPlan:
+        """The pool's start-up plan, from the spec env ``layout`` was read from (its factories
+        included): the env workers, their slots (the env's records with the policy's ``layout``)
+        and the chunk buffers that deliver their transitions."""
+        return PoolPlan.build(
+            spec_env=spec_env,
             envs_per_worker=config.envs_per_worker,
             env_threads=config.env_threads,
             policy_output_spec=layout.outputs,
             recurrent_state=layout.recurrent,
-            # "auto" is sized from the slot layout, which the pool knows once it read the env's specs
+            # "auto" is sized from the slot layout, which the plan knows once it read the env's specs
             transition_chunk_size=functools.partial(_auto_chunk, config.transition_chunk_size,
                                                     frames_per_batch=config.frames_per_batch,
                                                     chunks_per_env=config.chunks_per_env),
@@ -478,6 +483,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             max_restarts=config.max_restarts,
             step_timeout=config.step_timeout,
             build_timeout=config.build_timeout,
+            # recorded as given: the serving loop decides its flush deadline while it runs (plan())
+            batching={"min_batch_size": config.min_batch_size, "max_batch_size": config.max_batch_size,
+                      "server_timeout": config.server_timeout, "bucket_sizes": config.bucket_sizes},
         )
 
     def _build_server(self, config: CollectorConfig, acting: ActingPolicy, policy_factory) -> InferenceServer:
@@ -494,7 +502,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         # (rung by a worker when a chunk fills) otherwise tends to land on the ringing worker's CPU
         # and preempt it there (measured on 2 cores: a worker's ring of a sleeping learner thread
         # took 90-100 us, against 2-3 us for rings that wake nothing on the workers' CPU)
-        self._take_affinity = policy_affinity
+        self._take_affinity = self._policy_affinity = policy_affinity
         # the default partition, kept or lifted while running by the measured env step (workload_plan)
         self._auto_partition = ((policy_affinity, list(pool.worker_affinity))
                                 if config.auto_policy_affinity is not None and pool.worker_affinity is not None
@@ -594,10 +602,15 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self._take_affinity = policy_mask if partitioned else None
 
     def plan(self) -> dict:
-        """What the collector decided from what it measured while running: whether the default
-        CPU partition is in force (``partitioned``; ``None`` with explicit or no masks), the mean
-        env step behind that decision, how often it changed, and the serving loop's flush
-        deadline with the env step it follows (thread server with ``server_timeout="auto"``).
+        """What the collector decided at start-up and from what it measured while running:
+        ``startup``, the pool's start-up plan (:meth:`PoolPlan.describe
+        <torchrl_asyncpool.pool.plan.PoolPlan.describe>`: grouping, CPU masks, seeding, restart
+        policy, what was given and what decided, what the spec env's timing measured, the
+        batching options as given) with the policy's CPU mask at start (``policy_affinity``);
+        whether the default CPU partition is in force now (``partitioned``; ``None`` with
+        explicit or no masks), the mean env step behind that decision, how often it changed, and
+        the serving loop's flush deadline with the env step it follows (thread server with
+        ``server_timeout="auto"``).
 
         Examples:
             >>> import torch
@@ -606,11 +619,14 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             >>> act = lambda td: td.set("action", torch.zeros(td.batch_size, dtype=torch.int64))
             >>> collector = AsyncPoolCollector([ZeroLatencyEnv] * 2, policy=act, frames_per_batch=8, total_frames=8)
             >>> plan = collector.plan()
-            >>> sorted(k for k in plan if not k.startswith("flush_"))
-            ['measured_env_step_s', 'partition_changes', 'partitioned', 'server_measured_env_step_s']
+            >>> sorted(k for k in plan if not k.startswith("flush_"))  # doctest: +NORMALIZE_WHITESPACE
+            ['measured_env_step_s', 'partition_changes', 'partitioned', 'server_measured_env_step_s',
+             'startup']
             >>> sorted(k for k in plan if k.startswith("flush_"))  # doctest: +NORMALIZE_WHITESPACE
             ['flush_candidate_s', 'flush_choice', 'flush_timeout_s', 'flush_trial_rates',
              'flush_trial_rounds', 'flush_trial_sure']
+            >>> plan["startup"]["num_workers"] == collector.env.num_workers
+            True
             >>> collector.shutdown()
         """
         out = ({"partitioned": None, "measured_env_step_s": None, "partition_changes": 0}
@@ -621,6 +637,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         out["server_measured_env_step_s"] = getattr(loop, "measured_step_s", None)
         deadline = getattr(loop, "deadline", None)
         out.update(deadline.describe() if deadline is not None else dict.fromkeys(FlushDeadline.REPORTED))
+        startup = self._pool.plan.describe()
+        startup["policy_affinity"] = None if self._policy_affinity is None else list(self._policy_affinity)
+        out["startup"] = startup
         return out
 
     def pool_metrics(self, reset: bool = False) -> dict:

@@ -7,7 +7,8 @@ checks them before any env is built or any process starts, and translates them i
 inference batches are formed, where batches are stored, which CPUs are used. The collector then
 builds its pool and its inference server from that config alone. The keywords the collector only
 passes on to its :class:`~torchrl_asyncpool.AsyncEnvPool` (``envs_per_worker``, ``seed``,
-``exchange``, ``idle_poll``, the restart budget, ...) are kept as given and checked by the pool.
+``exchange``, ``idle_poll``, the restart budget, ...) are kept as given and checked by the pool's
+start-up plan (:class:`~torchrl_asyncpool.pool.plan.PoolPlan`).
 """
 from __future__ import annotations
 

@@ -4,8 +4,10 @@ An :class:`~torchrl_asyncpool.AsyncPoolCollector` learns both before it builds i
 hands them to the pool as plain values (``policy_output_spec=layout.outputs``,
 ``recurrent_state=layout.recurrent``):
 
-1. one env is built in this process (:meth:`PolicyLayout.probe`) to read the fields of its
-   records (observations, reward, flags) and of its actions;
+1. one env is built in this process (the pool's spec env,
+   :class:`~torchrl_asyncpool.pool.layout.SpecEnv`, which the collector then hands to the pool's
+   start-up plan) to read the fields of its records (observations, reward, flags) and of its
+   actions (:meth:`PolicyLayout.from_spec_env`);
 2. the acting policy runs once on a zero record
    (:func:`~torchrl_asyncpool.collector.acting_policy.derive_policy_outputs`): what it writes besides the
    actions are its outputs, carried in the slots and delivered in the transitions;
@@ -27,8 +29,7 @@ from torchrl_asyncpool.collector.acting_policy import (
     torchrl_recurrent_state,
 )
 from torchrl_asyncpool.exchange.arena import as_key
-from torchrl_asyncpool.pool.arguments import check_factories, check_kwargs
-from torchrl_asyncpool.pool.layout import build_spec_env, shadowing_outputs
+from torchrl_asyncpool.pool.layout import SpecEnv, shadowing_outputs
 
 __all__ = ["PolicyLayout"]
 
@@ -63,9 +64,29 @@ class PolicyLayout:
         return cls(outputs={k: v for k, v in outputs.items() if k not in shadowing}, recurrent=recurrent)
 
     @classmethod
+    def from_spec_env(cls, policy: Callable, spec_env: SpecEnv, *, version_key="policy_version",
+                      device=None) -> PolicyLayout:
+        """Runs ``policy`` once on a zero record of ``spec_env``'s fields (the env stays open).
+
+        Args:
+            policy (callable): the acting policy (``TensorDict -> TensorDict``).
+            spec_env (SpecEnv): the env of the first factory, built in this process.
+
+        Keyword Args:
+            version_key (NestedKey, optional): the policy version key stamped on every record
+                (``None``: none).
+            device (torch.device, optional): where the policy's parameters live.
+        """
+        request, actions = spec_env.adapter.fields()
+        outputs = derive_policy_outputs(policy, dict(request), dict(actions), version_key, device=device)
+        primers = primer_keys(spec_env.env) if torchrl_recurrent_candidates(outputs, request) else ()
+        return cls.from_fields(outputs, request, primers)
+
+    @classmethod
     def probe(cls, policy: Callable, create_env_fn: Sequence[Callable], create_env_kwargs=None, *,
               version_key="policy_version", device=None) -> PolicyLayout:
-        """Builds the first env of ``create_env_fn`` here (and closes it) and runs ``policy`` once.
+        """Builds the first env of ``create_env_fn`` here (and closes it) and runs ``policy`` once
+        (:meth:`from_spec_env`).
 
         Args:
             policy (callable): the acting policy (``TensorDict -> TensorDict``).
@@ -77,13 +98,5 @@ class PolicyLayout:
                 (``None``: none).
             device (torch.device, optional): where the policy's parameters live.
         """
-        fns = check_factories(create_env_fn)
-        kwargs = check_kwargs(create_env_kwargs, len(fns))
-        env, adapter = build_spec_env(fns, kwargs)  # the pool's spec env, read the same way
-        try:
-            request, actions = adapter.fields()
-            outputs = derive_policy_outputs(policy, dict(request), dict(actions), version_key, device=device)
-            primers = primer_keys(env) if torchrl_recurrent_candidates(outputs, request) else ()
-        finally:
-            adapter.close()
-        return cls.from_fields(outputs, request, primers)
+        with SpecEnv.open(create_env_fn, create_env_kwargs) as spec_env:
+            return cls.from_spec_env(policy, spec_env, version_key=version_key, device=device)

@@ -62,7 +62,7 @@ from torchrl_asyncpool.evaluation.episodes import (
     summarize,
 )
 from torchrl_asyncpool.pool.env_pool import AsyncEnvPool, close_noting
-from torchrl_asyncpool.workers.restarts import check_restart_budget
+from torchrl_asyncpool.pool.plan import PoolPlan, restart_policy
 
 __all__ = ["EvaluationError", "EvaluationInterrupted", "evaluate", "resolve_policy_device"]
 
@@ -392,12 +392,14 @@ class _Supervisor:
         """``(the pool, or None when its start failed in a way its episodes account for, isolate)``."""
         st = self.settings
         try:
-            pool = AsyncEnvPool(fns, cancel_start=run.start_abandoned, create_env_kwargs=st.create_env_kwargs,
-                                envs_per_worker=1 if isolate else st.envs_per_worker,
-                                env_threads=False if isolate else st.env_threads,
-                                recurrent_state=st.recurrent_state, policy_output_spec=st.policy_output_spec,
-                                pin_memory=st.device.type == "cuda", start_timeout=st.episode_timeout_s,
-                                **restart_kw)
+            # the pool's own start-up plan (its checks and decisions), then the pool built from it
+            plan = PoolPlan.build(fns, create_env_kwargs=st.create_env_kwargs,
+                                  envs_per_worker=1 if isolate else st.envs_per_worker,
+                                  env_threads=False if isolate else st.env_threads,
+                                  recurrent_state=st.recurrent_state, policy_output_spec=st.policy_output_spec,
+                                  pin_memory=st.device.type == "cuda", start_timeout=st.episode_timeout_s,
+                                  **restart_kw)
+            pool = AsyncEnvPool(plan=plan, cancel_start=run.start_abandoned)
         except PoolStartCancelled:  # drained while starting: its episodes did not start
             run.give_back_fresh()
         except EnvError as exc:
@@ -506,9 +508,11 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _check_restarts(on_env_failure, per_env, window_s, total) -> None:
-    """Refuses (``ValueError``) bad values of evaluate()'s restart arguments before anything starts."""
+    """Refuses (``ValueError``) bad values of evaluate()'s restart arguments before anything starts:
+    its own ``on_env_failure`` words, and the budget by the pool's rule (the function each pool's
+    plan checks it with)."""
     if on_env_failure not in ("restart", "new_pool"):
         raise ValueError(f"on_env_failure must be 'restart' or 'new_pool', got {on_env_failure!r}.")
-    check_restart_budget(per_env, window_s, total)
+    restart_policy("restart", per_env, window_s, total)
 
 

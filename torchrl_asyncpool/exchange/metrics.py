@@ -35,6 +35,11 @@ METRIC_KEYS = {
     "envs_per_worker": "slots per worker, as given or as envs_per_worker='auto' chose it from the spec env's step",
     "env_threads": "1 when each env of a worker steps in its own thread (env_threads, or 'auto' for envs that block)",
     "idle_poll": "1 when the workers' and the serving loop's waits idle-poll (idle_poll, or 'auto': the wake probe)",
+    # the start-up plan's numbers (AsyncEnvPool.plan)
+    "plan_probe_step_s": "mean wall time of a spec env step timed at start-up (nan when it was not timed)",
+    "plan_blocking": "1 when that timing found the env blocks (waits more than it computes), 0 if not, nan untimed",
+    "plan_record_bytes": "bytes of one slot's record and answer (the fields one step moves)",
+    "plan_pinned_workers": "worker processes given a CPU mask at start-up (0: none pinned)",
 }
 
 # Positions in the arena's consumer_stats vector.

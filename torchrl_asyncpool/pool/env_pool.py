@@ -1,11 +1,10 @@
 """AsyncEnvPool v2: env worker processes around one shared-memory slot arena.
 
-This module is the pool's consumer side (:meth:`AsyncEnvPool.recv`, :meth:`~AsyncEnvPool.send`,
-:meth:`~AsyncEnvPool.take_transitions`, metrics, close); the rest of it lives next door: its
-argument checks (:mod:`~torchrl_asyncpool.pool.arguments`), the grouping of envs into workers
-(:mod:`~torchrl_asyncpool.pool.grouping`), the slot layout read from the spec env
-(:mod:`~torchrl_asyncpool.pool.layout`), the worker processes' start-up and end
-(:mod:`~torchrl_asyncpool.pool.processes`) and seeding (:mod:`~torchrl_asyncpool.pool.seeding`).
+This module builds what the pool's start-up plan (:class:`~torchrl_asyncpool.pool.plan.PoolPlan`,
+which holds every check and decision: the spec env, the slot layout, the grouping, seeding, CPU
+masks) says, and is the pool's consumer side (:meth:`AsyncEnvPool.recv`,
+:meth:`~AsyncEnvPool.send`, :meth:`~AsyncEnvPool.take_transitions`, metrics, close); the worker
+processes' start-up and end live in :mod:`~torchrl_asyncpool.pool.processes`.
 """
 from __future__ import annotations
 
@@ -26,28 +25,15 @@ from torchrl_asyncpool.delivery.chunks import ChunkBuffers, ChunkReader
 from torchrl_asyncpool.errors import PoolClosedError
 from torchrl_asyncpool.exchange.arena import Arena, as_key
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
-from torchrl_asyncpool.exchange.doorbell import Doorbell, resolve_idle_poll
+from torchrl_asyncpool.exchange.doorbell import Doorbell
 from torchrl_asyncpool._sys.descriptors import InheritedFd
 from torchrl_asyncpool.exchange.metrics import PoolMetrics, log_metrics
-from torchrl_asyncpool.exchange.native import resolve_exchange
 from torchrl_asyncpool._sys.descriptors import ensure_fd_capacity
 from torchrl_asyncpool.pool.arguments import BACKENDS  # noqa: F401 - documented here (api.rst)
-from torchrl_asyncpool.pool.arguments import (
-    check_factories,
-    check_kwargs,
-    _check_process_options,
-    _check_restart,
-    _check_start_options,
-    _check_build_timeout,
-    _check_step_timeout,
-)
-from torchrl_asyncpool.pool.grouping import _group_envs
-from torchrl_asyncpool.pool.layout import build_spec_env, _slot_layout
-from torchrl_asyncpool.pool.seeding import _check_seed, _seeded_factories
+from torchrl_asyncpool.pool.plan import OPTIONS, PoolPlan
 from torchrl_asyncpool.pool.watchdog import _PoolWatchdog
 from torchrl_asyncpool.pool.processes import _PoolWorkers
 from torchrl_asyncpool.pool.processes import kill_process_group  # noqa: F401 - its home until this split
-from torchrl_asyncpool.envs.specs import batched_specs, slot_specs
 
 __all__ = ["AsyncEnvPool"]
 
@@ -68,6 +54,20 @@ def close_noting(pool, timeout: float, primary: BaseException | None = None,
         if primary is not None and hasattr(primary, "add_note"):  # Python >= 3.11
             primary.add_note(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def _refuse_options_beside(plan, create_env_fn, options: dict) -> None:
+    """``AsyncEnvPool(plan=...)`` builds the plan as it is: factories or options given next to it
+    (other than their defaults) would be silently ignored, so they are refused."""
+    if not isinstance(plan, PoolPlan):
+        raise TypeError(f"plan must be a PoolPlan (PoolPlan.build(...)), got {type(plan).__name__}.")
+    given = [name for name, value in options.items()
+             if value is not OPTIONS[name] and not (type(value) is type(OPTIONS[name]) and value == OPTIONS[name])]
+    if create_env_fn is not None:
+        given.insert(0, "create_env_fn")
+    if given:
+        raise TypeError(f"AsyncEnvPool(plan=...) takes its factories and options from the plan; pass {given} to "
+                        "PoolPlan.build() instead (cancel_start may go with plan=).")
 
 
 def _leaf_if_single(spec: Composite, name: str):
@@ -240,6 +240,11 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
             ten times the workers' measured start-up (building and resetting every env), at
             least 60 s; ``None``: no limit. Only pools that rebuild envs
             (``on_env_failure="restart"``) build after start-up.
+        plan (PoolPlan, optional): a start-up plan from
+            :meth:`PoolPlan.build <torchrl_asyncpool.pool.plan.PoolPlan.build>` (which takes the
+            arguments above): the pool then builds that plan, and ``create_env_fn`` and the
+            options above must be left out (``cancel_start`` may be given). Defaults to ``None``:
+            the pool builds its plan from its arguments.
         cancel_start (callable, optional): ``() -> bool``, asked before each worker is
             started and about every 0.1 s while they build and reset their envs (the fork
             server's own first start, once per process, is not cut short); when it
@@ -309,7 +314,7 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
 
     def __init__(
         self,
-        create_env_fn: Sequence[Callable],
+        create_env_fn: Sequence[Callable] | None = None,
         *,
         create_env_kwargs: Mapping | Sequence[Mapping] | None = None,
         envs_per_worker: int | str = 1,
@@ -334,66 +339,55 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         max_restarts: int | None = 100,
         step_timeout: float | None = None,
         build_timeout: float | str | None = "auto",
+        plan: PoolPlan | None = None,
     ):
+        options = {name: value for name, value in locals().items() if name in OPTIONS}
         self._closed = True  # until start-up completes, close() has little to undo
         self._procs = []
         self._cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None  # the creator's mask
-        self.exchange = resolve_exchange(exchange)  # before anything starts: a bad name costs nothing
-        _check_start_options(idle_poll, cancel_start, backend)
-        self._cancel_start = cancel_start
-        self.backend = backend
-        threads = backend == "threading"
-        self._restart = _check_restart(on_env_failure, max_restarts_per_env, restart_window_s, max_restarts)
-        self.on_env_failure = on_env_failure
-        _check_step_timeout(step_timeout, threads)
-        _check_build_timeout(build_timeout)
-        fns = check_factories(create_env_fn)
-        kwargs = check_kwargs(create_env_kwargs, len(fns))
-        _check_process_options(mp_start_method, pin_memory, worker_affinity)
-        _check_seed(seed)
+        if cancel_start is not None and not callable(cancel_start):
+            raise TypeError(f"cancel_start must be a callable returning a bool, got {type(cancel_start).__name__}.")
+        # 1. the plan: every check and decision (the spec env built once, grouping, seeding, affinity)
+        if plan is None:
+            plan = PoolPlan.build(create_env_fn, **options)
+        else:
+            _refuse_options_beside(plan, create_env_fn, options)
+        # 2. the building: what the plan says, nothing decided here
+        self._build(plan, cancel_start)
 
-        # the spec env: its fields fix the slot layout, its step (timed for "auto") the grouping
-        _, spec_adapter = build_spec_env(fns, kwargs)
-        try:
-            request, response = spec_adapter.fields()
-            specs = slot_specs(spec_adapter)
-            # a vector env hosts k envs, in k consecutive slots of one worker, stepped in lockstep
-            self.envs_per_factory = k_vec = getattr(spec_adapter, "num_envs", 1)
-            self.num_envs = n = len(fns) * k_vec
-            self.envs_per_worker, self.env_threads, groups = _group_envs(
-                spec_adapter, envs_per_worker, env_threads, fns, kwargs, n, threads, seed=seed, restart=self._restart
-            )
-        finally:
-            spec_adapter.close()
-        # worker threads share this process's GIL and cores with the caller: no idle poller
-        self.idle_poll = False if threads else resolve_idle_poll(idle_poll, cpu_bound=not self.env_threads)
-        fns = _seeded_factories(fns, seed, k_vec)  # after the spec env: only the workers' envs are seeded
-        self.observation_keys = list(spec_adapter.obs_keys)
-        self.action_keys = list(response)
+    def _build(self, plan: PoolPlan, cancel_start) -> None:
+        """Builds the arena, the doorbells, the chunk buffers and the workers of ``plan``."""
+        self._plan = plan
+        self.exchange = plan.exchange
+        self._cancel_start = cancel_start
+        self.backend = plan.backend
+        threads = plan.backend == "threading"
+        self._restart = plan.restart
+        self.on_env_failure = plan.on_env_failure
+        self.envs_per_factory = plan.envs_per_factory
+        self.num_envs = n = plan.num_envs
+        self.envs_per_worker, self.env_threads = plan.envs_per_worker, plan.env_threads
+        self.idle_poll = plan.idle_poll
+        self.observation_keys = list(plan.observation_keys)
+        self.action_keys = list(plan.action_keys)
         self.batch_size = torch.Size([n])
-        for name, spec in batched_specs(specs, n).items():
-            setattr(self, name, spec)
-        self.layout, outputs, recurrent = _slot_layout(
-            n, request, response, self.action_keys, policy_output_spec, recurrent_state,
-            restart=self._restart, transitions=transition_chunk_size is not None,
-        )
-        self.policy_output_keys = list(outputs)
-        self.recurrent_state = dict(recurrent)
+        for name, spec in plan.specs.items():
+            setattr(self, name, spec.clone())  # the pool's own: a plan may build several pools
+        self.layout = plan.layout
+        self.policy_output_keys = list(plan.policy_output_keys)
+        self.recurrent_state = dict(plan.recurrent_state)
+        groups = [list(g) for g in plan.groups]
 
         self._arena = Arena.create(self.layout)
-        self._init_watchdog(step_timeout, threads, build_timeout)
+        self._init_watchdog(plan.step_timeout, threads, plan.build_timeout)
         self._chunks = None
-        if callable(transition_chunk_size):
-            transition_chunk_size = transition_chunk_size(self.layout)
-        if transition_chunk_size is not None:
-            self._chunks = ChunkBuffers(self.layout, transition_chunk_size, chunks_per_env)
+        if plan.transition_chunk_size is not None:
+            self._chunks = ChunkBuffers(self.layout, plan.transition_chunk_size, plan.chunks_per_env)
         self._consumer = Doorbell()
         self._open_life_pipe()
         self.num_workers = len(groups)
-        # "auto" partitions cores between processes; threads of this process are left unpinned
-        affinity = resolve_worker_affinity(worker_affinity, self.num_workers, threaded=self.env_threads or threads)
         #: the CPU mask of each worker process (``None``: not pinned)
-        self.worker_affinity = affinity
+        self.worker_affinity = None if plan.worker_affinity is None else list(plan.worker_affinity)
         self._slot_worker = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
         # a threaded worker's slots each wait on their own doorbell; otherwise one per worker
         self._slot_bell = np.arange(n) if self.env_threads else self._slot_worker
@@ -410,23 +404,29 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         #: ``"torchrl-fast"``, ``"torchrl"``, ...; see :mod:`torchrl_asyncpool.envs.torchrl_fast`)
         self.slot_paths = {}
         self._error = None
+        self._start(plan, groups)
+
+    def _start(self, plan: PoolPlan, groups) -> None:
+        """Starts the workers of ``plan`` (hosting ``groups``), waits for their first records and
+        makes the consumer's handle."""
         self._closed = False
         self._arm_shutdown()
         try:
             self._check_cancel()
-            self._start_workers(mp_start_method, groups, fns, kwargs, worker_num_threads, affinity)
+            self._start_workers(plan.mp_start_method, groups, list(plan.create_env_fn), list(plan.create_env_kwargs),
+                                plan.worker_num_threads, self.worker_affinity)
             # when the workers began building their envs, as start_timeout counts (evaluate()
             # counts an episode's env creation and first reset in its wall-clock limit, but not
             # the spec env above, nor starting the fork server)
             self._workers_started_at = time.monotonic()
-            self._await_ready(start_timeout)
+            self._await_ready(plan.start_timeout)
             self._set_build_timeout(time.monotonic() - self._workers_started_at)
         except BaseException as exc:
             close_noting(self, 1.0, exc, "closing the pool after its failed start-up failed too")
             raise
         if not self._watched:  # a watched pool's replacement workers need it
             self._life_r_close()
-        self.slot_paths = [self.slot_paths.get(i, "unknown") for i in range(n)]
+        self.slot_paths = [self.slot_paths.get(i, "unknown") for i in range(self.num_envs)]
         _log.debug("AsyncEnvPool: the envs step on %s", dict(collections.Counter(self.slot_paths)))
 
         self._handle = ConsumerHandle(
@@ -443,7 +443,7 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
             exchange=self.exchange,
             idle_poll=self.idle_poll,
         )
-        self._pin_memory = pin_memory
+        self._pin_memory = plan.pin_memory
         self._consumer_obj = None
         self._served_by = None  # weakref to the InferenceServer that serves this pool (set by its start)
         self._chunk_reader = None
@@ -615,11 +615,12 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
             out["worker_restarts"] = self.worker_restarts  # dead or hung worker processes replaced
         for path, count in collections.Counter(self.slot_paths).items():  # e.g. slots_torchrl_fast
             out["slots_" + path.replace("-", "_")] = count
-        # what the pool decided (with "auto", from measurements at start-up)
+        # what the pool decided (with "auto", from measurements at start-up), and the plan's numbers
         out["num_workers"] = self.num_workers
         out["envs_per_worker"] = self.envs_per_worker
         out["env_threads"] = int(bool(self.env_threads))
         out["idle_poll"] = int(bool(self.idle_poll))
+        out.update(self._plan.metrics())
         if reset:
             self._metrics.reset()
         return out
@@ -728,6 +729,12 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         return self.full_done_spec
 
     @property
+    def plan(self) -> PoolPlan:
+        """The start-up plan this pool was built from (:class:`~torchrl_asyncpool.pool.plan.PoolPlan`):
+        its decisions, which were given and which decided, and what start-up measured."""
+        return self._plan
+
+    @property
     def worker_pids(self) -> list:
         """Process ids of the worker processes (``None`` for each worker of ``backend="threading"``);
         after :meth:`close`, those the workers had."""
@@ -753,10 +760,19 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         self.close()
 
     def __repr__(self):
+        plan = getattr(self, "_plan", None)
+        if plan is None:  # its start-up failed before the plan was made
+            return f"{type(self).__name__}(closed={self._closed})"
+        decided = plan.describe()
+        auto = [name for name, how in decided["decided"].items() if how == "auto"]
+        probe = plan.measured.get("probe_step_s")
         return (
-            f"{type(self).__name__}(num_envs={self.num_envs}, num_workers={getattr(self, 'num_workers', 0)}, "
-            f"envs_per_worker={getattr(self, 'envs_per_worker', None)}, "
-            f"env_threads={getattr(self, 'env_threads', None)}, closed={self._closed})"
+            f"{type(self).__name__}(num_envs={plan.num_envs}, num_workers={plan.num_workers}, "
+            f"envs_per_worker={self.envs_per_worker}, env_threads={self.env_threads}, "
+            f"worker_affinity={'pinned' if plan.worker_affinity is not None else None}, "
+            f"idle_poll={self.idle_poll}, backend={self.backend!r}, "
+            + (f"probed_step_us={probe * 1e6:.0f}, blocking={plan.measured['blocking']}, " if probe is not None else "")
+            + f"auto={auto}, closed={self._closed})"
         )
 
     # -- errors -----------------------------------------------------------------------------

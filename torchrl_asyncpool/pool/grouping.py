@@ -13,11 +13,13 @@ from torchrl_asyncpool.pool.seeding import _refuse_remote_seed
 from torchrl_asyncpool.envs.adapters import make_adapter, remote_listener
 
 
-def _group_envs(spec_adapter, envs_per_worker, env_threads, fns, kwargs, n, threads, *, seed, restart):
+def _group_envs(spec_adapter, envs_per_worker, env_threads, fns, kwargs, n, threads, *, seed, restart,
+                measured=None):
     """``(envs per worker, threaded, the slots of each worker)`` for ``n`` envs whose first factory
     built ``spec_adapter``. ``threads``: the workers are threads of the pool's process
     (``backend="threading"``); ``seed`` and ``restart`` (the pool's ``RestartPolicy`` or ``None``)
-    are refused for remote env slots."""
+    are refused for remote env slots. ``measured`` (a dict, optional) receives what the timing of
+    the spec env measured, when it was timed (see :func:`_probe_blocking`)."""
     vector = hasattr(spec_adapter, "num_envs")
     remote = not vector and remote_listener(spec_adapter.env) is not None
     if restart is not None and remote:
@@ -33,13 +35,14 @@ def _group_envs(spec_adapter, envs_per_worker, env_threads, fns, kwargs, n, thre
         groups = _remote_groups(envs_per_worker, env_threads, spec_adapter, fns, kwargs)
         return max(map(len, groups)), True, groups
     else:
-        k, threaded = _resolve_grouping(envs_per_worker, env_threads, spec_adapter, n, threads)
+        k, threaded = _resolve_grouping(envs_per_worker, env_threads, spec_adapter, n, threads, measured)
     return k, threaded, [list(range(i, min(i + k, n))) for i in range(0, n, k)]
 
 
-def _resolve_grouping(envs_per_worker, env_threads, adapter, n, threads=False):
+def _resolve_grouping(envs_per_worker, env_threads, adapter, n, threads=False, measured=None):
     """``(envs per worker, threaded)``; the spec env is timed only for ``envs_per_worker="auto"``.
-    ``threads``: the workers are threads of the pool's process (``backend="threading"``)."""
+    ``threads``: the workers are threads of the pool's process (``backend="threading"``);
+    ``measured``: as in :func:`_group_envs`."""
     if envs_per_worker != "auto" and (
         isinstance(envs_per_worker, bool) or not isinstance(envs_per_worker, int) or envs_per_worker < 1
     ):
@@ -49,7 +52,7 @@ def _resolve_grouping(envs_per_worker, env_threads, adapter, n, threads=False):
     if envs_per_worker != "auto":
         k = min(envs_per_worker, n)
         return k, env_threads is True and k > 1
-    blocking = _probe_blocking(adapter)
+    blocking = _probe_blocking(adapter, measured=measured)
     if threads:
         # one GIL for every worker thread: CPU-bound envs gain nothing from more threads than one
         # (each would only add switches), envs that block each want a thread of their own
@@ -119,8 +122,10 @@ def _vector_grouping(envs_per_worker, env_threads, k):
 _BLOCKING_WORKERS_PER_CORE = 2
 
 
-def _probe_blocking(adapter, probe_s: float = 0.2, probe_steps: int = 32) -> bool:
+def _probe_blocking(adapter, probe_s: float = 0.2, probe_steps: int = 32, measured=None) -> bool:
     """Times a few steps of the spec env: True when it mostly waits (sleep, I/O) rather than computes.
+    ``measured`` (a dict, optional) receives ``probe_steps`` (steps timed), ``probe_step_s`` (their
+    mean wall time), ``probe_cpu_ratio`` (the highest CPU / wall of one step) and ``blocking``.
 
     Judged from the step that computed the most for its wall time: a busy machine preempts a
     CPU-bound env now and then (its wall time then exceeds its CPU time), but not in every step,
@@ -143,4 +148,7 @@ def _probe_blocking(adapter, probe_s: float = 0.2, probe_steps: int = 32) -> boo
         steps += 1
         if term or trunc:
             adapter.reset()
-    return best < 0.5 and wall / max(steps, 1) > 2e-4
+    blocking = best < 0.5 and wall / max(steps, 1) > 2e-4
+    if measured is not None:
+        measured.update(probe_steps=steps, probe_step_s=wall / max(steps, 1), probe_cpu_ratio=best, blocking=blocking)
+    return blocking

@@ -5,6 +5,7 @@ workers carry from one record to the next, and the ``env_restarted`` flag of
 ``on_env_failure="restart"``."""
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import torch
@@ -13,6 +14,7 @@ from torchrl_asyncpool.exchange.arena import CARRY_KEY, ArenaLayout, as_key
 from torchrl_asyncpool.envs.adapters import make_adapter
 from torchrl_asyncpool.workers.record_writer import RESTARTED_KEY
 from torchrl_asyncpool.envs.torchrl_vector_hosting import synchronous_vector_envs
+from torchrl_asyncpool.pool.arguments import check_factories, check_kwargs
 
 
 def build_spec_env(fns, kwargs):
@@ -22,6 +24,58 @@ def build_spec_env(fns, kwargs):
     with synchronous_vector_envs():
         env = fns[0](**kwargs[0])
         return env, make_adapter(env, 0)
+
+
+class SpecEnv:
+    """The env of the first factory, built once in this process to read the fields and specs of
+    every slot (and, for ``envs_per_worker="auto"``, timed); the start-up plan
+    (:class:`~torchrl_asyncpool.pool.plan.PoolPlan`) reads it, and a collector reads its policy's
+    side of the layout from the same env before that, so that it is built once.
+
+    Args:
+        fns (list of callables): the checked factories (only the first is called).
+        kwargs (list of dicts): their keyword arguments.
+
+    Attributes:
+        env: the env as the factory returned it.
+        adapter: its env adapter (:func:`~torchrl_asyncpool.envs.adapters.make_adapter`).
+        build_s (float): seconds the factory took.
+    """
+
+    @classmethod
+    def open(cls, create_env_fn, create_env_kwargs=None) -> SpecEnv:
+        """Checks ``create_env_fn`` and ``create_env_kwargs`` as the pool does and builds the env
+        of the first factory.
+
+        Examples:
+            >>> from torchrl_asyncpool.pool.layout import SpecEnv
+            >>> from torchrl_asyncpool.testing import ZeroLatencyEnv
+            >>> with SpecEnv.open([ZeroLatencyEnv] * 3) as spec:
+            ...     sorted(spec.adapter.fields()[1])
+            ['action']
+        """
+        fns = check_factories(create_env_fn)
+        return cls(fns, check_kwargs(create_env_kwargs, len(fns)))
+
+    def __init__(self, fns, kwargs):
+        #: the factories and their keyword arguments, as checked (a plan built from this env takes them)
+        self.create_env_fn, self.create_env_kwargs = list(fns), list(kwargs)
+        t0 = time.perf_counter()
+        self.env, self.adapter = build_spec_env(fns, kwargs)
+        self.build_s = time.perf_counter() - t0
+        self.closed = False
+
+    def close(self) -> None:
+        """Closes the env (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            self.adapter.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _slot_layout(n, request, response, action_keys, policy_output_spec, recurrent_state, *, restart, transitions):
