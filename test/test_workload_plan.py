@@ -219,3 +219,39 @@ def test_explicit_masks_and_timeouts_win():
         assert plan["partitioned"] is None and plan["flush_timeout_s"] == 0.0, plan
     finally:
         collector.shutdown()
+
+
+def _sleeping_policy(per_call_s, per_record_s):
+    def act(td):
+        time.sleep(per_call_s + per_record_s * td.batch_size[0])
+        return td.set("action", torch.zeros(td.batch_size, dtype=torch.int64))
+    return act
+
+
+@pytest.mark.parametrize("per_call_s, per_record_s, gain", [
+    (0.004, 0.0, (0.8, 1.0)),  # a fixed cost per call (a GPU launch, a remote call): fuller batches pay
+    (0.0, 0.0005, (0.0, 0.3)),  # a cost in step with the batch (a CNN on a CPU): they hardly do
+])
+def test_the_policy_cost_per_batch_size_is_measured_at_start_up(per_call_s, per_record_s, gain):
+    collector = AsyncPoolCollector([lambda: OracleEnv()] * 16, policy=_sleeping_policy(per_call_s, per_record_s),
+                                   frames_per_batch=16, total_frames=16)
+    try:
+        startup = collector.plan()["startup"]
+        cost = startup["policy_cost_s"]
+        assert sorted(cost) == [1, 8, 16], cost
+        assert cost[1] >= per_call_s + per_record_s and cost[16] >= per_call_s + 16 * per_record_s, cost
+        assert gain[0] <= startup["policy_batch_gain"] <= gain[1], startup
+    finally:
+        collector.shutdown()
+
+
+def test_a_policy_that_refuses_zero_records_has_no_measured_cost():
+    from torchrl_asyncpool.collector.policy_cost import batch_gain, measure_policy_cost
+
+    def picky(td):
+        if td.batch_size[0] > 1:
+            raise RuntimeError("one record at a time")
+        return td
+
+    assert measure_policy_cost(picky, {"observation": ((4,), torch.float32)}, num_envs=8) == {}
+    assert batch_gain({}) is None and batch_gain({8: 1e-3}) is None

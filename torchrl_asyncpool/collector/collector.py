@@ -21,6 +21,7 @@ from torchrl_asyncpool.collector.config import CollectorConfig, as_int, check_sl
 from torchrl_asyncpool.inference import FlushDeadline, InferenceServer, InferenceServerError, flatten_weights
 from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange.metrics import log_metrics
+from torchrl_asyncpool.collector.policy_cost import batch_gain, measure_policy_cost
 from torchrl_asyncpool.collector.policy_layout import PolicyLayout
 from torchrl_asyncpool.collector.traj_ids import MASK_KEY, TRAJ_IDS_KEY, TrajectoryIds, env_major
 from torchrl_asyncpool.collector.workload_plan import AffinityPlan
@@ -417,6 +418,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             layout = PolicyLayout.from_spec_env(acting, spec_env, version_key=policy_version_key,
                                                 device=config.policy_device)
             plan = self._plan_pool(config, layout, spec_env)
+            # the policy's cost per batch size (reported by plan(): why fuller batches pay or not)
+            self._policy_cost = measure_policy_cost(acting, dict(spec_env.adapter.fields()[0]),
+                                                    num_envs=plan.num_envs, device=config.policy_device)
         #: ``{key: slot key}`` of the recurrent states carried in TorchRL's convention
         self.recurrent_keys = layout.recurrent_keys
         # 3. the assembly: env workers and their slots, then the inference server serving them
@@ -639,6 +643,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         out.update(deadline.describe() if deadline is not None else dict.fromkeys(FlushDeadline.REPORTED))
         startup = self._pool.plan.describe()
         startup["policy_affinity"] = None if self._policy_affinity is None else list(self._policy_affinity)
+        startup["policy_cost_s"] = dict(self._policy_cost)
+        startup["policy_batch_gain"] = batch_gain(self._policy_cost)
         out["startup"] = startup
         return out
 

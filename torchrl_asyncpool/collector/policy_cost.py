@@ -5,9 +5,9 @@ small one: a policy whose cost grows in step with its batch (a large CNN on a CP
 from fuller batches except the serving loop's fixed cost per batch, while a small MLP, or any
 policy on a GPU, costs about the same for 1 record as for 64. :func:`measure_policy_cost` times
 the policy on a few batch sizes (the fastest of a few calls each, so that a moment's load on the
-machine counts less) within a small time budget; the collector reports the table in its
-``plan()`` and gives the serving loop's :class:`~torchrl_asyncpool.inference.FlushDeadline` the
-gain a batch brings (:func:`batch_gain`), which skips its trials when there is nothing to gain.
+machine counts less) within a small time budget (0.2 s: it delays the start); the collector reports the table in its
+``plan()`` with the per-record gain of its largest batch (:func:`batch_gain`); the serving loop's
+:class:`~torchrl_asyncpool.inference.FlushDeadline` measures the outcome itself, by trying.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ COST_SIZES = (1, 8, 64)
 #: calls per size; the fastest counts
 _REPEATS = 3
 #: seconds the whole measurement may take (sizes past it are left out)
-_BUDGET_S = 0.5
+_BUDGET_S = 0.2
 
 
 def measure_policy_cost(policy, request: Mapping, sizes: Sequence[int] = COST_SIZES, *, device=None,
