@@ -44,6 +44,9 @@ VALUES = [
     torch.tensor([[0.0, 1.0, 0.0]]),
     torch.tensor([[0.5, -0.5]], dtype=torch.float64),
     torch.tensor([float("inf"), 0.0]),
+    torch.tensor([[float("-inf"), float("inf")]]),
+    torch.tensor([[60000.0, 60000.0]], dtype=torch.float16),  # a finite batch whose sum overflows
+    torch.tensor([[0.5, 1.5]], dtype=torch.bfloat16),
 ]
 
 
