@@ -116,8 +116,11 @@ def build_server(actor: str):
     policy, net = make_policy(actor)
     acting = ActingPolicy(policy, ExplorationType.RANDOM)
     layout = PolicyLayout.probe(acting, [make_cartpole], None, version_key=None, device=torch.device("cpu"))
+    # idle_poll=False: workers that wait for their action sleep instead of spinning, so that this
+    # (unpinned) thread is not timed against 64 spinning workers on a small machine; a collector
+    # keeps its serving thread off the workers' CPUs instead (its "auto" partition)
     pool = AsyncEnvPool([make_cartpole] * NUM_ENVS, policy_output_spec=layout.outputs,
-                        recurrent_state=layout.recurrent, seed=0)
+                        recurrent_state=layout.recurrent, seed=0, idle_poll=False)
     dtypes = {k: pool.layout_dtype(k) for k in pool.action_keys}
     acting.action_checks = action_checks(pool.full_action_spec, dtypes)
     acting.carry = layout.recurrent_keys
