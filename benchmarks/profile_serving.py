@@ -225,15 +225,16 @@ def profile_collector(actor: str, seconds: float, top: int) -> str:
                     t_end = time.monotonic() + seconds
                 elif time.monotonic() > t_end:
                     break
-            stats = collector.server_stats() if hasattr(collector, "server_stats") else {}
+            served = collector.server_stats()
         finally:
             collector.shutdown()
     finally:
         _loop.ServingLoop.serve = serve
     out = io.StringIO()
-    out.write(f"mean batch size {stats.get('mean_batch_size', float('nan')):.1f}, "
-              f"{stats.get('batches', 0)} batches\n")
-    pstats.Stats(profiles[0], stream=out).sort_stats("tottime").print_stats(top)
+    out.write(f"mean batch size {served['mean_batch_size']:.1f}, {served['batches']} batches\n")
+    stats = pstats.Stats(profiles[0], stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats("torchrl_asyncpool", top)  # this package's stages
     return out.getvalue()
 
 
