@@ -120,6 +120,33 @@ def test_bucket_ladder_and_pick():
     assert auto_threshold(8, 1, 0.5) == 4 and auto_threshold(1, 1, 0.5) == 1 and auto_threshold(0, 2, 0.5) == 2
 
 
+def test_absent_optional_modules_are_remembered_once():
+    """A probe for a module that is not installed (tensordict's pandas probe, once per policy
+    output and call) answers from ``sys.modules`` after ``remember_absent``, and importing it
+    still raises ``ModuleNotFoundError``; installed or imported modules are left alone."""
+    import importlib
+    import importlib.util
+
+    from torchrl_asyncpool._sys.absent_modules import remember_absent
+
+    name = "torchrl_asyncpool_surely_absent_module"
+    try:
+        assert remember_absent([name, "json", "tensordict"]) == [name]
+        assert sys.modules[name] is None and importlib.util.find_spec(name) is None
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(name)
+        assert remember_absent([name]) == []
+        assert sys.modules["json"] is json
+    finally:
+        sys.modules.pop(name, None)
+    with pytest.raises(ValueError, match="top-level"):
+        remember_absent(["os.path"])
+    # a key runner records the serving path's probes: pandas is then imported or known absent
+    KeyRunner(KeyPlan(0, "pi", "h", [0], None, 1), MLPPolicy(), _REQ, [(("action",), (), torch.int64)],
+              device="cpu")
+    assert "pandas" in sys.modules
+
+
 _REQ = [(("tag",), (3,), torch.int64), (("observation",), (2,), torch.float32), (("step_type",), (), torch.int8)]
 
 

@@ -21,10 +21,14 @@ server's thread or process), :class:`ActionCheck`:
   only get the checks above.
 
 Shapes are checked where the actions are written into the slots (``AsyncEnvPool.send``'s rule).
-Each check is a few tensor reductions per batch (``check_action_bounds=False`` saves the bounds
-part); on a CUDA policy they synchronise the stream once per batch.
+Each check is one tensor reduction per batch for an integer action of a ``Categorical``,
+``Binary`` or integer-range spec and for a float action of a float spec, a few for the other
+cases (``check_action_bounds=False`` saves the bounds part); on a CUDA policy they synchronise
+the stream once per batch.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -101,23 +105,54 @@ class ActionCheck:
                 low, high = spec.space.low, spec.space.high
                 self.rule = ("box", low.to(torch.float64), high.to(torch.float64), "low <= action <= high")
                 self._box_np = (self.rule[1].numpy(), self.rule[2].numpy())
+        # an action already of the slot's dtype fits that dtype's range: the fast pass skips it
+        self._dtype_range = False
         if bounds and self.integer and self.rule is None and dtype != torch.bool:
             info = torch.iinfo(dtype)  # an integer action cast to this dtype must fit it
             self.rule = ("range", info.min, info.max, f"{info.min} <= action <= {info.max} ({dtype})")
+            self._dtype_range = True
 
     def __call__(self, value: torch.Tensor) -> torch.Tensor:
         """Returns ``value`` (cast to the spec's dtype where the rules allow) or raises
         :class:`InvalidActionError`."""
-        if value.device.type == "cpu":
-            # the common case, a batch that passes, in a few numpy reductions (a fifth of torch's
-            # cost on small batches); anything else is looked at again below to say what is wrong
+        # the common case, a CPU batch that passes, in one torch reduction (_fine_torch) or a few
+        # numpy ones (_fine); anything else is looked at again in torch to say what is wrong
+        fine = self._fine_torch(value)
+        if fine is None:
             try:
-                fine = self._fine((value.detach() if value.requires_grad else value).numpy())
-            except TypeError:  # a dtype numpy lacks (bfloat16)
-                fine = None
-            if fine:
-                return value if value.dtype == self.dtype else value.to(self.dtype)
+                fine = self._fine(value.numpy())
+            except (TypeError, RuntimeError):  # a device tensor, a dtype numpy lacks, one that needs grad
+                fine = False
+        if fine:
+            return value if value.dtype == self.dtype else value.to(self.dtype)
         return self._checked(value)
+
+    def _fine_torch(self, value: torch.Tensor):
+        """Whether a CPU batch passes, for the two common cases, in one torch reduction: an
+        integer action for an integer spec with a range rule (one ``aminmax``), a float action
+        for a float spec (one ``sum``: NaN or an infinity makes it non-finite; a finite batch
+        whose sum overflows is only sent to the full check). ``None`` for any other case.
+
+        Measured right after a policy's forward pass in the serving loop, a numpy reduction
+        costs 20-30 us there (its code is cold after the policy's torch kernels) against
+        5-15 us for these, although numpy is the cheaper of the two in a loop of checks alone.
+        """
+        if not value.is_cpu or value.requires_grad:
+            return None
+        dtype = value.dtype
+        if dtype.is_floating_point:
+            return None if self.integer else math.isfinite(value.sum().item())
+        if dtype == torch.bool or dtype.is_complex:
+            return None
+        if not self.integer:
+            return True  # an integer action for a float spec: cast exactly
+        rule = self.rule
+        if rule is None or (self._dtype_range and dtype == self.dtype) or value.numel() == 0:
+            return True
+        if rule[0] != "range":
+            return None
+        low, high = torch.aminmax(value)
+        return low.item() >= rule[1] and high.item() <= rule[2]
 
     def _fine(self, a: np.ndarray) -> bool:
         """Whether the batch ``a`` passes every check (the rules of :meth:`_checked`)."""
@@ -138,7 +173,8 @@ class ActionCheck:
         if rule[0] == "box":
             low, high = self._box_np
             return bool((a >= low).all() and (a <= high).all())
-        return bool(a.min() >= rule[1] and a.max() <= rule[2])
+        # as Python numbers: compared in a narrow numpy dtype (float16), a bound would overflow
+        return a.min().item() >= rule[1] and a.max().item() <= rule[2]
 
     def _checked(self, value: torch.Tensor) -> torch.Tensor:
         key = self.key
@@ -175,10 +211,12 @@ class ActionCheck:
             expected = "one-hot rows: zeros and exactly one 1"
         else:
             low, high, expected = rule[1], rule[2], rule[3]
-            as_float = value.to(torch.float64) if rule[0] == "box" else value
             if rule[0] == "box":
                 low, high = low.to(value.device), high.to(value.device)
-            bad = ((as_float < low) | (as_float > high)).reshape(len(value), -1).any(-1)
+                compared = value.to(torch.float64)
+            else:  # int64: a bound outside a narrower integer dtype would wrap around in it
+                compared = value if value.dtype.is_floating_point else value.to(torch.int64)
+            bad = ((compared < low) | (compared > high)).reshape(len(value), -1).any(-1)
         if bool(bad.any()):
             rows = bad.nonzero().squeeze(-1)
             shown = value[rows[:4]].tolist()

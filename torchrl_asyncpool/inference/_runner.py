@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from torchrl_asyncpool._sys.absent_modules import remember_absent
 from torchrl_asyncpool.exchange.gather import RowGather
 from torchrl_asyncpool.inference._common import KeyPlan, key_repr, pick_bucket
 
@@ -83,6 +84,9 @@ class KeyRunner:
         self.plan = plan
         self.key = plan.key
         self.policy = policy
+        # a TensorDictModule probes for pandas on each call: where it is absent, a search of
+        # every sys.path entry per output and batch, unless the absence is recorded once
+        remember_absent()
         # a wrapper that declares it has no hooks is called through forward (see ActingPolicy)
         self._forward = policy.forward if getattr(policy, "hookless", False) else policy
         self.device = torch.device(device)
