@@ -221,11 +221,14 @@ def test_explicit_masks_and_timeouts_win():
         collector.shutdown()
 
 
-def _sleeping_policy(per_call_s, per_record_s):
-    def act(td):
-        time.sleep(per_call_s + per_record_s * td.batch_size[0])
+class _SleepingPolicy(torch.nn.Module):
+    def __init__(self, per_call_s, per_record_s):
+        super().__init__()
+        self.per_call_s, self.per_record_s = per_call_s, per_record_s
+
+    def forward(self, td):
+        time.sleep(self.per_call_s + self.per_record_s * td.batch_size[0])
         return td.set("action", torch.zeros(td.batch_size, dtype=torch.int64))
-    return act
 
 
 @pytest.mark.parametrize("per_call_s, per_record_s, gain", [
@@ -233,7 +236,7 @@ def _sleeping_policy(per_call_s, per_record_s):
     (0.0, 0.0005, (0.0, 0.3)),  # a cost in step with the batch (a CNN on a CPU): they hardly do
 ])
 def test_the_policy_cost_per_batch_size_is_measured_at_start_up(per_call_s, per_record_s, gain):
-    collector = AsyncPoolCollector([lambda: OracleEnv()] * 16, policy=_sleeping_policy(per_call_s, per_record_s),
+    collector = AsyncPoolCollector([lambda: OracleEnv()] * 16, policy=_SleepingPolicy(per_call_s, per_record_s),
                                    frames_per_batch=16, total_frames=16)
     try:
         startup = collector.plan()["startup"]
@@ -241,6 +244,17 @@ def test_the_policy_cost_per_batch_size_is_measured_at_start_up(per_call_s, per_
         assert sorted(cost) == [1, 8, 16], cost
         assert cost[1] >= per_call_s + per_record_s and cost[16] >= per_call_s + 16 * per_record_s, cost
         assert gain[0] <= startup["policy_batch_gain"] <= gain[1], startup
+    finally:
+        collector.shutdown()
+
+
+def test_a_plain_callable_policy_is_not_called_to_time_it():
+    calls = []
+    collector = AsyncPoolCollector([lambda: OracleEnv()] * 4, policy=lambda td: calls.append(1) or _oracle_policy(td),
+                                   frames_per_batch=4, total_frames=4)
+    try:
+        assert collector.plan()["startup"]["policy_cost_s"] == {}  # it may count its calls
+        assert collector.plan()["startup"]["policy_batch_gain"] is None
     finally:
         collector.shutdown()
 

@@ -418,9 +418,11 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             layout = PolicyLayout.from_spec_env(acting, spec_env, version_key=policy_version_key,
                                                 device=config.policy_device)
             plan = self._plan_pool(config, layout, spec_env)
-            # the policy's cost per batch size (reported by plan(): why fuller batches pay or not)
-            self._policy_cost = measure_policy_cost(acting, dict(spec_env.adapter.fields()[0]),
-                                                    num_envs=plan.num_envs, device=config.policy_device)
+            # the policy's cost per batch size (reported by plan(): why fuller batches pay or not);
+            # a module's forward only: a plain callable may count its calls (a schedule, a test)
+            self._policy_cost = (measure_policy_cost(acting, dict(spec_env.adapter.fields()[0]),
+                                                     num_envs=plan.num_envs, device=config.policy_device)
+                                 if isinstance(getattr(acting, "policy", None), torch.nn.Module) else {})
         #: ``{key: slot key}`` of the recurrent states carried in TorchRL's convention
         self.recurrent_keys = layout.recurrent_keys
         # 3. the assembly: env workers and their slots, then the inference server serving them
