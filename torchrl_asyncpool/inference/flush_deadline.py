@@ -6,7 +6,7 @@ bigger batch saves goes to the env workers. When they are not (envs that sleep, 
 a simulator on other cores), the wait only adds latency to every record in it. Which case holds
 depends on the envs, the policy, the cores and what else runs on them, so no rule of the env
 step alone decides it: with a 2 ms sleeping env, 64 envs on 2 cores gained from a deadline and
-16 envs lost 14 % with it; Atari through gymnasium (1.3 ms of CPU a step) gained 1.4x.
+16 envs lost 14 % with it; Atari through gymnasium (1.3 ms of CPU a step) gains from one.
 
 So :class:`FlushDeadline` measures. The candidate deadline comes from the env step the workers
 measure (:func:`~torchrl_asyncpool.inference.auto_flush_timeout`: ``0`` for cheap envs, which
