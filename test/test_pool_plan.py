@@ -202,3 +202,63 @@ def test_the_collector_builds_the_spec_env_once_and_reports_the_plan():
             assert batch.numel() == 8
     finally:
         collector.shutdown()
+
+
+def _rooms_that_see(target, build) -> tuple:
+    """The package modules ("rooms") whose functions see ``target`` (a local, or the first item of a
+    list or tuple local) while ``build()`` runs, as ``([room, visits], ...)`` in order of first
+    entry, and what ``build()`` returned. A visit lasts while a frame of its room that saw
+    ``target`` runs: a room that calls a lower one and carries on after it returns is still on its
+    one visit, and so is a lower room called again by the same visit (once per item of a loop).
+    Entering a room again from anywhere else is a second visit."""
+    import sys
+
+    import torchrl_asyncpool
+
+    root = os.path.dirname(torchrl_asyncpool.__file__) + os.sep
+    frame_visit, visit_of_call, visits = {}, {}, {}
+
+    def sees(value):
+        return value is target or (isinstance(value, (list, tuple)) and len(value) and value[0] is target)
+
+    def profile(frame, event, arg):
+        if event != "call" or not frame.f_code.co_filename.startswith(root):
+            return
+        if not any(sees(v) for v in frame.f_locals.values()):
+            return
+        room = os.path.relpath(frame.f_code.co_filename, root)
+        up = frame.f_back
+        while up is not None and frame_visit.get(id(up), (None,))[0] is not up:
+            up = up.f_back
+        parent = None if up is None else frame_visit[id(up)][1]
+        if parent is not None and parent[0] == room:
+            visit = parent  # a call within the room's own visit
+        else:
+            visit = visit_of_call.get((room, parent))
+            if visit is None:
+                visits[room] = visits.get(room, 0) + 1
+                visit = visit_of_call[room, parent] = (room, len(visit_of_call))
+        frame_visit[id(frame)] = (frame, visit)  # the frame kept: its id is not reused while this runs
+
+    sys.setprofile(profile)
+    try:
+        result = build()
+    finally:
+        sys.setprofile(None)
+    return [[room, n] for room, n in visits.items()], result
+
+
+def test_the_collectors_start_up_visits_each_room_once_in_one_direction():
+    # following the factories (and the policy) from the collector's constructor: checked once
+    # (config, by the pool's rules), the spec env built once, then the plan's rooms, then the build
+    rooms, collector = _rooms_that_see(_cartpole, lambda: AsyncPoolCollector(
+        [_cartpole] * 4, policy=_zero_action, frames_per_batch=64, total_frames=64))
+    collector.shutdown()
+    assert [n for _, n in rooms] == [1] * len(rooms), rooms
+    order = [room for room, _ in rooms]
+    assert order[:4] == ["collector/collector.py", "collector/config.py", "pool/arguments.py", "pool/layout.py"]
+    assert order.index("pool/plan.py") < order.index("pool/seeding.py") < order.index("pool/processes.py"), order
+    policy_rooms, collector = _rooms_that_see(_zero_action, lambda: AsyncPoolCollector(
+        [_cartpole] * 2, policy=_zero_action, frames_per_batch=64, total_frames=64))
+    collector.shutdown()
+    assert [n for _, n in policy_rooms] == [1] * len(policy_rooms), policy_rooms

@@ -371,7 +371,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         # 1. the arguments checked and translated, before any env is built or process started (the
         # pool checks those it alone takes)
         config = CollectorConfig.from_arguments(
-            create_env_fn, policy=policy, policy_factory=policy_factory, frames_per_batch=frames_per_batch,
+            create_env_fn, create_env_kwargs, policy=policy, policy_factory=policy_factory,
+            frames_per_batch=frames_per_batch,
             total_frames=total_frames, max_batch_size=max_batch_size, min_batch_size=min_batch_size,
             server_timeout=server_timeout, server_config=server_config, device=device, device_config=device_config,
             worker_affinity=worker_affinity, driver_affinity=driver_affinity, replay_buffer=replay_buffer,
@@ -414,7 +415,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         # then the pool's plan from the same env (grouping, seeding, CPU masks, ...)
         acting = ActingPolicy(policy if policy is not None else policy_factory(), exploration_type)
         self._acting = None if config.process_server else acting
-        with SpecEnv.open(create_env_fn, create_env_kwargs) as spec_env:
+        with SpecEnv(config.create_env_fn, config.create_env_kwargs) as spec_env:
             layout = PolicyLayout.from_spec_env(acting, spec_env, version_key=policy_version_key,
                                                 device=config.policy_device)
             plan = self._plan_pool(config, layout, spec_env)

@@ -22,6 +22,7 @@ from torchrl.modules.inference_server import ProcessSlotTransport as TorchRLProc
 
 from torchrl_asyncpool._sys.affinity import resolve_collector_affinity
 from torchrl_asyncpool.exchange.arena import as_key
+from torchrl_asyncpool.pool.arguments import check_factories, check_kwargs
 
 __all__ = ["CollectorConfig"]
 
@@ -49,6 +50,9 @@ class CollectorConfig:
     """
 
     # -- translated from TorchRL's keywords ------------------------------------------------------
+    #: the env factories and their keyword arguments, checked (one dict per factory)
+    create_env_fn: tuple
+    create_env_kwargs: tuple
     #: ``"multiprocessing"`` (envs in worker processes) or ``"threading"`` (threads of this process)
     env_backend: str
     #: the policy is served from a process of its own (else from a thread of this process)
@@ -106,6 +110,7 @@ class CollectorConfig:
     def from_arguments(
         cls,
         create_env_fn: Sequence[Callable],
+        create_env_kwargs=None,
         *,
         policy,
         policy_factory,
@@ -129,7 +134,9 @@ class CollectorConfig:
         the keywords only TorchRL's collector has (``transport``, ``backend``, ``env_backend``,
         ``env_exchange``, ...), each honoured or refused with TorchRL's exception type; the
         ``options`` are the collector's other keywords, checked where the collector (rather than
-        its pool) owns them and kept as given.
+        its pool) owns them and kept as given. The factories and their keyword arguments are
+        checked by the pool's own rules (:func:`~torchrl_asyncpool.pool.arguments.check_factories`),
+        once: the collector's spec env and plan take them from here.
         """
         if policy is not None and policy_factory is not None:
             raise _PolicyArgumentsError(
@@ -139,7 +146,8 @@ class CollectorConfig:
             raise _PolicyArgumentsError(
                 "One of policy or policy_factory must be provided (pass exactly one of policy= or policy_factory=)."
             )
-        _check_env_fns(create_env_fn)
+        fns = check_factories(create_env_fn)
+        env_kwargs = check_kwargs(create_env_kwargs, len(fns))
         defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
         options = {**defaults, **options}
         for name in ("cast_actions", "check_action_bounds", "track_traj_ids"):
@@ -160,7 +168,7 @@ class CollectorConfig:
                 )
             slot_transport = None
         else:
-            check_slot_transport(slot_transport, policy_factory, len(create_env_fn))
+            check_slot_transport(slot_transport, policy_factory, len(fns))
             if threads:
                 raise ValueError("ProcessSlotTransport requires both a process inference server and "
                                  "env_backend='multiprocessing'.")
@@ -231,6 +239,8 @@ class CollectorConfig:
             )
         _check_batch_layout(options, replay_buffer)
         return cls(
+            create_env_fn=tuple(fns),
+            create_env_kwargs=tuple(env_kwargs),
             env_backend=env_backend,
             process_server=process_server,
             slot_transport=slot_transport,
@@ -328,17 +338,6 @@ def check_transport_keys(transport, layout, policy_version_key) -> None:
                 f"{'env does not observe' if what == 'request' else 'policy does not return'} "
                 f"(available: {sorted(have)})."
             )
-
-
-def _check_env_fns(create_env_fn) -> None:
-    """TorchRL's ``create_env_fn`` is a list of factories, one per env (no single callable and count)."""
-    if callable(create_env_fn) or isinstance(create_env_fn, (str, bytes)) or not isinstance(create_env_fn, Sequence):
-        raise TypeError(
-            "create_env_fn must be a list of env factories, one callable per env (for n copies of one env: "
-            f"[make_env] * n), got {type(create_env_fn).__name__}."
-        )
-    if not len(create_env_fn):
-        raise TypeError("create_env_fn must be a non-empty list of env factories, got an empty one.")
 
 
 def _check_batching(max_batch_size, min_batch_size, server_timeout) -> None:

@@ -39,16 +39,36 @@ def _check_process_options(mp_start_method, pin_memory, worker_affinity) -> None
         resolve_worker_affinity(worker_affinity, 0)
 
 
-def check_factories(create_env_fn):
-    if callable(create_env_fn) or not isinstance(create_env_fn, Sequence) or not len(create_env_fn):
+def check_factories(create_env_fn) -> list:
+    """``create_env_fn`` as a list, checked: TorchRL's list of factories, one callable per env (no
+    single callable and count). The one check of the factories, for the pool and its collector.
+
+    Examples:
+        >>> from torchrl_asyncpool.pool.arguments import check_factories
+        >>> from torchrl_asyncpool.testing import ZeroLatencyEnv
+        >>> len(check_factories((ZeroLatencyEnv,) * 2))
+        2
+        >>> check_factories(ZeroLatencyEnv)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: create_env_fn must be a list of env factories, one callable per env ... got class ZeroLatencyEnv.
+    """
+    if callable(create_env_fn) or isinstance(create_env_fn, (str, bytes)) or not isinstance(create_env_fn, Sequence):
         raise TypeError(
-            "create_env_fn must be a non-empty list of callables returning EnvBase instances, "
-            f"got {type(create_env_fn).__name__}."
+            "create_env_fn must be a list of env factories, one callable per env (for n copies of one env: "
+            f"[make_env] * n), got {_kind(create_env_fn)}."
         )
+    if not len(create_env_fn):
+        raise TypeError("create_env_fn must be a non-empty list of env factories, got an empty one.")
     for i, fn in enumerate(create_env_fn):
         if not callable(fn):
             raise TypeError(f"create_env_fn[{i}] must be callable, got {type(fn).__name__}.")
     return list(create_env_fn)
+
+
+def _kind(value) -> str:
+    """What ``value`` is, for an error message (a class by its name: its type is a metaclass)."""
+    return f"class {value.__name__}" if isinstance(value, type) else type(value).__name__
 
 
 def _check_restart(on_env_failure, per_env, window_s, total):

@@ -165,9 +165,9 @@ class PoolPlan:
                 ``cancel_start``, which belongs to the building), with the same defaults
                 (:data:`OPTIONS`) and the same errors.
             spec_env (SpecEnv, optional): the spec env, already built by the caller (a collector,
-                which read its policy's layout from it) with :meth:`SpecEnv.open
-                <torchrl_asyncpool.pool.layout.SpecEnv.open>`, which checked the factories and
-                their keyword arguments: the plan takes them from it (``create_env_fn`` and
+                which read its policy's layout from it) from factories and keyword arguments
+                checked by :func:`~torchrl_asyncpool.pool.arguments.check_factories` and
+                ``check_kwargs``: the plan takes them from it (``create_env_fn`` and
                 ``create_env_kwargs`` are then left out). The caller closes it. Defaults to
                 ``None``: built here and closed before this returns.
             batching (mapping, optional): inference batching options to record as given

@@ -52,6 +52,8 @@ class _PoolWorkers:
         ctx = (mp if threads else forkserver_context("AsyncEnvPool") if method == "forkserver"
                else mp.get_context(method))
         # what a worker's start needs, kept: a pool that replaces dead workers starts them again
+        # (the factories in the form that crosses to a child, converted once for every start)
+        fns = list(fns) if threads else [picklable(fn) for fn in fns]
         self._worker_start = (ctx, groups, fns, kwargs, num_threads, affinity)
         for w in range(len(groups)):
             self._check_cancel()  # between starts (the fork server's own first start is not cut short)
@@ -85,7 +87,7 @@ class _PoolWorkers:
         p = ctx.Process(
             target=worker_main,
             args=(
-                w, slots, [picklable(fns[i]) for i in made], [kwargs[i] for i in made], self.layout,
+                w, slots, [fns[i] for i in made], [kwargs[i] for i in made], self.layout,
                 arena_fd, bells, consumer_fd, life_fd, child_conn, num_threads, delivery, self.env_threads,
                 mask, self.exchange, self.idle_poll, self._restart, watch,
             ),
