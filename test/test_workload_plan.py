@@ -96,6 +96,31 @@ def test_a_drifting_env_step_starts_a_round_at_once():
     assert (d.choice, d.timeout) == ("greedy", 0.0)
 
 
+def test_a_policy_swapped_for_a_costlier_one_starts_a_round_at_once():
+    clock = _Clock(2e-3)
+    policy = [0.0, 0]  # the server's (policy seconds, records served)
+    clock.deadline = FlushDeadline(1, now=0.0, sums=(0.0, 0), policy_sums=tuple(policy))
+
+    def window(rate, policy_s):
+        policy[0] += int(rate * TRIAL_WINDOW_S) * policy_s
+        policy[1] += int(rate * TRIAL_WINDOW_S)
+        clock.t += TRIAL_WINDOW_S
+        clock.count += int(rate * TRIAL_WINDOW_S)
+        clock.total += int(rate * TRIAL_WINDOW_S) * clock.step_s
+        clock.deadline.look(clock.t, (clock.total, clock.count), tuple(policy))
+        return clock.deadline
+
+    window(1_000, 20e-6)
+    for _ in range(TRIAL_WINDOWS):  # waiting wins; fuller batches cost less per record than greedy's
+        d = window(1_500 if clock.deadline.timeout > 0 else 1_000, 10e-6 if clock.deadline.timeout > 0 else 30e-6)
+    assert d.choice == "wait" and d.rounds == 1
+    for _ in range(3):  # the decision's own batches: no drift (the reference is taken under it)
+        assert window(1_500, 10e-6).choice == "wait"
+    assert d.measured_policy_s == pytest.approx(10e-6)
+    d = window(1_500, 40e-6)  # the same envs, a policy 4x costlier per record
+    assert d.choice == "trial" and d.measured_policy_s == pytest.approx(40e-6)
+
+
 def test_a_window_with_too_few_steps_stays_open():
     clock = _Clock(2e-3)
     d = clock.window(10)  # 5 steps in half a second: not enough to judge

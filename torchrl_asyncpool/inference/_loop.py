@@ -85,7 +85,7 @@ class ServingLoop:
         # envs a worker steps in turn: one doorbell per worker (k slots each), or per slot (env threads)
         envs_in_turn = n / max(1, len(set(consumer.handle.slot_bell)))
         #: the deadline's chooser (None: a fixed timeout)
-        self.deadline = (FlushDeadline(envs_in_turn, time.monotonic(), self._step_sums())
+        self.deadline = (FlushDeadline(envs_in_turn, time.monotonic(), self._step_sums(), self._policy_sums())
                          if self.auto_timeout else None)
         self.overlap = bool(spec.overlap)
         self.version_key = spec.policy_version_key if spec.stamp_version else None
@@ -120,7 +120,7 @@ class ServingLoop:
         records are ready), from one counting pass over the state words."""
         deadline = self.deadline
         if deadline is not None and deadline.due(now):  # timeout="auto": a trial window ended
-            deadline.look(now, self._step_sums())
+            deadline.look(now, self._step_sums(), self._policy_sums())
             self.timeout = deadline.timeout
         n, answered, errors, oldest = self.consumer.scan_states()
         if errors:
@@ -139,6 +139,10 @@ class ServingLoop:
 
     def _step_sums(self) -> tuple:
         return float(self._step_time.sum()), int(self._step_count.sum())
+
+    def _policy_sums(self) -> tuple:
+        """``(policy seconds, records served)`` so far: the policy's cost per record."""
+        return self.stats.policy_sums()
 
     @property
     def measured_step_s(self):

@@ -307,6 +307,11 @@ class StatsBlock:
         a[o + _K_ROWS] += rows
         a[o + _K_POLICY] += policy_s
 
+    def policy_sums(self) -> tuple:
+        """``(seconds in the policy, records served)`` since the server started."""
+        a = self._sums
+        return float(a[_G_POLICY]), int(a[_G_FRAMES])
+
     def set_version(self, k, version):
         self.array[_GLOBAL + _PER_KEY * k + _K_VERSION] = version
 

@@ -15,8 +15,9 @@ greedy for :data:`TRIAL_WINDOWS` windows of :data:`TRIAL_WINDOW_S` seconds each,
 steps done in each (the throughput the envs reached, whatever paces it), keeps the faster
 option (greedy unless waiting wins by :data:`WAIT_MARGIN`), and holds it for
 :data:`HOLD_S` seconds before trying again: a measurement taken under a moment's load does not
-decide for good. A mean env step that moves by more than 2x since the decision starts new
-trials at once (an env whose steps got slower, a bigger policy).
+decide for good. A mean env step, or a policy cost per record, that moves by more than 2x since
+the decision starts new trials at once (an env whose steps got slower, a policy that got costlier:
+either changes what a fuller batch saves).
 """
 from __future__ import annotations
 
@@ -49,10 +50,15 @@ class FlushDeadline:
             :func:`~torchrl_asyncpool.inference.auto_flush_timeout`).
         now (float): the clock at creation (``time.monotonic()``).
         sums (tuple): ``(total env step seconds, env steps)`` at creation.
+        policy_sums (tuple, optional): ``(total policy seconds, records served)`` at creation;
+            given here, :meth:`look` takes them too and a drift of the policy's cost per record
+            starts a round like a drift of the env step.
 
     Attributes:
         timeout (float): the deadline in force (seconds; ``0``: greedy).
         measured_step_s (float or None): the mean env step of the last window.
+        measured_policy_s (float or None): the policy's seconds per record served in the last
+            window (``None``: not measured).
         choice (str): ``"greedy"`` (cheap envs, or greedy won), ``"wait"`` (the deadline won),
             ``"trial"`` (a round is running) or ``"unmeasured"`` (no window yet).
 
@@ -77,10 +83,13 @@ class FlushDeadline:
     #: the keys of :meth:`describe`
     REPORTED = ("flush_choice", "flush_candidate_s", "flush_trial_rounds", "flush_trial_rates", "flush_trial_sure")
 
-    def __init__(self, envs_in_turn: float, now: float, sums: tuple):
+    def __init__(self, envs_in_turn: float, now: float, sums: tuple, policy_sums: Optional[tuple] = None):
         self.envs_in_turn = float(envs_in_turn)
         self.timeout = 0.0
         self.measured_step_s: Optional[float] = None
+        self.measured_policy_s: Optional[float] = None
+        self._policy_sums = None if policy_sums is None else tuple(policy_sums)
+        self._decided_policy: Optional[float] = None  # the policy's cost per record at the last decision
         self.choice = "unmeasured"
         self.candidate_s = 0.0
         self.rounds = 0
@@ -95,9 +104,10 @@ class FlushDeadline:
         """Whether the current window is over (the loop then calls :meth:`look`)."""
         return now - self._at >= TRIAL_WINDOW_S
 
-    def look(self, now: float, sums: tuple) -> None:
-        """Closes the window that ends ``now`` (``sums``: the arena's step sums so far) and sets
-        :attr:`timeout` for the next one."""
+    def look(self, now: float, sums: tuple, policy_sums: Optional[tuple] = None) -> None:
+        """Closes the window that ends ``now`` (``sums``: the arena's step sums so far;
+        ``policy_sums``: the server's policy seconds and records so far, when it was created with
+        them) and sets :attr:`timeout` for the next one."""
         total, count = sums
         total0, count0 = self._sums
         if count - count0 < _MIN_STEPS:
@@ -105,6 +115,7 @@ class FlushDeadline:
         elapsed = max(now - self._at, 1e-9)
         self._at, self._sums = now, (total, count)
         step = self.measured_step_s = (total - total0) / (count - count0)
+        self._look_policy(policy_sums)
         candidate = auto_flush_timeout(step, self.envs_in_turn)
         if candidate <= 0.0:  # cheap envs: greedy, nothing to try (a running round ends)
             self.choice, self.candidate_s, self.timeout, self._hold_until = "greedy", 0.0, 0.0, None
@@ -116,7 +127,9 @@ class FlushDeadline:
             else:  # alternate: wait, greedy, wait, greedy
                 self.timeout = self.candidate_s if len(self._trial) % 2 == 0 else 0.0
             return
-        drifted = self._decided_step is not None and not (1.0 / _DRIFT <= step / self._decided_step <= _DRIFT)
+        if self._decided_policy is None and self._hold_until is not None:
+            self._decided_policy = self.measured_policy_s
+        drifted = _drifted(step, self._decided_step) or _drifted(self.measured_policy_s, self._decided_policy)
         if self._hold_until is None or now >= self._hold_until or drifted:
             self.candidate_s, self.choice, self._trial = candidate, "trial", []
             self.timeout = candidate
@@ -130,6 +143,19 @@ class FlushDeadline:
         self.choice = "wait" if wait > greedy * (1.0 + WAIT_MARGIN) else "greedy"
         self.timeout = self.candidate_s if self.choice == "wait" else 0.0
         self._decided_step, self._hold_until = self.measured_step_s, now + HOLD_S
+        # the policy's cost per record depends on the batch sizes the option gives: its reference
+        # is the first window served under the decision
+        self._decided_policy = None
+
+    def _look_policy(self, policy_sums: Optional[tuple]) -> None:
+        """The policy's cost per record over the window (kept from the last window that served
+        enough records)."""
+        if policy_sums is None or self._policy_sums is None:
+            return
+        (seconds, records), (seconds0, records0) = policy_sums, self._policy_sums
+        if records - records0 >= _MIN_STEPS:
+            self.measured_policy_s = (seconds - seconds0) / (records - records0)
+            self._policy_sums = tuple(policy_sums)
 
     def describe(self) -> dict:
         """The decision and the measurements behind it (for the collector's ``plan()``)."""
@@ -148,3 +174,10 @@ class FlushDeadline:
             # sure when the options differ by more than each option's own window-to-window spread
             "flush_trial_sure": None if gap is None else bool(gap > max(spread.values(), default=math.inf)),
         }
+
+
+def _drifted(now_value: Optional[float], at_decision: Optional[float]) -> bool:
+    """Whether a measured cost moved by more than :data:`_DRIFT` times since the decision."""
+    if now_value is None or not at_decision or at_decision <= 0.0:
+        return False
+    return not (1.0 / _DRIFT <= now_value / at_decision <= _DRIFT)
