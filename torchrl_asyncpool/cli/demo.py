@@ -39,37 +39,14 @@ def train_impala_demo(
     ``window`` episodes), ``episodes``, ``reached``, ``mean_policy_lag`` and ``last_loss``
     (the last update's loss). Errors in env workers or in the policy propagate.
     """
-    import gymnasium
-    import torch
     import tqdm
-    from torchrl.envs import GymEnv
 
-    from torchrl_asyncpool.collector.collector import AsyncPoolCollector
-    from torchrl_asyncpool.examples.actor_critic import ActorCritic
     from torchrl_asyncpool.examples.batches import EpisodeTracker, group_by_env
     from torchrl_asyncpool.examples.impala import impala_update
 
-    torch.manual_seed(seed)
-    probe = gymnasium.make(env_id)
-    obs_dim, n_actions = probe.observation_space.shape[0], int(probe.action_space.n)
-    probe.close()
-    agent = ActorCritic(obs_dim, n_actions)
-    acting = copy.deepcopy(agent)
-    optim = torch.optim.Adam(agent.parameters(), lr=lr, eps=1e-5)
-
-    # TorchRL's GymEnv, as a TorchRL user writes it; the workers step it on their fast path
-    collector = AsyncPoolCollector(
-        [functools.partial(GymEnv, env_id, categorical_action_encoding=True)] * num_envs,
-        policy=acting,
-        frames_per_batch=frames_per_batch,
-        total_frames=total_frames,
-        # envs run at most one batch ahead of the learner: IMPALA's V-trace corrects for a lag
-        # of a version or two, but this learner (one step per batch, lr 1e-3)
-        # stalled or collapsed in 2 of ~20 runs whose mean lag reached 1.8-1.9 versions
-        transition_chunk_size=max(1, frames_per_batch // num_envs),
-        chunks_per_env=1,
-        seed=seed,  # env i's first reset: seed + i
-    )
+    agent, acting, optim = _demo_agent(env_id, lr=lr, seed=seed)
+    collector = _demo_collector(env_id, acting, num_envs=num_envs, frames_per_batch=frames_per_batch,
+                                total_frames=total_frames, seed=seed)
     tracker = EpisodeTracker(num_envs)
     recent: deque = deque(maxlen=window)
     frames = episodes = 0
@@ -123,6 +100,46 @@ def train_impala_demo(
         "startup_s": collector.startup_time_s,
         "last_loss": last_loss,
     }
+
+
+def _demo_agent(env_id: str, *, lr: float, seed: int) -> tuple:
+    """``(learner, acting copy, optimizer)``: an actor-critic sized for ``env_id``'s observation
+    and action spaces, seeded with ``seed``."""
+    import gymnasium
+    import torch
+
+    from torchrl_asyncpool.examples.actor_critic import ActorCritic
+
+    torch.manual_seed(seed)
+    probe = gymnasium.make(env_id)
+    obs_dim, n_actions = probe.observation_space.shape[0], int(probe.action_space.n)
+    probe.close()
+    agent = ActorCritic(obs_dim, n_actions)
+    acting = copy.deepcopy(agent)
+    optim = torch.optim.Adam(agent.parameters(), lr=lr, eps=1e-5)
+    return agent, acting, optim
+
+
+def _demo_collector(env_id: str, acting, *, num_envs: int, frames_per_batch: int, total_frames: int, seed: int):
+    """The demo's :class:`~torchrl_asyncpool.AsyncPoolCollector`: ``num_envs`` TorchRL ``GymEnv``
+    of ``env_id`` served by ``acting``, at most one batch ahead of the learner."""
+    from torchrl.envs import GymEnv
+
+    from torchrl_asyncpool.collector.collector import AsyncPoolCollector
+
+    # TorchRL's GymEnv, as a TorchRL user writes it; the workers step it on their fast path
+    return AsyncPoolCollector(
+        [functools.partial(GymEnv, env_id, categorical_action_encoding=True)] * num_envs,
+        policy=acting,
+        frames_per_batch=frames_per_batch,
+        total_frames=total_frames,
+        # envs run at most one batch ahead of the learner: IMPALA's V-trace corrects for a lag
+        # of a version or two, but this learner (one step per batch, lr 1e-3)
+        # stalled or collapsed in 2 of ~20 runs whose mean lag reached 1.8-1.9 versions
+        transition_chunk_size=max(1, frames_per_batch // num_envs),
+        chunks_per_env=1,
+        seed=seed,  # env i's first reset: seed + i
+    )
 
 
 def _check_demo_env(env_id: str) -> None:

@@ -387,6 +387,22 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             step_timeout=step_timeout, build_timeout=build_timeout, track_traj_ids=track_traj_ids,
             batch_layout=batch_layout,
         )
+        self._adopt_config(config, policy, policy_factory, replay_buffer, postproc)
+        t0 = time.monotonic()
+        # 2. the start-up plan, from one env built here (see _plan_start_up)
+        acting, plan = self._plan_start_up(config, policy, policy_factory)
+        # 3. the assembly: env workers and their slots, then the inference server serving them
+        self._assemble(config, plan, acting, policy_factory, policy_version)
+        self.startup_time_s = time.monotonic() - t0
+        self._affinity_plan = self._plan_affinity()
+        if verbose:
+            print(f"AsyncPoolCollector: {self._num_envs} envs in {self._pool.num_workers} workers, "
+                  f"{self._server_backend} inference server, idle polling {'on' if self._pool.idle_poll else 'off'}, "
+                  f"started in {self.startup_time_s:.2f}s")
+
+    def _adopt_config(self, config: CollectorConfig, policy, policy_factory, replay_buffer, postproc) -> None:
+        """The attributes the collector reads from its checked ``config`` (and the arguments kept as
+        given), then the state iterating starts from."""
         self.batch_layout = config.batch_layout
         self.env_backend = config.env_backend
         self._policy = policy
@@ -397,26 +413,29 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self.total_frames = config.total_frames
         self.replay_buffer = replay_buffer
         self._postproc = postproc
-        self.yield_completed_trajectories = yield_completed_trajectories
-        self.return_same_td = return_same_td
-        self.verbose = verbose
-        self.policy_version_key = policy_version_key
-        self.exploration_type = exploration_type
+        self.yield_completed_trajectories = config.yield_completed_trajectories
+        self.return_same_td = config.return_same_td
+        self.verbose = config.verbose
+        self.policy_version_key = config.policy_version_key
+        self.exploration_type = config.exploration_type
         self._server_backend = config.server_backend
         self._policy_device = config.policy_device
         self._storing_device = config.storing_device
         self._driver_affinity = config.driver_affinity
         self._init_collection_state()
 
-        t0 = time.monotonic()
-        # 2. the start-up plan, from one env built here: what the policy writes and which recurrent
-        # states the workers carry for it (one acting policy in this process: the thread server's,
-        # or, built once from the factory as TorchRL does, a probe of the process server's policy),
-        # then the pool's plan from the same env (grouping, seeding, CPU masks, ...)
-        acting = ActingPolicy(policy if policy is not None else policy_factory(), exploration_type)
+    def _plan_start_up(self, config: CollectorConfig, policy, policy_factory) -> tuple[ActingPolicy, PoolPlan]:
+        """``(acting policy, the pool's plan)``, from one env built here.
+
+        What the policy writes and which recurrent states the workers carry for it (one acting
+        policy in this process: the thread server's, or, built once from the factory as TorchRL
+        does, a probe of the process server's policy), then the pool's plan from the same env
+        (grouping, seeding, CPU masks, ...).
+        """
+        acting = ActingPolicy(policy if policy is not None else policy_factory(), config.exploration_type)
         self._acting = None if config.process_server else acting
         with SpecEnv(config.create_env_fn, config.create_env_kwargs) as spec_env:
-            layout = PolicyLayout.from_spec_env(acting, spec_env, version_key=policy_version_key,
+            layout = PolicyLayout.from_spec_env(acting, spec_env, version_key=config.policy_version_key,
                                                 device=config.policy_device)
             plan = self._plan_pool(config, layout, spec_env)
             # the policy's cost per batch size (reported by plan(): why fuller batches pay or not);
@@ -426,7 +445,13 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                                  if isinstance(getattr(acting, "policy", None), torch.nn.Module) else {})
         #: ``{key: slot key}`` of the recurrent states carried in TorchRL's convention
         self.recurrent_keys = layout.recurrent_keys
-        # 3. the assembly: env workers and their slots, then the inference server serving them
+        return acting, plan
+
+    def _assemble(self, config: CollectorConfig, plan: PoolPlan, acting: ActingPolicy, policy_factory,
+                  policy_version) -> None:
+        """The env workers and their slots (the pool of ``plan``), then the inference server serving
+        them, built, validated and held until the first iteration; the pool is closed if the
+        server fails."""
         self._pool = AsyncEnvPool(plan=plan)
         self._num_envs = self._pool.num_envs  # a vector env factory contributes several envs
         # TorchRL's ("collector", "traj_ids") of each batch, when asked for
@@ -441,12 +466,6 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         except BaseException:
             self._pool.close()
             raise
-        self.startup_time_s = time.monotonic() - t0
-        self._affinity_plan = self._plan_affinity()
-        if verbose:
-            print(f"AsyncPoolCollector: {self._num_envs} envs in {self._pool.num_workers} workers, "
-                  f"{self._server_backend} inference server, idle polling {'on' if self._pool.idle_poll else 'off'}, "
-                  f"started in {self.startup_time_s:.2f}s")
 
     def _init_collection_state(self) -> None:
         """What iterating, :meth:`start` and :meth:`pause` keep: counts, locks, the background writer."""

@@ -138,105 +138,26 @@ class CollectorConfig:
         checked by the pool's own rules (:func:`~torchrl_asyncpool.pool.arguments.check_factories`),
         once: the collector's spec env and plan take them from here.
         """
-        if policy is not None and policy_factory is not None:
-            raise _PolicyArgumentsError(
-                "policy and policy_factory are mutually exclusive: pass exactly one of policy= or policy_factory=."
-            )
-        if policy is None and policy_factory is None:
-            raise _PolicyArgumentsError(
-                "One of policy or policy_factory must be provided (pass exactly one of policy= or policy_factory=)."
-            )
+        _check_policy_args(policy, policy_factory)
         fns = check_factories(create_env_fn)
         env_kwargs = check_kwargs(create_env_kwargs, len(fns))
-        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-        options = {**defaults, **options}
-        for name in ("cast_actions", "check_action_bounds", "track_traj_ids"):
-            value = options[name]
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {value!r}.")
-        torchrl_kwargs = dict(torchrl_kwargs)
-        env_backend = _env_backend(torchrl_kwargs)
+        options = _options_with_defaults(cls, options)
+        env_backend, slot_transport, in_driver = _translate_torchrl_kwargs(
+            dict(torchrl_kwargs), policy_factory, len(fns), worker_affinity
+        )
         threads = env_backend == "threading"
-        # TorchRL's transport: a hand-built ProcessSlotTransport, "auto" (this collector's choice),
-        # or "driver" (the policy served from this process, also with policy_factory)
-        slot_transport = torchrl_kwargs.pop("transport", None)
-        in_driver = slot_transport == "driver"
-        if slot_transport is None or isinstance(slot_transport, str):
-            if slot_transport not in (None, "auto", "driver"):
-                raise ValueError(
-                    f"transport must be a ProcessSlotTransport, 'auto', 'driver' or None, got {slot_transport!r}."
-                )
-            slot_transport = None
-        else:
-            check_slot_transport(slot_transport, policy_factory, len(fns))
-            if threads:
-                raise ValueError("ProcessSlotTransport requires both a process inference server and "
-                                 "env_backend='multiprocessing'.")
-        if threads and torchrl_kwargs.get("env_exchange") == "shm":
-            raise ValueError("env_exchange='shm' requires env_backend='multiprocessing'.")
-        if threads and worker_affinity not in ("auto", None):
-            raise ValueError("worker_affinity is only supported with env_backend='multiprocessing'.")
-        for name, value in torchrl_kwargs.items():
-            if name not in _ACCEPTED_AS_IS:
-                raise TypeError(f"AsyncPoolCollector() got an unexpected keyword argument {name!r}.")
-            if value not in _ACCEPTED_AS_IS[name]:
-                raise ValueError(
-                    f"AsyncPoolCollector does not support {name}={value!r}: env workers are always processes on "
-                    f"the shared-memory exchange with a central policy loop (accepted: {_ACCEPTED_AS_IS[name]})."
-                )
-        for what, value in (("policy", policy), ("policy_factory", policy_factory)):
-            if value is not None and not callable(value):
-                raise TypeError(
-                    f"{what} must be callable ("
-                    + ("a TensorDict -> TensorDict policy such as a TensorDictModule" if what == "policy"
-                       else "a zero-argument callable returning the policy")
-                    + f"), got {type(value).__name__}."
-                )
-        given = frames_per_batch, total_frames
-        frames_per_batch, total_frames = as_int(frames_per_batch), as_int(total_frames)
-        if frames_per_batch is None or frames_per_batch < 1:
-            raise ValueError(f"frames_per_batch must be a positive int, got {given[0]!r}.")
-        if total_frames is None or (total_frames < 1 and total_frames != -1):
-            raise ValueError(f"total_frames must be -1 (endless) or a positive int, got {given[1]!r}.")
-        chunk_size, chunks_per_env = options.get("transition_chunk_size", "auto"), options.get("chunks_per_env", 2)
-        if chunk_size != "auto" and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"transition_chunk_size must be a positive int or 'auto', got {chunk_size!r}.")
-        if isinstance(chunks_per_env, bool) or not isinstance(chunks_per_env, int) or chunks_per_env < 1:
-            raise ValueError(f"chunks_per_env must be a positive int, got {chunks_per_env!r}.")
-        if server_config is not None and any(v is not None for v in (max_batch_size, min_batch_size, server_timeout)):
-            raise ValueError(
-                "server_config is mutually exclusive with max_batch_size, min_batch_size and server_timeout."
-            )
-        bucket_sizes = None
-        process_server = policy_factory is not None and not in_driver and not threads
-        if server_config is not None:
-            max_batch_size, min_batch_size, server_timeout, bucket_sizes = _server_config(server_config, policy_factory)
-            backend = getattr(server_config, "service_backend", "thread")
-            process_server = process_server if backend == "thread" else backend == "process"
-        if in_driver and process_server:
-            raise ValueError("transport='driver' serves the policy from this process; it cannot be combined with "
-                             "server_config=InferenceServerConfig(service_backend='process').")
-        _check_batching(max_batch_size, min_batch_size, server_timeout)
-        if device_config is not None and device is not None:
-            raise ValueError("device is mutually exclusive with device_config.")
+        _check_policies_callable(policy, policy_factory)
+        frames_per_batch, total_frames = _check_delivery(frames_per_batch, total_frames, options)
+        max_batch_size, min_batch_size, server_timeout, bucket_sizes, process_server = _batching_from(
+            server_config, max_batch_size, min_batch_size, server_timeout,
+            process_server=policy_factory is not None and not in_driver and not threads,
+            policy_factory=policy_factory, in_driver=in_driver,
+        )
         policy_device, storing_device = _devices(device, device_config)
         worker_affinity, driver_affinity, auto_policy_affinity = resolve_collector_affinity(
             worker_affinity, driver_affinity, options["policy_num_threads"]
         )
-        return_same_td = options["return_same_td"]
-        if not isinstance(return_same_td, bool):
-            raise TypeError(f"return_same_td must be a bool, got {return_same_td!r}.")
-        if return_same_td and options["yield_completed_trajectories"]:
-            raise ValueError(
-                "return_same_td=True does not apply with yield_completed_trajectories=True: each trajectory is a "
-                "new TensorDict of its own length."
-            )
-        if return_same_td and replay_buffer is not None and _keeps_references(replay_buffer):
-            raise ValueError(
-                "return_same_td=True with a replay buffer whose storage keeps references "
-                f"({type(replay_buffer.storage).__name__}): every stored batch would be the same reused tensors. "
-                "Use a LazyTensorStorage or LazyMemmapStorage, or return_same_td=False."
-            )
+        _check_return_same_td(options, replay_buffer)
         _check_batch_layout(options, replay_buffer)
         return cls(
             create_env_fn=tuple(fns),
@@ -262,6 +183,136 @@ class CollectorConfig:
 class _PolicyArgumentsError(TypeError, ValueError):
     """``policy``/``policy_factory`` given both or neither: a :class:`TypeError` as in TorchRL, and a
     :class:`ValueError` as this collector raised before."""
+
+
+def _check_policy_args(policy, policy_factory) -> None:
+    """Exactly one of ``policy`` and ``policy_factory`` is given."""
+    if policy is not None and policy_factory is not None:
+        raise _PolicyArgumentsError(
+            "policy and policy_factory are mutually exclusive: pass exactly one of policy= or policy_factory=."
+        )
+    if policy is None and policy_factory is None:
+        raise _PolicyArgumentsError(
+            "One of policy or policy_factory must be provided (pass exactly one of policy= or policy_factory=)."
+        )
+
+
+def _options_with_defaults(cls, options: dict) -> dict:
+    """The collector's own keywords, completed with the config's defaults; the bool flags checked."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    options = {**defaults, **options}
+    for name in ("cast_actions", "check_action_bounds", "track_traj_ids"):
+        value = options[name]
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}.")
+    return options
+
+
+def _translate_torchrl_kwargs(torchrl_kwargs: dict, policy_factory, num_envs: int, worker_affinity):
+    """``(env_backend, slot_transport or None, in_driver)`` from TorchRL's own keywords (a copy,
+    emptied of what is translated); the rest must be values this collector always honours."""
+    env_backend = _env_backend(torchrl_kwargs)
+    threads = env_backend == "threading"
+    # TorchRL's transport: a hand-built ProcessSlotTransport, "auto" (this collector's choice),
+    # or "driver" (the policy served from this process, also with policy_factory)
+    slot_transport = torchrl_kwargs.pop("transport", None)
+    in_driver = slot_transport == "driver"
+    if slot_transport is None or isinstance(slot_transport, str):
+        if slot_transport not in (None, "auto", "driver"):
+            raise ValueError(
+                f"transport must be a ProcessSlotTransport, 'auto', 'driver' or None, got {slot_transport!r}."
+            )
+        slot_transport = None
+    else:
+        check_slot_transport(slot_transport, policy_factory, num_envs)
+        if threads:
+            raise ValueError("ProcessSlotTransport requires both a process inference server and "
+                             "env_backend='multiprocessing'.")
+    if threads and torchrl_kwargs.get("env_exchange") == "shm":
+        raise ValueError("env_exchange='shm' requires env_backend='multiprocessing'.")
+    if threads and worker_affinity not in ("auto", None):
+        raise ValueError("worker_affinity is only supported with env_backend='multiprocessing'.")
+    _check_accepted_as_is(torchrl_kwargs)
+    return env_backend, slot_transport, in_driver
+
+
+def _check_accepted_as_is(torchrl_kwargs: dict) -> None:
+    """TorchRL's remaining keywords: known, and with a value that is what this collector always does."""
+    for name, value in torchrl_kwargs.items():
+        if name not in _ACCEPTED_AS_IS:
+            raise TypeError(f"AsyncPoolCollector() got an unexpected keyword argument {name!r}.")
+        if value not in _ACCEPTED_AS_IS[name]:
+            raise ValueError(
+                f"AsyncPoolCollector does not support {name}={value!r}: env workers are always processes on "
+                f"the shared-memory exchange with a central policy loop (accepted: {_ACCEPTED_AS_IS[name]})."
+            )
+
+
+def _check_policies_callable(policy, policy_factory) -> None:
+    """The given ``policy`` or ``policy_factory`` is callable."""
+    for what, value in (("policy", policy), ("policy_factory", policy_factory)):
+        if value is not None and not callable(value):
+            raise TypeError(
+                f"{what} must be callable ("
+                + ("a TensorDict -> TensorDict policy such as a TensorDictModule" if what == "policy"
+                   else "a zero-argument callable returning the policy")
+                + f"), got {type(value).__name__}."
+            )
+
+
+def _check_delivery(frames_per_batch, total_frames, options: dict) -> tuple:
+    """``(frames_per_batch, total_frames)`` as ints; those and the chunk options checked."""
+    given = frames_per_batch, total_frames
+    frames_per_batch, total_frames = as_int(frames_per_batch), as_int(total_frames)
+    if frames_per_batch is None or frames_per_batch < 1:
+        raise ValueError(f"frames_per_batch must be a positive int, got {given[0]!r}.")
+    if total_frames is None or (total_frames < 1 and total_frames != -1):
+        raise ValueError(f"total_frames must be -1 (endless) or a positive int, got {given[1]!r}.")
+    chunk_size, chunks_per_env = options.get("transition_chunk_size", "auto"), options.get("chunks_per_env", 2)
+    if chunk_size != "auto" and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"transition_chunk_size must be a positive int or 'auto', got {chunk_size!r}.")
+    if isinstance(chunks_per_env, bool) or not isinstance(chunks_per_env, int) or chunks_per_env < 1:
+        raise ValueError(f"chunks_per_env must be a positive int, got {chunks_per_env!r}.")
+    return frames_per_batch, total_frames
+
+
+def _batching_from(server_config, max_batch_size, min_batch_size, server_timeout, *, process_server: bool,
+                   policy_factory, in_driver: bool) -> tuple:
+    """``(max_batch_size, min_batch_size, server_timeout, bucket_sizes, process_server)``: from
+    ``server_config`` when given (else the keywords as given), checked; ``process_server`` is the
+    choice without a ``server_config``, which its ``service_backend`` may override."""
+    if server_config is not None and any(v is not None for v in (max_batch_size, min_batch_size, server_timeout)):
+        raise ValueError(
+            "server_config is mutually exclusive with max_batch_size, min_batch_size and server_timeout."
+        )
+    bucket_sizes = None
+    if server_config is not None:
+        max_batch_size, min_batch_size, server_timeout, bucket_sizes = _server_config(server_config, policy_factory)
+        backend = getattr(server_config, "service_backend", "thread")
+        process_server = process_server if backend == "thread" else backend == "process"
+    if in_driver and process_server:
+        raise ValueError("transport='driver' serves the policy from this process; it cannot be combined with "
+                         "server_config=InferenceServerConfig(service_backend='process').")
+    _check_batching(max_batch_size, min_batch_size, server_timeout)
+    return max_batch_size, min_batch_size, server_timeout, bucket_sizes, process_server
+
+
+def _check_return_same_td(options: dict, replay_buffer) -> None:
+    """``return_same_td=True`` is refused where one reused TensorDict per batch would be wrong."""
+    return_same_td = options["return_same_td"]
+    if not isinstance(return_same_td, bool):
+        raise TypeError(f"return_same_td must be a bool, got {return_same_td!r}.")
+    if return_same_td and options["yield_completed_trajectories"]:
+        raise ValueError(
+            "return_same_td=True does not apply with yield_completed_trajectories=True: each trajectory is a "
+            "new TensorDict of its own length."
+        )
+    if return_same_td and replay_buffer is not None and _keeps_references(replay_buffer):
+        raise ValueError(
+            "return_same_td=True with a replay buffer whose storage keeps references "
+            f"({type(replay_buffer.storage).__name__}): every stored batch would be the same reused tensors. "
+            "Use a LazyTensorStorage or LazyMemmapStorage, or return_same_td=False."
+        )
 
 
 def as_int(value):
@@ -405,6 +456,8 @@ def _server_config(config, policy_factory):
 
 def _devices(device, device_config):
     """``(policy device, storing device or None)``; devices this collector cannot honour are refused."""
+    if device_config is not None and device is not None:
+        raise ValueError("device is mutually exclusive with device_config.")
     if device_config is not None:
         policy_device = getattr(device_config, "policy_device", None)
         storing = getattr(device_config, "storing_device", None)

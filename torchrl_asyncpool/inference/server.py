@@ -64,6 +64,55 @@ def _delivers_errors(method):
     return wrapper
 
 
+def _policies_by_name(policy, policy_factory, policies, policy_factories) -> tuple:
+    """``({name: policy object}, {name: policy factory})`` from the four ways of giving policies;
+    each name given once, at least one policy, each one callable."""
+    objects: Dict[str, Callable] = {}
+    factories: Dict[str, Callable] = {}
+    if policy is not None:
+        objects[DEFAULT_POLICY_NAME] = policy
+    if policy_factory is not None:
+        factories[DEFAULT_POLICY_NAME] = policy_factory
+    for what, given, into in (("policies", policies, objects), ("policy_factories", policy_factories, factories)):
+        if given is None:
+            continue
+        if not isinstance(given, Mapping) or not given:
+            raise TypeError(f"{what} must be a non-empty dict {{name: ...}}, got {type(given).__name__}.")
+        for name, value in given.items():
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"{what} names must be non-empty strings, got {name!r}.")
+            if name in into:  # policy= / policy_factory= took the default name already
+                raise ValueError(
+                    f"policy name {name!r} is given twice: by {what} and by "
+                    f"{'policy=' if into is objects else 'policy_factory='}; give each policy one name."
+                )
+            into[name] = value
+    clash = sorted(set(objects) & set(factories))
+    if clash:
+        raise ValueError(f"policy names given both as a policy and as a factory: {clash}.")
+    if not objects and not factories:
+        raise ValueError("give a policy: policy=, policy_factory=, policies= or policy_factories=.")
+    for name, value in {**objects, **factories}.items():
+        if not callable(value):
+            raise TypeError(f"policy {name!r} must be callable, got {type(value).__name__}.")
+    return objects, factories
+
+
+def _serving_mode(mode, objects: dict) -> str:
+    """``"thread"`` or ``"process"``: ``mode`` as given, else ``"thread"`` for policy objects and
+    ``"process"`` for factories alone; process mode cannot take policy objects."""
+    if mode is None:
+        mode = "thread" if objects else "process"
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}.")
+    if mode == "process" and objects:
+        raise ValueError(
+            f"mode='process' builds policies in the server process: give factories (policy_factory= or "
+            f"policy_factories=) instead of policy objects {sorted(objects)}."
+        )
+    return mode
+
+
 class InferenceServer:
     """A central policy server for the env slots of an :class:`~torchrl_asyncpool.AsyncEnvPool`.
 
@@ -191,46 +240,20 @@ class InferenceServer:
         flush_fraction: float = 0.5,
         cpu_affinity: Optional[Sequence[int]] = None,
     ):
-        objects: Dict[str, Callable] = {}
-        factories: Dict[str, Callable] = {}
-        if policy is not None:
-            objects[DEFAULT_POLICY_NAME] = policy
-        if policy_factory is not None:
-            factories[DEFAULT_POLICY_NAME] = policy_factory
-        for what, given, into in (("policies", policies, objects), ("policy_factories", policy_factories, factories)):
-            if given is None:
-                continue
-            if not isinstance(given, Mapping) or not given:
-                raise TypeError(f"{what} must be a non-empty dict {{name: ...}}, got {type(given).__name__}.")
-            for name, value in given.items():
-                if not isinstance(name, str) or not name:
-                    raise TypeError(f"{what} names must be non-empty strings, got {name!r}.")
-                if name in into:  # policy= / policy_factory= took the default name already
-                    raise ValueError(
-                        f"policy name {name!r} is given twice: by {what} and by "
-                        f"{'policy=' if into is objects else 'policy_factory='}; give each policy one name."
-                    )
-                into[name] = value
-        clash = sorted(set(objects) & set(factories))
-        if clash:
-            raise ValueError(f"policy names given both as a policy and as a factory: {clash}.")
-        if not objects and not factories:
-            raise ValueError("give a policy: policy=, policy_factory=, policies= or policy_factories=.")
-        for name, value in {**objects, **factories}.items():
-            if not callable(value):
-                raise TypeError(f"policy {name!r} must be callable, got {type(value).__name__}.")
-        if mode is None:
-            mode = "thread" if objects else "process"
-        if mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}.")
-        if mode == "process" and objects:
-            raise ValueError(
-                f"mode='process' builds policies in the server process: give factories (policy_factory= or "
-                f"policy_factories=) instead of policy objects {sorted(objects)}."
-            )
+        objects, factories = _policies_by_name(policy, policy_factory, policies, policy_factories)
+        mode = _serving_mode(mode, objects)
         self.names = list(objects) + list(factories)
         self._objects, self._factories = objects, factories
         self.mode = mode
+        self._adopt_routing(policy_configs, slot_keys, bucket_sizes)
+        self._adopt_batching(min_get, max_get, timeout, flush_fraction)
+        self._adopt_placement(cpu_affinity, device, cuda_graphs, double_buffer)
+        self.policy_version_key = policy_version_key
+        self._adopt_process_options(num_threads, mp_start_method, start_timeout, on_batch)
+        self._init_serving_state()
+
+    def _adopt_routing(self, policy_configs, slot_keys, bucket_sizes) -> None:
+        """Which policy serves which slot, under which config: checked and kept."""
         if policy_configs is not None and not isinstance(policy_configs, Mapping):
             raise TypeError(
                 f"policy_configs must be a dict {{policy name: JSON-able dict}}, got {type(policy_configs).__name__}."
@@ -242,6 +265,9 @@ class InferenceServer:
             )
         self.slot_keys = list(slot_keys) if slot_keys is not None else None
         self._bucket_sizes_arg = bucket_sizes
+
+    def _adopt_batching(self, min_get, max_get, timeout, flush_fraction) -> None:
+        """When a batch is due and how large it may be: checked and kept."""
         self.min_get = check_positive_int("min_get", min_get)
         self.max_get = check_positive_int("max_get", max_get, allow_none=True)
         if timeout != "auto" and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
@@ -258,6 +284,9 @@ class InferenceServer:
                 f"batch due), got {flush_fraction!r}."
             )
         self.flush_fraction = float(flush_fraction)
+
+    def _adopt_placement(self, cpu_affinity, device, cuda_graphs, double_buffer) -> None:
+        """Where the policies run (CPUs, device) and how the device is driven: checked and kept."""
         self.cpu_affinity = None if cpu_affinity is None else check_cpu_mask(cpu_affinity, "cpu_affinity")
         self._cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None  # the creator's mask
         try:
@@ -268,7 +297,9 @@ class InferenceServer:
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA device.")
         self.double_buffer = (self.device.type == "cuda") if double_buffer is None else bool(double_buffer)
-        self.policy_version_key = policy_version_key
+
+    def _adopt_process_options(self, num_threads, mp_start_method, start_timeout, on_batch) -> None:
+        """Threads, the server process's start (method, time allowed) and the per-batch hook: checked and kept."""
         if num_threads is not None and (
             isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
         ):
@@ -287,6 +318,9 @@ class InferenceServer:
                 f"on_batch must be callable as on_batch(name, request, response), got {type(on_batch).__name__}."
             )
         self.on_batch = on_batch
+
+    def _init_serving_state(self) -> None:
+        """What start-up, serving and stopping fill in: versions, pending weights, the backend, flags."""
         self._versions = {n: 0 for n in self.names}
         self._pending_weights: Dict[str, tuple] = {}
         self._backend = None
