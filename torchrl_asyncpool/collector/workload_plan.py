@@ -20,6 +20,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional, Tuple
 
+from torchrl_asyncpool.exchange.metrics import SumWindow
+
 __all__ = ["AffinityPlan", "UNPIN_STEP_S", "PIN_STEP_S", "PLAN_PERIOD_S"]
 
 #: a mean env step at least this long lifts the partition ...
@@ -55,7 +57,7 @@ class AffinityPlan:
         self.partitioned = bool(partitioned)
         self.measured_step_s: Optional[float] = None
         self.changes = 0
-        self._sums = measure()
+        self._window = SumWindow(measure(), _MIN_STEPS)
         self.next_look = time.monotonic() + PLAN_PERIOD_S
 
     def update(self, now: Optional[float] = None) -> None:
@@ -65,12 +67,10 @@ class AffinityPlan:
         if now < self.next_look:
             return
         self.next_look = now + PLAN_PERIOD_S
-        total, count = self._measure()
-        (total0, count0) = self._sums
-        if count - count0 < _MIN_STEPS:
+        taken = self._window.take(self._measure())
+        if taken is None:
             return
-        self._sums = (total, count)
-        self.measured_step_s = step = (total - total0) / (count - count0)
+        self.measured_step_s = step = taken[0]
         want = self.partitioned
         if self.partitioned and step >= UNPIN_STEP_S:
             want = False

@@ -11,7 +11,8 @@ import time
 
 import numpy as np
 
-__all__ = ["PoolMetrics", "METRIC_KEYS", "STAT_SLOTS", "record_recv", "record_send", "record_wait", "log_metrics"]
+__all__ = ["PoolMetrics", "METRIC_KEYS", "STAT_SLOTS", "record_recv", "record_send", "record_wait", "log_metrics",
+           "SumWindow"]
 
 #: Keys of :meth:`AsyncEnvPool.metrics <torchrl_asyncpool.AsyncEnvPool.metrics>` and what they mean.
 METRIC_KEYS = {
@@ -155,3 +156,37 @@ def log_metrics(logger, metrics: dict, step: int | None = None, prefix: str = ""
     for name, value in scalars.items():
         logger.log_scalar(name, value, step=step)
     return scalars
+
+
+class SumWindow:
+    """The mean of a running ``(seconds, count)`` sum over the window since the last take: what
+    the plans that watch a workload while it runs read (the env step from the arena's
+    ``step_time``/``step_count`` sums, the policy's cost per record from the server's).
+
+    Args:
+        sums (tuple): ``(seconds, count)`` at the window's start.
+        min_count (int): the fewest counts a window must hold to be taken (fewer: it stays open).
+
+    Examples:
+        >>> from torchrl_asyncpool.exchange.metrics import SumWindow
+        >>> w = SumWindow((0.0, 0), min_count=10)
+        >>> w.take((0.01, 5)) is None  # too few: the window stays open
+        True
+        >>> w.take((0.04, 20))  # (mean seconds, count) over the 20 since the start
+        (0.002, 20)
+    """
+
+    def __init__(self, sums: tuple, min_count: int):
+        self.sums = (float(sums[0]), int(sums[1]))
+        self.min_count = int(min_count)
+
+    def take(self, sums: tuple):
+        """``(mean, count)`` over the window that ends at ``sums``, which starts the next one; or
+        ``None`` while the window holds fewer than ``min_count`` counts."""
+        seconds, count = float(sums[0]), int(sums[1])
+        n = count - self.sums[1]
+        if n < self.min_count:
+            return None
+        mean = (seconds - self.sums[0]) / n
+        self.sums = (seconds, count)
+        return mean, n

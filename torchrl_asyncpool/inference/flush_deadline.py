@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional
 
+from torchrl_asyncpool.exchange.metrics import SumWindow
 from torchrl_asyncpool.inference._common import auto_flush_timeout
 
 __all__ = ["FlushDeadline", "TRIAL_WINDOW_S", "TRIAL_WINDOWS", "HOLD_S", "WAIT_MARGIN"]
@@ -88,14 +89,14 @@ class FlushDeadline:
         self.timeout = 0.0
         self.measured_step_s: Optional[float] = None
         self.measured_policy_s: Optional[float] = None
-        self._policy_sums = None if policy_sums is None else tuple(policy_sums)
+        self._policy_window = None if policy_sums is None else SumWindow(policy_sums, _MIN_STEPS)
         self._decided_policy: Optional[float] = None  # the policy's cost per record at the last decision
         self.choice = "unmeasured"
         self.candidate_s = 0.0
         self.rounds = 0
         #: the last round's rates (env steps per second) per option, one per window
         self.last_trial: Dict[str, List[float]] = {}
-        self._at, self._sums = now, tuple(sums)
+        self._at, self._window = now, SumWindow(sums, _MIN_STEPS)
         self._trial: List[tuple] = []  # (option, rate) of the running round
         self._decided_step: Optional[float] = None  # the mean step when a round last decided
         self._hold_until: Optional[float] = None  # None: no round's decision is in force
@@ -108,20 +109,20 @@ class FlushDeadline:
         """Closes the window that ends ``now`` (``sums``: the arena's step sums so far;
         ``policy_sums``: the server's policy seconds and records so far, when it was created with
         them) and sets :attr:`timeout` for the next one."""
-        total, count = sums
-        total0, count0 = self._sums
-        if count - count0 < _MIN_STEPS:
+        taken = self._window.take(sums)
+        if taken is None:
             return  # too few steps to judge: the window stays open
         elapsed = max(now - self._at, 1e-9)
-        self._at, self._sums = now, (total, count)
-        step = self.measured_step_s = (total - total0) / (count - count0)
+        self._at = now
+        step, steps = taken
+        self.measured_step_s = step
         self._look_policy(policy_sums)
         candidate = auto_flush_timeout(step, self.envs_in_turn)
         if candidate <= 0.0:  # cheap envs: greedy, nothing to try (a running round ends)
             self.choice, self.candidate_s, self.timeout, self._hold_until = "greedy", 0.0, 0.0, None
             return
         if self.choice == "trial":
-            self._trial.append(("wait" if self.timeout > 0.0 else "greedy", (count - count0) / elapsed))
+            self._trial.append(("wait" if self.timeout > 0.0 else "greedy", steps / elapsed))
             if len(self._trial) >= TRIAL_WINDOWS:
                 self._decide(now)
             else:  # alternate: wait, greedy, wait, greedy
@@ -150,12 +151,11 @@ class FlushDeadline:
     def _look_policy(self, policy_sums: Optional[tuple]) -> None:
         """The policy's cost per record over the window (kept from the last window that served
         enough records)."""
-        if policy_sums is None or self._policy_sums is None:
+        if policy_sums is None or self._policy_window is None:
             return
-        (seconds, records), (seconds0, records0) = policy_sums, self._policy_sums
-        if records - records0 >= _MIN_STEPS:
-            self.measured_policy_s = (seconds - seconds0) / (records - records0)
-            self._policy_sums = tuple(policy_sums)
+        taken = self._policy_window.take(policy_sums)
+        if taken is not None:
+            self.measured_policy_s = taken[0]
 
     def describe(self) -> dict:
         """The decision and the measurements behind it (for the collector's ``plan()``)."""
