@@ -33,6 +33,7 @@ Run::
 
     python benchmarks/compare_training.py                              # everything (hours)
     python benchmarks/compare_training.py --scripts ppo_mujoco         # PPO only, seeds 0 and 1
+    python benchmarks/compare_training.py --scripts ppo_mujoco --seeds 0 --stop-at-target  # time to 1,500
     python benchmarks/compare_training.py --quick                      # the pipeline in minutes
     python benchmarks/compare_training.py --quick --scripts ppo_mujoco --collectors asyncpool --seeds 0
 """
@@ -68,6 +69,8 @@ RUNS = {
                       "--eval-episodes", "0")),
 }
 COLLECTORS = ("asyncpool", "torchrl")
+#: the scripts that can end their run at the target (``--stop-at-target true``)
+_STOPS_AT_TARGET = ("ppo_mujoco",)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -79,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seeds of every script (default: 0 and 1 for the MuJoCo scripts, 0 for Pong)")
     p.add_argument("--quick", action="store_true", help="a few thousand frames per run: the pipeline, not the speed")
     p.add_argument("--total-frames", type=int, default=None, help="cap every run at this many frames")
+    p.add_argument("--stop-at-target", action="store_true",
+                   help="end each PPO run when its mean return reaches the target (the time to the target is "
+                        "the comparison; the rest of the curve is not drawn)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds one run may take (default: 900 with --quick, none otherwise)")
     p.add_argument("--log-dir", default=None, help="where the runs log (default: a temporary directory)")
@@ -132,6 +138,8 @@ def command(script: str, collector: str, seed: int, log_dir: Path, args) -> list
         cmd += RUNS[script][2]
     if args.total_frames is not None:
         cmd += ["--total-frames", str(args.total_frames)]  # the last one given wins (argparse)
+    if args.stop_at_target and script in _STOPS_AT_TARGET:
+        cmd += ["--stop-at-target", "true"]
     return cmd
 
 
