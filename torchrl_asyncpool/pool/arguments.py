@@ -51,12 +51,12 @@ def check_factories(create_env_fn) -> list:
         >>> check_factories(ZeroLatencyEnv)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        TypeError: create_env_fn must be a list of env factories, one callable per env ... got class ZeroLatencyEnv.
+        TypeError: create_env_fn must be a list of env factories (a list of callables, ... got class ZeroLatencyEnv.
     """
     if callable(create_env_fn) or isinstance(create_env_fn, (str, bytes)) or not isinstance(create_env_fn, Sequence):
         raise TypeError(
-            "create_env_fn must be a list of env factories, one callable per env (for n copies of one env: "
-            f"[make_env] * n), got {_kind(create_env_fn)}."
+            "create_env_fn must be a list of env factories (a list of callables, one per env; for n copies of "
+            f"one env: [make_env] * n), got {_kind(create_env_fn)}."
         )
     if not len(create_env_fn):
         raise TypeError("create_env_fn must be a non-empty list of env factories, got an empty one.")
