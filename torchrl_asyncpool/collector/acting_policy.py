@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.envs.utils import set_exploration_type
 
+from torchrl_asyncpool.collector.direct_call import direct_call
 from torchrl_asyncpool.exchange.arena import CARRY_KEY, as_key
 
 __all__ = [
@@ -46,6 +47,8 @@ class ActingPolicy(torch.nn.Module):
             self.policy = policy
         else:
             self._callable = policy
+        # a plain TensorDictModule is called without its dispatch machinery (direct_call.py)
+        self._direct = direct_call(policy)
         self.exploration_type = exploration_type
         # one context object, entered per batch (building one costs about as much as entering it)
         self._explore = set_exploration_type(exploration_type) if exploration_type is not None else None
@@ -83,11 +86,13 @@ class ActingPolicy(torch.nn.Module):
             for key, slot_key in self.carry.items():
                 td.set(key, td.get(slot_key))
         with self._gate:
+            direct = self._direct
+            call = direct if direct is not None and direct.applies() else self._target()
             if self._explore is not None:
                 with self._explore:
-                    out = self._target()(td)
+                    out = call(td)
             else:
-                out = self._target()(td)
+                out = call(td)
             out = td if out is None else out
             for key, check in self.action_checks.items():
                 value = out.get(key, None)
