@@ -190,7 +190,8 @@ def test_a_failing_vector_env_is_rebuilt_whole_and_records_stay_exact(kind, dev_
         info = pool.restart_info()
     # every rebuild marks each of its envs once: a truncation for an open episode, else the FIRST
     assert checker.records >= 300 and checker.restarts >= 3 * 4
-    assert restarts >= 4 and set(info) <= {0, 3}  # counted on each vector env's first slot
+    # counted on each vector env's first slot (a restart elsewhere is a worker replaced: its cause says why)
+    assert restarts >= 4 and set(info) <= {0, 3}, {i: cause[-400:] for i, (_, cause) in info.items()}
     assert all("scripted failure" in cause for _, cause in info.values())
 
 

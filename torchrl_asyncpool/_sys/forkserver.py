@@ -17,9 +17,10 @@ import multiprocessing as mp
 import os
 import threading
 import warnings
+import weakref
 from multiprocessing.connection import wait
 
-__all__ = ["PRELOAD", "START_METHODS", "forkserver_context", "exit_code", "picklable"]
+__all__ = ["PRELOAD", "START_METHODS", "forkserver_context", "death_fd", "exit_code", "picklable"]
 
 #: The ``mp_start_method`` values a pool, a collector and an inference server accept (a ``fork``
 #: after torch has started its threads can deadlock the child).
@@ -87,11 +88,74 @@ def forkserver_context(user: str = "AsyncEnvPool"):
 _POLL_LOCK = threading.Lock()
 
 
+def death_fd(proc) -> int:
+    """A descriptor that becomes readable once ``proc`` (a started child process, or a
+    :class:`~torchrl_asyncpool.workers.thread_worker.ThreadWorker`) has ended, and not before.
+
+    A fork server's child has no sentinel of its own: ``proc.sentinel`` is the fork server's
+    connection, which carries the exit status once the fork server reaps the child, and which
+    also turns readable (EOF) when the fork server itself ends, with every child still running.
+    Watching that, a pool took its live workers for dead: it started replacements beside them
+    and the two stepped the same slots. A ``pidfd`` (Linux 5.3 and later) watches the process
+    itself; where there is none (another OS, or a child already ended and reaped) the sentinel
+    is the answer. The descriptor is the process object's: it is closed with it, or by
+    :func:`release_death_fd`.
+
+    Examples:
+        >>> import select, time
+        >>> from torchrl_asyncpool._sys.forkserver import death_fd, exit_code, forkserver_context
+        >>> p = forkserver_context().Process(target=time.sleep, args=(0.2,))
+        >>> p.start()
+        >>> fd = death_fd(p)
+        >>> select.select([fd], [], [], 0)[0]  # running
+        []
+        >>> exit_code(p, timeout=30)
+        0
+        >>> select.select([fd], [], [], 0)[0] == [fd]
+        True
+    """
+    check_closed = getattr(proc, "_check_closed", None)
+    if check_closed is not None:  # a closed process object raises ValueError, as its sentinel does
+        check_closed()
+    fd = getattr(proc, "_death_fd", None)
+    if fd is not None:
+        return fd
+    fd, finalizer = proc.sentinel, None
+    pid = getattr(proc, "pid", None)
+    if pid is not None and hasattr(os, "pidfd_open"):
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # ended and reaped already (its sentinel has the status), or no pidfds here
+            pass
+        else:
+            os.set_inheritable(fd, False)
+            finalizer = weakref.finalize(proc, os.close, fd)
+    proc._death_fd, proc._death_fd_finalizer = fd, finalizer
+    return fd
+
+
+def release_death_fd(proc) -> None:
+    """Closes the pidfd :func:`death_fd` opened for ``proc`` (idempotent; the sentinel stays the
+    process object's to close)."""
+    finalizer = getattr(proc, "_death_fd_finalizer", None)
+    if finalizer is not None:
+        finalizer()
+
+
+def _ended(proc, timeout) -> bool:
+    """Whether ``proc`` has ended, after waiting up to ``timeout`` seconds (``None``: until it
+    ends) on its :func:`death_fd`."""
+    return bool(wait([death_fd(proc)], timeout))
+
+
 def exit_code(proc, timeout: float | None = 0.0):
     """``proc.exitcode`` (``None`` while it runs), after waiting up to ``timeout`` seconds for it
     to end (``None``: until it ends); safe to call from several threads at once (see
     ``_POLL_LOCK``).
 
+    Whether it runs is read from :func:`death_fd`, never from the fork server's connection (which
+    also ends when the fork server does, while the child runs on); a child that ended after its
+    fork server did reads ``255``, as ``multiprocessing`` reports a status it could not get.
     The wait happens outside the lock, so a thread waiting on one child does not hold up
     another thread reading a status.
 
@@ -103,8 +167,10 @@ def exit_code(proc, timeout: float | None = 0.0):
         >>> exit_code(p, timeout=30)
         0
     """
-    if timeout is None or timeout > 0:
-        wait([proc.sentinel], timeout)
+    if not _ended(proc, 0.0 if timeout is not None and timeout <= 0 else timeout):
+        return None
+    # a fork server writes the status a moment after its child ended
+    wait([proc.sentinel], 1.0)
     with _POLL_LOCK:
         proc.join(0)  # reads the status if it ended; also drops it from multiprocessing's children
         return proc.exitcode

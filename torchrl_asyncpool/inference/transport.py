@@ -14,7 +14,7 @@ from typing import Optional
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle
 from torchrl_asyncpool.exchange.doorbell import Doorbell
 from torchrl_asyncpool._sys.descriptors import InheritedFd
-from torchrl_asyncpool._sys.forkserver import START_METHODS, exit_code, forkserver_context, picklable
+from torchrl_asyncpool._sys.forkserver import START_METHODS, death_fd, exit_code, forkserver_context, picklable
 from torchrl_asyncpool._sys.descriptors import ship_fds
 from torchrl_asyncpool.inference._common import InferenceServerError, ServerSpec
 from torchrl_asyncpool.inference._shared import SharedWeights, StatsBlock
@@ -179,7 +179,7 @@ class ProcessSlotTransport:
 
     def _await_ready(self) -> dict:
         deadline = None if self.start_timeout is None else time.monotonic() + self.start_timeout
-        sentinel = self._proc.sentinel
+        sentinel = death_fd(self._proc)  # not its sentinel: a fork server's end is not the server's
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -216,7 +216,7 @@ class ProcessSlotTransport:
         """Monitor thread: records the server's errors and its death as they happen."""
         try:
             poller = select.poll()
-            conn_fd, sentinel, wake_fd = self._conn.fileno(), self._proc.sentinel, self._wake.fd
+            conn_fd, sentinel, wake_fd = self._conn.fileno(), death_fd(self._proc), self._wake.fd
             for fd in (conn_fd, sentinel, wake_fd):
                 poller.register(fd, select.POLLIN)
             while not self._closed:

@@ -27,6 +27,7 @@ from torchrl_asyncpool.exchange.arena import Arena, as_key
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell
 from torchrl_asyncpool._sys.descriptors import InheritedFd
+from torchrl_asyncpool._sys.forkserver import death_fd
 from torchrl_asyncpool.exchange.metrics import PoolMetrics, log_metrics
 from torchrl_asyncpool._sys.descriptors import ensure_fd_capacity
 from torchrl_asyncpool.pool.arguments import BACKENDS  # noqa: F401 - documented here (api.rst)
@@ -436,7 +437,7 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
             bells=[bell.inheritable() for bell in self._bells],
             slot_bell=self._slot_bell.tolist(),
             # a watched pool's watchdog handles deaths: a consumer elsewhere must not fail on one
-            worker_sentinels=[] if self._watched else [InheritedFd(p.sentinel) for p in self._procs],
+            worker_sentinels=[] if self._watched else [InheritedFd(death_fd(p)) for p in self._procs],
             slot_worker=self._slot_worker.tolist(),
             worker_pids=[p.pid for p in self._procs],
             action_keys=self.action_keys,

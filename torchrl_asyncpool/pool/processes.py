@@ -16,7 +16,7 @@ import numpy as np
 
 from torchrl_asyncpool.errors import EnvError, PoolStartCancelled, WorkerDiedError
 from torchrl_asyncpool._sys.descriptors import InheritedFd
-from torchrl_asyncpool._sys.forkserver import exit_code, forkserver_context, picklable
+from torchrl_asyncpool._sys.forkserver import death_fd, exit_code, forkserver_context, picklable, release_death_fd
 from torchrl_asyncpool._sys.descriptors import ship_fds
 from torchrl_asyncpool.workers.worker import run_worker, worker_main
 from torchrl_asyncpool.workers.thread_worker import ThreadWorker
@@ -118,7 +118,7 @@ class _PoolWorkers:
                 )
                 err.env_indices = slots  # which envs may hang (evaluate() times out their episodes)
                 raise err
-            sentinels = {self._procs[w].sentinel: w for w in pending}
+            sentinels = {death_fd(self._procs[w]): w for w in pending}
             if self._cancel_start is not None:  # looked at again every 0.1 s
                 remaining = _CANCEL_POLL_S if remaining is None else min(remaining, _CANCEL_POLL_S)
             for obj in wait(list(pending.values()) + list(sentinels), remaining):
@@ -182,6 +182,7 @@ def release_process(p) -> None:
     if isinstance(p, ThreadWorker):
         p.close()
     elif exit_code(p) is not None:
+        release_death_fd(p)
         try:
             p.close()
         except ValueError:  # closed already

@@ -19,7 +19,7 @@ from torchrl_asyncpool.errors import EnvError, WorkerDiedError
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena
 from torchrl_asyncpool._sys.descriptors import InheritedFd
-from torchrl_asyncpool._sys.forkserver import exit_code
+from torchrl_asyncpool._sys.forkserver import death_fd, exit_code
 from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.workers.restarts import DeferredEnvError
 from torchrl_asyncpool.workers.watch import WorkerWatch, hung_slots
@@ -79,8 +79,9 @@ class _PoolWatchdog:
         poller = select.poll()
         self._sentinel_fds = {}
         for w, p in enumerate(self._procs):
-            poller.register(p.sentinel, select.POLLIN)
-            self._sentinel_fds[p.sentinel] = w
+            fd = death_fd(p)  # not p.sentinel: a fork server's end is not its children's
+            poller.register(fd, select.POLLIN)
+            self._sentinel_fds[fd] = w
         self._sentinel_poll = poller
 
     def _watchdog(self) -> None:
