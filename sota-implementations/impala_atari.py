@@ -36,6 +36,7 @@ Run::
     python sota-implementations/impala_atari.py
     python sota-implementations/impala_atari.py --collector torchrl
     python sota-implementations/impala_atari.py --num-envs 8 --total-frames 2000000 --log-dir /tmp/runs
+    python sota-implementations/impala_atari.py --max-minutes 60   # as many frames as fit in an hour
 
 What was measured (2-core development machine shared with other jobs, no GPU; see
 ``sota-implementations/README.md`` for the commit and date): only short smoke runs, no
@@ -74,6 +75,7 @@ class Config:
     frames_per_batch: int = 640           # agent steps per learner step (TorchRL: 32 rollouts x 20 steps)
     rollout_length: int = 20              # torchrl: steps per worker rollout (frames_per_batch / it rollouts per step)
     total_frames: int = 50_000_000        # agent steps (x4 emulator frames: TorchRL's 200M)
+    max_minutes: float = 0.0              # stop training after this many minutes (0: at total_frames)
     target_return: float = 18.0           # drawn on the plot; the frames at which it is reached are reported
     window: int = 20                      # episodes in the moving mean of the return
     # IMPALA / V-trace (TorchRL's sota-implementations/impala/config_single_node.yaml)
@@ -117,6 +119,8 @@ def parse_config(argv=None) -> Config:
                      "--on-env-failure and --step-timeout are AsyncPoolCollector options.")
     if cfg.on_env_failure not in ("raise", "restart"):
         parser.error(f"--on-env-failure must be 'raise' or 'restart', got {cfg.on_env_failure!r}.")
+    if cfg.max_minutes < 0:
+        parser.error(f"--max-minutes must be >= 0 (0: no limit), got {cfg.max_minutes}.")
     if cfg.step_timeout < 0:
         parser.error(f"--step-timeout must be >= 0 (0: no limit), got {cfg.step_timeout}.")
     if cfg.eval_episodes < 0 or cfg.eval_max_steps < 1:
@@ -170,6 +174,7 @@ def main(argv=None) -> dict:
     recent = deque(maxlen=cfg.window)
     curve_frames, curve_returns = [], []
     frames, updates, wait_s, reached_at, rollout_id = 0, 0, 0.0, None, 0
+    stopped_by_time = False
     pbar = tqdm.tqdm(total=cfg.total_frames, unit="frames", disable=not cfg.progress, dynamic_ncols=True)
     t0 = time.monotonic()
     batches = iter(collector)
@@ -248,6 +253,9 @@ def main(argv=None) -> dict:
             pbar.set_postfix(**postfix)
             if reached_at is None and len(recent) == cfg.window and mean_ret >= cfg.target_return:
                 reached_at = (frames, elapsed)
+            if cfg.max_minutes and elapsed >= 60 * cfg.max_minutes:
+                stopped_by_time = True
+                break
     finally:
         pbar.close()
         collector.shutdown()
@@ -270,6 +278,8 @@ def main(argv=None) -> dict:
     if reached_at is not None:
         print(f"Mean return of {cfg.window} episodes reached {cfg.target_return:g} after {reached_at[0]} frames "
               f"in {reached_at[1]:.1f}s.")
+    if stopped_by_time:
+        print(f"Stopped at the --max-minutes budget ({cfg.max_minutes:g} min).")
     print(f"{frames} agent steps ({4 * frames} emulator frames), {updates} updates in {elapsed:.1f}s: "
           f"{frames / elapsed:.0f} frames/s, {updates / elapsed:.2f} updates/s, learner waited "
           f"{100 * wait_s / elapsed:.0f}% of the time; mean return of the last {len(recent)} episodes {mean_ret:.1f}, "
@@ -277,7 +287,8 @@ def main(argv=None) -> dict:
     print(f"Logs: {os.path.join(cfg.log_dir, exp_name)}  Curve: {plot_path}")
     return {"frames": frames, "updates": updates, "time_s": elapsed, "fps": frames / elapsed,
             "learner_wait_share": wait_s / elapsed, "mean_return": mean_ret, "eval_return": eval_return,
-            "reached_at": reached_at, "log_dir": os.path.join(cfg.log_dir, exp_name), "plot_path": plot_path}
+            "reached_at": reached_at, "stopped_by_time": stopped_by_time,
+            "log_dir": os.path.join(cfg.log_dir, exp_name), "plot_path": plot_path}
 
 
 if __name__ == "__main__":

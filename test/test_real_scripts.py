@@ -132,6 +132,16 @@ def test_impala_atari_smoke(tmp_path):
     assert "1024 agent steps" in proc.stdout
 
 
+@pytest.mark.timeout(240)
+def test_impala_atari_stops_at_its_time_budget(tmp_path):
+    pytest.importorskip("ale_py")
+    proc = _run_script("impala_atari.py", tmp_path, *_IMPALA_SMALL[:4], "--total-frames", "100000", "--max-minutes",
+                       "0.0001", "--eval-episodes", "0")
+    assert _scalar(tmp_path, "updates")[-1] == 1  # the budget (6 ms) is spent by the first learner step
+    assert "Stopped at the --max-minutes budget" in proc.stdout and "128 agent steps" in proc.stdout
+    assert any(tmp_path.rglob("impala_atari.png"))  # the curve of what ran
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_impala_atari_torchrl_collector_smoke(tmp_path):
