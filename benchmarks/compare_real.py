@@ -26,6 +26,9 @@ Systems (``--systems``; each one cell per workload, policy and env count):
 * ``ours_envpool``    the collector hosting ``envpool.make_gymnasium(...)`` factories (EnvPool's
                       ``Pong-v5`` on Atari, its ``HalfCheetah-v4`` vector env on MuJoCo, synchronous
                       mode, one thread each), one factory per core (``--vec-factories``)
+* ``ours_envpool_async`` the same factories in EnvPool's asynchronous mode (``batch_size=k/2``,
+                      ``cores / factories`` threads each): each env is stepped as soon as the policy
+                      has answered it (``EnvPoolAsyncAdapter``)
 * ``ours_gym_unpinned`` (diagnostic, only when named) ``ours_gym`` with ``worker_affinity=None,
                       driver_affinity=None``: nothing pinned, against the default CPU partition
 * ``gym_async``       a hand-written ``gymnasium.vector.AsyncVectorEnv(shared_memory=True, fork)``
@@ -83,15 +86,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_collectors import _ShieldedCell  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-FAST_SYSTEMS = ("ours_gym", "ours_torchrl", "ours_ale_vec", "ours_envpool", "gym_async", "gym_sync",
-                "envpool_async", "ale_async", "env_only", "env_only_ale", "env_only_envpool")
+FAST_SYSTEMS = ("ours_gym", "ours_torchrl", "ours_ale_vec", "ours_envpool", "ours_envpool_async", "gym_async",
+                "gym_sync", "envpool_async", "ale_async", "env_only", "env_only_ale", "env_only_envpool")
 TORCHRL_SYSTEMS = ("torchrl_sync", "torchrl_async")
 DIAGNOSTIC_SYSTEMS = ("ours_gym_unpinned",)
-SYSTEMS = FAST_SYSTEMS[:8] + TORCHRL_SYSTEMS + FAST_SYSTEMS[8:] + DIAGNOSTIC_SYSTEMS
+SYSTEMS = FAST_SYSTEMS[:9] + TORCHRL_SYSTEMS + FAST_SYSTEMS[9:] + DIAGNOSTIC_SYSTEMS
 CEILINGS = {"env_only", "env_only_ale", "env_only_envpool"}
 # the ceiling each system is set against: its own env stack's
 STACK_CEILING = {"ours_ale_vec": "env_only_ale", "ale_async": "env_only_ale", "ours_envpool": "env_only_envpool",
-                 "envpool_async": "env_only_envpool"}
+                 "ours_envpool_async": "env_only_envpool", "envpool_async": "env_only_envpool"}
 ATARI_ONLY = {"ours_ale_vec", "ale_async", "env_only_ale"}
 TITLES = {"atari": "Atari", "mujoco": "MuJoCo"}
 ATARI_ACTIONS, MUJOCO_OBS, MUJOCO_ACT = 6, 17, 6
@@ -373,6 +376,11 @@ def build_ours(w, p, n, fpb, system, vec_factories=None):
     elif system == "ours_envpool":
         _need_envpool()
         fns = [functools.partial(make_envpool, w, k) for k in _split(n, vec_factories or _cores())]
+    elif system == "ours_envpool_async":
+        _need_envpool()
+        sizes = _split(n, vec_factories or _cores())
+        threads = max(1, _cores() // len(sizes))
+        fns = [functools.partial(make_envpool, w, k, num_threads=threads, batch_size=max(1, k // 2)) for k in sizes]
     else:
         raise ValueError(system)
     policy = make_td_policy(w, p, torchrl_specs=system == "ours_torchrl")
@@ -617,6 +625,7 @@ RUNNERS = {
     "ours_torchrl": run_ours("ours_torchrl"),
     "ours_ale_vec": run_ours("ours_ale_vec"),
     "ours_envpool": run_ours("ours_envpool"),
+    "ours_envpool_async": run_ours("ours_envpool_async"),
     "ours_gym_unpinned": run_ours("ours_gym_unpinned"),
     "gym_async": run_gym_async,
     "gym_sync": run_gym_sync,
@@ -677,7 +686,7 @@ def main(argv=None):
                                                  "none with --quick)")
     ap.add_argument("--note", default="", help="free text stored in the JSON (what else ran on the machine)")
     a = ap.parse_args(argv)
-    systems = list(a.systems or (FAST_SYSTEMS[:8] + (TORCHRL_SYSTEMS if a.torchrl else ()) + FAST_SYSTEMS[8:]))
+    systems = list(a.systems or (FAST_SYSTEMS[:9] + (TORCHRL_SYSTEMS if a.torchrl else ()) + FAST_SYSTEMS[9:]))
     if a.quick:
         a.repeats, a.seconds, a.warmup, a.frames = 1, 0.5, 0.2, 0
         a.envs = a.envs[:1]

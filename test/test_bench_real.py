@@ -54,14 +54,16 @@ def test_compare_real_quick(tmp_path):
 
 
 def test_compare_real_hosts_envpool(tmp_path):
-    """``ours_envpool``: the collector hosting EnvPool's ``Pong-v5`` and ``HalfCheetah-v4`` vector
-    envs as factories (4 envs: one factory of 2 per core on 2 cores)."""
+    """``ours_envpool`` and ``ours_envpool_async``: the collector hosting EnvPool's ``Pong-v5`` and
+    ``HalfCheetah-v4`` vector envs as factories, in lockstep and in EnvPool's asynchronous mode (4
+    envs: one factory of 2 per core on 2 cores)."""
     pytest.importorskip("envpool")
-    data = run_quick(tmp_path, ["ours_envpool"], 4)
+    data = run_quick(tmp_path, ["ours_envpool", "ours_envpool_async"], 4)
     cells = {c["cell"]: c for c in data["cells"]}
     assert set(cells) == {"Atari 4", "MuJoCo 4"}, sorted(cells)
     for name, cell in cells.items():
-        entry = cell["systems"]["ours_envpool"]
-        assert "error" not in entry, (name, entry.get("error"))
-        assert entry["median"] > 0, (name, entry)
-        assert entry["collector"]["pool"]["slots_envpool"] == 4  # every slot stepped by the EnvPool adapter
+        for system, path in (("ours_envpool", "envpool"), ("ours_envpool_async", "envpool_async")):
+            entry = cell["systems"][system]
+            assert "error" not in entry, (name, system, entry.get("error"))
+            assert entry["median"] > 0, (name, system, entry)
+            assert entry["collector"]["pool"]["slots_" + path] == 4  # every slot stepped by that EnvPool adapter

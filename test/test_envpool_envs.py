@@ -69,10 +69,14 @@ def check_cartpole_episodes(transitions, sim):
     return ends
 
 
-def test_collector_delivers_cartpole_transitions_that_follow_the_physics(dev_shm_guard):
-    c = AsyncPoolCollector([cartpole] * 2, policy=random_policy, frames_per_batch=100, total_frames=800, seed=5)
+@pytest.mark.parametrize("batch_size", [None, 2], ids=["lockstep", "async"])
+def test_collector_delivers_cartpole_transitions_that_follow_the_physics(batch_size, dev_shm_guard):
+    # async: EnvPool's asynchronous mode (batch_size < num_envs), each env stepped once answered
+    factory = cartpole if batch_size is None else functools.partial(cartpole, batch_size=batch_size)
+    c = AsyncPoolCollector([factory] * 2, policy=random_policy, frames_per_batch=100, total_frames=800, seed=5)
     try:
         assert c.env.num_envs == 8 and c.env.envs_per_factory == 4
+        assert c.env.slot_paths == ["envpool" if batch_size is None else "envpool-async"] * 8
         batches = []
         for batch in c:
             assert batch["observation"].shape == (100, 4) and batch["observation"].dtype == torch.float32
@@ -91,13 +95,15 @@ def test_collector_delivers_cartpole_transitions_that_follow_the_physics(dev_shm
     assert ends[0] > 0 and ends[1] > 0, f"(terminations, truncations) = {tuple(ends)}"
 
 
-def test_pool_records_step_types_and_seeds_like_envpool_built_with_the_seed():
+@pytest.mark.parametrize("batch_size", [None, 2], ids=["lockstep", "async"])
+def test_pool_records_step_types_and_seeds_like_envpool_built_with_the_seed(batch_size):
     """Env ``i`` of a pool seeded 11 starts where EnvPool built with seed ``11 + i`` starts; the
     record after a terminal one is the env's ``FIRST``, with reward 0."""
     expected = [cartpole(num_envs=1, seed=11 + i).reset()[0][0] for i in range(8)]
     last = {}
     firsts = 0
-    with AsyncEnvPool([cartpole] * 2, seed=11) as pool:
+    factory = cartpole if batch_size is None else functools.partial(cartpole, batch_size=batch_size)
+    with AsyncEnvPool([factory] * 2, seed=11) as pool:
         assert pool.envs_per_factory == 4
         for _ in range(200):
             td = pool.recv(min_get=1)
@@ -127,8 +133,8 @@ def test_envpool_env_is_recognized_and_bad_setups_raise():
         assert request["observation"] == ((4,), torch.float32) and response == {"action": ((), torch.int64)}
     finally:
         adapter.close()
-    with pytest.raises(TypeError, match="asynchronous mode"):
-        AsyncEnvPool([functools.partial(cartpole, batch_size=2)])
+    with pytest.raises(ValueError, match="num_envs=4 is not a multiple of batch_size=3"):
+        AsyncEnvPool([functools.partial(cartpole, batch_size=3)])
     with pytest.raises(TypeError, match="make_gymnasium"):
         AsyncEnvPool([functools.partial(envpool.make_dm, "CartPole-v1", num_envs=2)])
 

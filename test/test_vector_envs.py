@@ -157,6 +157,12 @@ def test_bad_vector_env_setups_raise_clear_errors():
     async_vec = functools.partial(gym.make_vec, "CartPole-v1", num_envs=2, vectorization_mode="async")
     with pytest.raises(TypeError, match="AsyncVectorEnv, which runs its envs in processes of its own"):
         AsyncEnvPool([async_vec])
+    pytest.importorskip("ale_py")
+    from ale_py.vector_env import AtariVectorEnv
+
+    # ale-py's asynchronous mode: each step returns batch_size of the envs, and send() takes no env ids
+    with pytest.raises(ValueError, match="returns 2 of its 4 envs per step"):
+        AsyncEnvPool([functools.partial(AtariVectorEnv, "pong", 4, batch_size=2, num_threads=1)])
     # every factory must return the same number of envs, and the same kind of env
     with pytest.raises(EnvError, match="vector env of 2 envs; the pool expects 4"):
         AsyncEnvPool([functools.partial(oracle_vector, 0, 4), functools.partial(oracle_vector, 4, 2)])

@@ -14,7 +14,7 @@ from torchrl.envs import EnvBase
 
 from torchrl_asyncpool.envs import torchrl_vector_hosting
 from torchrl_asyncpool.envs.env_attrs import env_where
-from torchrl_asyncpool.envs.envpool_adapter import EnvPoolVectorAdapter, is_envpool
+from torchrl_asyncpool.envs.envpool_adapter import EnvPoolAsyncAdapter, EnvPoolVectorAdapter, is_envpool
 from torchrl_asyncpool.envs.gymnasium_adapters import GymnasiumEnvAdapter, GymnasiumVectorAdapter
 from torchrl_asyncpool.envs.torchrl_adapters import TorchRLBatchedAdapter, TorchRLEnvAdapter
 
@@ -140,6 +140,8 @@ def make_adapter(env, env_index: int | None = None):
     # an EnvPool env is a gymnasium.Env too (with one env's spaces but batched steps): the vector
     # env test comes first
     if is_envpool(env):
+        if env.unwrapped.is_async:  # batch_size < num_envs
+            return EnvPoolAsyncAdapter(env, env_index)
         return EnvPoolVectorAdapter(env, env_index)
     if gym is not None and isinstance(env, gym.vector.VectorEnv):
         return GymnasiumVectorAdapter(env, env_index)

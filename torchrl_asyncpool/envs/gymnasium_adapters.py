@@ -202,6 +202,16 @@ class GymnasiumVectorAdapter(GymnasiumEnvAdapter):
             )
         if plan_of(env) is not None:
             raise TypeError(f"{where}: fixed episode plans (evaluate()) need single envs, not a vector env.")
+        batch = getattr(env.unwrapped, "batch_size", env.num_envs)
+        if isinstance(batch, int) and batch != env.num_envs:
+            env.close()
+            raise ValueError(
+                f"{where} returns {batch} of its {env.num_envs} envs per step (an asynchronous mode, such as "
+                "ale-py's AtariVectorEnv with batch_size < num_envs), and its send() takes no env ids: the pool "
+                "cannot hand each env its action when the policy answers it. Build it with batch_size=num_envs "
+                "(the default) and the pool steps it in lockstep, or use EnvPool's asynchronous mode "
+                "(envpool.make_gymnasium(..., batch_size=b)), which the pool hosts env by env."
+            )
         mode = env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP)
         if mode != AutoresetMode.NEXT_STEP and getattr(mode, "value", mode) != AutoresetMode.NEXT_STEP.value:
             raise ValueError(
