@@ -392,12 +392,12 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         self._slot_worker = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
         # a threaded worker's slots each wait on their own doorbell; otherwise one per worker
         self._slot_bell = np.arange(n) if self.env_threads else self._slot_worker
-        # the bells, and a pipe, a sentinel and a data pipe per worker process (a worker thread owns
+        # the bells, and a pipe, a sentinel, a pidfd and a data pipe per worker process (a worker thread owns
         # a duplicate of each of its descriptors instead): no limit of ours caps them (see
         # forkserver.ship_fds for how a worker or a server gets them), the soft RLIMIT_NOFILE is
         # raised where it would (before the fork server starts: it and the workers inherit it)
         bells = int(self._slot_bell.max()) + 1
-        ensure_fd_capacity(2 * bells + 10 * self.num_workers if threads else bells + 4 * self.num_workers,
+        ensure_fd_capacity(2 * bells + 10 * self.num_workers if threads else bells + 5 * self.num_workers,
                            f"AsyncEnvPool ({n} envs, {self.num_workers} workers)")
         self._bells = [Doorbell() for _ in range(int(self._slot_bell.max()) + 1)]
         self._conns = []
