@@ -36,6 +36,8 @@ Run::
     python benchmarks/compare_training.py --scripts ppo_mujoco --seeds 0 --stop-at-target  # time to 1,500
     python benchmarks/compare_training.py --quick                      # the pipeline in minutes
     python benchmarks/compare_training.py --quick --scripts ppo_mujoco --collectors asyncpool --seeds 0
+    python benchmarks/compare_training.py --scripts sac_mujoco --seeds 0 --total-frames 15000 \\
+        --script-args "--init-random-frames 5000 --eval-episodes 0" --out /tmp/sac_window.json
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -70,7 +73,7 @@ RUNS = {
 }
 COLLECTORS = ("asyncpool", "torchrl")
 #: the scripts that can end their run at the target (``--stop-at-target true``)
-_STOPS_AT_TARGET = ("ppo_mujoco",)
+_STOPS_AT_TARGET = ("ppo_mujoco", "sac_mujoco")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,8 +86,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a few thousand frames per run: the pipeline, not the speed")
     p.add_argument("--total-frames", type=int, default=None, help="cap every run at this many frames")
     p.add_argument("--stop-at-target", action="store_true",
-                   help="end each PPO run when its mean return reaches the target (the time to the target is "
+                   help="end each PPO and SAC run when its mean return reaches the target (the time to the target is "
                         "the comparison; the rest of the curve is not drawn)")
+    p.add_argument("--script-args", default="",
+                   help="more flags for every run's script, as one string (e.g. \"--init-random-frames 5000\"); "
+                        "they come last, so they win over --quick's and --total-frames")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds one run may take (default: 900 with --quick, none otherwise)")
     p.add_argument("--log-dir", default=None, help="where the runs log (default: a temporary directory)")
@@ -140,7 +146,7 @@ def command(script: str, collector: str, seed: int, log_dir: Path, args) -> list
         cmd += ["--total-frames", str(args.total_frames)]  # the last one given wins (argparse)
     if args.stop_at_target and script in _STOPS_AT_TARGET:
         cmd += ["--stop-at-target", "true"]
-    return cmd
+    return cmd + shlex.split(args.script_args)
 
 
 def run_one(script: str, collector: str, seed: int, log_dir: Path, args) -> dict:
@@ -234,6 +240,7 @@ def main(argv=None) -> dict:
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = {"commit": _git("rev-parse", "HEAD"), "commit_dirty": bool(_git("status", "--porcelain")),
             "date_utc": now.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick, "total_frames": args.total_frames,
+            "script_args": args.script_args,
             "cpus": os.cpu_count(), "platform": platform.platform(), "versions": _versions()}
     runs = []
     with tempfile.TemporaryDirectory(prefix="compare_training_") as tmp:

@@ -49,3 +49,12 @@ def test_quick_every_script_against_its_torchrl_run(tmp_path):
     result = _check(out, 6)
     assert {(r["script"], r["collector"]) for r in result["runs"]} == {
         (s, c) for s in ct.RUNS for c in ct.COLLECTORS}
+
+
+def test_script_args_come_last_and_stop_at_target_reaches_sac(tmp_path):
+    args = ct.parse_args(["--scripts", "sac_mujoco", "--total-frames", "15000", "--stop-at-target",
+                          "--script-args", "--init-random-frames 5000 --total-frames 9000"])
+    cmd = ct.command("sac_mujoco", "asyncpool", 0, tmp_path, args)
+    assert cmd[-4:] == ["--init-random-frames", "5000", "--total-frames", "9000"]
+    assert cmd[cmd.index("--stop-at-target") + 1] == "true"
+    assert cmd[cmd.index("--total-frames") + 1] == "15000"  # the cap, then the script args override it

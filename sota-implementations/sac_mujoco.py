@@ -77,9 +77,10 @@ class Config:
     frames_per_batch: int = 1000          # transitions per replay-buffer write
     total_frames: int = 1_000_000
     init_random_frames: int = 25_000      # uniformly random actions, no update, until then
-    target_return: float = 5000.0         # drawn on the plot; the frames at which the mean of the last `window`
+    target_return: float = 3000.0         # drawn on the plot; the frames at which the mean of the last `window`
                                           # episodes reaches it are reported
-    window: int = 20                      # episodes in the moving mean of the return
+    stop_at_target: bool = False          # end training (then evaluate) once the mean return reaches the target
+    window: int = 10                      # episodes in the moving mean of the return
     # SAC (TorchRL's sota-implementations/sac/config.yaml)
     buffer_size: int = 1_000_000
     batch_size: int = 256
@@ -287,7 +288,9 @@ def main(argv=None) -> dict:
                         gradient_step()
                 collector.update_policy_weights_()  # the collector holds `actor` itself
                 idle_s += time.monotonic() - t_train
-                log(t0, collector)
+                _, mean_ret, n_recent = log(t0, collector)
+                if cfg.stop_at_target and n_recent == cfg.window and mean_ret >= cfg.target_return:
+                    break
         finally:
             pbar.close()
             collector.shutdown()
@@ -319,7 +322,9 @@ def main(argv=None) -> dict:
                 due = int((frames - cfg.init_random_frames) * cfg.utd) if frames >= cfg.init_random_frames else 0
                 if frames >= next_log:
                     next_log = frames + cfg.log_interval
-                    log(t0, collector)
+                    _, mean_ret, n_recent = log(t0, collector)
+                    if cfg.stop_at_target and n_recent == cfg.window and mean_ret >= cfg.target_return:
+                        break
                 if updates >= due:
                     if frames >= cfg.total_frames:
                         break

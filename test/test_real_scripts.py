@@ -104,6 +104,19 @@ def test_sac_mujoco_smoke(tmp_path):
     assert "2000 frames, 250 updates" in proc.stdout
 
 
+@pytest.mark.timeout(240)
+def test_sac_mujoco_stops_at_its_target(tmp_path):
+    pytest.importorskip("mujoco")
+    # any return reaches -1e9: the run ends at the first log line with a full window (2 episodes: after 4
+    # envs x 1,000 steps), far before its 20,000 frames, then evaluates and plots as usual
+    proc = _run_script("sac_mujoco.py", tmp_path, *_SAC_SMALL, "--total-frames", "20000", "--utd", "0.05",
+                       "--stop-at-target", "true", "--target-return=-1e9", "--window", "2")
+    frames = _scalar(tmp_path, "frames")[-1]
+    assert 2000 <= frames < 20000
+    assert "reached -1e+09" in proc.stdout
+    assert (tmp_path / "run" / "sac_mujoco.png").is_file()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sac_mujoco_torchrl_collector_smoke(tmp_path):
