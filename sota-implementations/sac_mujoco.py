@@ -21,13 +21,18 @@ policy thread, acting uniformly at random until ``init_random_frames`` (as Torch
 while the envs step (``learner_wait_share``: the collection time) and the envs wait while the
 learner trains (``collector_idle_share``: the training time).
 
-Threads on the 2-core development machine: the learner runs with ``torch.set_num_threads(1)``
-(a 256x256 MLP on batches of 256 gains little from a second thread, and that core is needed by
-the envs); the collector's policy thread uses one torch thread (``policy_num_threads=1``, its
-default) and with the collector's default affinity (``"auto"``) it is pinned to the first CPU
-and the env worker processes to the others; the learner thread is not pinned. At ``utd=1`` the
-learner is the bottleneck (SAC's gradient steps cost far more than stepping HalfCheetah), so the
-collector spends most of the time paused, and pausing frees the envs' core for the learner.
+Collecting and learning in turns (``max_lead_frames=0``, the default) on a CPU: at ``utd=1`` a
+SAC gradient step (batch 256, 256x256 networks, two Q networks) costs ~50 ms on one core of the
+2-core development machine, while this collector delivers a frame in ~0.2 ms, so the learner
+decides the wall-clock. Collecting while the learner trains does not pay there: the envs and
+the policy thread then take the learner's second core and, the policy thread living in the
+learner's process, its interpreter lock, and the gradient steps slowed by ~25 % (65 against
+51 ms), which lost more than the collection time it hid. So the collector runs only while the
+learner has no update due (a 1,000-frame batch, a fraction of a second), and is paused while the
+learner trains with every core (``learner_threads=0``: one torch thread per CPU the process may
+use; the env workers and the paused policy thread then sleep). Where the learner runs on a GPU,
+``--max-lead-frames N`` lets collection overlap training: the collector is paused only when the
+learner falls ``N`` frames behind. ``--collector torchrl`` uses the same learner threads.
 
 Run::
 
@@ -85,7 +90,9 @@ class Config:
     buffer_size: int = 1_000_000
     batch_size: int = 256
     utd: float = 1.0                      # gradient steps per collected frame (after init_random_frames)
-    max_lead_frames: int = 2_000          # asyncpool: the collector pauses when it is this far ahead of the learner
+    max_lead_frames: int = 0              # asyncpool: the collector pauses when the learner falls this many frames
+                                          # behind; 0: whenever updates are due (collect and learn in turns)
+    learner_threads: int = 0              # torch threads of the learner; 0: one per CPU this process may use
     actor_update_interval: int = 25       # asyncpool: gradient steps between acting-policy weight pushes
     lr: float = 3e-4
     gamma: float = 0.99
@@ -110,9 +117,12 @@ def parse_config(argv=None) -> Config:
     parser = config_parser(Config, __file__, __doc__)  # one flag per field, its comment as help
     cfg = Config(**vars(parser.parse_args(argv)))
     for name in ("num_envs", "frames_per_batch", "total_frames", "window", "buffer_size", "batch_size",
-                 "max_lead_frames", "actor_update_interval", "hidden", "log_interval"):
+                 "actor_update_interval", "hidden", "log_interval"):
         if getattr(cfg, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}.")
+    for name in ("max_lead_frames", "learner_threads"):
+        if getattr(cfg, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}.")
     if not 0.0 <= cfg.gamma <= 1.0 or not 0.0 <= cfg.polyak < 1.0:
         parser.error("--gamma must be in [0, 1] and --polyak in [0, 1).")
     if cfg.utd <= 0 or cfg.init_random_frames < 0:
@@ -193,7 +203,8 @@ class Stats:
 # ----------------------------------------------------------------------------------------------
 def main(argv=None) -> dict:
     cfg = parse_config(argv)
-    torch.set_num_threads(1)
+    learner_threads = cfg.learner_threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(learner_threads)
     torch.manual_seed(cfg.seed)
     exp_name = cfg.exp_name or time.strftime(f"sac_mujoco_{cfg.collector}_%Y%m%d-%H%M%S")
     logger = CSVLogger(exp_name=exp_name, log_dir=cfg.log_dir)
@@ -277,6 +288,10 @@ def main(argv=None) -> dict:
                 wait_s += time.monotonic() - t_wait
                 if batch is None:
                     break
+                if torch.get_num_threads() != learner_threads:
+                    # ParallelEnv sets its process to max(1, threads - workers) when its workers start:
+                    # the learner gets the threads it has under this package's collector
+                    torch.set_num_threads(learner_threads)
                 t_train = time.monotonic()  # the envs wait while the learner trains
                 n = batch.numel()
                 batch = batch.reshape(-1)  # [num_envs, T] -> env by env
@@ -332,7 +347,7 @@ def main(argv=None) -> dict:
                     time.sleep(0.001)  # ahead of the data: wait for the collector
                     wait_s += time.monotonic() - t_wait
                     continue
-                if (due - updates) / cfg.utd > cfg.max_lead_frames:
+                if (due - updates) / cfg.utd > cfg.max_lead_frames:  # (>= 1 update due when max_lead_frames=0)
                     t_pause = time.monotonic()
                     with collector.pause():  # far behind: stop the envs while the learner catches up
                         pauses += 1
