@@ -26,8 +26,8 @@ SAC gradient step (batch 256, 256x256 networks, two Q networks) costs ~50 ms on 
 2-core development machine, while this collector delivers a frame in ~0.2 ms, so the learner
 decides the wall-clock. Collecting while the learner trains does not pay there: the envs and
 the policy thread then take the learner's second core and, the policy thread living in the
-learner's process, its interpreter lock, and the gradient steps slowed by ~25 % (65 against
-51 ms), which lost more than the collection time it hid. So the collector runs only while the
+learner's process, its interpreter lock, and the gradient steps slowed from ~50 to ~62 ms,
+which lost more than the collection time it hid. So the collector runs only while the
 learner has no update due (a 1,000-frame batch, a fraction of a second), and is paused while the
 learner trains with every core (``learner_threads=0``: one torch thread per CPU the process may
 use; the env workers and the paused policy thread then sleep). Where the learner runs on a GPU,
@@ -247,7 +247,8 @@ def main(argv=None) -> dict:
         losses.append(torch.stack([loss[k].detach() for k in ("loss_actor", "loss_qvalue", "loss_alpha", "alpha",
                                                                "entropy")]))
 
-    def log(t0: float, collector) -> tuple[int, float, int]:
+    def log(t0: float, collector) -> tuple[int, bool]:
+        """Logs one line; returns the frames and whether ``stop_at_target`` ends the run here."""
         with stats.lock:
             frames = stats.frames
             recent = stats.curve_returns[-cfg.window:]
@@ -272,7 +273,7 @@ def main(argv=None) -> dict:
             collector.log_metrics(logger, step=frames)  # collector/pool/... and collector/server/...
         pbar.update(frames - pbar.n)
         pbar.set_postfix(**postfix)
-        return frames, mean_ret, len(recent)
+        return frames, cfg.stop_at_target and len(recent) == cfg.window and mean_ret >= cfg.target_return
 
     if cfg.collector == "torchrl":
         from torchrl.collectors import Collector
@@ -306,8 +307,7 @@ def main(argv=None) -> dict:
                         gradient_step()
                 collector.update_policy_weights_()  # the collector holds `actor` itself
                 idle_s += time.monotonic() - t_train
-                _, mean_ret, n_recent = log(t0, collector)
-                if cfg.stop_at_target and n_recent == cfg.window and mean_ret >= cfg.target_return:
+                if log(t0, collector)[1]:
                     break
         finally:
             pbar.close()
@@ -340,8 +340,7 @@ def main(argv=None) -> dict:
                 due = int((frames - cfg.init_random_frames) * cfg.utd) if frames >= cfg.init_random_frames else 0
                 if frames >= next_log:
                     next_log = frames + cfg.log_interval
-                    _, mean_ret, n_recent = log(t0, collector)
-                    if cfg.stop_at_target and n_recent == cfg.window and mean_ret >= cfg.target_return:
+                    if log(t0, collector)[1]:
                         break
                 if updates >= due:
                     if frames >= cfg.total_frames:
@@ -352,7 +351,7 @@ def main(argv=None) -> dict:
                     continue
                 if (due - updates) / cfg.utd > cfg.max_lead_frames:  # (>= 1 update due when max_lead_frames=0)
                     t_pause = time.monotonic()
-                    with collector.pause():  # far behind: stop the envs while the learner catches up
+                    with collector.pause():  # behind: stop the envs while the learner catches up
                         pauses += 1
                         while updates < due:
                             gradient_step()
@@ -367,7 +366,7 @@ def main(argv=None) -> dict:
         finally:
             pbar.close()
             collector.shutdown()
-    frames, _, _ = log(t0, None)  # the last line: the frames and updates at the end
+    frames, _ = log(t0, None)  # the last line: the frames and updates at the end
     elapsed = time.monotonic() - t0
     recent = stats.curve_returns[-cfg.window:]
     mean_ret = sum(recent) / len(recent) if recent else float("nan")
