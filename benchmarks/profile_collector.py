@@ -18,6 +18,10 @@ serving loop's own cost per batch, with the policy taken out. For example::
     python benchmarks/profile_collector.py --workload sleep2ms --envs 16
     python benchmarks/profile_collector.py --workload sleep2ms --envs 16 --policy zero
     python benchmarks/profile_collector.py --workload cartpole --envs 32 --set worker_affinity=None
+    python benchmarks/profile_collector.py --workload mujoco --envs 16    # compare_real.py's HalfCheetah-v5 cell
+
+``atari`` and ``mujoco`` are ``compare_real.py``'s gymnasium stacks with its cheap policy (the
+``[benchmarks]`` extra installs ale-py and mujoco).
 
 Run it with nothing else busy on the machine.
 """
@@ -35,6 +39,9 @@ import torch
 # run as a script, this folder is sys.path[0]: the workers find compare_collectors' env
 # factories by that module name, as they do for compare_collectors.py itself
 from compare_collectors import WORKLOADS, build_asyncpool  # noqa: E402
+
+#: compare_real.py's workloads: its gymnasium stacks and cheap policy
+REAL_WORKLOADS = ("atari", "mujoco")
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -88,8 +95,8 @@ def _cpu_snapshot(pids) -> dict:
     return snap
 
 
-def _zero_policy(n):
-    zeros = torch.zeros(n, dtype=torch.int64)
+def _zero_policy(n, shape=(), dtype=torch.int64):
+    zeros = torch.zeros(n, *shape, dtype=dtype)
 
     def act(td):
         return td.set("action", zeros[: td.batch_size[0]])
@@ -100,13 +107,21 @@ def _zero_policy(n):
 def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frames_per_batch: int = 1024,
             warmup_batches: int = 5, **collector_kwargs) -> dict:
     """Runs one cell and returns the measurements described in the module docstring."""
-    if workload not in WORKLOADS:
-        raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {workload!r}.")
+    if workload not in WORKLOADS and workload not in REAL_WORKLOADS:
+        raise ValueError(f"workload must be one of {sorted(WORKLOADS) + list(REAL_WORKLOADS)}, got {workload!r}.")
     if policy not in ("mlp", "zero"):
         raise ValueError(f"policy must be 'mlp' or 'zero', got {policy!r}.")
-    if policy == "zero":
-        from torchrl_asyncpool import AsyncPoolCollector
+    from torchrl_asyncpool import AsyncPoolCollector
 
+    if workload in REAL_WORKLOADS:
+        from compare_real import GYM_FACTORY, make_td_policy
+
+        factory = GYM_FACTORY[workload]
+        zero = _zero_policy(envs, (6,), torch.float64) if workload == "mujoco" else _zero_policy(envs)
+        act = zero if policy == "zero" else make_td_policy(workload, "mean")
+        collector = AsyncPoolCollector([factory] * envs, policy=act, frames_per_batch=frames_per_batch,
+                                       **collector_kwargs)
+    elif policy == "zero":
         collector = AsyncPoolCollector([WORKLOADS[workload][0]] * envs, policy=_zero_policy(envs),
                                        frames_per_batch=frames_per_batch, **collector_kwargs)
     else:
@@ -195,7 +210,7 @@ def _kwarg(text: str):
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", default="sleep2ms", choices=list(WORKLOADS))
+    p.add_argument("--workload", default="sleep2ms", choices=list(WORKLOADS) + list(REAL_WORKLOADS))
     p.add_argument("--envs", type=int, default=16)
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--policy", default="mlp", choices=("mlp", "zero"))

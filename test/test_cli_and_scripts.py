@@ -337,6 +337,20 @@ def test_profile_collector_script(tmp_path):
     assert sum("env worker" in w for w in what) == 2, what
 
 
+@pytest.mark.parametrize("policy", ["mlp", "zero"])
+def test_profile_collector_script_on_mujoco(tmp_path, policy):
+    """The real workloads profile too: ``--workload mujoco`` is compare_real.py's HalfCheetah-v5
+    stack, with its policy or a zero float64 action."""
+    pytest.importorskip("mujoco")
+    out = tmp_path / "profile.json"
+    script = ROOT / "benchmarks" / "profile_collector.py"
+    proc = _run([sys.executable, str(script), "--workload", "mujoco", "--envs", "2", "--seconds", "0.5",
+                 "--policy", policy, "--frames-per-batch", "64", "--json", str(out)], timeout=240)
+    assert "mujoco, 2 envs" in proc.stdout, proc.stdout
+    r = json.loads(out.read_text())
+    assert r["workload"] == "mujoco" and r["frames_per_s"] > 0 and r["cycle_us"]["env step"] > 0
+
+
 def _load_benchmark_script(name: str):
     """Imports ``benchmarks/<name>.py`` as a module, as running it would (its folder on sys.path)."""
     import importlib.util
