@@ -66,6 +66,22 @@ def test_ppo_mujoco_smoke(tmp_path):
     assert "2048 frames" in proc.stdout
 
 
+@pytest.mark.timeout(240)
+def test_ppo_mujoco_collects_and_learns_in_turns(tmp_path):
+    """``--collect-while-training false``: the collector is paused during the epochs (its idle
+    share is logged) and resumes with the new weights, so a batch's actions are mostly the
+    current policy's (a batch collected while training would be a whole version behind)."""
+    pytest.importorskip("mujoco")
+    # 4 epochs of 32 minibatches: long enough that a collector left running would gather the
+    # whole next batch meanwhile (lags 1.0 when tried), so the lag tells the schedules apart
+    _run_script("ppo_mujoco.py", tmp_path, *_PPO_SMALL[:-4], "--eval-episodes", "0", "--epochs", "4",
+                "--minibatch-size", "16", "--collect-while-training", "false")
+    _check_common(tmp_path, "ppo_mujoco.png", 2048)
+    assert all(0.0 < x < 1.0 for x in _scalar(tmp_path, "collector_idle_share"))
+    lags = _scalar(tmp_path, "policy_lag")
+    assert lags[0] == 0.0 and all(x < 0.5 for x in lags), lags
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ppo_mujoco_torchrl_collector_smoke(tmp_path):
