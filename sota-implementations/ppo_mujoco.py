@@ -21,9 +21,9 @@ the critic, updated by the learner from each batch after its PPO epochs and ship
 copy with the weights) instead of a ``VecNorm`` transform inside one env, so that 16 envs in
 worker processes share one set of statistics; the stored observations are raw, which keeps the
 PPO ratio exact when the statistics move. The acting policy is a copy of the actor served by the
-collector's policy thread; the collector keeps stepping the envs while the learner trains, so a
-batch may come from the previous policy version: the ratio is taken against the stored
-behaviour log-probs (``"action_log_prob"``), and the lag is logged.
+collector's policy thread; a batch may hold actions of the previous policy version (those taken
+before the collector paused, or all of them with ``--collect-while-training true``): the ratio is
+taken against the stored behaviour log-probs (``"action_log_prob"``), and the lag is logged.
 
 ``--collector torchrl`` runs the same learner on TorchRL's own ``Collector(ParallelEnv(16,
 ...))`` (synchronous: the envs wait while the learner trains, and the learner waits while they
@@ -32,13 +32,14 @@ step); its ``[16, 128]`` batches go through the same GAE call and are flattened 
 Threads: ``torch.set_num_threads(1)`` in the learner; the collector's policy thread uses one
 thread too (``policy_num_threads=1``, its default); the env workers are processes.
 
-``--collect-while-training false`` pauses the collector (``with collector.pause():``) during the
-epochs and ships the new weights before it resumes: a batch then comes almost entirely from the
-current policy (mean policy lag 0.26 against 0.99 versions collecting while training), and the
-learner has the cores to itself, at the price of waiting for each batch. On 2 cores the two
-schedules came out within noise of each other (100k frames, seed 0, ABBA on 2026-12-04: 573 and
-600 frames/s collecting while training, 603 and 609 in turns, the learner waiting 1 % and 16 % of
-its time), so the default keeps collecting.
+By default the collector is paused (``with collector.pause():``) during the epochs, and the new
+weights reach it before it resumes: a batch then comes almost entirely from the current policy
+(mean policy lag ~0.3 versions), and the learner has the cores to itself while it waits for each
+batch (~16 % of its time). ``--collect-while-training true`` lets the collector gather the next
+batch during the epochs instead: the learner barely waits, but each batch is about one policy
+version behind. On 2 cores the two schedules ran at the same speed within noise (100k frames,
+seed 0, ABBA on 2026-12-04: 573 and 600 frames/s collecting while training, 603 and 609 in turns),
+and with seed 1 only the paused schedule reached 1,500 (below), hence the default.
 
 Run::
 
@@ -48,11 +49,11 @@ Run::
     python sota-implementations/ppo_mujoco.py --remote-address 127.0.0.1:50051 --ray-hosts 4  # envs in Ray actors
 
 What was measured (2-core development machine, no GPU; commit, date and curves in
-``sota-implementations/README.md`` and ``benchmarks/README.md``): with seed 0 a mean training return
-of 1,500 after 401,408 frames and 378 s (TorchRL's ``Collector(ParallelEnv(16))``: 864,256 frames and
-1,290 s); with seed 1, 1,432 after 1M frames (the target is not reached). The run is learner-bound:
-320 minibatch updates per 2,048-frame batch, while the collector gathers the next batch in the
-background.
+``sota-implementations/README.md`` and ``benchmarks/README.md``), mean training return of 1,500:
+with the default schedule (commit ``669ff54``, 2026-12-04) seed 0 after 358,400 frames and 621 s,
+seed 1 after 487,424 frames and 870 s; collecting while training, seed 0 after 401,408 frames and
+378 s on a faster day (TorchRL's ``Collector(ParallelEnv(16))``: 864,256 frames and 1,290 s that
+day), while seed 1 stayed below it in two runs of 1M frames (best 1,432 and 1,409).
 """
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ class Config:
                                           # (num_envs / ray_hosts envs each), on RAY_ADDRESS's cluster or a local one
     on_env_failure: str = "raise"         # "restart": an env that raises is rebuilt and training goes on
     step_timeout: float = 0.0             # seconds an env step may take before its worker is killed; 0: no limit
-    collect_while_training: bool = True   # false: the collector is paused during the PPO epochs (turns)
+    collect_while_training: bool = False  # true: the collector gathers the next batch during the PPO epochs
     seed: int = 0
     # logging
     log_dir: str = "runs"

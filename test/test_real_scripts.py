@@ -61,6 +61,7 @@ def test_ppo_mujoco_smoke(tmp_path):
     _check_common(tmp_path, "ppo_mujoco.png", 2048)
     assert len(_scalar(tmp_path, "frames")) == 4  # one line per iteration
     assert _scalar(tmp_path, "updates")[-1] == 4 * 2  # 1 epoch x 2 minibatches per batch
+    assert all(x > 0 for x in _scalar(tmp_path, "collector_idle_share"))  # paused during the epochs by default
     assert all(math.isfinite(x) for x in _scalar(tmp_path, "loss_policy") + _scalar(tmp_path, "loss_value"))
     assert math.isfinite(_scalar(tmp_path, "eval_return")[-1])
     assert "2048 frames" in proc.stdout
