@@ -114,12 +114,15 @@ def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frame
     from torchrl_asyncpool import AsyncPoolCollector
 
     if workload in REAL_WORKLOADS:
-        from compare_real import GYM_FACTORY, make_td_policy
+        from compare_real import GYM_FACTORY, MUJOCO_ACT, make_td_policy
 
-        factory = GYM_FACTORY[workload]
-        zero = _zero_policy(envs, (6,), torch.float64) if workload == "mujoco" else _zero_policy(envs)
-        act = zero if policy == "zero" else make_td_policy(workload, "mean")
-        collector = AsyncPoolCollector([factory] * envs, policy=act, frames_per_batch=frames_per_batch,
+        if policy == "mlp":
+            act = make_td_policy(workload, "mean")
+        elif workload == "mujoco":  # HalfCheetah's float64 Box action
+            act = _zero_policy(envs, (MUJOCO_ACT,), torch.float64)
+        else:
+            act = _zero_policy(envs)
+        collector = AsyncPoolCollector([GYM_FACTORY[workload]] * envs, policy=act, frames_per_batch=frames_per_batch,
                                        **collector_kwargs)
     elif policy == "zero":
         collector = AsyncPoolCollector([WORKLOADS[workload][0]] * envs, policy=_zero_policy(envs),
