@@ -188,31 +188,11 @@ def make_ppo_models(obs_dim: int, action_spec, hidden: int, normalize_obs: bool)
 
 
 # ----------------------------------------------------------------------------------------------
-# Training
+# The collector, advantages, the PPO epochs, the evaluation
 # ----------------------------------------------------------------------------------------------
-def main(argv=None) -> dict:
-    cfg = parse_config(argv)
-    torch.set_num_threads(1)
-    torch.manual_seed(cfg.seed)
-    exp_name = cfg.exp_name or time.strftime(f"ppo_mujoco_{cfg.collector}_%Y%m%d-%H%M%S")
-    logger = CSVLogger(exp_name=exp_name, log_dir=cfg.log_dir)
-    logger.log_hparams(dataclasses.asdict(cfg))
-    plot_path = cfg.plot_path or os.path.join(cfg.log_dir, exp_name, "ppo_mujoco.png")
-
-    probe = make_torchrl_mujoco_env(cfg.env_id)
-    obs_dim = probe.observation_spec["observation"].shape[-1]
-    action_spec = probe.full_action_spec_unbatched["action"]
-    probe.close()
-    actor, critic, norm = make_ppo_models(obs_dim, action_spec, cfg.hidden, cfg.normalize_obs)
-    loss_module = ClipPPOLoss(actor, critic, clip_epsilon=cfg.clip_eps, entropy_bonus=cfg.ent_coef > 0,
-                              entropy_coeff=cfg.ent_coef, critic_coeff=cfg.critic_coef, loss_critic_type="l2",
-                              normalize_advantage=True)
-    # GAE along each env's row of a [num_envs, T] batch (both collectors' layout here)
-    adv_module = GAE(gamma=cfg.gamma, lmbda=cfg.gae_lambda, value_network=critic, average_gae=False)
-    optim = torch.optim.Adam(loss_module.parameters(), lr=cfg.lr, eps=1e-5)
-    updates_per_batch = cfg.epochs * -(-cfg.frames_per_batch // cfg.minibatch_size)
-    total_updates = -(-cfg.total_frames // cfg.frames_per_batch) * updates_per_batch
-
+def make_collector(cfg: Config, actor):
+    """The collector ``cfg.collector`` names, acting with ``actor``, and the Ray env hosts it
+    reads from (``None`` without ``--ray-hosts``)."""
     ray_hosts = None
     if cfg.collector == "torchrl":
         from torchrl.collectors import Collector
@@ -254,6 +234,89 @@ def main(argv=None) -> dict:
             if ray_hosts is not None:
                 ray_hosts.stop()
             raise
+    return collector, ray_hosts
+
+
+def advantages(cfg: Config, batch, adv_module, collector) -> tuple:
+    """GAE along each env's row of a ``[num_envs, T]`` batch, as TorchRL's recipe runs it; returns
+    the real transitions flattened env by env (each env's in time order) and the mean policy lag."""
+    with torch.no_grad():
+        adv_module(batch)
+    mask = batch.get(("collector", "mask"), None)  # ours: rows left-padded to the longest
+    if mask is None:  # TorchRL's Collector(ParallelEnv): no padding, no env index, no lag
+        batch["env_index"] = torch.arange(cfg.num_envs).unsqueeze(-1).expand(batch.shape)
+        return batch.reshape(-1), 0.0
+    batch = batch[mask]
+    return batch, (collector.policy_version - batch["policy_version"]).float().mean().item()
+
+
+def ppo_epochs(cfg: Config, batch, loss_module, optim, updates: int, total_updates: int) -> tuple[int, list]:
+    """``cfg.epochs`` passes of ``ClipPPOLoss`` steps over shuffled minibatches of ``batch`` (the
+    learning rate annealed by the update count); returns the update count and the mean of
+    ``[loss_objective, loss_critic, kl_approx, clip_fraction]`` over the steps."""
+    stats = []
+    for _ in range(cfg.epochs):
+        for idx in torch.randperm(batch.numel()).split(cfg.minibatch_size):
+            if idx.numel() < 2:  # a minibatch of one (a short last batch): its advantage std is NaN
+                continue
+            if cfg.anneal_lr:
+                optim.param_groups[0]["lr"] = cfg.lr * max(0.0, 1.0 - updates / total_updates)
+            loss = loss_module(batch[idx])
+            total = loss["loss_objective"] + loss["loss_critic"]
+            if "loss_entropy" in loss.keys():
+                total = total + loss["loss_entropy"]
+            optim.zero_grad()
+            total.backward()
+            if cfg.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(loss_module.parameters(), cfg.max_grad_norm)
+            optim.step()
+            updates += 1
+            stats.append(torch.stack([loss[k].detach().mean() for k in
+                                      ("loss_objective", "loss_critic", "kl_approx", "clip_fraction")]))
+    if not stats:  # every minibatch had one transition
+        return updates, [float("nan")] * 4
+    return updates, torch.stack(stats).mean(0).tolist()
+
+
+def evaluate_actor(cfg: Config, actor) -> float:
+    """The mean return of ``cfg.eval_episodes`` episodes of deterministic actions
+    (:func:`torchrl_asyncpool.evaluation.evaluate`, seeds ``10_000 + seed + i``)."""
+    from torchrl_asyncpool.evaluation import Episode, evaluate
+
+    episodes = [Episode(f"eval-{i}", seed=10_000 + cfg.seed + i, max_steps=cfg.eval_max_steps)
+                for i in range(cfg.eval_episodes)]
+    results = evaluate(functools.partial(make_mujoco_env, cfg.env_id), copy.deepcopy(actor), episodes,
+                       num_envs=min(cfg.eval_episodes, 4))
+    return sum(r.episode_return for r in results) / len(results)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+def main(argv=None) -> dict:
+    cfg = parse_config(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    exp_name = cfg.exp_name or time.strftime(f"ppo_mujoco_{cfg.collector}_%Y%m%d-%H%M%S")
+    logger = CSVLogger(exp_name=exp_name, log_dir=cfg.log_dir)
+    logger.log_hparams(dataclasses.asdict(cfg))
+    plot_path = cfg.plot_path or os.path.join(cfg.log_dir, exp_name, "ppo_mujoco.png")
+
+    probe = make_torchrl_mujoco_env(cfg.env_id)
+    obs_dim = probe.observation_spec["observation"].shape[-1]
+    action_spec = probe.full_action_spec_unbatched["action"]
+    probe.close()
+    actor, critic, norm = make_ppo_models(obs_dim, action_spec, cfg.hidden, cfg.normalize_obs)
+    loss_module = ClipPPOLoss(actor, critic, clip_epsilon=cfg.clip_eps, entropy_bonus=cfg.ent_coef > 0,
+                              entropy_coeff=cfg.ent_coef, critic_coeff=cfg.critic_coef, loss_critic_type="l2",
+                              normalize_advantage=True)
+    # GAE along each env's row of a [num_envs, T] batch (both collectors' layout here)
+    adv_module = GAE(gamma=cfg.gamma, lmbda=cfg.gae_lambda, value_network=critic, average_gae=False)
+    optim = torch.optim.Adam(loss_module.parameters(), lr=cfg.lr, eps=1e-5)
+    updates_per_batch = cfg.epochs * -(-cfg.frames_per_batch // cfg.minibatch_size)
+    total_updates = -(-cfg.total_frames // cfg.frames_per_batch) * updates_per_batch
+
+    collector, ray_hosts = make_collector(cfg, actor)
 
     tracker = EpisodeTracker(cfg.num_envs)
     recent = deque(maxlen=cfg.window)
@@ -269,17 +332,7 @@ def main(argv=None) -> dict:
             wait_s += time.monotonic() - t_wait
             if batch is None:
                 break
-            # --- GAE along each env's row of the [num_envs, T] batch, as TorchRL's recipe -------
-            with torch.no_grad():
-                adv_module(batch)
-            mask = batch.get(("collector", "mask"), None)  # ours: rows left-padded to the longest
-            if mask is None:  # TorchRL's Collector(ParallelEnv): no padding, no env index
-                batch["env_index"] = torch.arange(cfg.num_envs).unsqueeze(-1).expand(batch.shape)
-                batch = batch.reshape(-1)
-                lag = 0.0
-            else:
-                batch = batch[mask]  # the real transitions, env by env, each env's in time order
-                lag = (collector.policy_version - batch["policy_version"]).float().mean().item()
+            batch, lag = advantages(cfg, batch, adv_module, collector)
             n = batch.numel()
             frames += n
             new_returns = tracker.update(batch)
@@ -288,29 +341,11 @@ def main(argv=None) -> dict:
             curve_returns += new_returns
 
             # --- PPO epochs ---------------------------------------------------------------------
-            stats = []
             paused = cfg.collector == "asyncpool" and not cfg.collect_while_training
             pause = collector.pause() if paused else contextlib.nullcontext()
             t_pause = time.monotonic()
             with pause:
-                for _ in range(cfg.epochs):
-                    for idx in torch.randperm(n).split(cfg.minibatch_size):
-                        if idx.numel() < 2:  # a minibatch of one (a short last batch): its advantage std is NaN
-                            continue
-                        if cfg.anneal_lr:
-                            optim.param_groups[0]["lr"] = cfg.lr * max(0.0, 1.0 - updates / total_updates)
-                        loss = loss_module(batch[idx])
-                        total = loss["loss_objective"] + loss["loss_critic"]
-                        if "loss_entropy" in loss.keys():
-                            total = total + loss["loss_entropy"]
-                        optim.zero_grad()
-                        total.backward()
-                        if cfg.max_grad_norm > 0:
-                            torch.nn.utils.clip_grad_norm_(loss_module.parameters(), cfg.max_grad_norm)
-                        optim.step()
-                        updates += 1
-                        stats.append(torch.stack([loss[k].detach().mean() for k in
-                                                  ("loss_objective", "loss_critic", "kl_approx", "clip_fraction")]))
+                updates, stats = ppo_epochs(cfg, batch, loss_module, optim, updates, total_updates)
                 if cfg.normalize_obs:  # after the epochs: the statistics the next batch is collected with
                     norm.update(batch["observation"])
                 if cfg.collector == "torchrl":
@@ -323,12 +358,12 @@ def main(argv=None) -> dict:
             # --- logging ------------------------------------------------------------------------
             elapsed = time.monotonic() - t0
             mean_ret = sum(recent) / len(recent) if recent else float("nan")
-            s = torch.stack(stats).mean(0).tolist()
             metrics = {
                 "mean_return": mean_ret, "episodes": len(curve_returns), "frames": frames, "fps": frames / elapsed,
                 "updates": updates, "updates_per_s": updates / elapsed, "learner_wait_share": wait_s / elapsed,
                 "collector_idle_share": idle_s / elapsed,
-                "policy_lag": lag, "loss_policy": s[0], "loss_value": s[1], "approx_kl": s[2], "clip_fraction": s[3],
+                "policy_lag": lag, "loss_policy": stats[0], "loss_value": stats[1], "approx_kl": stats[2],
+                "clip_fraction": stats[3],
                 "lr": optim.param_groups[0]["lr"], "time_s": elapsed,
             }
             if new_returns:
@@ -356,15 +391,8 @@ def main(argv=None) -> dict:
     elapsed = time.monotonic() - t0
     mean_ret = sum(recent) / len(recent) if recent else float("nan")
 
-    eval_return = float("nan")
+    eval_return = evaluate_actor(cfg, actor) if cfg.eval_episodes else float("nan")
     if cfg.eval_episodes:
-        from torchrl_asyncpool.evaluation import Episode, evaluate
-
-        episodes = [Episode(f"eval-{i}", seed=10_000 + cfg.seed + i, max_steps=cfg.eval_max_steps)
-                    for i in range(cfg.eval_episodes)]
-        results = evaluate(functools.partial(make_mujoco_env, cfg.env_id), copy.deepcopy(actor), episodes,
-                           num_envs=min(cfg.eval_episodes, 4))
-        eval_return = sum(r.episode_return for r in results) / len(results)
         logger.log_scalar("eval_return", eval_return, step=frames)
 
     plot_curve(curve_frames, curve_returns, cfg.window, cfg.target_return, plot_path,

@@ -202,6 +202,191 @@ class Stats:
 
 
 # ----------------------------------------------------------------------------------------------
+# The learner, the two collection loops, the evaluation
+# ----------------------------------------------------------------------------------------------
+class Learner:
+    """SAC's gradient steps (TorchRL's ``SACLoss``, three Adam optimizers, Polyak target updates)
+    on minibatches of ``rb``, and the run's counters and log line.
+
+    ``updates``: gradient steps so far; ``wait_s``: seconds the learner waited for data;
+    ``idle_s``: seconds the collector was paused (or, with TorchRL's collector, waited for the
+    learner); ``pauses``: how many times it was paused.
+    """
+
+    def __init__(self, cfg: Config, actor, qvalue, rb, stats: Stats, logger, pbar):
+        self.cfg, self.rb, self.stats, self.logger, self.pbar = cfg, rb, stats, logger, pbar
+        self.loss_module = SACLoss(actor_network=actor, qvalue_network=qvalue, num_qvalue_nets=2,
+                                   loss_function="l2", delay_actor=False, delay_qvalue=True,
+                                   alpha_init=cfg.alpha_init)
+        self.loss_module.make_value_estimator(gamma=cfg.gamma)
+        self.target_updater = SoftUpdate(self.loss_module, eps=cfg.polyak)
+        self.optims = (
+            torch.optim.Adam(self.loss_module.actor_network_params.flatten_keys().values(), lr=cfg.lr),
+            torch.optim.Adam(self.loss_module.qvalue_network_params.flatten_keys().values(), lr=cfg.lr),
+            torch.optim.Adam([self.loss_module.log_alpha], lr=3e-4),
+        )
+        self.updates, self.wait_s, self.idle_s, self.pauses = 0, 0.0, 0.0, 0
+        self.losses = []
+
+    def step(self) -> None:
+        """One gradient step on a minibatch sampled from the replay buffer."""
+        loss = self.loss_module(self.rb.sample())
+        total = loss["loss_actor"] + loss["loss_qvalue"] + loss["loss_alpha"]
+        for opt in self.optims:
+            opt.zero_grad()
+        total.backward()
+        for opt in self.optims:
+            opt.step()
+        self.target_updater.step()
+        self.updates += 1
+        self.losses.append(torch.stack([loss[k].detach() for k in _LOSS_KEYS]))
+
+    def log(self, t0: float, collector=None) -> tuple[int, bool]:
+        """Logs one line; returns the frames and whether ``stop_at_target`` ends the run here."""
+        cfg, stats = self.cfg, self.stats
+        with stats.lock:
+            frames = stats.frames
+            recent = stats.curve_returns[-cfg.window:]
+            n_episodes = len(stats.curve_returns)
+        mean_ret = sum(recent) / len(recent) if recent else float("nan")
+        elapsed = time.monotonic() - t0
+        updates, wait, idle = self.updates, self.wait_s / elapsed, self.idle_s / elapsed
+        metrics = {
+            "mean_return": mean_ret, "episodes": n_episodes, "frames": frames, "fps": frames / elapsed,
+            "updates": updates, "updates_per_s": updates / elapsed, "utd_measured": updates / max(1, frames),
+            "learner_wait_share": wait, "collector_idle_share": idle, "collector_pauses": self.pauses,
+            "buffer_size": len(self.rb), "time_s": elapsed,
+        }
+        if self.losses:
+            metrics.update(zip(_LOSS_KEYS, torch.stack(self.losses).mean(0).tolist()))
+            self.losses.clear()
+        for k, v in metrics.items():
+            self.logger.log_scalar(k, v, step=frames)
+        if isinstance(collector, AsyncPoolCollector):
+            collector.log_metrics(self.logger, step=frames)  # collector/pool/... and collector/server/...
+        self.pbar.update(frames - self.pbar.n)
+        self.pbar.set_postfix(ret=f"{mean_ret:.0f}", fps=f"{frames / elapsed:.0f}", ups=f"{updates / elapsed:.0f}",
+                              wait=f"{wait:.2f}", idle=f"{idle:.2f}")
+        return frames, cfg.stop_at_target and len(recent) == cfg.window and mean_ret >= cfg.target_return
+
+
+#: the SACLoss entries averaged into each log line
+_LOSS_KEYS = ("loss_actor", "loss_qvalue", "loss_alpha", "alpha", "entropy")
+
+
+def train_torchrl(cfg: Config, learner: Learner, actor, learner_threads: int) -> float:
+    """TorchRL's ``sac.py`` loop: ``Collector(ParallelEnv)`` batches and ``batch * utd`` gradient
+    steps in turns. Returns the start time."""
+    from torchrl.collectors import Collector
+    from torchrl.envs import EnvCreator, ParallelEnv
+
+    env = ParallelEnv(cfg.num_envs, EnvCreator(functools.partial(make_torchrl_mujoco_env, cfg.env_id)))
+    collector = Collector(env, actor, frames_per_batch=cfg.frames_per_batch, total_frames=cfg.total_frames,
+                          init_random_frames=cfg.init_random_frames, auto_register_policy_transforms=False)
+    collector.set_seed(cfg.seed)
+    t0 = time.monotonic()
+    batches = iter(collector)
+    try:
+        while True:
+            t_wait = time.monotonic()
+            batch = next(batches, None)  # the learner waits while the envs step
+            learner.wait_s += time.monotonic() - t_wait
+            if batch is None:
+                break
+            if torch.get_num_threads() != learner_threads:
+                # ParallelEnv sets its process to max(1, threads - workers) when its workers start:
+                # the learner gets the threads it has under this package's collector
+                torch.set_num_threads(learner_threads)
+            t_train = time.monotonic()  # the envs wait while the learner trains
+            n = batch.numel()
+            batch = batch.reshape(-1)  # [num_envs, T] -> env by env
+            batch["env_index"] = torch.arange(cfg.num_envs).repeat_interleave(n // cfg.num_envs)
+            learner.stats(batch)
+            learner.rb.extend(batch)
+            if learner.stats.frames >= cfg.init_random_frames:
+                for _ in range(int(n * cfg.utd)):
+                    learner.step()
+            collector.update_policy_weights_()  # the collector holds `actor` itself
+            learner.idle_s += time.monotonic() - t_train
+            if learner.log(t0, collector)[1]:
+                break
+    finally:
+        collector.shutdown()
+    return t0
+
+
+def train_asyncpool(cfg: Config, learner: Learner, actor, action_spec) -> float:
+    """``collector.start()`` fills the replay buffer in the background; the learner holds the
+    update-to-data ratio, waiting when ahead of the data and pausing the collector when more than
+    ``max_lead_frames`` behind (see the module docstring). Returns the start time."""
+    acting = SACActing(copy.deepcopy(actor), action_spec.space.low, action_spec.space.high)
+    collector = AsyncPoolCollector(
+        [functools.partial(make_mujoco_env, cfg.env_id)] * cfg.num_envs,
+        policy=acting,
+        frames_per_batch=cfg.frames_per_batch,
+        total_frames=cfg.total_frames,
+        replay_buffer=learner.rb,
+        post_collect_hook=learner.stats,
+        seed=cfg.seed,  # env i's first reset: seed + i
+        on_env_failure=cfg.on_env_failure,
+        step_timeout=cfg.step_timeout or None,
+    )
+
+    def push_weights() -> None:  # a copy of the actor's weights to the acting policy's "actor" submodule
+        collector.update_policy_weights_({"actor." + k: v for k, v in actor.state_dict().items()})
+
+    next_log = cfg.log_interval
+    t0 = time.monotonic()
+    collector.start()
+    try:
+        while True:
+            collector.check_errors()  # a crashed worker or a policy error stops the run here
+            frames = learner.stats.frames
+            if acting.random and frames >= cfg.init_random_frames:
+                acting.random = False
+            due = int((frames - cfg.init_random_frames) * cfg.utd) if frames >= cfg.init_random_frames else 0
+            if frames >= next_log:
+                next_log = frames + cfg.log_interval
+                if learner.log(t0, collector)[1]:
+                    break
+            if learner.updates >= due:
+                if frames >= cfg.total_frames:
+                    break
+                t_wait = time.monotonic()
+                time.sleep(0.001)  # ahead of the data: wait for the collector
+                learner.wait_s += time.monotonic() - t_wait
+                continue
+            if (due - learner.updates) / cfg.utd > cfg.max_lead_frames:  # (>= 1 update due when max_lead_frames=0)
+                t_pause = time.monotonic()
+                with collector.pause():  # behind: stop the envs while the learner catches up
+                    learner.pauses += 1
+                    while learner.updates < due:
+                        learner.step()
+                        if learner.updates % cfg.actor_update_interval == 0:
+                            push_weights()
+                learner.idle_s += time.monotonic() - t_pause
+            else:
+                learner.step()
+            if learner.updates % cfg.actor_update_interval == 0:
+                push_weights()
+    finally:
+        collector.shutdown()
+    return t0
+
+
+def evaluate_actor(cfg: Config, actor) -> float:
+    """The mean return of ``cfg.eval_episodes`` episodes of deterministic actions
+    (:func:`torchrl_asyncpool.evaluation.evaluate`, seeds ``10_000 + seed + i``)."""
+    from torchrl_asyncpool.evaluation import Episode, evaluate
+
+    episodes = [Episode(f"eval-{i}", seed=10_000 + cfg.seed + i, max_steps=cfg.eval_max_steps)
+                for i in range(cfg.eval_episodes)]
+    results = evaluate(functools.partial(make_mujoco_env, cfg.env_id), copy.deepcopy(actor), episodes,
+                       num_envs=min(cfg.eval_episodes, 4))
+    return sum(r.episode_return for r in results) / len(results)
+
+
+# ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
 def main(argv=None) -> dict:
@@ -219,155 +404,20 @@ def main(argv=None) -> dict:
     action_spec = probe.full_action_spec_unbatched["action"]
     probe.close()
     actor, qvalue = make_sac_models(obs_dim, action_spec, cfg.hidden)
-    loss_module = SACLoss(actor_network=actor, qvalue_network=qvalue, num_qvalue_nets=2, loss_function="l2",
-                          delay_actor=False, delay_qvalue=True, alpha_init=cfg.alpha_init)
-    loss_module.make_value_estimator(gamma=cfg.gamma)
-    target_updater = SoftUpdate(loss_module, eps=cfg.polyak)
-    optim_actor = torch.optim.Adam(loss_module.actor_network_params.flatten_keys().values(), lr=cfg.lr)
-    optim_critic = torch.optim.Adam(loss_module.qvalue_network_params.flatten_keys().values(), lr=cfg.lr)
-    optim_alpha = torch.optim.Adam([loss_module.log_alpha], lr=3e-4)
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(cfg.buffer_size), batch_size=cfg.batch_size)
-
     stats = Stats(cfg.num_envs)
-    updates, wait_s, idle_s, pauses = 0, 0.0, 0.0, 0
-    losses = []
     pbar = tqdm.tqdm(total=cfg.total_frames, unit="frames", disable=not cfg.progress, dynamic_ncols=True)
-
-    def gradient_step() -> None:
-        nonlocal updates
-        loss = loss_module(rb.sample())
-        total = loss["loss_actor"] + loss["loss_qvalue"] + loss["loss_alpha"]
-        for opt in (optim_actor, optim_critic, optim_alpha):
-            opt.zero_grad()
-        total.backward()
-        for opt in (optim_actor, optim_critic, optim_alpha):
-            opt.step()
-        target_updater.step()
-        updates += 1
-        losses.append(torch.stack([loss[k].detach() for k in ("loss_actor", "loss_qvalue", "loss_alpha", "alpha",
-                                                               "entropy")]))
-
-    def log(t0: float, collector) -> tuple[int, bool]:
-        """Logs one line; returns the frames and whether ``stop_at_target`` ends the run here."""
-        with stats.lock:
-            frames = stats.frames
-            recent = stats.curve_returns[-cfg.window:]
-            n_episodes = len(stats.curve_returns)
-        mean_ret = sum(recent) / len(recent) if recent else float("nan")
-        elapsed = time.monotonic() - t0
-        metrics = {
-            "mean_return": mean_ret, "episodes": n_episodes, "frames": frames, "fps": frames / elapsed,
-            "updates": updates, "updates_per_s": updates / elapsed, "utd_measured": updates / max(1, frames),
-            "learner_wait_share": wait_s / elapsed, "collector_idle_share": idle_s / elapsed,
-            "collector_pauses": pauses, "buffer_size": len(rb), "time_s": elapsed,
-        }
-        if losses:
-            s = torch.stack(losses).mean(0).tolist()
-            metrics.update(zip(("loss_actor", "loss_qvalue", "loss_alpha", "alpha", "entropy"), s))
-            losses.clear()
-        for k, v in metrics.items():
-            logger.log_scalar(k, v, step=frames)
-        postfix = {"ret": f"{mean_ret:.0f}", "fps": f"{frames / elapsed:.0f}", "ups": f"{updates / elapsed:.0f}",
-                   "wait": f"{wait_s / elapsed:.2f}", "idle": f"{idle_s / elapsed:.2f}"}
-        if cfg.collector == "asyncpool" and collector is not None:
-            collector.log_metrics(logger, step=frames)  # collector/pool/... and collector/server/...
-        pbar.update(frames - pbar.n)
-        pbar.set_postfix(**postfix)
-        return frames, cfg.stop_at_target and len(recent) == cfg.window and mean_ret >= cfg.target_return
-
-    if cfg.collector == "torchrl":
-        from torchrl.collectors import Collector
-        from torchrl.envs import EnvCreator, ParallelEnv
-
-        env = ParallelEnv(cfg.num_envs, EnvCreator(functools.partial(make_torchrl_mujoco_env, cfg.env_id)))
-        collector = Collector(env, actor, frames_per_batch=cfg.frames_per_batch, total_frames=cfg.total_frames,
-                              init_random_frames=cfg.init_random_frames, auto_register_policy_transforms=False)
-        collector.set_seed(cfg.seed)
-        t0 = time.monotonic()
-        batches = iter(collector)
-        try:
-            while True:
-                t_wait = time.monotonic()
-                batch = next(batches, None)  # the learner waits while the envs step
-                wait_s += time.monotonic() - t_wait
-                if batch is None:
-                    break
-                if torch.get_num_threads() != learner_threads:
-                    # ParallelEnv sets its process to max(1, threads - workers) when its workers start:
-                    # the learner gets the threads it has under this package's collector
-                    torch.set_num_threads(learner_threads)
-                t_train = time.monotonic()  # the envs wait while the learner trains
-                n = batch.numel()
-                batch = batch.reshape(-1)  # [num_envs, T] -> env by env
-                batch["env_index"] = torch.arange(cfg.num_envs).repeat_interleave(n // cfg.num_envs)
-                stats(batch)
-                rb.extend(batch)
-                if stats.frames >= cfg.init_random_frames:
-                    for _ in range(int(n * cfg.utd)):
-                        gradient_step()
-                collector.update_policy_weights_()  # the collector holds `actor` itself
-                idle_s += time.monotonic() - t_train
-                if log(t0, collector)[1]:
-                    break
-        finally:
-            pbar.close()
-            collector.shutdown()
-    else:
-        acting = SACActing(copy.deepcopy(actor), action_spec.space.low, action_spec.space.high)
-        collector = AsyncPoolCollector(
-            [functools.partial(make_mujoco_env, cfg.env_id)] * cfg.num_envs,
-            policy=acting,
-            frames_per_batch=cfg.frames_per_batch,
-            total_frames=cfg.total_frames,
-            replay_buffer=rb,
-            post_collect_hook=stats,
-            seed=cfg.seed,  # env i's first reset: seed + i
-            on_env_failure=cfg.on_env_failure,
-            step_timeout=cfg.step_timeout or None,
-        )
-        def acting_weights() -> dict:  # the acting policy's actor is its "actor" submodule
-            return {"actor." + k: v for k, v in actor.state_dict().items()}
-
-        next_log = cfg.log_interval
-        t0 = time.monotonic()
-        collector.start()
-        try:
-            while True:
-                collector.check_errors()  # a crashed worker or a policy error stops the run here
-                frames = stats.frames
-                if acting.random and frames >= cfg.init_random_frames:
-                    acting.random = False
-                due = int((frames - cfg.init_random_frames) * cfg.utd) if frames >= cfg.init_random_frames else 0
-                if frames >= next_log:
-                    next_log = frames + cfg.log_interval
-                    if log(t0, collector)[1]:
-                        break
-                if updates >= due:
-                    if frames >= cfg.total_frames:
-                        break
-                    t_wait = time.monotonic()
-                    time.sleep(0.001)  # ahead of the data: wait for the collector
-                    wait_s += time.monotonic() - t_wait
-                    continue
-                if (due - updates) / cfg.utd > cfg.max_lead_frames:  # (>= 1 update due when max_lead_frames=0)
-                    t_pause = time.monotonic()
-                    with collector.pause():  # behind: stop the envs while the learner catches up
-                        pauses += 1
-                        while updates < due:
-                            gradient_step()
-                            if updates % cfg.actor_update_interval == 0:
-                                collector.update_policy_weights_(acting_weights())
-                    idle_s += time.monotonic() - t_pause
-                else:
-                    gradient_step()
-                if updates % cfg.actor_update_interval == 0:
-                    # a copy of the weights goes to the acting policy (whose actor is its "actor" submodule)
-                    collector.update_policy_weights_(acting_weights())
-        finally:
-            pbar.close()
-            collector.shutdown()
-    frames, _ = log(t0, None)  # the last line: the frames and updates at the end
+    learner = Learner(cfg, actor, qvalue, rb, stats, logger, pbar)
+    try:
+        if cfg.collector == "torchrl":
+            t0 = train_torchrl(cfg, learner, actor, learner_threads)
+        else:
+            t0 = train_asyncpool(cfg, learner, actor, action_spec)
+    finally:
+        pbar.close()
+    frames, _ = learner.log(t0)  # the last line: the frames and updates at the end
     elapsed = time.monotonic() - t0
+    updates, wait_s, idle_s = learner.updates, learner.wait_s, learner.idle_s
     recent = stats.curve_returns[-cfg.window:]
     mean_ret = sum(recent) / len(recent) if recent else float("nan")
     reached_at = None
@@ -376,15 +426,8 @@ def main(argv=None) -> dict:
             reached_at = stats.curve_frames[i]
             break
 
-    eval_return = float("nan")
+    eval_return = evaluate_actor(cfg, actor) if cfg.eval_episodes else float("nan")
     if cfg.eval_episodes:
-        from torchrl_asyncpool.evaluation import Episode, evaluate
-
-        episodes = [Episode(f"eval-{i}", seed=10_000 + cfg.seed + i, max_steps=cfg.eval_max_steps)
-                    for i in range(cfg.eval_episodes)]
-        results = evaluate(functools.partial(make_mujoco_env, cfg.env_id), copy.deepcopy(actor), episodes,
-                           num_envs=min(cfg.eval_episodes, 4))
-        eval_return = sum(r.episode_return for r in results) / len(results)
         logger.log_scalar("eval_return", eval_return, step=frames)
 
     plot_curve(stats.curve_frames, stats.curve_returns, cfg.window, cfg.target_return, plot_path,
@@ -393,8 +436,8 @@ def main(argv=None) -> dict:
         print(f"Mean return of {cfg.window} episodes reached {cfg.target_return:g} after {reached_at} frames.")
     print(f"{frames} frames, {updates} updates in {elapsed:.1f}s: {frames / elapsed:.0f} frames/s, "
           f"{updates / elapsed:.1f} updates/s; learner waited {100 * wait_s / elapsed:.0f}% of the time, collector "
-          f"idle {100 * idle_s / elapsed:.0f}% ({pauses} pauses); mean return of the last {len(recent)} episodes "
-          f"{mean_ret:.1f}, evaluation {eval_return:.1f}.")
+          f"idle {100 * idle_s / elapsed:.0f}% ({learner.pauses} pauses); mean return of the last {len(recent)} "
+          f"episodes {mean_ret:.1f}, evaluation {eval_return:.1f}.")
     print(f"Logs: {os.path.join(cfg.log_dir, exp_name)}  Curve: {plot_path}")
     return {"frames": frames, "updates": updates, "time_s": elapsed, "fps": frames / elapsed,
             "learner_wait_share": wait_s / elapsed, "collector_idle_share": idle_s / elapsed,
