@@ -61,6 +61,7 @@ from torchrl.record.loggers.csv import CSVLogger
 from torchrl_asyncpool import AsyncPoolCollector
 from torchrl_asyncpool.examples.batches import EpisodeTracker, group_by_env
 from torchrl_asyncpool.examples.envs import make_atari_env, make_torchrl_atari_env
+from torchrl_asyncpool.examples.learner_process import prepare_learner_process
 from torchrl_asyncpool.examples.nature_cnn import ActModule, NatureCNNActorCritic, impala_cnn_update
 from torchrl_asyncpool.examples.plots import plot_curve
 from torchrl_asyncpool.examples.script_config import config_parser
@@ -135,7 +136,7 @@ def parse_config(argv=None) -> Config:
 # ----------------------------------------------------------------------------------------------
 def main(argv=None) -> dict:
     cfg = parse_config(argv)
-    torch.set_num_threads(1)
+    prepare_learner_process(1)  # the same learner process with either collector
     torch.manual_seed(cfg.seed)
     exp_name = cfg.exp_name or time.strftime(f"impala_atari_{cfg.collector}_%Y%m%d-%H%M%S")
     logger = CSVLogger(exp_name=exp_name, log_dir=cfg.log_dir)

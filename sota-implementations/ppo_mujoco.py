@@ -77,6 +77,7 @@ from torchrl.record.loggers.csv import CSVLogger
 from torchrl_asyncpool import AsyncPoolCollector
 from torchrl_asyncpool.examples.batches import EpisodeTracker
 from torchrl_asyncpool.examples.envs import make_mujoco_env, make_torchrl_mujoco_env
+from torchrl_asyncpool.examples.learner_process import prepare_learner_process
 from torchrl_asyncpool.examples.obs_norm import RunningObsNorm
 from torchrl_asyncpool.examples.plots import plot_curve
 from torchrl_asyncpool.examples.script_config import config_parser
@@ -295,7 +296,7 @@ def evaluate_actor(cfg: Config, actor) -> float:
 # ----------------------------------------------------------------------------------------------
 def main(argv=None) -> dict:
     cfg = parse_config(argv)
-    torch.set_num_threads(1)
+    prepare_learner_process(1)  # the same learner process with either collector
     torch.manual_seed(cfg.seed)
     exp_name = cfg.exp_name or time.strftime(f"ppo_mujoco_{cfg.collector}_%Y%m%d-%H%M%S")
     logger = CSVLogger(exp_name=exp_name, log_dir=cfg.log_dir)

@@ -69,6 +69,7 @@ from torchrl.record.loggers.csv import CSVLogger
 from torchrl_asyncpool import AsyncPoolCollector
 from torchrl_asyncpool.examples.batches import EpisodeTracker
 from torchrl_asyncpool.examples.envs import make_mujoco_env, make_torchrl_mujoco_env
+from torchrl_asyncpool.examples.learner_process import prepare_learner_process
 from torchrl_asyncpool.examples.plots import plot_curve
 from torchrl_asyncpool.examples.script_config import config_parser
 
@@ -392,7 +393,7 @@ def evaluate_actor(cfg: Config, actor) -> float:
 def main(argv=None) -> dict:
     cfg = parse_config(argv)
     learner_threads = cfg.learner_threads or len(os.sched_getaffinity(0))
-    torch.set_num_threads(learner_threads)
+    prepare_learner_process(learner_threads)  # the same learner process with either collector
     torch.manual_seed(cfg.seed)
     exp_name = cfg.exp_name or time.strftime(f"sac_mujoco_{cfg.collector}_%Y%m%d-%H%M%S")
     logger = CSVLogger(exp_name=exp_name, log_dir=cfg.log_dir)

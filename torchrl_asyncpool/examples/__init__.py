@@ -10,5 +10,7 @@ they had in common are written once, here:
   advantage normalisation;
 - :mod:`~torchrl_asyncpool.examples.impala`: IMPALA's learner step (V-trace targets and the
   loss), shared by ``impala_cartpole.py`` and the ``demo`` command;
-- :mod:`~torchrl_asyncpool.examples.plots`: the learning curve.
+- :mod:`~torchrl_asyncpool.examples.plots`: the learning curve;
+- :mod:`~torchrl_asyncpool.examples.learner_process`: the start of a script's process, the same
+  with either collector.
 """
