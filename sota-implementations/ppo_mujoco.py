@@ -49,11 +49,11 @@ Run::
     python sota-implementations/ppo_mujoco.py --remote-address 127.0.0.1:50051 --ray-hosts 4  # envs in Ray actors
 
 What was measured (2-core development machine, no GPU; commit, date and curves in
-``sota-implementations/README.md`` and ``benchmarks/README.md``), mean training return of 1,500:
-with the default schedule (commit ``669ff54``, 2026-12-04) seed 0 after 358,400 frames and 621 s,
-seed 1 after 487,424 frames and 870 s; collecting while training, seed 0 after 401,408 frames and
-378 s on a faster day (TorchRL's ``Collector(ParallelEnv(16))``: 864,256 frames and 1,290 s that
-day), while seed 1 stayed below it in two runs of 1M frames (best 1,432 and 1,409).
+``sota-implementations/README.md`` and ``benchmarks/README.md``), mean training return of 1,500,
+commit ``8651819``, 2026-12-04, one run after another: seed 0 after 389,120 frames and 695 s
+(TorchRL's ``Collector(ParallelEnv(16))``: 305,152 frames and 1,035 s), seed 1 after 364,544
+frames and 811 s (TorchRL's: not within 1M frames, best 1,464); 1.9x TorchRL's frames/s. Collecting
+while training, seed 1 stayed below 1,500 in two runs of 1M frames (best 1,432 and 1,409).
 """
 from __future__ import annotations
 

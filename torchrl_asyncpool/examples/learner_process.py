@@ -7,9 +7,10 @@ and where pandas is not installed each probe searches every ``sys.path`` entry a
 collector records the absent module once when its policy thread starts
 (:func:`~torchrl_asyncpool._sys.absent_modules.remember_absent`), for its whole process, so the
 learner of a script running this package's collector skipped the probes and the one running
-TorchRL's did not: ~7 % of a PPO minibatch update on HalfCheetah (cProfile, the 2-core development
-machine), and the same on each call of TorchRL's collector's policy. :func:`prepare_learner_process`
-does it first, in either case.
+TorchRL's did not (nor did TorchRL's collector's policy calls): ~7 % of a PPO minibatch update on
+HalfCheetah under cProfile on the 2-core development machine, within the noise of a wall-clock A/B
+there (9-12 ms per update either way). :func:`prepare_learner_process` does it first, in either
+case, so that the comparison does not depend on it.
 """
 from __future__ import annotations
 
