@@ -60,6 +60,7 @@ from torchrl.record.loggers.csv import CSVLogger
 
 from torchrl_asyncpool import AsyncPoolCollector
 from torchrl_asyncpool.examples.batches import EpisodeTracker, group_by_env
+from torchrl_asyncpool.examples.eval_return import mean_eval_return
 from torchrl_asyncpool.examples.envs import make_atari_env, make_torchrl_atari_env
 from torchrl_asyncpool.examples.learner_process import prepare_learner_process
 from torchrl_asyncpool.examples.nature_cnn import ActModule, NatureCNNActorCritic, impala_cnn_update
@@ -267,13 +268,8 @@ def main(argv=None) -> dict:
 
     eval_return = float("nan")
     if cfg.eval_episodes:
-        from torchrl_asyncpool.evaluation import Episode, evaluate
-
-        episodes = [Episode(f"eval-{i}", seed=10_000 + cfg.seed + i, max_steps=cfg.eval_max_steps)
-                    for i in range(cfg.eval_episodes)]
-        results = evaluate(functools.partial(make_atari_env, cfg.env_id), copy.deepcopy(policy), episodes,
-                           num_envs=min(cfg.eval_episodes, 4))
-        eval_return = sum(r.episode_return for r in results) / len(results)
+        eval_return = mean_eval_return(functools.partial(make_atari_env, cfg.env_id), policy,
+                                       episodes=cfg.eval_episodes, seed=cfg.seed, max_steps=cfg.eval_max_steps)
         logger.log_scalar("eval_return", eval_return, step=frames)
 
     plot_curve(curve_frames, curve_returns, cfg.window, cfg.target_return, plot_path,

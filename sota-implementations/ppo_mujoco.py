@@ -76,6 +76,7 @@ from torchrl.record.loggers.csv import CSVLogger
 
 from torchrl_asyncpool import AsyncPoolCollector
 from torchrl_asyncpool.examples.batches import EpisodeTracker
+from torchrl_asyncpool.examples.eval_return import mean_eval_return
 from torchrl_asyncpool.examples.envs import make_mujoco_env, make_torchrl_mujoco_env
 from torchrl_asyncpool.examples.learner_process import prepare_learner_process
 from torchrl_asyncpool.examples.obs_norm import RunningObsNorm
@@ -254,15 +255,24 @@ def advantages(cfg: Config, batch, adv_module, collector) -> tuple:
 def ppo_epochs(cfg: Config, batch, loss_module, optim, updates: int, total_updates: int) -> tuple[int, list]:
     """``cfg.epochs`` passes of ``ClipPPOLoss`` steps over shuffled minibatches of ``batch`` (the
     learning rate annealed by the update count); returns the update count and the mean of
-    ``[loss_objective, loss_critic, kl_approx, clip_fraction]`` over the steps."""
+    ``[loss_objective, loss_critic, kl_approx, clip_fraction]`` over the steps.
+
+    Only the entries the loss reads are kept, and each epoch shuffles them once and steps over
+    contiguous slices: indexing the whole batch (its ``"next"`` entries, the collector's) with a
+    random index for every minibatch cost ~5 % of a step."""
+    keys = loss_module.tensor_keys
+    data = batch.select(keys.action, keys.sample_log_prob, keys.advantage, keys.value_target,
+                        *loss_module.actor_network.in_keys, *loss_module.critic_network.in_keys, strict=False)
     stats = []
     for _ in range(cfg.epochs):
-        for idx in torch.randperm(batch.numel()).split(cfg.minibatch_size):
-            if idx.numel() < 2:  # a minibatch of one (a short last batch): its advantage std is NaN
+        shuffled = data[torch.randperm(data.numel())]
+        for start in range(0, data.numel(), cfg.minibatch_size):
+            minibatch = shuffled[start:start + cfg.minibatch_size]
+            if minibatch.numel() < 2:  # a minibatch of one (a short last batch): its advantage std is NaN
                 continue
             if cfg.anneal_lr:
                 optim.param_groups[0]["lr"] = cfg.lr * max(0.0, 1.0 - updates / total_updates)
-            loss = loss_module(batch[idx])
+            loss = loss_module(minibatch)
             total = loss["loss_objective"] + loss["loss_critic"]
             if "loss_entropy" in loss.keys():
                 total = total + loss["loss_entropy"]
@@ -277,18 +287,6 @@ def ppo_epochs(cfg: Config, batch, loss_module, optim, updates: int, total_updat
     if not stats:  # every minibatch had one transition
         return updates, [float("nan")] * 4
     return updates, torch.stack(stats).mean(0).tolist()
-
-
-def evaluate_actor(cfg: Config, actor) -> float:
-    """The mean return of ``cfg.eval_episodes`` episodes of deterministic actions
-    (:func:`torchrl_asyncpool.evaluation.evaluate`, seeds ``10_000 + seed + i``)."""
-    from torchrl_asyncpool.evaluation import Episode, evaluate
-
-    episodes = [Episode(f"eval-{i}", seed=10_000 + cfg.seed + i, max_steps=cfg.eval_max_steps)
-                for i in range(cfg.eval_episodes)]
-    results = evaluate(functools.partial(make_mujoco_env, cfg.env_id), copy.deepcopy(actor), episodes,
-                       num_envs=min(cfg.eval_episodes, 4))
-    return sum(r.episode_return for r in results) / len(results)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,12 +306,14 @@ def main(argv=None) -> dict:
     action_spec = probe.full_action_spec_unbatched["action"]
     probe.close()
     actor, critic, norm = make_ppo_models(obs_dim, action_spec, cfg.hidden, cfg.normalize_obs)
+    # functional=False (no target networks in PPO) and the fused Adam step: the same updates,
+    # ~25 % less time per minibatch step on a 2-core CPU (5.9 -> 4.3 ms), for either collector
     loss_module = ClipPPOLoss(actor, critic, clip_epsilon=cfg.clip_eps, entropy_bonus=cfg.ent_coef > 0,
                               entropy_coeff=cfg.ent_coef, critic_coeff=cfg.critic_coef, loss_critic_type="l2",
-                              normalize_advantage=True)
+                              normalize_advantage=True, functional=False)
     # GAE along each env's row of a [num_envs, T] batch (both collectors' layout here)
     adv_module = GAE(gamma=cfg.gamma, lmbda=cfg.gae_lambda, value_network=critic, average_gae=False)
-    optim = torch.optim.Adam(loss_module.parameters(), lr=cfg.lr, eps=1e-5)
+    optim = torch.optim.Adam(loss_module.parameters(), lr=cfg.lr, eps=1e-5, fused=True)
     updates_per_batch = cfg.epochs * -(-cfg.frames_per_batch // cfg.minibatch_size)
     total_updates = -(-cfg.total_frames // cfg.frames_per_batch) * updates_per_batch
 
@@ -322,7 +322,7 @@ def main(argv=None) -> dict:
     tracker = EpisodeTracker(cfg.num_envs)
     recent = deque(maxlen=cfg.window)
     curve_frames, curve_returns = [], []
-    frames, updates, wait_s, idle_s, reached_at = 0, 0, 0.0, 0.0, None
+    frames, updates, wait_s, idle_s, learn_s, reached_at = 0, 0, 0.0, 0.0, 0.0, None
     pbar = tqdm.tqdm(total=cfg.total_frames, unit="frames", disable=not cfg.progress, dynamic_ncols=True)
     t0 = time.monotonic()
     batches = iter(collector)
@@ -346,7 +346,9 @@ def main(argv=None) -> dict:
             pause = collector.pause() if paused else contextlib.nullcontext()
             t_pause = time.monotonic()
             with pause:
+                t_learn = time.monotonic()
                 updates, stats = ppo_epochs(cfg, batch, loss_module, optim, updates, total_updates)
+                learn_s += time.monotonic() - t_learn
                 if cfg.normalize_obs:  # after the epochs: the statistics the next batch is collected with
                     norm.update(batch["observation"])
                 if cfg.collector == "torchrl":
@@ -363,6 +365,7 @@ def main(argv=None) -> dict:
                 "mean_return": mean_ret, "episodes": len(curve_returns), "frames": frames, "fps": frames / elapsed,
                 "updates": updates, "updates_per_s": updates / elapsed, "learner_wait_share": wait_s / elapsed,
                 "collector_idle_share": idle_s / elapsed,
+                "ms_per_update": 1000 * learn_s / max(updates, 1),  # the PPO steps alone, all batches so far
                 "policy_lag": lag, "loss_policy": stats[0], "loss_value": stats[1], "approx_kl": stats[2],
                 "clip_fraction": stats[3],
                 "lr": optim.param_groups[0]["lr"], "time_s": elapsed,
@@ -392,7 +395,9 @@ def main(argv=None) -> dict:
     elapsed = time.monotonic() - t0
     mean_ret = sum(recent) / len(recent) if recent else float("nan")
 
-    eval_return = evaluate_actor(cfg, actor) if cfg.eval_episodes else float("nan")
+    eval_return = (mean_eval_return(functools.partial(make_mujoco_env, cfg.env_id), actor, episodes=cfg.eval_episodes,
+                                   seed=cfg.seed, max_steps=cfg.eval_max_steps)
+                  if cfg.eval_episodes else float("nan"))
     if cfg.eval_episodes:
         logger.log_scalar("eval_return", eval_return, step=frames)
 

@@ -68,6 +68,7 @@ from torchrl.record.loggers.csv import CSVLogger
 
 from torchrl_asyncpool import AsyncPoolCollector
 from torchrl_asyncpool.examples.batches import EpisodeTracker
+from torchrl_asyncpool.examples.eval_return import mean_eval_return
 from torchrl_asyncpool.examples.envs import make_mujoco_env, make_torchrl_mujoco_env
 from torchrl_asyncpool.examples.learner_process import prepare_learner_process
 from torchrl_asyncpool.examples.plots import plot_curve
@@ -375,18 +376,6 @@ def train_asyncpool(cfg: Config, learner: Learner, actor, action_spec) -> float:
     return t0
 
 
-def evaluate_actor(cfg: Config, actor) -> float:
-    """The mean return of ``cfg.eval_episodes`` episodes of deterministic actions
-    (:func:`torchrl_asyncpool.evaluation.evaluate`, seeds ``10_000 + seed + i``)."""
-    from torchrl_asyncpool.evaluation import Episode, evaluate
-
-    episodes = [Episode(f"eval-{i}", seed=10_000 + cfg.seed + i, max_steps=cfg.eval_max_steps)
-                for i in range(cfg.eval_episodes)]
-    results = evaluate(functools.partial(make_mujoco_env, cfg.env_id), copy.deepcopy(actor), episodes,
-                       num_envs=min(cfg.eval_episodes, 4))
-    return sum(r.episode_return for r in results) / len(results)
-
-
 # ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
@@ -427,7 +416,9 @@ def main(argv=None) -> dict:
             reached_at = stats.curve_frames[i]
             break
 
-    eval_return = evaluate_actor(cfg, actor) if cfg.eval_episodes else float("nan")
+    eval_return = (mean_eval_return(functools.partial(make_mujoco_env, cfg.env_id), actor, episodes=cfg.eval_episodes,
+                                   seed=cfg.seed, max_steps=cfg.eval_max_steps)
+                  if cfg.eval_episodes else float("nan"))
     if cfg.eval_episodes:
         logger.log_scalar("eval_return", eval_return, step=frames)
 

@@ -138,10 +138,11 @@ def test_sac_mujoco_stops_at_its_target(tmp_path):
 @pytest.mark.timeout(600)
 def test_sac_mujoco_torchrl_collector_smoke(tmp_path):
     pytest.importorskip("mujoco")
-    _run_script("sac_mujoco.py", tmp_path, *_SAC_SMALL, "--collector", "torchrl", timeout=540)
+    # 5 envs: TorchRL's collector needs frames_per_batch (250) to be a multiple of the envs
+    _run_script("sac_mujoco.py", tmp_path, *_SAC_SMALL, "--collector", "torchrl", "--num-envs", "5", timeout=540)
     _check_common(tmp_path, "sac_mujoco.png", 2000, asyncpool=False)
     # TorchRL's sac.py semantics: frames_per_batch x utd updates after each batch from init_random_frames on
-    assert _scalar(tmp_path, "updates")[-1] == 5 * 250 * 0.25
+    assert _scalar(tmp_path, "updates")[-1] == 5 * int(250 * 0.25)
 
 
 # -- IMPALA, Pong --------------------------------------------------------------------------------

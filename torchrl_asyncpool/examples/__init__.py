@@ -12,5 +12,7 @@ they had in common are written once, here:
   loss), shared by ``impala_cartpole.py`` and the ``demo`` command;
 - :mod:`~torchrl_asyncpool.examples.plots`: the learning curve;
 - :mod:`~torchrl_asyncpool.examples.learner_process`: the start of a script's process, the same
-  with either collector.
+  with either collector;
+- :mod:`~torchrl_asyncpool.examples.eval_return`: the evaluation at the end of a script (the
+  mean return of seeded episodes).
 """
