@@ -35,7 +35,7 @@ thread too (``policy_num_threads=1``, its default); the env workers are processe
 By default the collector is paused (``with collector.pause():``) during the epochs, and the new
 weights reach it before it resumes: a batch then comes almost entirely from the current policy
 (mean policy lag ~0.3 versions), and the learner has the cores to itself while it waits for each
-batch (~16 % of its time). ``--collect-while-training true`` lets the collector gather the next
+batch (~24 % of its time: ~0.7 s of collection per batch against ~2.2 s of updates). ``--collect-while-training true`` lets the collector gather the next
 batch during the epochs instead: the learner barely waits, but each batch is about one policy
 version behind. On 2 cores the two schedules ran at the same speed within noise (100k frames,
 seed 0, ABBA on 2026-12-04: 573 and 600 frames/s collecting while training, 603 and 609 in turns),
@@ -50,10 +50,10 @@ Run::
 
 What was measured (2-core development machine, no GPU; commit, date and curves in
 ``sota-implementations/README.md`` and ``benchmarks/README.md``), mean training return of 1,500,
-commit ``8651819``, 2026-12-04, one run after another: seed 0 after 389,120 frames and 695 s
-(TorchRL's ``Collector(ParallelEnv(16))``: 305,152 frames and 1,035 s), seed 1 after 364,544
-frames and 811 s (TorchRL's: not within 1M frames, best 1,464); 1.9x TorchRL's frames/s. Collecting
-while training, seed 1 stayed below 1,500 in two runs of 1M frames (best 1,432 and 1,409).
+commit ``538f103``, 2026-12-04, one run after another: seed 0 after 333,824 frames and 478 s
+(TorchRL's ``Collector(ParallelEnv(16))``: 401,408 frames and 907 s), seed 1 after 710,656 frames
+and 1,137 s (TorchRL's: 657,408 frames and 1,600 s); 1.5-1.6x TorchRL's frames/s. Collecting while
+training, seed 1 stayed below 1,500 in two runs of 1M frames (best 1,432 and 1,409).
 """
 from __future__ import annotations
 
