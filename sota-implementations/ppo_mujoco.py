@@ -37,7 +37,8 @@ weights reach it before it resumes: a batch then comes almost entirely from the 
 (mean policy lag ~0.3 versions), and the learner has the cores to itself while it trains; it waits
 for each batch ~24 % of its time (~0.7 s of collection against ~2.2 s of updates per batch).
 ``--collect-while-training true`` lets the collector gather the next batch during the epochs
-instead: the learner barely waits, but each batch is about one policy version behind. On 2 cores the two schedules ran at the same speed within noise (100k frames,
+instead: the learner barely waits, but each batch is about one policy version behind. On 2 cores
+the two schedules ran at the same speed within noise (100k frames,
 seed 0, ABBA on 2026-12-04: 573 and 600 frames/s collecting while training, 603 and 609 in turns),
 and with seed 1 only the paused schedule reached 1,500 (below), hence the default.
 
