@@ -396,10 +396,10 @@ def main(argv=None) -> dict:
     elapsed = time.monotonic() - t0
     mean_ret = sum(recent) / len(recent) if recent else float("nan")
 
-    eval_return = (mean_eval_return(functools.partial(make_mujoco_env, cfg.env_id), actor, episodes=cfg.eval_episodes,
-                                   seed=cfg.seed, max_steps=cfg.eval_max_steps)
-                  if cfg.eval_episodes else float("nan"))
+    eval_return = float("nan")
     if cfg.eval_episodes:
+        eval_return = mean_eval_return(functools.partial(make_mujoco_env, cfg.env_id), actor,
+                                       episodes=cfg.eval_episodes, seed=cfg.seed, max_steps=cfg.eval_max_steps)
         logger.log_scalar("eval_return", eval_return, step=frames)
 
     plot_curve(curve_frames, curve_returns, cfg.window, cfg.target_return, plot_path,
