@@ -76,7 +76,7 @@ def test_ppo_mujoco_collects_and_learns_in_turns(tmp_path):
     # 4 epochs of 32 minibatches: long enough that a collector left running would gather the
     # whole next batch meanwhile (lags 1.0 when tried), so the lag tells the schedules apart
     _run_script("ppo_mujoco.py", tmp_path, *_PPO_SMALL[:-4], "--eval-episodes", "0", "--epochs", "4",
-                "--minibatch-size", "16", "--collect-while-training", "false")
+                "--minibatch-size", "16", "--collect-while-training", "false", "--compile", "false")
     _check_common(tmp_path, "ppo_mujoco.png", 2048)
     assert all(0.0 < x < 1.0 for x in _scalar(tmp_path, "collector_idle_share"))
     lags = _scalar(tmp_path, "policy_lag")
