@@ -20,10 +20,20 @@ the model (:class:`~torchrl_asyncpool.examples.obs_norm.RunningObsNorm`, shared 
 the critic, updated by the learner from each batch after its PPO epochs and shipped to the acting
 copy with the weights) instead of a ``VecNorm`` transform inside one env, so that 16 envs in
 worker processes share one set of statistics; the stored observations are raw, which keeps the
-PPO ratio exact when the statistics move. The acting policy is a copy of the actor served by the
-collector's policy thread; a batch may hold actions of the previous policy version (those taken
-before the collector paused, or all of them with ``--collect-while-training true``): the ratio is
-taken against the stored behaviour log-probs (``"action_log_prob"``), and the lag is logged.
+PPO ratio exact when the statistics move. The collector acts with :class:`TanhNormalActing`: the
+actor's own network and ``TanhNormal`` draw written in plain torch (the same action for the same
+random state, and the log-prob ``ClipPPOLoss`` recomputes for it), ~0.7 ms per call against
+~1.6-2.0 ms for the ``ProbabilisticActor``, whose distribution objects cost more than its 64x64
+MLP; ``--acting actor`` acts with the ``ProbabilisticActor`` itself. Both collectors act with
+the same module. Our collector serves a copy in its policy thread; a batch may hold actions of
+the previous policy version (those taken before the collector paused, or all of them with
+``--collect-while-training true``): the ratio is taken against the stored behaviour log-probs
+(``"action_log_prob"``), and the lag is logged.
+
+The loss is ``torch.compile``-d (:class:`CompiledLoss`, ``--compile false`` for the eager one):
+a minibatch step of TorchRL's ``ClipPPOLoss`` on these small networks is mostly Python, and
+compiled it takes ~3.7 ms instead of ~6.8 ms here, for 15-45 s of compiling at the first
+minibatch; both collectors train with it.
 
 ``--collector torchrl`` runs the same learner on TorchRL's own ``Collector(ParallelEnv(16,
 ...))`` (synchronous: the envs wait while the learner trains, and the learner waits while they
@@ -35,7 +45,7 @@ thread too (``policy_num_threads=1``, its default); the env workers are processe
 By default the collector is paused (``with collector.pause():``) during the epochs, and the new
 weights reach it before it resumes: a batch then comes almost entirely from the current policy
 (mean policy lag ~0.3 versions), and the learner has the cores to itself while it trains; it waits
-for each batch ~24 % of its time (~0.7 s of collection against ~2.2 s of updates per batch).
+for each batch ~27 % of its time (~0.45 s of collection against ~1.2 s of updates per batch).
 ``--collect-while-training true`` lets the collector gather the next batch during the epochs
 instead: the learner barely waits, but each batch is about one policy version behind. On 2 cores
 the two schedules ran at the same speed within noise (100k frames,
@@ -51,10 +61,11 @@ Run::
 
 What was measured (2-core development machine, no GPU; commit, date and curves in
 ``sota-implementations/README.md`` and ``benchmarks/README.md``), mean training return of 1,500,
-commit ``538f103``, 2026-12-04, one run after another: seed 0 after 333,824 frames and 478 s
-(TorchRL's ``Collector(ParallelEnv(16))``: 401,408 frames and 907 s), seed 1 after 710,656 frames
-and 1,137 s (TorchRL's: 657,408 frames and 1,600 s); 1.5-1.6x TorchRL's frames/s. Collecting while
-training, seed 1 stayed below 1,500 in two runs of 1M frames (best 1,432 and 1,409).
+commit ``a1c51a7``, 2026-12-05, one run after another: seed 0 after 278,528 frames and 229 s
+(TorchRL's ``Collector(ParallelEnv(16))``: 481,280 frames and 802 s), seed 1 after 741,376 frames
+and 616 s (TorchRL's: 1,492 after 1M frames and 1,702 s); 2.0x TorchRL's frames/s. Collecting while
+training (an earlier version of this script), seed 1 stayed below 1,500 in two runs of 1M frames
+(best 1,432 and 1,409).
 """
 from __future__ import annotations
 

@@ -4,14 +4,18 @@ leaves a /dev/shm file behind (``dev_shm_guard``)."""
 import contextlib
 import functools
 import os
+import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 from tensordict import TensorDict
 
 from torchrl_asyncpool.testing import OracleEnv, oracle_action
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "sota-implementations"
 
 
 def oracle_factories(n, **kwargs):
@@ -175,3 +179,17 @@ def run_checked(cmd, timeout: float, cwd=None):
         f"\n--- stderr\n{proc.stderr[-4000:]}"
     )
     return proc
+
+
+def load_script(name: str):
+    """Imports ``sota-implementations/<name>.py`` as a module (its ``main`` is not run)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"sota_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_address, run_checked
+from conftest import free_address, load_script, run_checked
 from torchrl_asyncpool import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,20 +129,6 @@ def test_script_config_flags(script):
         assert "num_envs / vector_envs of them, each stepped in lockstep by one worker (default: 0)" in text
 
 
-def _load_script(name: str):
-    """Imports ``sota-implementations/<name>.py`` as a module (its ``main`` is not run)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"sota_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
-
-
 @pytest.mark.parametrize("script, args, message", [
     ("ppo_cartpole", ["--progress", "flase"], "argument --progress: expected true or false, got 'flase'"),
     ("ppo_cartpole", ["--total-frames", "-1"], "--total-frames must be >= 1"),  # lr grew with the frames
@@ -161,14 +147,14 @@ def _load_script(name: str):
     ("dqn_cartpole", ["--utd", "0"], "--utd must be > 0"),
 ])
 def test_script_flags_refuse_bad_values(script, args, message, capsys):
-    module = _load_script(script)
+    module = load_script(script)
     with pytest.raises(SystemExit) as exit_info:
         module.parse_config(args)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_script_bool_flags_and_defaults_parse():
-    module = _load_script("dqn_cartpole")
+    module = load_script("dqn_cartpole")
     assert module.parse_config([]) == module.Config()
     assert module.parse_config(["--double-dqn", "FALSE", "--progress", "on"]).double_dqn is False
 
@@ -180,7 +166,7 @@ def test_advantage_normalisation_of_a_single_transition_is_finite():
 
     from torchrl_asyncpool.examples.batches import normalize
 
-    assert _load_script("ppo_cartpole").normalize is normalize
+    assert load_script("ppo_cartpole").normalize is normalize
     assert normalize(torch.tensor([2.5])).tolist() == [0.0]
     out = normalize(torch.tensor([1.0, 2.0, 3.0]))
     assert abs(out.mean().item()) < 1e-6 and abs(out.std().item() - 1) < 1e-6

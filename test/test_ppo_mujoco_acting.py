@@ -3,29 +3,19 @@ draw must be the ``ProbabilisticActor``'s (the same action for the same random s
 log-prob the learner's ``ClipPPOLoss`` recomputes), and the compiled loss the eager one."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from tensordict import TensorDict
 from torchrl.data import Bounded
 
-SCRIPT = Path(__file__).resolve().parents[1] / "sota-implementations" / "ppo_mujoco.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def ppo():
-    spec = importlib.util.spec_from_file_location("sota_ppo_mujoco_acting", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+    return load_script("ppo_mujoco")
 
 
 def _models(ppo, low=-1.0, high=1.0, obs_dim=5, n_act=3):
