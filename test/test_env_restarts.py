@@ -279,9 +279,9 @@ def test_server_replacements_have_a_budget():
 
 @pytest.mark.parametrize("script", ["ppo_cartpole", "impala_cartpole", "dqn_cartpole"])
 def test_example_scripts_take_on_env_failure(script, capsys):
-    from test_cli_and_scripts import _load_script
+    from conftest import load_script
 
-    module = _load_script(script)
+    module = load_script(script)
     assert module.parse_config([]).on_env_failure == "raise"
     assert module.parse_config(["--on-env-failure", "restart"]).on_env_failure == "restart"
     with pytest.raises(SystemExit) as info:

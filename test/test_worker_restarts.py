@@ -353,9 +353,9 @@ def test_long_run_with_every_kind_of_fault_is_exact(dev_shm_guard):
 
 @pytest.mark.parametrize("script", ["ppo_cartpole", "impala_cartpole", "dqn_cartpole"])
 def test_example_scripts_take_step_timeout(script, capsys):
-    from test_cli_and_scripts import _load_script
+    from conftest import load_script
 
-    module = _load_script(script)
+    module = load_script(script)
     assert module.parse_config([]).step_timeout == 0.0  # no limit
     assert module.parse_config(["--step-timeout", "30", "--on-env-failure", "restart"]).step_timeout == 30.0
     with pytest.raises(SystemExit) as info:
@@ -364,7 +364,7 @@ def test_example_scripts_take_step_timeout(script, capsys):
 
 
 def test_ppo_restarts_vector_envs_too():
-    from test_cli_and_scripts import _load_script
+    from conftest import load_script
 
-    cfg = _load_script("ppo_cartpole").parse_config(["--vector-envs", "4", "--on-env-failure", "restart"])
+    cfg = load_script("ppo_cartpole").parse_config(["--vector-envs", "4", "--on-env-failure", "restart"])
     assert cfg.vector_envs == 4 and cfg.on_env_failure == "restart"
