@@ -56,7 +56,7 @@ def _cpu(result: dict, what: str) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="the git revision to compare against (e.g. HEAD~1, a hash)")
-    p.add_argument("--workload", default="sleep2ms", choices=("cartpole", "sleep2ms"))
+    p.add_argument("--workload", default="sleep2ms", choices=("cartpole", "sleep2ms", "atari", "mujoco"))
     p.add_argument("--envs", type=int, default=16)
     p.add_argument("--pairs", type=int, default=4, help="pairs of runs, in ABBA order (default 4)")
     p.add_argument("--seconds", type=float, default=8.0, help="measurement time per run")

@@ -10,7 +10,9 @@ import torch
 from torchrl_asyncpool import AsyncPoolCollector
 from torchrl_asyncpool.collector.workload_plan import PIN_STEP_S, UNPIN_STEP_S, AffinityPlan
 from torchrl_asyncpool.inference import auto_flush_timeout
-from torchrl_asyncpool.inference.flush_deadline import HOLD_S, TRIAL_WINDOW_S, TRIAL_WINDOWS, FlushDeadline
+from torchrl_asyncpool.inference.flush_deadline import (
+    HOLD_S, SETTLE_WINDOWS, TRIAL_ORDER, TRIAL_WINDOW_S, TRIAL_WINDOWS, FlushDeadline,
+)
 from torchrl_asyncpool.testing import OracleEnv, oracle_action
 
 CPUS = sorted(os.sched_getaffinity(0))
@@ -42,6 +44,13 @@ class _Clock:
         self.deadline.look(self.t, (self.total, self.count))
         return self.deadline
 
+    def start(self, rate=1_000):
+        """The settling windows, then the window that starts the first round."""
+        for _ in range(SETTLE_WINDOWS):
+            d = self.window(rate)
+            assert (d.choice, d.timeout) == ("settling", 0.0)  # served greedily meanwhile
+        return self.window(rate)
+
     def round(self, wait_rate, greedy_rate):
         d = self.deadline
         for _ in range(TRIAL_WINDOWS):
@@ -62,7 +71,7 @@ def test_cheap_envs_are_served_greedily_without_trials():
 ])
 def test_a_costly_step_tries_both_and_keeps_the_faster(wait_rate, greedy_rate, choice):
     clock = _Clock(1.3e-3, envs_in_turn=8)
-    d = clock.window(1_000)
+    d = clock.start()
     assert d.choice == "trial" and d.timeout == pytest.approx(auto_flush_timeout(1.3e-3, 8))  # waiting first
     d = clock.round(wait_rate, greedy_rate)
     assert d.choice == choice and d.rounds == 1
@@ -71,9 +80,44 @@ def test_a_costly_step_tries_both_and_keeps_the_faster(wait_rate, greedy_rate, c
     assert rates == {"wait": [wait_rate, wait_rate], "greedy": [greedy_rate, greedy_rate]}
 
 
+def test_a_round_is_not_decided_by_the_warm_up_drift():
+    # the pool gets faster window after window (start-up); waiting is truly 5 % faster. In the
+    # order wait, greedy, greedy, wait both options sit at the same mean position, so the drift
+    # cancels; alternating (wait, greedy, wait, greedy) would give greedy 1,200 against 1,155.
+    assert TRIAL_ORDER == ("wait", "greedy", "greedy", "wait")
+    clock = _Clock(1.3e-3, envs_in_turn=8)
+    d = clock.start()
+    base = 1_000
+    for _ in range(TRIAL_WINDOWS):
+        d = clock.window(base * (1.05 if d.timeout > 0 else 1.0))
+        base += 100
+    rates = d.describe()["flush_trial_rates"]
+    assert rates["wait"] == [pytest.approx(1_050, abs=2), pytest.approx(1_365, abs=2)]
+    assert rates["greedy"] == [pytest.approx(1_100, abs=2), pytest.approx(1_200, abs=2)]
+    assert d.choice == "wait"
+
+
+def test_the_first_round_starts_after_the_core_partition_is_looked_at():
+    from torchrl_asyncpool.collector.workload_plan import PLAN_PERIOD_S
+
+    # the window that starts the first round comes after the partition's first look
+    assert SETTLE_WINDOWS * TRIAL_WINDOW_S >= PLAN_PERIOD_S + TRIAL_WINDOW_S
+
+
+def test_a_costly_step_settles_before_the_first_round():
+    clock = _Clock(1.3e-3, envs_in_turn=8)
+    d = clock.window(1_000)
+    assert (d.choice, d.timeout, d.rounds) == ("settling", 0.0, 0)
+    assert d.measured_step_s == pytest.approx(1.3e-3)  # measured meanwhile
+    for _ in range(SETTLE_WINDOWS - 1):
+        d = clock.window(1_000)
+    d = clock.window(1_000)
+    assert d.choice == "trial" and d.timeout == pytest.approx(auto_flush_timeout(1.3e-3, 8))
+
+
 def test_the_decision_holds_then_is_tried_again_and_can_change():
     clock = _Clock(2e-3)
-    clock.window(1_000)
+    clock.start()
     d = clock.round(1_000, 1_200)
     assert d.choice == "greedy"
     windows = int(HOLD_S / TRIAL_WINDOW_S) - 1
@@ -87,7 +131,7 @@ def test_the_decision_holds_then_is_tried_again_and_can_change():
 
 def test_a_drifting_env_step_starts_a_round_at_once():
     clock = _Clock(2e-3)
-    clock.window(1_000)
+    clock.start()
     assert clock.round(1_500, 1_000).choice == "wait"
     assert clock.window(1_000).choice == "wait"
     d = clock.window(1_000, step_s=5e-3)  # the env's steps got 2.5x slower
@@ -110,7 +154,8 @@ def test_a_policy_swapped_for_a_costlier_one_starts_a_round_at_once():
         clock.deadline.look(clock.t, (clock.total, clock.count), tuple(policy))
         return clock.deadline
 
-    window(1_000, 20e-6)
+    for _ in range(SETTLE_WINDOWS + 1):  # settling, then the window that starts the round
+        window(1_000, 20e-6)
     for _ in range(TRIAL_WINDOWS):  # waiting wins; fuller batches cost less per record than greedy's
         d = window(1_500 if clock.deadline.timeout > 0 else 1_000, 10e-6 if clock.deadline.timeout > 0 else 30e-6)
     assert d.choice == "wait" and d.rounds == 1
@@ -125,7 +170,7 @@ def test_a_window_with_too_few_steps_stays_open():
     clock = _Clock(2e-3)
     d = clock.window(10)  # 5 steps in half a second: not enough to judge
     assert d.choice == "unmeasured" and d.measured_step_s is None
-    d = clock.window(1_000)
+    d = clock.start()
     assert d.choice == "trial" and d.measured_step_s == pytest.approx(2e-3)
 
 

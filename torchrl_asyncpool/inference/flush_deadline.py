@@ -10,14 +10,24 @@ step alone decides it: with a 2 ms sleeping env, 64 envs on 2 cores gained from 
 
 So :class:`FlushDeadline` measures. The candidate deadline comes from the env step the workers
 measure (:func:`~torchrl_asyncpool.inference.auto_flush_timeout`: ``0`` for cheap envs, which
-ends the question). Otherwise it runs *trials*: the loop alternates between the candidate and
-greedy for :data:`TRIAL_WINDOWS` windows of :data:`TRIAL_WINDOW_S` seconds each, counts the env
-steps done in each (the throughput the envs reached, whatever paces it), keeps the faster
-option (greedy unless waiting wins by :data:`WAIT_MARGIN`), and holds it for
-:data:`HOLD_S` seconds before trying again: a measurement taken under a moment's load does not
-decide for good. A mean env step, or a policy cost per record, that moves by more than 2x since
-the decision starts new trials at once (an env whose steps got slower, a policy that got costlier:
-either changes what a fuller batch saves).
+ends the question). Otherwise it runs *trials*: the loop serves with the candidate and greedy
+in turn, in the order wait, greedy, greedy, wait (:data:`TRIAL_ORDER`), for :data:`TRIAL_WINDOWS`
+windows of :data:`TRIAL_WINDOW_S` seconds each, counts the env steps done in each (the
+throughput the envs reached, whatever paces it), keeps the faster option (greedy unless waiting
+wins by :data:`WAIT_MARGIN`), and holds it for :data:`HOLD_S` seconds before trying again: a
+measurement taken under a moment's load does not decide for good. The order matters because
+the throughput drifts while a pool warms up (episodes start, caches fill, the core partition
+settles): with Atari through gymnasium it rose ~40 % over the first four windows, and an
+alternating order (wait, greedy, wait, greedy) then gives every later, faster window to greedy,
+which won rounds that waiting wins once warm. Wait-greedy-greedy-wait gives both options the
+same mean position, so a steady drift cancels out. The first round also starts only after
+:data:`SETTLE_WINDOWS` windows (1.5 s, served greedily): the steepest part of that drift is the
+first second, with the serving thread and the env workers on separate cores until the
+collector's core partition is looked at (and lifted for a costly step).
+
+A mean env step, or a policy cost per record, that moves by more than 2x since the decision
+starts new trials at once (an env whose steps got slower, a policy that got costlier: either
+changes what a fuller batch saves).
 """
 from __future__ import annotations
 
@@ -27,12 +37,19 @@ from typing import Dict, List, Optional
 from torchrl_asyncpool.exchange.metrics import SumWindow
 from torchrl_asyncpool.inference._common import auto_flush_timeout
 
-__all__ = ["FlushDeadline", "TRIAL_WINDOW_S", "TRIAL_WINDOWS", "HOLD_S", "WAIT_MARGIN"]
+__all__ = ["FlushDeadline", "TRIAL_WINDOW_S", "TRIAL_WINDOWS", "TRIAL_ORDER", "SETTLE_WINDOWS", "HOLD_S",
+           "WAIT_MARGIN"]
 
 #: seconds each trial window serves with one option
 TRIAL_WINDOW_S = 0.5
-#: windows per trial round, alternating wait / greedy (an even number: each option gets half)
-TRIAL_WINDOWS = 4
+#: the options of a round's windows, in order: each gets the same mean position in the round
+TRIAL_ORDER = ("wait", "greedy", "greedy", "wait")
+#: windows per trial round (the length of :data:`TRIAL_ORDER`)
+TRIAL_WINDOWS = len(TRIAL_ORDER)
+#: windows measured before the first round starts: the collector's core partition is first
+#: looked at one second after start-up (``workload_plan.PLAN_PERIOD_S``) and, for a costly step,
+#: lifted then; a window later the pool runs in the layout it keeps
+SETTLE_WINDOWS = 3
 #: seconds a decision holds before the next trial round
 HOLD_S = 15.0
 #: waiting must beat greedy by this fraction of greedy's rate (ties go to greedy: less latency)
@@ -61,7 +78,9 @@ class FlushDeadline:
         measured_policy_s (float or None): the policy's seconds per record served in the last
             window (``None``: not measured).
         choice (str): ``"greedy"`` (cheap envs, or greedy won), ``"wait"`` (the deadline won),
-            ``"trial"`` (a round is running) or ``"unmeasured"`` (no window yet).
+            ``"trial"`` (a round is running), ``"settling"`` (served greedily for the first
+            :data:`SETTLE_WINDOWS` windows of a costly step, before the first round) or
+            ``"unmeasured"`` (no window yet).
 
     Examples:
         >>> from torchrl_asyncpool.inference.flush_deadline import FlushDeadline
@@ -70,11 +89,15 @@ class FlushDeadline:
         >>> d.choice, d.timeout
         ('greedy', 0.0)
         >>> d = FlushDeadline(envs_in_turn=1, now=0.0, sums=(0.0, 0))
-        >>> d.look(1.0, (500 * 2e-3, 500))  # 2 ms steps: a round of trials starts, waiting first
+        >>> for t in (0.5, 1.0, 1.5):  # 2 ms steps: three windows to settle, served greedily
+        ...     d.look(t, (t * 500 * 2e-3, int(t * 500)))
+        >>> d.choice, d.timeout
+        ('settling', 0.0)
+        >>> d.look(2.0, (1000 * 2e-3, 1000))  # then a round of trials starts, waiting first
         >>> d.choice, d.timeout
         ('trial', 0.0005)
-        >>> t, steps = 1.0, 500
-        >>> for rate in (1000, 1200, 1000, 1200):  # frames/s while waiting, then greedy, ...
+        >>> t, steps = 2.0, 1000
+        >>> for rate in (1000, 1200, 1200, 1000):  # frames/s waiting, greedy, greedy, waiting
         ...     t, steps = t + 0.5, steps + rate // 2
         ...     d.look(t, (steps * 2e-3, steps))
         >>> d.choice, d.timeout  # greedy was 20 % faster
@@ -100,6 +123,7 @@ class FlushDeadline:
         self._trial: List[tuple] = []  # (option, rate) of the running round
         self._decided_step: Optional[float] = None  # the mean step when a round last decided
         self._hold_until: Optional[float] = None  # None: no round's decision is in force
+        self._settled = 0  # windows measured outside rounds
 
     def due(self, now: float) -> bool:
         """Whether the current window is over (the loop then calls :meth:`look`)."""
@@ -125,8 +149,12 @@ class FlushDeadline:
             self._trial.append(("wait" if self.timeout > 0.0 else "greedy", steps / elapsed))
             if len(self._trial) >= TRIAL_WINDOWS:
                 self._decide(now)
-            else:  # alternate: wait, greedy, wait, greedy
-                self.timeout = self.candidate_s if len(self._trial) % 2 == 0 else 0.0
+            else:  # the next window's option (wait, greedy, greedy, wait)
+                self.timeout = self.candidate_s if TRIAL_ORDER[len(self._trial)] == "wait" else 0.0
+            return
+        self._settled += 1
+        if self._settled <= SETTLE_WINDOWS and self.rounds == 0:
+            self.choice = "settling"  # served greedily until the pool's start-up drift has passed
             return
         if self._decided_policy is None and self._hold_until is not None:
             self._decided_policy = self.measured_policy_s
