@@ -708,7 +708,9 @@ def main(argv=None):
                 for rep in range(a.repeats):
                     k = rep % len(cell_systems)
                     for s in cell_systems[k:] + cell_systems[:k]:
-                        row = dict(workload=w, policy=p, envs=n, system=s, rep=rep, load_average=os.getloadavg()[0])
+                        settle_s = _wait_quiet()  # e.g. TorchRL's workers still exiting after their run
+                        row = dict(workload=w, policy=p, envs=n, system=s, rep=rep, load_average=os.getloadavg()[0],
+                                   settle_s=settle_s)
                         try:
                             fps, info = RUNNERS[s](w, p, n, a.frames_per_batch, a)
                             row.update(fps=fps, **info)
@@ -727,6 +729,33 @@ def main(argv=None):
         with open(json_path, "w") as f:
             json.dump(dict(meta=meta, cells=cells, rows=rows, table_markdown=table), f, indent=1, default=str)
     return dict(meta=meta, cells=cells, rows=rows)
+
+
+def _cpu_busy(seconds: float) -> float:
+    """The machine's CPU busy fraction over ``seconds`` (all cores, from ``/proc/stat``; 0 elsewhere)."""
+    def sample():
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except OSError:
+        return 0.0
+    return 1.0 - (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def _wait_quiet(busy: float = 0.15, max_s: float = 60.0) -> float:
+    """Waits until the CPUs are at most ``busy`` busy over half a second (the previous system's
+    processes have exited; at most ``max_s`` seconds) so that no run, the env-only ceiling
+    especially, is measured against another's shutdown; returns the seconds waited."""
+    t0 = time.monotonic()
+    while _cpu_busy(0.5) > busy and time.monotonic() - t0 < max_s:
+        pass
+    return time.monotonic() - t0
 
 
 def _median(xs):
