@@ -11,7 +11,7 @@ from torchrl_asyncpool import AsyncPoolCollector
 from torchrl_asyncpool.collector.workload_plan import PIN_STEP_S, UNPIN_STEP_S, AffinityPlan
 from torchrl_asyncpool.inference import auto_flush_timeout
 from torchrl_asyncpool.inference.flush_deadline import (
-    HOLD_S, SETTLE_WINDOWS, TRIAL_ORDER, TRIAL_WINDOW_S, TRIAL_WINDOWS, FlushDeadline,
+    HOLD_S, SETTLE_WINDOWS, TRIAL_ORDER, TRIAL_WINDOW_S, TRIAL_WINDOWS, UNSURE_HOLD_S, UNSURE_RETRIES, FlushDeadline,
 )
 from torchrl_asyncpool.testing import OracleEnv, oracle_action
 
@@ -113,6 +113,34 @@ def test_a_costly_step_settles_before_the_first_round():
         d = clock.window(1_000)
     d = clock.window(1_000)
     assert d.choice == "trial" and d.timeout == pytest.approx(auto_flush_timeout(1.3e-3, 8))
+
+
+def test_an_unsure_round_is_tried_again_soon_a_few_times():
+    clock = _Clock(1.3e-3, envs_in_turn=8)
+    d = clock.start()
+
+    def noisy_round():  # waiting's first window met a slow moment: 540 and 1,220 against 1,100 and 1,170
+        d = clock.deadline
+        for wait_rate, greedy_rate in ((540, None), (None, 1_100), (None, 1_170), (1_220, None)):
+            d = clock.window(wait_rate if d.timeout > 0 else greedy_rate)
+        return d
+
+    for retry in range(UNSURE_RETRIES):
+        d = noisy_round()
+        assert d.choice == "greedy" and d.describe()["flush_trial_sure"] is False
+        for _ in range(int(UNSURE_HOLD_S / TRIAL_WINDOW_S) - 1):  # held briefly ...
+            assert clock.window(1_100).choice == "greedy"
+        assert clock.window(1_100).choice == "trial"  # ... then tried again
+    d = noisy_round()  # still unsure after the retries: held for HOLD_S like a sure decision
+    assert d.rounds == UNSURE_RETRIES + 1
+    for _ in range(int(HOLD_S / TRIAL_WINDOW_S) - 1):
+        assert clock.window(1_100).choice == "greedy"
+    d = clock.window(1_100)
+    assert d.choice == "trial"
+    d = clock.round(1_300, 1_100)  # a clear round: waiting wins and is held
+    assert d.choice == "wait" and d.describe()["flush_trial_sure"] is True
+    for _ in range(int(HOLD_S / TRIAL_WINDOW_S) - 1):
+        assert clock.window(1_300).choice == "wait"
 
 
 def test_the_decision_holds_then_is_tried_again_and_can_change():

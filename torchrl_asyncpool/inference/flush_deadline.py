@@ -25,6 +25,11 @@ same mean position, so a steady drift cancels out. The first round also starts o
 first second, with the serving thread and the env workers on separate cores until the
 collector's core partition is looked at (and lifted for a costly step).
 
+A round whose options differed by less than each option's own spread between its windows (a
+window of a noisy minute, or the slow start of 64 envs: one round on Atari measured waiting at 539
+and 1,219 frames/s) is tried again after :data:`UNSURE_HOLD_S`, up to :data:`UNSURE_RETRIES`
+times in a row, instead of held for :data:`HOLD_S`.
+
 A mean env step, or a policy cost per record, that moves by more than 2x since the decision
 starts new trials at once (an env whose steps got slower, a policy that got costlier: either
 changes what a fuller batch saves).
@@ -38,7 +43,7 @@ from torchrl_asyncpool.exchange.metrics import SumWindow
 from torchrl_asyncpool.inference._common import auto_flush_timeout
 
 __all__ = ["FlushDeadline", "TRIAL_WINDOW_S", "TRIAL_WINDOWS", "TRIAL_ORDER", "SETTLE_WINDOWS", "HOLD_S",
-           "WAIT_MARGIN"]
+           "UNSURE_HOLD_S", "UNSURE_RETRIES", "WAIT_MARGIN"]
 
 #: seconds each trial window serves with one option
 TRIAL_WINDOW_S = 0.5
@@ -52,6 +57,12 @@ TRIAL_WINDOWS = len(TRIAL_ORDER)
 SETTLE_WINDOWS = 3
 #: seconds a decision holds before the next trial round
 HOLD_S = 15.0
+#: seconds an unsure decision holds (the options differed less than each one's own spread
+#: between its windows) before the next round, for at most :data:`UNSURE_RETRIES` rounds in a row
+UNSURE_HOLD_S = 1.0
+#: unsure rounds in a row that are retried after :data:`UNSURE_HOLD_S`; the next one holds
+#: :data:`HOLD_S` (on a machine too noisy to tell, trying all the time buys nothing)
+UNSURE_RETRIES = 2
 #: waiting must beat greedy by this fraction of greedy's rate (ties go to greedy: less latency)
 WAIT_MARGIN = 0.02
 #: the fewest env steps a window must see to count (fewer: the window is measured again)
@@ -124,6 +135,7 @@ class FlushDeadline:
         self._decided_step: Optional[float] = None  # the mean step when a round last decided
         self._hold_until: Optional[float] = None  # None: no round's decision is in force
         self._settled = 0  # windows measured outside rounds
+        self._unsure = 0  # unsure rounds in a row
 
     def due(self, now: float) -> bool:
         """Whether the current window is over (the loop then calls :meth:`look`)."""
@@ -171,7 +183,11 @@ class FlushDeadline:
         wait, greedy = (sum(r) / max(len(r), 1) for r in (rates["wait"], rates["greedy"]))
         self.choice = "wait" if wait > greedy * (1.0 + WAIT_MARGIN) else "greedy"
         self.timeout = self.candidate_s if self.choice == "wait" else 0.0
-        self._decided_step, self._hold_until = self.measured_step_s, now + HOLD_S
+        # a round the noise decided is tried again soon, a few times, instead of held for HOLD_S
+        sure = _sure(rates)
+        self._unsure = 0 if sure is not False else self._unsure + 1
+        hold = UNSURE_HOLD_S if 0 < self._unsure <= UNSURE_RETRIES else HOLD_S
+        self._decided_step, self._hold_until = self.measured_step_s, now + hold
         # the policy's cost per record depends on the batch sizes the option gives: its reference
         # is the first window served under the decision
         self._decided_policy = None
@@ -187,21 +203,26 @@ class FlushDeadline:
 
     def describe(self) -> dict:
         """The decision and the measurements behind it (for the collector's ``plan()``)."""
-        def _mean(rates):
-            return None if not rates else sum(rates) / len(rates)
-
-        spread = {k: (max(v) - min(v)) / max(_mean(v), 1e-9) for k, v in self.last_trial.items() if len(v) > 1}
-        gap = None
-        if self.last_trial.get("wait") and self.last_trial.get("greedy"):
-            gap = abs(_mean(self.last_trial["wait"]) / _mean(self.last_trial["greedy"]) - 1.0)
         return {
             "flush_choice": self.choice,
             "flush_candidate_s": self.candidate_s,
             "flush_trial_rounds": self.rounds,
             "flush_trial_rates": {k: [round(r, 1) for r in v] for k, v in self.last_trial.items()},
-            # sure when the options differ by more than each option's own window-to-window spread
-            "flush_trial_sure": None if gap is None else bool(gap > max(spread.values(), default=math.inf)),
+            "flush_trial_sure": _sure(self.last_trial),
         }
+
+
+def _sure(rates: Dict[str, List[float]]) -> Optional[bool]:
+    """Whether a round's options differ by more than each option's own window-to-window spread
+    (``None``: no round)."""
+    def _mean(values):
+        return sum(values) / len(values)
+
+    if not rates.get("wait") or not rates.get("greedy"):
+        return None
+    spread = {k: (max(v) - min(v)) / max(_mean(v), 1e-9) for k, v in rates.items() if len(v) > 1}
+    gap = abs(_mean(rates["wait"]) / max(_mean(rates["greedy"]), 1e-9) - 1.0)
+    return bool(gap > max(spread.values(), default=math.inf))
 
 
 def _drifted(now_value: Optional[float], at_decision: Optional[float]) -> bool:
