@@ -125,7 +125,7 @@ def test_an_unsure_round_is_tried_again_soon_a_few_times():
             d = clock.window(wait_rate if d.timeout > 0 else greedy_rate)
         return d
 
-    for retry in range(UNSURE_RETRIES):
+    for _ in range(UNSURE_RETRIES):
         d = noisy_round()
         assert d.choice == "greedy" and d.describe()["flush_trial_sure"] is False
         for _ in range(int(UNSURE_HOLD_S / TRIAL_WINDOW_S) - 1):  # held briefly ...
