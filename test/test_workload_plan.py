@@ -24,8 +24,12 @@ def test_the_flush_deadline_follows_the_env_step():
     assert auto_flush_timeout(100e-6, 8) == pytest.approx(0.25 * 8 * 100e-6)  # MuJoCo: a candidate to try
     assert auto_flush_timeout(1.3e-3) == pytest.approx(0.25 * 1.3e-3)  # Atari through gymnasium
     assert auto_flush_timeout(1.3e-3, 8) == pytest.approx(0.25 * 8 * 1.3e-3)  # 8 envs a worker steps in turn
-    assert auto_flush_timeout(1.3e-3, 64) == 0.005  # capped
-    assert auto_flush_timeout(0.2) == 0.005  # a slow simulator: capped
+    assert auto_flush_timeout(1.3e-3, 32) == pytest.approx(0.25 * 32 * 1.3e-3)  # 64 envs in 2 workers
+    assert auto_flush_timeout(0.2) == 0.005  # a slow simulator stepped alone: capped (it idles its worker)
+    assert auto_flush_timeout(0.2, 8) == pytest.approx(8 * 0.005)  # capped per env stepped in turn
+    for k in (2, 3, 8, 32):  # k envs in turn: the deadline stays within the k - 1 free steps
+        for step in (1e-4, 1.3e-3, 0.02, 0.2):
+            assert auto_flush_timeout(step, k) <= (k - 1) * step
     assert auto_flush_timeout(float("nan")) == 0.0
 
 
