@@ -9,6 +9,7 @@ fast as it is, on the same workloads and builders. For one workload and env coun
   serving loop, leased -> answered, and the rest (the worker's wake-up and copies), whose sum is
   ``envs / frames_per_s``;
 * the serving loop's batch size, policy time and service time (``server_stats``);
+* the flush deadline's decision (``timeout="auto"``: wait or greedy, the deadline and its candidate);
 * CPU per frame of each thread of this process (serving thread, learner, ...) and of each child
   process (env workers, a server process), user and system apart, and minor page faults.
 
@@ -146,6 +147,7 @@ def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frame
         after = _cpu_snapshot(children)
         pool = collector.pool_metrics()
         server = collector.server_stats()
+        plan = {k: v for k, v in collector.plan().items() if k.startswith("flush_")}
         # labels, read while the threads and processes still exist
         names = {t.native_id: t.name for t in threading.enumerate()}
         names[os.getpid()] = "main thread"
@@ -182,6 +184,7 @@ def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frame
         "policy_us_per_batch": 1e6 * server["inference_time_s"],
         "service_us_per_batch": 1e6 * server["service_time_s"],
         "consumer_busy_fraction": pool["consumer_busy_fraction"],
+        "flush": plan,
         "cpu": cpu,
     }
     return out
@@ -195,6 +198,10 @@ def _print(r: dict) -> None:
     print("one env's cycle (us): " + ", ".join(f"{k} {v:,.0f}" for k, v in r["cycle_us"].items()))
     print(f"serving loop: mean batch {r['mean_batch_size']:.2f}, policy {r['policy_us_per_batch']:.0f} us "
           f"and service {r['service_us_per_batch']:.0f} us per batch, busy {100 * r['consumer_busy_fraction']:.0f} %")
+    f = r["flush"]
+    if f.get("flush_choice") is not None:  # timeout="auto": the deadline's decision (see docs/source/tuning.rst)
+        print(f"flush deadline: {f['flush_choice']}, {1e3 * f['flush_timeout_s']:.2f} ms "
+              f"(candidate {1e3 * (f.get('flush_candidate_s') or 0.0):.2f} ms)")
     print("CPU per frame (us, user + system):")
     for c in r["cpu"]:
         faults = "" if c["minor_faults_per_frame"] is None else f"  ({c['minor_faults_per_frame']:.2f} minor faults)"

@@ -44,6 +44,8 @@ def _check_chunks(num_envs, envs_per_worker, env_threads, chunk, frames, **pool_
             time.sleep(0.01)  # a slow learner: workers must wait, not drop
         # the learner's waits follow the pool's idle_poll
         assert pool._chunk_reader._wait.waiter.idle == int(bool(pool.idle_poll))
+        # it measured how fast the chunks fill, which lets its waits sleep through the rings
+        assert pool._chunk_reader.rate is not None and pool._chunk_reader.rate > 0
     assert checker.records == total
     assert checker.episodes_done > 0
 

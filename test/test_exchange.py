@@ -122,6 +122,50 @@ def test_bell_wait_drains_its_bell_and_reports_other_descriptors(bell_impl):
             os.close(w)
 
 
+def test_a_wait_loop_sleeps_through_rings_until_deaf_until_but_not_through_a_stop(bell_impl):
+    from torchrl_asyncpool.exchange.wait_loop import NOT_DUE, READY, STOPPED, WaitLoop
+
+    bell = Doorbell()
+    r, w = os.pipe()
+    published = []
+    loop = WaitLoop(bell, [r], stop_fds=[r])
+
+    def due(now):
+        return 0.0 if published else NOT_DUE
+
+    def publish_and_ring(delay):
+        time.sleep(delay)
+        published.append(1)
+        bell.ring()
+
+    try:
+        # deaf for 0.3 s: a publication rung after 20 ms is found when the deaf period ends
+        loop.deaf_until = time.monotonic() + 0.3
+        t = threading.Thread(target=publish_and_ring, args=(0.02,))
+        t0 = time.monotonic()
+        t.start()
+        assert loop.run(due) == READY
+        assert time.monotonic() - t0 >= 0.29
+        t.join()
+        # listening again (the deaf period is over): the ring ends the wait
+        published.clear()
+        t = threading.Thread(target=publish_and_ring, args=(0.02,))
+        t.start()
+        assert loop.run(due, deadline=time.monotonic() + 30) == READY
+        t.join()
+        # a stop descriptor is listened to while deaf
+        published.clear()
+        loop.deaf_until = time.monotonic() + 30
+        threading.Timer(0.02, os.write, args=(w, b"x")).start()
+        t0 = time.monotonic()
+        assert loop.run(due) == STOPPED
+        assert time.monotonic() - t0 < 20
+    finally:
+        bell.close()
+        os.close(r)
+        os.close(w)
+
+
 def test_doorbell_counts_any_integer_and_refuses_the_rest(bell_impl):
     import numpy as np
 

@@ -17,7 +17,12 @@ flush (``inference/_loop.py``) and the driver's wait for full transition chunks
 5. block on the doorbell and the other descriptors for the time left (the sooner of the test's
    and the deadline's, at most ``max_wait``). A stop descriptor that fired ends the loop
    (:data:`STOPPED`); any other (a worker's sentinel) calls the caller's fault hook, which
-   raises the fault it finds. A doorbell that fired was drained by the wait.
+   raises the fault it finds. A doorbell that fired was drained by the wait. Until
+   :attr:`WaitLoop.deaf_until` (set by the caller) the wait leaves the doorbell out: a
+   caller that knows its work cannot be due before then sleeps through the rings meanwhile.
+   On a VM a ring that wakes a blocked thread costs the ringing process a cross-core wake-up
+   (~100-200 us measured on the benchmark VM) and the woken thread a pass of this loop; a ring
+   nobody waits on is a plain counter update.
 
 The callables come with each :meth:`WaitLoop.run` (bound methods of its caller): the loop keeps
 no reference to its owner, so owner and loop form no reference cycle, and a pass allocates no
@@ -61,6 +66,9 @@ class WaitLoop:
         waiter (BellWait): the blocking wait (on ``bell`` and ``others``).
         now (float): ``time.monotonic()`` at the last readiness test of the last run.
         waited (float): seconds the last run spent in blocking waits.
+        deaf_until (float): ``time.monotonic()`` time before which blocking waits leave the
+            doorbell out (step 5); ``0.0`` (the default): always listen. The readiness test is
+            still run after each wait, so work published meanwhile is found when it ends.
 
     Examples:
         >>> import time
@@ -77,7 +85,7 @@ class WaitLoop:
         >>> bell.close()
     """
 
-    __slots__ = ("_bell_fd", "_drain", "waiter", "_stop_fds", "_max_wait", "now", "waited")
+    __slots__ = ("_bell_fd", "_drain", "waiter", "_deaf", "_stop_fds", "_max_wait", "now", "waited", "deaf_until")
 
     def __init__(self, bell: Doorbell, others=(), *, stop_fds=(), max_wait: float | None = None,
                  idle_poll: bool | None = None):
@@ -86,6 +94,8 @@ class WaitLoop:
         self._bell_fd = bell.fd
         self._drain = bell.drain
         self.waiter = BellWait(bell, others, idle_poll=idle_poll)
+        self._deaf = BellWait(None, others, idle_poll=idle_poll)
+        self.deaf_until = 0.0
         self._stop_fds = frozenset(stop_fds)
         unknown = self._stop_fds - set(others)
         if unknown:
@@ -128,7 +138,10 @@ class WaitLoop:
                 left = max(0.0, deadline - now)
             if left > self._max_wait:
                 left = self._max_wait
-            fired = self.waiter.wait(None if left == math.inf else left)
+            if now < self.deaf_until:
+                fired = self._deaf.wait(min(left, self.deaf_until - now))
+            else:
+                fired = self.waiter.wait(None if left == math.inf else left)
             self.waited += _monotonic() - now
             drained = False
             for fd in fired:
