@@ -81,9 +81,11 @@ def main(argv=None) -> int:
                     tree = base_tree if side == "base" else ROOT
                     r = _run(tree, args, os.path.join(tmp, f"{side}_{i}.json"))
                     runs[side].append(r)
+                    flush = r.get("flush", {}).get("flush_choice")  # timeout="auto": the deadline's decision
                     print(f"pair {i + 1} {side:4s} ({'first' if side == order[0] else 'second'}): "
                           f"{r['frames_per_s']:9,.0f} frames/s  workers {_cpu(r, 'worker'):5.1f} "
-                          f"serving {_cpu(r, 'inference'):5.1f} learner {_cpu(r, 'main thread'):5.1f} us CPU/frame",
+                          f"serving {_cpu(r, 'inference'):5.1f} learner {_cpu(r, 'main thread'):5.1f} us CPU/frame  "
+                          f"batch {r['mean_batch_size']:.1f}" + ("" if flush is None else f" ({flush})"),
                           flush=True)
         finally:
             _git("worktree", "remove", "--force", base_tree)

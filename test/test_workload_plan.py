@@ -10,6 +10,7 @@ import torch
 from torchrl_asyncpool import AsyncPoolCollector
 from torchrl_asyncpool.collector.workload_plan import PIN_STEP_S, UNPIN_STEP_S, AffinityPlan
 from torchrl_asyncpool.inference import auto_flush_timeout
+from torchrl_asyncpool.inference._common import AUTO_TIMEOUT_FRACTION
 from torchrl_asyncpool.inference.flush_deadline import (
     HOLD_S, SETTLE_WINDOWS, TRIAL_ORDER, TRIAL_WINDOW_S, TRIAL_WINDOWS, UNSURE_HOLD_S, UNSURE_RETRIES, FlushDeadline,
 )
@@ -21,10 +22,12 @@ CPUS = sorted(os.sched_getaffinity(0))
 def test_the_flush_deadline_follows_the_env_step():
     assert auto_flush_timeout(12e-6) == 0.0  # CartPole: greedy
     assert auto_flush_timeout(60e-6) == 0.0  # a TorchRL-wrapped cheap env: greedy
-    assert auto_flush_timeout(100e-6, 8) == pytest.approx(0.25 * 8 * 100e-6)  # MuJoCo: a candidate to try
-    assert auto_flush_timeout(1.3e-3) == pytest.approx(0.25 * 1.3e-3)  # Atari through gymnasium
-    assert auto_flush_timeout(1.3e-3, 8) == pytest.approx(0.25 * 8 * 1.3e-3)  # 8 envs a worker steps in turn
-    assert auto_flush_timeout(1.3e-3, 32) == pytest.approx(0.25 * 32 * 1.3e-3)  # 64 envs in 2 workers
+    f = AUTO_TIMEOUT_FRACTION
+    assert 0.0 < f < 0.5  # k = 2 envs in turn leave one step free: the deadline stays within it
+    assert auto_flush_timeout(100e-6, 8) == pytest.approx(f * 8 * 100e-6)  # MuJoCo: a candidate to try
+    assert auto_flush_timeout(1.3e-3) == pytest.approx(f * 1.3e-3)  # Atari through gymnasium
+    assert auto_flush_timeout(1.3e-3, 8) == pytest.approx(f * 8 * 1.3e-3)  # 8 envs a worker steps in turn
+    assert auto_flush_timeout(1.3e-3, 32) == pytest.approx(f * 32 * 1.3e-3)  # 64 envs in 2 workers
     assert auto_flush_timeout(0.2) == 0.005  # a slow simulator stepped alone: capped (it idles its worker)
     assert auto_flush_timeout(0.2, 8) == pytest.approx(8 * 0.005)  # capped per env stepped in turn
     for k in (2, 3, 8, 32):  # k envs in turn: the deadline stays within the k - 1 free steps

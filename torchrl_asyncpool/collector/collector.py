@@ -127,9 +127,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             this long. Defaults to ``"auto"``: greedy (``0``) for cheap envs such as CartPole,
             where records arriving while the policy runs form the next batch anyway and a
             deadline only idles envs; for envs whose step costs as much as a batch (Atari, a
-            simulator), where a greedy loop answers batches of about one record, a deadline of a
-            quarter of the steps a worker takes before it comes back to an env (at most 5 ms,
-            :func:`~torchrl_asyncpool.inference.auto_flush_timeout`) is tried against greedy
+            simulator), where a greedy loop answers batches of about one record, a deadline of
+            three eighths of the steps a worker takes before it comes back to an env (at most 5 ms
+            per env in turn, :func:`~torchrl_asyncpool.inference.auto_flush_timeout`) is tried against greedy
             and kept only if the envs step faster with it (it pays when the CPUs are the
             bottleneck, not when the envs sleep or wait), tried again every 15 s
             (:class:`~torchrl_asyncpool.inference.FlushDeadline`; :meth:`plan` shows the

@@ -260,8 +260,8 @@ def resolve_slot_keys(slot_keys, names: List[str], hashes: Dict[str, str], num_e
 #: served greedily without trying (CartPole: ~10 us; a deadline only idles them). The same line
 #: as the CPU partition's (collector/workload_plan.py): from here on the envs are the work
 BATCHING_STEP_S = 80e-6
-#: the deadline is this fraction of the mean env step ...
-AUTO_TIMEOUT_FRACTION = 0.25
+#: the deadline is this fraction of the mean env step (per env a worker steps in turn) ...
+AUTO_TIMEOUT_FRACTION = 0.375
 #: ... at most this many seconds, per env a worker steps in turn
 MAX_AUTO_TIMEOUT_S = 0.005
 
@@ -282,16 +282,18 @@ def auto_flush_timeout(mean_step_s: float, envs_in_turn: float = 1.0) -> float:
     ``k`` times ``AUTO_TIMEOUT_FRACTION`` of a step (a margin for uneven steps), at most ``k``
     times ``MAX_AUTO_TIMEOUT_S``. An env stepped alone (``k = 1``) idles its worker while its
     answer waits, hence the cap per env; ``k`` envs in turn leave ``k - 1`` steps free, which
-    the capped deadline never exceeds once ``k >= 2``. (A cap of 5 ms for the whole deadline
-    gave 64 Atari envs in 2 workers batches of ~7.5 records and cost the serving thread ~145 us
-    of CPU per frame, against ~18 records and ~100 us with the 12.8 ms this rule gives.)
+    the deadline never exceeds once ``k >= 2``. (A cap of 5 ms for the whole deadline gave 64
+    Atari envs in 2 workers batches of ~7.5 records and cost the serving thread ~145 us of CPU
+    per frame, against ~18 records and ~100 us with a deadline of 12.8 ms. A quarter of a step
+    instead of three eighths gave 16 Atari envs batches of 4-6.5 records instead of ~8, and
+    the serving thread ~210 us of CPU per frame instead of ~165.)
 
     Examples:
         >>> from torchrl_asyncpool.inference import auto_flush_timeout
         >>> auto_flush_timeout(10e-6), auto_flush_timeout(1.2e-3), auto_flush_timeout(0.5)
-        (0.0, 0.0003, 0.005)
+        (0.0, 0.00045, 0.005)
         >>> auto_flush_timeout(1.2e-3, envs_in_turn=8)  # a worker of 8 envs stepped in turn
-        0.0024
+        0.0036
         >>> auto_flush_timeout(0.5, envs_in_turn=8)  # slow steps: capped per env in turn
         0.04
     """
