@@ -13,6 +13,7 @@ fast as it is, on the same workloads and builders. For one workload and env coun
 * CPU per frame of each thread of this process (serving thread, learner, ...) and of each child
   process (env workers, a server process), user and system apart, and minor page faults.
 
+``--policy cnn`` serves the Nature CNN on ``atari`` (``compare_real.py``'s, the SEED case).
 ``--policy zero`` swaps the benchmark MLP for a policy that only writes a zero action: the
 serving loop's own cost per batch, with the policy taken out. For example::
 
@@ -110,15 +111,17 @@ def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frame
     """Runs one cell and returns the measurements described in the module docstring."""
     if workload not in WORKLOADS and workload not in REAL_WORKLOADS:
         raise ValueError(f"workload must be one of {sorted(WORKLOADS) + list(REAL_WORKLOADS)}, got {workload!r}.")
-    if policy not in ("mlp", "zero"):
-        raise ValueError(f"policy must be 'mlp' or 'zero', got {policy!r}.")
+    if policy not in ("mlp", "zero", "cnn"):
+        raise ValueError(f"policy must be 'mlp', 'zero' or 'cnn', got {policy!r}.")
+    if policy == "cnn" and workload != "atari":
+        raise ValueError(f"policy 'cnn' (the Nature CNN) is for the atari workload, got {workload!r}.")
     from torchrl_asyncpool import AsyncPoolCollector
 
     if workload in REAL_WORKLOADS:
         from compare_real import GYM_FACTORY, MUJOCO_ACT, make_td_policy
 
-        if policy == "mlp":
-            act = make_td_policy(workload, "mean")
+        if policy in ("mlp", "cnn"):
+            act = make_td_policy(workload, "mean" if policy == "mlp" else "cnn")
         elif workload == "mujoco":  # HalfCheetah's float64 Box action
             act = _zero_policy(envs, (MUJOCO_ACT,), torch.float64)
         else:
@@ -223,7 +226,7 @@ def main(argv=None) -> dict:
     p.add_argument("--workload", default="sleep2ms", choices=list(WORKLOADS) + list(REAL_WORKLOADS))
     p.add_argument("--envs", type=int, default=16)
     p.add_argument("--seconds", type=float, default=5.0)
-    p.add_argument("--policy", default="mlp", choices=("mlp", "zero"))
+    p.add_argument("--policy", default="mlp", choices=("mlp", "zero", "cnn"))
     p.add_argument("--frames-per-batch", type=int, default=1024)
     p.add_argument("--set", dest="kwargs", type=_kwarg, action="append", default=[],
                    help="a collector keyword, e.g. --set worker_affinity=None --set envs_per_worker=8")
