@@ -277,7 +277,7 @@ class ChunkReader:
         copied_at = None  # when this call last copied: the rate is measured between its copies
         try:
             while pos < frames:
-                if self.rate is not None:  # sleep through the rings (see _DEAF_FRACTION)
+                if self.rate:  # sleep through the rings (see _DEAF_FRACTION); not measured yet: listen
                     gap = _DEAF_FRACTION * min(frames - pos, self._half_buffers) / self.rate
                     self._wait.deaf_until = time.monotonic() + min(gap, _MAX_DEAF_S)
                 if self._wait.run(self._chunks_due, deadline, health) == TIMED_OUT:
