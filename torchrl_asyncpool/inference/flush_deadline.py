@@ -106,7 +106,7 @@ class FlushDeadline:
         ('settling', 0.0)
         >>> d.look(2.0, (1000 * 2e-3, 1000))  # then a round of trials starts, waiting first
         >>> d.choice, d.timeout
-        ('trial', 0.0005)
+        ('trial', 0.00075)
         >>> t, steps = 2.0, 1000
         >>> for rate in (1000, 1200, 1200, 1000):  # frames/s waiting, greedy, greedy, waiting
         ...     t, steps = t + 0.5, steps + rate // 2
