@@ -97,3 +97,23 @@ def test_the_collector_takes_build_timeout(tmp_path):
                 pass
     finally:
         collector.shutdown()
+
+
+def test_a_build_mark_older_than_the_workers_is_not_a_hung_build():
+    """Every mark a worker writes is a ``time.monotonic()`` taken after the pool started it; a
+    smaller positive value in ``build_since`` is no build of this pool and kills no worker."""
+    with AsyncEnvPool([lambda: OracleEnv(env_id=0), lambda: OracleEnv(env_id=1)], on_env_failure="restart",
+                      build_timeout=1.0) as pool:
+        pool._arena.build_since[1] = 1.0  # "a build that began at 1 s of uptime"
+        pool._watchdog()
+        pool._arena.build_since[1] = 0.0
+        assert pool.worker_restarts == 0 and all(p.is_alive() for p in pool._procs)
+        mark = pool._clock_floor() + 0.01  # a mark a worker could have written, past build_timeout
+        while time.monotonic() - mark < 1.5:
+            time.sleep(0.1)
+        pool._arena.build_since[1] = mark
+        deadline = time.monotonic() + 30
+        while pool.worker_restarts == 0 and time.monotonic() < deadline:
+            pool._watchdog()
+            time.sleep(0.05)
+        assert pool.worker_restarts == 1 and "factory hung" in pool.restart_info()[1][1]

@@ -414,6 +414,9 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         self._arm_shutdown()
         try:
             self._check_cancel()
+            # nothing this pool's workers write in the arena's clock words can predate it: the
+            # watchdog ignores what would (see _kill_hung_builds)
+            self._arena_clock_floor = time.monotonic()
             self._start_workers(plan.mp_start_method, groups, list(plan.create_env_fn), list(plan.create_env_kwargs),
                                 plan.worker_num_threads, self.worker_affinity)
             # when the workers began building their envs, as start_timeout counts (evaluate()

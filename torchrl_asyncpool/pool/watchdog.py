@@ -108,7 +108,8 @@ class _PoolWatchdog:
         for i in hung_slots(arena, self.step_timeout, now).tolist():
             w = int(self._slot_worker[i])
             began = float(arena.busy_since[i])
-            if w in self._timed_out or abs(began) < self._started_at.get(w, 0.0) or arena.build_since[i] > 0:
+            if w in self._timed_out or abs(began) < self._started_at.get(w, self._clock_floor()) \
+                    or arena.build_since[i] > 0:
                 continue  # (a rebuild that follows a failed step is build_timeout's)
             # an eager reset (negative), or the reset an answered terminal record asked for
             phase = "reset" if began < 0 or int(arena.request["step_type"][i]) in _ENDS else "step"
@@ -117,11 +118,18 @@ class _PoolWatchdog:
             if exit_code(p) is None:
                 p.kill()  # (its envs' processes go with its group, in _replace)
 
+    def _clock_floor(self) -> float:
+        """The earliest ``time.monotonic()`` a worker of this pool can have written (0 before
+        the workers start)."""
+        return getattr(self, "_arena_clock_floor", 0.0)
+
     def _kill_hung_builds(self, now: float) -> None:
         since = self._arena.build_since
         for i in np.flatnonzero((since > 0) & (now - since > self.build_timeout)).tolist():
             w = int(self._slot_worker[i])
-            if w in self._timed_out or float(since[i]) < self._started_at.get(w, 0.0):
+            # a replaced worker's predecessor may have left its mark; and a mark from before this
+            # pool's workers started cannot be theirs (a CI run once saw one "run" for 73,970 s)
+            if w in self._timed_out or float(since[i]) < self._started_at.get(w, self._clock_floor()):
                 continue
             self._timed_out[w] = (i, BUILD, now - float(since[i]))
             p = self._procs[w]
