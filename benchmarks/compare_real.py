@@ -57,8 +57,8 @@ cells also record what the collector chose (``pool_metrics()``: workers, envs pe
 threads, idle polling, step paths; ``server_stats()``: mean policy batch; ``plan()``) and the CPU affinity
 of its worker processes and of this process's threads. Run with nothing else busy::
 
-    python benchmarks/compare_real.py                            # fast systems, 2 repeats -> results_real.json
-    python benchmarks/compare_real.py --torchrl                  # plus TorchRL's collectors (long)
+    python benchmarks/compare_real.py --json /tmp/real.json      # fast systems, 2 repeats
+    python benchmarks/compare_real.py --torchrl                  # plus TorchRL's collectors (long); prints only
     python benchmarks/compare_real.py --quick --workloads atari --systems ours_gym gym_sync env_only
     python benchmarks/compare_real.py --help
 """
@@ -682,8 +682,8 @@ def main(argv=None):
                     help="vector-env factories hosted by the collector (default: one per core)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: one repeat, 0.5 s cells, 0.2 s warm-up, the first env count, no TorchRL")
-    ap.add_argument("--json", default=None, help="where to write the results (default: benchmarks/results_real.json, "
-                                                 "none with --quick)")
+    ap.add_argument("--json", default=None, help="where to write the rows, the cells and the table (default: nowhere; "
+                                                 "the committed results files are named in benchmarks/README.md)")
     ap.add_argument("--note", default="", help="free text stored in the JSON (what else ran on the machine)")
     a = ap.parse_args(argv)
     systems = list(a.systems or (FAST_SYSTEMS[:9] + (TORCHRL_SYSTEMS if a.torchrl else ()) + FAST_SYSTEMS[9:]))
@@ -691,7 +691,7 @@ def main(argv=None):
         a.repeats, a.seconds, a.warmup, a.frames = 1, 0.5, 0.2, 0
         a.envs = a.envs[:1]
         systems = [s for s in systems if s not in TORCHRL_SYSTEMS]
-    json_path = a.json or (None if a.quick else str(HERE / "results_real.json"))
+    json_path = a.json  # never a committed file by default: a diagnostic run once overwrote one
     torch.set_num_threads(1)
     meta = dict(commit=_git("rev-parse", "HEAD"), commit_dirty=bool(_git("status", "--porcelain", "--", "..")),
                 date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
@@ -728,6 +728,8 @@ def main(argv=None):
     if json_path:
         with open(json_path, "w") as f:
             json.dump(dict(meta=meta, cells=cells, rows=rows, table_markdown=table), f, indent=1, default=str)
+    else:
+        print("(rows not written: pass --json PATH to keep them)")
     return dict(meta=meta, cells=cells, rows=rows)
 
 
