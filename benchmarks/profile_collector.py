@@ -21,6 +21,7 @@ serving loop's own cost per batch, with the policy taken out. For example::
     python benchmarks/profile_collector.py --workload sleep2ms --envs 16 --policy zero
     python benchmarks/profile_collector.py --workload cartpole --envs 32 --set worker_affinity=None
     python benchmarks/profile_collector.py --workload mujoco --envs 16    # compare_real.py's HalfCheetah-v5 cell
+    python benchmarks/profile_collector.py --workload mujoco --envs 16 --stack envpool   # its ours_envpool cell
 
 ``atari`` and ``mujoco`` are ``compare_real.py``'s gymnasium stacks with its cheap policy (the
 ``[benchmarks]`` extra installs ale-py and mujoco).
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import os
 import threading
@@ -107,7 +109,7 @@ def _zero_policy(n, shape=(), dtype=torch.int64):
 
 
 def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frames_per_batch: int = 1024,
-            warmup_batches: int = 5, **collector_kwargs) -> dict:
+            warmup_batches: int = 5, stack: str = "gym", **collector_kwargs) -> dict:
     """Runs one cell and returns the measurements described in the module docstring."""
     if workload not in WORKLOADS and workload not in REAL_WORKLOADS:
         raise ValueError(f"workload must be one of {sorted(WORKLOADS) + list(REAL_WORKLOADS)}, got {workload!r}.")
@@ -115,10 +117,14 @@ def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frame
         raise ValueError(f"policy must be 'mlp', 'zero' or 'cnn', got {policy!r}.")
     if policy == "cnn" and workload != "atari":
         raise ValueError(f"policy 'cnn' (the Nature CNN) is for the atari workload, got {workload!r}.")
+    if stack not in ("gym", "envpool"):
+        raise ValueError(f"stack must be 'gym' or 'envpool', got {stack!r}.")
+    if stack == "envpool" and workload not in REAL_WORKLOADS:
+        raise ValueError(f"stack 'envpool' hosts EnvPool's own envs: atari or mujoco, got {workload!r}.")
     from torchrl_asyncpool import AsyncPoolCollector
 
     if workload in REAL_WORKLOADS:
-        from compare_real import GYM_FACTORY, MUJOCO_ACT, make_td_policy
+        from compare_real import GYM_FACTORY, MUJOCO_ACT, _cores, _split, make_envpool, make_td_policy
 
         if policy in ("mlp", "cnn"):
             act = make_td_policy(workload, "mean" if policy == "mlp" else "cnn")
@@ -126,8 +132,11 @@ def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frame
             act = _zero_policy(envs, (MUJOCO_ACT,), torch.float64)
         else:
             act = _zero_policy(envs)
-        collector = AsyncPoolCollector([GYM_FACTORY[workload]] * envs, policy=act, frames_per_batch=frames_per_batch,
-                                       **collector_kwargs)
+        if stack == "envpool":  # compare_real's ours_envpool: one EnvPool vector env per core, in lockstep
+            fns = [functools.partial(make_envpool, workload, k) for k in _split(envs, _cores())]
+        else:
+            fns = [GYM_FACTORY[workload]] * envs
+        collector = AsyncPoolCollector(fns, policy=act, frames_per_batch=frames_per_batch, **collector_kwargs)
     elif policy == "zero":
         collector = AsyncPoolCollector([WORKLOADS[workload][0]] * envs, policy=_zero_policy(envs),
                                        frames_per_batch=frames_per_batch, **collector_kwargs)
@@ -228,6 +237,9 @@ def main(argv=None) -> dict:
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--policy", default="mlp", choices=("mlp", "zero", "cnn"))
     p.add_argument("--frames-per-batch", type=int, default=1024)
+    p.add_argument("--stack", default="gym", choices=("gym", "envpool"),
+                   help="atari/mujoco: gymnasium's envs, one per slot (default), or EnvPool's own C++ envs hosted as "
+                        "one vector env per core (compare_real.py's ours_envpool)")
     p.add_argument("--set", dest="kwargs", type=_kwarg, action="append", default=[],
                    help="a collector keyword, e.g. --set worker_affinity=None --set envs_per_worker=8")
     p.add_argument("--json", default=None, help="also write the result here")
@@ -235,7 +247,8 @@ def main(argv=None) -> dict:
     if not os.path.isdir("/proc/self/task"):
         p.error("this profile reads /proc (Linux only).")
     torch.set_num_threads(1)
-    r = profile(args.workload, args.envs, args.seconds, args.policy, args.frames_per_batch, **dict(args.kwargs))
+    r = profile(args.workload, args.envs, args.seconds, args.policy, args.frames_per_batch, stack=args.stack,
+                **dict(args.kwargs))
     _print(r)
     if args.json:
         with open(args.json, "w") as f:

@@ -337,6 +337,30 @@ def test_profile_collector_script_on_mujoco(tmp_path, policy):
     assert r["workload"] == "mujoco" and r["frames_per_s"] > 0 and r["cycle_us"]["env step"] > 0
 
 
+def test_profile_collector_script_hosts_envpool(tmp_path):
+    """``--stack envpool`` profiles compare_real.py's ours_envpool cell: EnvPool's own HalfCheetah,
+    one vector env per core in the pool's workers."""
+    pytest.importorskip("mujoco")
+    pytest.importorskip("envpool")
+    out = tmp_path / "profile.json"
+    script = ROOT / "benchmarks" / "profile_collector.py"
+    proc = _run([sys.executable, str(script), "--workload", "mujoco", "--envs", "4", "--seconds", "0.5",
+                 "--stack", "envpool", "--frames-per-batch", "64", "--json", str(out)], timeout=240)
+    assert "mujoco, 4 envs" in proc.stdout, proc.stdout
+    r = json.loads(out.read_text())
+    assert r["frames_per_s"] > 0
+    workers = [c for c in r["cpu"] if "env worker" in c["what"]]
+    assert 1 <= len(workers) <= 2, r["cpu"]  # one vector env per core, not one process per env
+
+
+def test_profile_collector_refuses_envpool_for_a_toy_workload():
+    module = _load_benchmark_script("profile_collector")
+    with pytest.raises(ValueError, match="stack 'envpool' hosts EnvPool's own envs"):
+        module.profile("cartpole", 2, 0.1, stack="envpool")
+    with pytest.raises(ValueError, match="stack must be 'gym' or 'envpool'"):
+        module.profile("mujoco", 2, 0.1, stack="brax")
+
+
 def _load_benchmark_script(name: str):
     """Imports ``benchmarks/<name>.py`` as a module, as running it would (its folder on sys.path)."""
     import importlib.util
