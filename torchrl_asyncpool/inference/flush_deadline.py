@@ -180,7 +180,7 @@ class FlushDeadline:
         for option, rate in self._trial:
             rates[option].append(rate)
         self.last_trial, self.rounds = rates, self.rounds + 1
-        wait, greedy = (sum(r) / max(len(r), 1) for r in (rates["wait"], rates["greedy"]))
+        wait, greedy = _mean(rates["wait"]), _mean(rates["greedy"])
         self.choice = "wait" if wait > greedy * (1.0 + WAIT_MARGIN) else "greedy"
         self.timeout = self.candidate_s if self.choice == "wait" else 0.0
         # a round the noise decided is tried again soon, a few times, instead of held for HOLD_S
@@ -215,14 +215,16 @@ class FlushDeadline:
 def _sure(rates: Dict[str, List[float]]) -> Optional[bool]:
     """Whether a round's options differ by more than each option's own window-to-window spread
     (``None``: no round)."""
-    def _mean(values):
-        return sum(values) / len(values)
-
     if not rates.get("wait") or not rates.get("greedy"):
         return None
     spread = {k: (max(v) - min(v)) / max(_mean(v), 1e-9) for k, v in rates.items() if len(v) > 1}
     gap = abs(_mean(rates["wait"]) / max(_mean(rates["greedy"]), 1e-9) - 1.0)
     return bool(gap > max(spread.values(), default=math.inf))
+
+
+def _mean(values) -> float:
+    """The mean of ``values`` (0 for none)."""
+    return sum(values) / len(values) if values else 0.0
 
 
 def _drifted(now_value: Optional[float], at_decision: Optional[float]) -> bool:
