@@ -5,6 +5,7 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 from tensordict import TensorDict
 
@@ -117,3 +118,49 @@ def test_a_build_mark_older_than_the_workers_is_not_a_hung_build():
             pool._watchdog()
             time.sleep(0.05)
         assert pool.worker_restarts == 1 and "factory hung" in pool.restart_info()[1][1]
+
+
+class _EndsOnReread(np.ndarray):
+    """``build_since`` (or ``busy_since``) as a watchdog sees it when the build or step it found
+    over its limit ends before it reads the entry again: the worker has written 0 meanwhile."""
+
+    def __getitem__(self, key):
+        if isinstance(key, int):
+            return np.float64(0.0)
+        return super().__getitem__(key)
+
+
+def _watchdog_over(marks, monkeypatch, step=False):
+    """A watchdog (the pool's methods on a stand-in) over one worker of two slots whose slot 1
+    carries ``marks[1]``; ``exit_code`` says the worker has exited (nothing to kill). No clock floor:
+    the re-read alone must tell an ended build or step."""
+    from types import SimpleNamespace
+
+    from torchrl_asyncpool.pool import watchdog
+
+    monkeypatch.setattr(watchdog, "exit_code", lambda p, timeout=0.0: 0)
+    arena = SimpleNamespace(build_since=np.zeros(2), busy_since=np.zeros(2), ready_time=np.zeros(2))
+    setattr(arena, "busy_since" if step else "build_since", marks)
+    return SimpleNamespace(_arena=arena, _slot_worker=np.zeros(2, np.int64), _timed_out={}, _started_at={},
+                           build_timeout=1.0, step_timeout=1.0, _procs=[None], _clock_floor=lambda: 0.0,
+                           _cls=watchdog._PoolWatchdog)
+
+
+@pytest.mark.parametrize("ends", [True, False])
+def test_a_build_that_ends_while_the_watchdog_looks_is_not_hung(ends, monkeypatch):
+    """The worker writes ``build_since`` while the watchdog reads it: a build found past
+    ``build_timeout`` that is over when its entry is read again kills nothing (a CI run once
+    killed a worker for a build that "had run" the machine's uptime: now - 0)."""
+    marks = np.array([0.0, 20.0])
+    dog = _watchdog_over(marks.view(_EndsOnReread) if ends else marks, monkeypatch)
+    dog._cls._kill_hung_builds(dog, now=30.0)
+    assert dog._timed_out == ({} if ends else {0: (1, "build", 10.0)})
+
+
+@pytest.mark.parametrize("ends", [True, False])
+def test_a_step_that_ends_while_the_watchdog_looks_is_not_hung(ends, monkeypatch):
+    marks = np.array([0.0, 20.0])
+    dog = _watchdog_over(marks.view(_EndsOnReread) if ends else marks, monkeypatch, step=True)
+    dog._arena.request = {"step_type": np.zeros(2, np.uint8)}
+    dog._cls._kill_hung(dog, now=30.0)
+    assert dog._timed_out == ({} if ends else {0: (1, "step", 10.0)})

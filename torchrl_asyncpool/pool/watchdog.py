@@ -107,10 +107,13 @@ class _PoolWatchdog:
         arena = self._arena
         for i in hung_slots(arena, self.step_timeout, now).tolist():
             w = int(self._slot_worker[i])
+            # read again: the worker writes the word while this runs, and the step found hung may
+            # have ended since (0, or a later step's start); a mark older than the worker is its
+            # dead predecessor's; a rebuild that follows a failed step is build_timeout's
             began = float(arena.busy_since[i])
-            if w in self._timed_out or abs(began) < self._started_at.get(w, self._clock_floor()) \
-                    or arena.build_since[i] > 0:
-                continue  # (a rebuild that follows a failed step is build_timeout's)
+            if (w in self._timed_out or began == 0.0 or now - abs(began) <= self.step_timeout
+                    or abs(began) < self._started_at.get(w, self._clock_floor()) or arena.build_since[i] > 0):
+                continue
             # an eager reset (negative), or the reset an answered terminal record asked for
             phase = "reset" if began < 0 or int(arena.request["step_type"][i]) in _ENDS else "step"
             self._timed_out[w] = (i, phase, now - abs(began))
@@ -124,14 +127,17 @@ class _PoolWatchdog:
         return getattr(self, "_arena_clock_floor", 0.0)
 
     def _kill_hung_builds(self, now: float) -> None:
-        since = self._arena.build_since
-        for i in np.flatnonzero((since > 0) & (now - since > self.build_timeout)).tolist():
+        marks = self._arena.build_since
+        for i in np.flatnonzero((marks > 0) & (now - marks > self.build_timeout)).tolist():
             w = int(self._slot_worker[i])
-            # a replaced worker's predecessor may have left its mark; and a mark from before this
-            # pool's workers started cannot be theirs (a CI run once saw one "run" for 73,970 s)
-            if w in self._timed_out or float(since[i]) < self._started_at.get(w, self._clock_floor()):
+            # read again: the worker writes the word while this runs, and the build found hung may
+            # have ended since (0: a CI run once killed a worker for a build that "had run" the
+            # machine's uptime, now - 0); a mark older than the worker is its dead predecessor's
+            since = float(marks[i])
+            if (w in self._timed_out or since <= 0.0 or now - since <= self.build_timeout
+                    or since < self._started_at.get(w, self._clock_floor())):
                 continue
-            self._timed_out[w] = (i, BUILD, now - float(since[i]))
+            self._timed_out[w] = (i, BUILD, now - since)
             p = self._procs[w]
             if exit_code(p) is None:
                 p.kill()
