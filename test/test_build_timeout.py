@@ -109,7 +109,7 @@ def test_a_build_mark_older_than_the_workers_is_not_a_hung_build():
         pool._watchdog()
         pool._arena.build_since[1] = 0.0
         assert pool.worker_restarts == 0 and all(p.is_alive() for p in pool._procs)
-        mark = pool._clock_floor() + 0.01  # a mark a worker could have written, past build_timeout
+        mark = pool._arena_clock_floor + 0.01  # a mark a worker could have written, past build_timeout
         while time.monotonic() - mark < 1.5:
             time.sleep(0.1)
         pool._arena.build_since[1] = mark
@@ -142,7 +142,7 @@ def _watchdog_over(marks, monkeypatch, step=False):
     arena = SimpleNamespace(build_since=np.zeros(2), busy_since=np.zeros(2), ready_time=np.zeros(2))
     setattr(arena, "busy_since" if step else "build_since", marks)
     return SimpleNamespace(_arena=arena, _slot_worker=np.zeros(2, np.int64), _timed_out={}, _started_at={},
-                           build_timeout=1.0, step_timeout=1.0, _procs=[None], _clock_floor=lambda: 0.0,
+                           build_timeout=1.0, step_timeout=1.0, _procs=[None], _arena_clock_floor=0.0,
                            _cls=watchdog._PoolWatchdog)
 
 

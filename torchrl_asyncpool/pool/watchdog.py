@@ -50,6 +50,8 @@ class _PoolWatchdog:
         self._watched = not threads and (self._restart is not None or step_timeout is not None)
         self._shadow = None
         self._watch = None
+        # when the pool started its first workers (set then): no mark of theirs is older
+        self._arena_clock_floor = 0.0
         if not self._watched:
             return
         if self._restart is not None:
@@ -112,7 +114,7 @@ class _PoolWatchdog:
             # dead predecessor's; a rebuild that follows a failed step is build_timeout's
             began = float(arena.busy_since[i])
             if (w in self._timed_out or began == 0.0 or now - abs(began) <= self.step_timeout
-                    or abs(began) < self._started_at.get(w, self._clock_floor()) or arena.build_since[i] > 0):
+                    or abs(began) < self._started_at.get(w, self._arena_clock_floor) or arena.build_since[i] > 0):
                 continue
             # an eager reset (negative), or the reset an answered terminal record asked for
             phase = "reset" if began < 0 or int(arena.request["step_type"][i]) in _ENDS else "step"
@@ -120,11 +122,6 @@ class _PoolWatchdog:
             p = self._procs[w]
             if exit_code(p) is None:
                 p.kill()  # (its envs' processes go with its group, in _replace)
-
-    def _clock_floor(self) -> float:
-        """The earliest ``time.monotonic()`` a worker of this pool can have written (0 before
-        the workers start)."""
-        return getattr(self, "_arena_clock_floor", 0.0)
 
     def _kill_hung_builds(self, now: float) -> None:
         marks = self._arena.build_since
@@ -135,7 +132,7 @@ class _PoolWatchdog:
             # machine's uptime, now - 0); a mark older than the worker is its dead predecessor's
             since = float(marks[i])
             if (w in self._timed_out or since <= 0.0 or now - since <= self.build_timeout
-                    or since < self._started_at.get(w, self._clock_floor())):
+                    or since < self._started_at.get(w, self._arena_clock_floor)):
                 continue
             self._timed_out[w] = (i, BUILD, now - since)
             p = self._procs[w]
