@@ -104,6 +104,19 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``; else ``platform.processor()``): a VM's host
+    changes between runs, and a run on another CPU model does not compare with this one."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 # -- env factories ---------------------------------------------------------------------------
 def make_atari():
     """The gymnasium Atari stack (the issue's): Pong, no sticky actions, DQN preprocessing, 4 frames."""
@@ -695,7 +708,8 @@ def main(argv=None):
     torch.set_num_threads(1)
     meta = dict(commit=_git("rev-parse", "HEAD"), commit_dirty=bool(_git("status", "--porcelain", "--", "..")),
                 date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-                machine=dict(cores=_cores(), cpu_count=os.cpu_count(), platform=platform.platform(),
+                machine=dict(cores=_cores(), cpu_count=os.cpu_count(), cpu_model=_cpu_model(),
+                             platform=platform.platform(),
                              load_average_before=os.getloadavg()),
                 versions=_versions(), args=vars(a), systems=systems, note=a.note)
     rows = []
@@ -828,7 +842,9 @@ def markdown(cells, systems, meta):
     cols = [s for s in systems if any(s in c["systems"] for c in cells)]
     dirty = " (+ uncommitted changes)" if meta.get("commit_dirty") else ""
     lines = [f"commit `{(meta.get('commit') or '?')[:7]}`{dirty}, {meta['date_utc']} UTC, "
-             f"{meta['machine']['cores']} cores, load average "
+             f"{meta['machine']['cores']} cores"
+             + (f" ({meta['machine']['cpu_model']})" if meta["machine"].get("cpu_model") else "")
+             + ", load average "
              f"{', '.join(f'{x:.1f}' for x in meta['machine']['load_average_before'])} before"
              + (f" / {', '.join(f'{x:.1f}' for x in meta['machine']['load_average_after'])} after"
                 if "load_average_after" in meta["machine"] else "")
