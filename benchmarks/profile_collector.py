@@ -11,7 +11,9 @@ fast as it is, on the same workloads and builders. For one workload and env coun
 * the serving loop's batch size, policy time and service time (``server_stats``);
 * the flush deadline's decision (``timeout="auto"``: wait or greedy, the deadline and its candidate);
 * CPU per frame of each thread of this process (serving thread, learner, ...) and of each child
-  process (env workers, a server process), user and system apart, and minor page faults.
+  process (env workers, a server process), user and system apart, and minor page faults. A
+  process's ``asyncpool-idle`` thread is its idle poller (``SCHED_IDLE``: it runs only when its
+  core has nothing else to run), so its CPU is the time the cores would otherwise have idled.
 
 ``--policy cnn`` serves the Nature CNN on ``atari`` (``compare_real.py``'s, the SEED case).
 ``--policy zero`` swaps the benchmark MLP for a policy that only writes a zero action: the
@@ -163,6 +165,13 @@ def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frame
         # labels, read while the threads and processes still exist
         names = {t.native_id: t.name for t in threading.enumerate()}
         names[os.getpid()] = "main thread"
+        for kind, ident in after:  # threads started in C (the idle poller): their kernel name
+            if kind == "thread" and ident not in names:
+                try:
+                    with open(f"/proc/self/task/{ident}/comm") as f:
+                        names[ident] = f"{f.read().strip()} ({ident})"
+                except OSError:
+                    pass
         for w, pid in enumerate(collector.env.worker_pids):
             children[pid] = f"env worker {w}"
         if collector.server.pid is not None:
