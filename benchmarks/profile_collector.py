@@ -13,7 +13,9 @@ fast as it is, on the same workloads and builders. For one workload and env coun
 * CPU per frame of each thread of this process (serving thread, learner, ...) and of each child
   process (env workers, a server process), user and system apart, and minor page faults. A
   process's ``asyncpool-idle`` thread is its idle poller (``SCHED_IDLE``: it runs only when its
-  core has nothing else to run), so its CPU is the time the cores would otherwise have idled.
+  core has nothing else to run), so its CPU is the time the cores would otherwise have idled: it
+  is listed on a line of its own (``idle poller: of env worker 0 ...``) and left out of its
+  process's line.
 
 ``--policy cnn`` serves the Nature CNN on ``atari`` (``compare_real.py``'s, the SEED case).
 ``--policy zero`` swaps the benchmark MLP for a policy that only writes a zero action: the
@@ -63,6 +65,9 @@ def _stat(path):
     return int(fields[1]), int(fields[11]) / _TICK, int(fields[12]) / _TICK, int(fields[7])
 
 
+_IDLE_POLLER = "asyncpool-idle"  # the kernel name of a process's idle poller thread (exchange/csrc/idle_poll.c)
+
+
 def _descendants(root: int) -> dict:
     """``{pid: name}`` of every process below ``root``."""
     parent, names = {}, {}
@@ -98,7 +103,31 @@ def _cpu_snapshot(pids) -> dict:
         st = _stat(f"/proc/{pid}/stat")
         if st is not None:
             snap[("process", pid)] = st[1:]
+            idle = _idle_poller_cpu(pid)
+            if idle is not None:
+                snap[("idle poller", pid)] = idle
     return snap
+
+
+def _idle_poller_cpu(pid: int):
+    """(user, system, 0) CPU seconds of process ``pid``'s ``asyncpool-idle`` thread(s), or None."""
+    found = None
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                if f.read().strip() != _IDLE_POLLER:
+                    continue
+        except OSError:
+            continue
+        st = _stat(f"/proc/{pid}/task/{tid}/stat")
+        if st is not None:
+            user, system = (0.0, 0.0) if found is None else found[:2]
+            found = (user + st[1], system + st[2], 0)
+    return found
 
 
 def _zero_policy(n, shape=(), dtype=torch.int64):
@@ -182,7 +211,15 @@ def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frame
     for key, (user1, sys1, flt1) in after.items():
         user0, sys0, flt0 = before.get(key, (0.0, 0.0, 0))
         kind, ident = key
-        label = names.get(ident, f"thread {ident}") if kind == "thread" else f"{children.get(ident, '?')} (pid {ident})"
+        if kind == "process" and ("idle poller", ident) in after:  # its busy threads only
+            (iu1, is1, _), (iu0, is0, _) = after["idle poller", ident], before.get(("idle poller", ident), (0, 0, 0))
+            user1, sys1 = user1 - (iu1 - iu0), sys1 - (is1 - is0)
+        if kind == "thread":
+            label = names.get(ident, f"thread {ident}")
+        elif kind == "idle poller":
+            label = f"of {children.get(ident, '?')} (pid {ident})"
+        else:
+            label = f"{children.get(ident, '?')} (pid {ident}), idle poller apart"
         cpu.append({
             "what": f"{kind}: {label}",
             "user_us_per_frame": 1e6 * (user1 - user0) / frames,
@@ -226,7 +263,7 @@ def _print(r: dict) -> None:
     print("CPU per frame (us, user + system):")
     for c in r["cpu"]:
         faults = "" if c["minor_faults_per_frame"] is None else f"  ({c['minor_faults_per_frame']:.2f} minor faults)"
-        print(f"  {c['what']:42s} {c['user_us_per_frame']:7.1f} + {c['system_us_per_frame']:6.1f}{faults}")
+        print(f"  {c['what']:56s} {c['user_us_per_frame']:7.1f} + {c['system_us_per_frame']:6.1f}{faults}")
 
 
 def _kwarg(text: str):

@@ -320,7 +320,9 @@ def test_profile_collector_script(tmp_path):
     assert abs(sum(v for k, v in parts.items() if k != "total") - parts["total"]) < 1e-6 * parts["total"] + 1e-3
     what = [c["what"] for c in r["cpu"]]
     assert any("torchrl_asyncpool-inference" in w for w in what), what
-    assert sum("env worker" in w for w in what) == 2, what
+    assert sum(w.startswith("process: env worker") for w in what) == 2, what
+    # a worker's idle poller, when it ran, has a line of its own that names the worker
+    assert all("of env worker" in w for w in what if w.startswith("idle poller")), what
 
 
 @pytest.mark.parametrize("policy", ["mlp", "zero"])
@@ -349,7 +351,7 @@ def test_profile_collector_script_hosts_envpool(tmp_path):
     assert "mujoco, 4 envs" in proc.stdout, proc.stdout
     r = json.loads(out.read_text())
     assert r["frames_per_s"] > 0
-    workers = [c for c in r["cpu"] if "env worker" in c["what"]]
+    workers = [c for c in r["cpu"] if c["what"].startswith("process: env worker")]
     assert 1 <= len(workers) <= 2, r["cpu"]  # one vector env per core, not one process per env
 
 
@@ -359,6 +361,39 @@ def test_profile_collector_refuses_envpool_for_a_toy_workload():
         module.profile("cartpole", 2, 0.1, stack="envpool")
     with pytest.raises(ValueError, match="stack must be 'gym' or 'envpool'"):
         module.profile("mujoco", 2, 0.1, stack="brax")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads and names threads through /proc")
+def test_profile_collector_finds_a_process_idle_poller():
+    """The CPU of a process's ``asyncpool-idle`` thread(s) is found by the thread's kernel name,
+    which is how the C idle poller names itself; no such process gives None."""
+    import threading
+
+    module = _load_benchmark_script("profile_collector")
+    started, stop = threading.Event(), threading.Event()
+
+    def spin():
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write("asyncpool-idle")  # the name idle_poll.c gives its thread
+        started.set()
+        t0 = time.process_time()
+        while not stop.is_set() and time.process_time() - t0 < 0.3:
+            pass
+        stop.wait()
+
+    # this test process may already run a real idle poller (an earlier test's pool waited here)
+    before = module._idle_poller_cpu(os.getpid()) or (0.0, 0.0, 0)
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        assert started.wait(10.0)
+        time.sleep(0.5)
+        found = module._idle_poller_cpu(os.getpid())
+        assert found is not None and found[0] + found[1] - before[0] - before[1] > 0.05, (before, found)
+    finally:
+        stop.set()
+        thread.join()
+    assert module._idle_poller_cpu(2**22 + 7) is None  # no such process
 
 
 def _load_benchmark_script(name: str):
