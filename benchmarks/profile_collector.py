@@ -26,6 +26,7 @@ serving loop's own cost per batch, with the policy taken out. For example::
     python benchmarks/profile_collector.py --workload cartpole --envs 32 --set worker_affinity=None
     python benchmarks/profile_collector.py --workload mujoco --envs 16    # compare_real.py's HalfCheetah-v5 cell
     python benchmarks/profile_collector.py --workload mujoco --envs 16 --stack envpool   # its ours_envpool cell
+    python benchmarks/profile_collector.py --workload mujoco --envs 16 --stack torchrl   # its ours_torchrl cell
 
 ``atari`` and ``mujoco`` are ``compare_real.py``'s gymnasium stacks with its cheap policy (the
 ``[benchmarks]`` extra installs ale-py and mujoco).
@@ -148,23 +149,29 @@ def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frame
         raise ValueError(f"policy must be 'mlp', 'zero' or 'cnn', got {policy!r}.")
     if policy == "cnn" and workload != "atari":
         raise ValueError(f"policy 'cnn' (the Nature CNN) is for the atari workload, got {workload!r}.")
-    if stack not in ("gym", "envpool"):
-        raise ValueError(f"stack must be 'gym' or 'envpool', got {stack!r}.")
+    if stack not in ("gym", "envpool", "torchrl"):
+        raise ValueError(f"stack must be 'gym', 'envpool' or 'torchrl', got {stack!r}.")
     if stack == "envpool" and workload not in REAL_WORKLOADS:
         raise ValueError(f"stack 'envpool' hosts EnvPool's own envs: atari or mujoco, got {workload!r}.")
+    if stack == "torchrl" and (workload not in REAL_WORKLOADS or policy == "zero"):
+        raise ValueError("stack 'torchrl' is compare_real.py's ours_torchrl cell: atari or mujoco with policy "
+                         f"'mlp' or 'cnn', got {workload!r} with {policy!r}.")
     from torchrl_asyncpool import AsyncPoolCollector
 
     if workload in REAL_WORKLOADS:
-        from compare_real import GYM_FACTORY, MUJOCO_ACT, _cores, _split, make_envpool, make_td_policy
+        from compare_real import (GYM_FACTORY, MUJOCO_ACT, TORCHRL_FACTORY, _cores, _split, make_envpool,
+                                  make_td_policy)
 
-        if policy in ("mlp", "cnn"):
-            act = make_td_policy(workload, "mean" if policy == "mlp" else "cnn")
+        if policy in ("mlp", "cnn"):  # TorchRL's specs: one-hot Atari actions, float32 MuJoCo ones
+            act = make_td_policy(workload, "mean" if policy == "mlp" else "cnn", torchrl_specs=stack == "torchrl")
         elif workload == "mujoco":  # HalfCheetah's float64 Box action
             act = _zero_policy(envs, (MUJOCO_ACT,), torch.float64)
         else:
             act = _zero_policy(envs)
         if stack == "envpool":  # compare_real's ours_envpool: one EnvPool vector env per core, in lockstep
             fns = [functools.partial(make_envpool, workload, k) for k in _split(envs, _cores())]
+        elif stack == "torchrl":  # compare_real's ours_torchrl: TorchRL factories of the same stack
+            fns = [TORCHRL_FACTORY[workload]] * envs
         else:
             fns = [GYM_FACTORY[workload]] * envs
         collector = AsyncPoolCollector(fns, policy=act, frames_per_batch=frames_per_batch, **collector_kwargs)
@@ -232,7 +239,7 @@ def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frame
     cycle = envs / fps
     step, dwell, answer = pool["env_step_time_s"], pool["obs_to_batch_dwell_s"], pool["batch_to_action_dwell_s"]
     out = {
-        "workload": workload, "envs": envs, "policy": policy,
+        "workload": workload, "envs": envs, "policy": policy, "stack": stack,
         "collector_kwargs": {k: repr(v) for k, v in collector_kwargs.items()},
         "frames_per_s": fps,
         "pct_of_n_over_latency": 100.0 * fps * 0.002 / envs if workload == "sleep2ms" else None,
@@ -251,7 +258,8 @@ def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frame
 def _print(r: dict) -> None:
     pct = "" if r["pct_of_n_over_latency"] is None else f", {r['pct_of_n_over_latency']:.1f} % of N/latency"
     extra = "".join(f", {k}={v}" for k, v in r["collector_kwargs"].items())
-    print(f"{r['workload']}, {r['envs']} envs, policy {r['policy']}{extra}: "
+    stack = "" if r.get("stack", "gym") == "gym" else f" ({r['stack']} stack)"
+    print(f"{r['workload']}{stack}, {r['envs']} envs, policy {r['policy']}{extra}: "
           f"{r['frames_per_s']:,.0f} frames/s{pct}")
     print("one env's cycle (us): " + ", ".join(f"{k} {v:,.0f}" for k, v in r["cycle_us"].items()))
     print(f"serving loop: mean batch {r['mean_batch_size']:.2f}, policy {r['policy_us_per_batch']:.0f} us "
@@ -283,9 +291,10 @@ def main(argv=None) -> dict:
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--policy", default="mlp", choices=("mlp", "zero", "cnn"))
     p.add_argument("--frames-per-batch", type=int, default=1024)
-    p.add_argument("--stack", default="gym", choices=("gym", "envpool"),
-                   help="atari/mujoco: gymnasium's envs, one per slot (default), or EnvPool's own C++ envs hosted as "
-                        "one vector env per core (compare_real.py's ours_envpool)")
+    p.add_argument("--stack", default="gym", choices=("gym", "envpool", "torchrl"),
+                   help="atari/mujoco: gymnasium's envs, one per slot (default), EnvPool's own C++ envs hosted as "
+                        "one vector env per core (compare_real.py's ours_envpool), or TorchRL factories of the "
+                        "gymnasium stack (its ours_torchrl)")
     p.add_argument("--set", dest="kwargs", type=_kwarg, action="append", default=[],
                    help="a collector keyword, e.g. --set worker_affinity=None --set envs_per_worker=8")
     p.add_argument("--json", default=None, help="also write the result here")

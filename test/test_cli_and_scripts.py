@@ -348,7 +348,7 @@ def test_profile_collector_script_hosts_envpool(tmp_path):
     script = ROOT / "benchmarks" / "profile_collector.py"
     proc = _run([sys.executable, str(script), "--workload", "mujoco", "--envs", "4", "--seconds", "0.5",
                  "--stack", "envpool", "--frames-per-batch", "64", "--json", str(out)], timeout=240)
-    assert "mujoco, 4 envs" in proc.stdout, proc.stdout
+    assert "mujoco (envpool stack), 4 envs" in proc.stdout, proc.stdout
     r = json.loads(out.read_text())
     assert r["frames_per_s"] > 0
     workers = [c for c in r["cpu"] if c["what"].startswith("process: env worker")]
@@ -359,8 +359,25 @@ def test_profile_collector_refuses_envpool_for_a_toy_workload():
     module = _load_benchmark_script("profile_collector")
     with pytest.raises(ValueError, match="stack 'envpool' hosts EnvPool's own envs"):
         module.profile("cartpole", 2, 0.1, stack="envpool")
-    with pytest.raises(ValueError, match="stack must be 'gym' or 'envpool'"):
+    with pytest.raises(ValueError, match="stack must be 'gym', 'envpool' or 'torchrl'"):
         module.profile("mujoco", 2, 0.1, stack="brax")
+    with pytest.raises(ValueError, match="stack 'torchrl' is compare_real.py's ours_torchrl cell"):
+        module.profile("cartpole", 2, 0.1, stack="torchrl")
+    with pytest.raises(ValueError, match="stack 'torchrl' is compare_real.py's ours_torchrl cell"):
+        module.profile("mujoco", 2, 0.1, policy="zero", stack="torchrl")
+
+
+def test_profile_collector_script_steps_torchrl_factories(tmp_path):
+    """``--stack torchrl`` profiles compare_real.py's ours_torchrl cell: TorchRL factories of the
+    MuJoCo stack (float32 actions after ``DoubleToFloat``), stepped on the fast path."""
+    pytest.importorskip("mujoco")
+    out = tmp_path / "profile.json"
+    script = ROOT / "benchmarks" / "profile_collector.py"
+    proc = _run([sys.executable, str(script), "--workload", "mujoco", "--envs", "2", "--seconds", "0.5",
+                 "--stack", "torchrl", "--frames-per-batch", "64", "--json", str(out)], timeout=240)
+    assert "mujoco (torchrl stack), 2 envs" in proc.stdout, proc.stdout
+    r = json.loads(out.read_text())
+    assert r["stack"] == "torchrl" and r["frames_per_s"] > 0 and r["cycle_us"]["env step"] > 0
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads and names threads through /proc")
