@@ -306,15 +306,20 @@ def test_cli_bench_without_matplotlib_runs_without_the_default_plot(tmp_path, ca
         assert "ARGS" not in out and "'mine.png' needs matplotlib" in err and "[benchmarks]" in err, err
 
 
+def _run_profile_collector(tmp_path, *args):
+    """Runs ``benchmarks/profile_collector.py`` with ``args``; its process and its JSON result."""
+    out = tmp_path / "profile.json"
+    script = ROOT / "benchmarks" / "profile_collector.py"
+    proc = _run([sys.executable, str(script), *args, "--json", str(out)], timeout=240)
+    return proc, json.loads(out.read_text())
+
+
 def test_profile_collector_script(tmp_path):
     """``benchmarks/profile_collector.py`` on a tiny cell: the cycle parts add up to the cycle, and
     the CPU table names the serving thread and each env worker."""
-    out = tmp_path / "profile.json"
-    script = ROOT / "benchmarks" / "profile_collector.py"
-    proc = _run([sys.executable, str(script), "--workload", "cartpole", "--envs", "4", "--seconds", "0.5",
-                 "--policy", "zero", "--set", "envs_per_worker=2", "--json", str(out)], timeout=240)
+    proc, r = _run_profile_collector(tmp_path, "--workload", "cartpole", "--envs", "4", "--seconds", "0.5",
+                                     "--policy", "zero", "--set", "envs_per_worker=2")
     assert "frames/s" in proc.stdout and "CPU per frame" in proc.stdout
-    r = json.loads(out.read_text())
     assert r["frames_per_s"] > 0 and r["collector_kwargs"] == {"envs_per_worker": "2"}
     parts = r["cycle_us"]
     assert abs(sum(v for k, v in parts.items() if k != "total") - parts["total"]) < 1e-6 * parts["total"] + 1e-3
@@ -330,12 +335,9 @@ def test_profile_collector_script_on_mujoco(tmp_path, policy):
     """The real workloads profile too: ``--workload mujoco`` is compare_real.py's HalfCheetah-v5
     stack, with its policy or a zero float64 action."""
     pytest.importorskip("mujoco")
-    out = tmp_path / "profile.json"
-    script = ROOT / "benchmarks" / "profile_collector.py"
-    proc = _run([sys.executable, str(script), "--workload", "mujoco", "--envs", "2", "--seconds", "0.5",
-                 "--policy", policy, "--frames-per-batch", "64", "--json", str(out)], timeout=240)
+    proc, r = _run_profile_collector(tmp_path, "--workload", "mujoco", "--envs", "2", "--seconds", "0.5",
+                                     "--policy", policy, "--frames-per-batch", "64")
     assert "mujoco, 2 envs" in proc.stdout, proc.stdout
-    r = json.loads(out.read_text())
     assert r["workload"] == "mujoco" and r["frames_per_s"] > 0 and r["cycle_us"]["env step"] > 0
 
 
@@ -344,12 +346,9 @@ def test_profile_collector_script_hosts_envpool(tmp_path):
     one vector env per core in the pool's workers."""
     pytest.importorskip("mujoco")
     pytest.importorskip("envpool")
-    out = tmp_path / "profile.json"
-    script = ROOT / "benchmarks" / "profile_collector.py"
-    proc = _run([sys.executable, str(script), "--workload", "mujoco", "--envs", "4", "--seconds", "0.5",
-                 "--stack", "envpool", "--frames-per-batch", "64", "--json", str(out)], timeout=240)
+    proc, r = _run_profile_collector(tmp_path, "--workload", "mujoco", "--envs", "4", "--seconds", "0.5",
+                                     "--stack", "envpool", "--frames-per-batch", "64")
     assert "mujoco (envpool stack), 4 envs" in proc.stdout, proc.stdout
-    r = json.loads(out.read_text())
     assert r["frames_per_s"] > 0
     workers = [c for c in r["cpu"] if c["what"].startswith("process: env worker")]
     assert 1 <= len(workers) <= 2, r["cpu"]  # one vector env per core, not one process per env
@@ -371,12 +370,9 @@ def test_profile_collector_script_steps_torchrl_factories(tmp_path):
     """``--stack torchrl`` profiles compare_real.py's ours_torchrl cell: TorchRL factories of the
     MuJoCo stack (float32 actions after ``DoubleToFloat``), stepped on the fast path."""
     pytest.importorskip("mujoco")
-    out = tmp_path / "profile.json"
-    script = ROOT / "benchmarks" / "profile_collector.py"
-    proc = _run([sys.executable, str(script), "--workload", "mujoco", "--envs", "2", "--seconds", "0.5",
-                 "--stack", "torchrl", "--frames-per-batch", "64", "--json", str(out)], timeout=240)
+    proc, r = _run_profile_collector(tmp_path, "--workload", "mujoco", "--envs", "2", "--seconds", "0.5",
+                                     "--stack", "torchrl", "--frames-per-batch", "64")
     assert "mujoco (torchrl stack), 2 envs" in proc.stdout, proc.stdout
-    r = json.loads(out.read_text())
     assert r["stack"] == "torchrl" and r["frames_per_s"] > 0 and r["cycle_us"]["env step"] > 0
 
 
