@@ -69,6 +69,15 @@ def _stat(path):
 _IDLE_POLLER = "asyncpool-idle"  # the kernel name of a process's idle poller thread (exchange/csrc/idle_poll.c)
 
 
+def _comm(path: str):
+    """The kernel name in ``path`` (a ``/proc/.../comm`` file), or None once it is gone."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def _descendants(root: int) -> dict:
     """``{pid: name}`` of every process below ``root``."""
     parent, names = {}, {}
@@ -77,11 +86,9 @@ def _descendants(root: int) -> dict:
             st = _stat(f"/proc/{entry}/stat")
             if st is not None:
                 parent[int(entry)] = st[0]
-                try:
-                    with open(f"/proc/{entry}/comm") as f:
-                        names[int(entry)] = f.read().strip()
-                except OSError:
-                    pass
+                name = _comm(f"/proc/{entry}/comm")
+                if name is not None:
+                    names[int(entry)] = name
     out, frontier = {}, [root]
     while frontier:
         p = frontier.pop()
@@ -118,13 +125,7 @@ def _idle_poller_cpu(pid: int):
     except OSError:
         return None
     for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                if f.read().strip() != _IDLE_POLLER:
-                    continue
-        except OSError:
-            continue
-        st = _stat(f"/proc/{pid}/task/{tid}/stat")
+        st = _stat(f"/proc/{pid}/task/{tid}/stat") if _comm(f"/proc/{pid}/task/{tid}/comm") == _IDLE_POLLER else None
         if st is not None:
             user, system = (0.0, 0.0) if found is None else found[:2]
             found = (user + st[1], system + st[2], 0)
@@ -203,11 +204,9 @@ def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frame
         names[os.getpid()] = "main thread"
         for kind, ident in after:  # threads started in C (the idle poller): their kernel name
             if kind == "thread" and ident not in names:
-                try:
-                    with open(f"/proc/self/task/{ident}/comm") as f:
-                        names[ident] = f"{f.read().strip()} ({ident})"
-                except OSError:
-                    pass
+                name = _comm(f"/proc/self/task/{ident}/comm")
+                if name is not None:
+                    names[ident] = f"{name} ({ident})"
         for w, pid in enumerate(collector.env.worker_pids):
             children[pid] = f"env worker {w}"
         if collector.server.pid is not None:
