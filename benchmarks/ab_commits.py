@@ -10,6 +10,7 @@ serving thread and the thread that takes the batches (the learner)::
 
     python benchmarks/ab_commits.py --base bcf5c07 --workload sleep2ms --envs 64 --pairs 4
     python benchmarks/ab_commits.py --base HEAD~1 --workload cartpole --envs 32 --set worker_affinity=None
+    python benchmarks/ab_commits.py --base HEAD~1 --workload mujoco --envs 64 --stack torchrl
 
 The base revision is checked out into a temporary git worktree, its C extension built in place
 (``setup.py build_ext --inplace``), and run with ``PYTHONPATH`` pointing there (the worker
@@ -38,6 +39,8 @@ def _run(tree: str, args, out_json: str) -> dict:
     """One ``profile_collector.py`` run of ``tree`` (a checkout root); its ``--json`` result."""
     cmd = [sys.executable, os.path.join(tree, "benchmarks", "profile_collector.py"), "--workload", args.workload,
            "--envs", str(args.envs), "--seconds", str(args.seconds), "--json", out_json]
+    if args.stack != "gym":  # a base before the option existed still runs the gymnasium stack
+        cmd += ["--stack", args.stack]
     for kv in args.kwargs:
         cmd += ["--set", kv]
     env = dict(os.environ, PYTHONPATH=tree + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -58,6 +61,8 @@ def main(argv=None) -> int:
     p.add_argument("--base", required=True, help="the git revision to compare against (e.g. HEAD~1, a hash)")
     p.add_argument("--workload", default="sleep2ms", choices=("cartpole", "sleep2ms", "atari", "mujoco"))
     p.add_argument("--envs", type=int, default=16)
+    p.add_argument("--stack", default="gym", choices=("gym", "envpool", "torchrl"),
+                   help="the env stack of the real workloads, as profile_collector.py takes it (default gym)")
     p.add_argument("--pairs", type=int, default=4, help="pairs of runs, in ABBA order (default 4)")
     p.add_argument("--seconds", type=float, default=8.0, help="measurement time per run")
     p.add_argument("--set", dest="kwargs", action="append", default=[],
@@ -92,7 +97,8 @@ def main(argv=None) -> int:
     base = [r["frames_per_s"] for r in runs["base"]]
     new = [r["frames_per_s"] for r in runs["new"]]
     ratios = [n / b for n, b in zip(new, base)]
-    print(f"\n{args.workload}, {args.envs} envs, {args.pairs} pairs (ABBA), base {base_rev} vs the working tree")
+    stack = "" if args.stack == "gym" else f" ({args.stack} stack)"
+    print(f"\n{args.workload}{stack}, {args.envs} envs, {args.pairs} pairs (ABBA), base {base_rev} vs the working tree")
     print(f"  median frames/s: base {statistics.median(base):,.0f}  new {statistics.median(new):,.0f}")
     print(f"  new/base per pair: {' '.join(f'{x:.3f}' for x in ratios)}  (median {statistics.median(ratios):.3f})")
     threads = (("worker", "workers"), ("inference", "serving thread"), ("main thread", "learner (main thread)"))

@@ -27,18 +27,25 @@ from torchrl_asyncpool.envs.torchrl_vector_hosting import synchronous_vector_env
 
 
 class DriftEnv(gym.Env):
-    """float64 observations (a 3-vector and a 2-vector), a float64 Box action, random
-    terminations drawn from the env's seeded generator, rewards that are not float32-exact."""
+    """float64 observations (a 3-vector and a 2-vector, or with ``flat`` one 5-vector, as a
+    MuJoCo env's), a float64 Box action, random terminations drawn from the env's seeded
+    generator, rewards that are not float32-exact."""
 
-    def __init__(self, obs_dtype=np.float64, action_dtype=np.float64):
-        self.observation_space = gym.spaces.Dict({
-            "position": gym.spaces.Box(-np.inf, np.inf, (3,), obs_dtype),
-            "velocity": gym.spaces.Box(-np.inf, np.inf, (2,), obs_dtype),
-        })
+    def __init__(self, obs_dtype=np.float64, action_dtype=np.float64, flat=False):
+        if flat:
+            self.observation_space = gym.spaces.Box(-np.inf, np.inf, (5,), obs_dtype)
+        else:
+            self.observation_space = gym.spaces.Dict({
+                "position": gym.spaces.Box(-np.inf, np.inf, (3,), obs_dtype),
+                "velocity": gym.spaces.Box(-np.inf, np.inf, (2,), obs_dtype),
+            })
         self.action_space = gym.spaces.Box(-1, 1, (2,), action_dtype)
         self.dtype = obs_dtype
+        self.flat = flat
 
     def _obs(self):
+        if self.flat:
+            return np.concatenate([self.x, self.v]).astype(self.dtype)
         return {"position": self.x.astype(self.dtype), "velocity": self.v.astype(self.dtype)}
 
     def reset(self, *, seed=None, options=None):
@@ -94,7 +101,21 @@ FAST_CASES = {
         cartpole, UnsqueezeTransform(0, allow_positive_dim=True, in_keys=["observation"])),
     "nested_transformed_env": lambda: TransformedEnv(transformed(cartpole, StepCounter()), RewardSum(),
                                                      auto_unwrap=False),
+    # TorchRL's MuJoCo idiom (GymEnv("HalfCheetah-v5") + these three) on a float64 Box env
+    "box_double_to_float_step_counter_reward_sum": lambda: transformed(
+        functools.partial(drift, flat=True), DoubleToFloat(), StepCounter(), RewardSum()),
+    "box_reward_sum_step_counter_max_steps_frame_skip": lambda: transformed(
+        lambda: GymWrapper(gym.wrappers.TimeLimit(DriftEnv(flat=True), 40), frame_skip=2), RewardSum(),
+        DoubleToFloat(), StepCounter(max_steps=6)),
 }
+
+#: how each case's step_into writes a record: the plain copy of the observation, the direct step
+#: (observation cast into its row, a step count and a reward sum written) or the record path
+STEP_INTO_PATHS = {"gymenv_onehot": "plain", "gymenv_categorical": "plain", "gymenv_box_action": "plain",
+                   "gymenv_frame_skip": "direct",
+                   "step_counter_reward_sum": "direct", "step_counter_max_steps": "direct",
+                   "nested_transformed_env": "direct", "box_double_to_float_step_counter_reward_sum": "direct",
+                   "box_reward_sum_step_counter_max_steps_frame_skip": "direct"}
 
 
 def _actions(adapter):
@@ -110,9 +131,15 @@ def _assert_same_entries(fast, ref, keys, what):
         np.testing.assert_array_equal(x, y, err_msg=f"{what}: {k}")
 
 
-def run_side_by_side(make, steps=300, seed=7):
+def _step_into_path(adapter):
+    return {"_plain_step_into": "plain", "_direct_step_into": "direct"}.get(adapter.step_into.__name__, "record")
+
+
+def run_side_by_side(make, steps=300, seed=7, into=False):
     """Steps TorchRL's own env and the fast path with the same seed and actions; returns the
-    (terminations, truncations) seen. Every record is compared."""
+    (terminations, truncations) seen. Every record is compared. ``into``: the fast path steps
+    with ``step_into`` (the worker's call), into rows of the slot's dtypes and shapes, its reward
+    compared as the slot's float32 row stores it."""
     ref_env, fast_env = make(), make()
     setattr(ref_env, FIRST_SEED_ATTR, seed)
     setattr(fast_env, FIRST_SEED_ATTR, seed)
@@ -125,9 +152,15 @@ def run_side_by_side(make, steps=300, seed=7):
         _assert_same_entries(fast.reset(), ref.reset(), keys, "first reset")
         torch.manual_seed(seed)
         ends = [0, 0]
+        request = fast.fields()[0]
+        views = [(k, np.zeros(request[k][0], torch.empty((), dtype=request[k][1]).numpy().dtype)) for k in keys]
         for t in range(steps):
             action = _actions(fast)
-            f_obs, f_rew, f_term, f_trunc = fast.step({"action": action})
+            if into:
+                f_rew, f_term, f_trunc = fast.step_into({"action": action}, views)
+                f_obs, f_rew = dict(views), np.asarray(f_rew, np.float32).reshape(1)
+            else:
+                f_obs, f_rew, f_term, f_trunc = fast.step({"action": action})
             r_obs, r_rew, r_term, r_trunc = ref.step({"action": torch.from_numpy(np.array(action))})
             _assert_same_entries(f_obs, r_obs, keys, f"step {t}")
             _assert_same_entries({"reward": f_rew}, {"reward": r_rew}, ["reward"], f"step {t}")
@@ -150,32 +183,17 @@ def test_fast_path_records_equal_torchrls(case):
     assert truncations >= 1
 
 
-def test_step_into_writes_what_step_returns():
-    """The worker's per-step path (``step_into``: entries written into the slot's rows) against
-    ``step``, with and without transforms."""
-    for make in (cartpole, FAST_CASES["double_to_float_then_norm_cat"]):
-        envs = [make(), make()]
-        for env in envs:
-            setattr(env, FIRST_SEED_ATTR, 3)
-        a, b = map(make_adapter, envs)
-        try:
-            a.reset(), b.reset()
-            request = a.fields()[0]
-            views = [(k, np.zeros(request[k][0], torch.empty((), dtype=request[k][1]).numpy().dtype))
-                     for k in a.obs_keys]
-            torch.manual_seed(0)
-            for t in range(60):
-                action = _actions(a)
-                obs, rew, term, trunc = a.step({"action": action})
-                rew2, term2, trunc2 = b.step_into({"action": action}, views)
-                assert (term, trunc) == (term2, trunc2)
-                assert np.float32(np.asarray(rew).reshape(-1)[0]) == np.float32(np.asarray(rew2).reshape(-1)[0])
-                for k, v in views:
-                    np.testing.assert_array_equal(v, obs[k])
-                if term or trunc:
-                    a.reset(), b.reset()
-        finally:
-            a.close(), b.close()
+@pytest.mark.parametrize("case", list(FAST_CASES))
+def test_step_into_records_equal_torchrls(case):
+    """The worker's call (``step_into``: the record written into the slot's rows) against
+    TorchRL's own stepping, on each path ``step_into`` takes."""
+    adapter = make_adapter(FAST_CASES[case]())
+    try:
+        assert _step_into_path(adapter) == STEP_INTO_PATHS.get(case, "record")
+    finally:
+        adapter.close()
+    terminations, truncations = run_side_by_side(FAST_CASES[case], into=True)
+    assert terminations + truncations >= 5
 
 
 FALLBACK_CASES = {

@@ -37,6 +37,12 @@ stepping, with the reason in the debug log and in ``adapter.fast_path_reason``):
   ended envs reset with a reset mask as TorchRL does; one that autoresets in ``SAME_STEP`` mode
   falls back to TorchRL's batched stepping.
 
+A single env whose record is its gymnasium observation (one ``Box`` of the spec's dtype and
+shape), cast by ``DoubleToFloat``, plus at most a ``StepCounter`` count and a ``RewardSum`` sum
+(TorchRL's MuJoCo idiom) is stepped by the worker straight into the slot's rows, without
+building the record (``_Plan.direct``); every other supported env builds the record and copies
+its entries.
+
 Which path a slot takes: ``adapter.path`` (:func:`adapter_path`) and a debug log line of the
 ``torchrl_asyncpool.envs.torchrl_fast`` logger when the adapter is built (in the pool's
 process for the env it reads its specs from, and in each worker). An env that must stay on

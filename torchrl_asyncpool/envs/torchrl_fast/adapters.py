@@ -62,13 +62,17 @@ class TorchRLGymFastAdapter(TorchRLEnvAdapter):
         self.plan = plan
         self.gym = plan.base._env
         self.transforms = plan.transforms
-        self._rec = None
         # the worker's _Slot reads ``self.step`` once: keep the planned variant when there is a plan
         if self._plan is not None:
             self.step = self._planned_step
             self.step_into = self._planned_step_into
         elif plan.plain():
             self.step_into = self._plain_step_into
+        else:
+            self._direct = plan.direct()
+            if self._direct is not None:
+                self._views = self._rows = None
+                self.step_into = self._direct_step_into
 
     def random_action(self) -> Dict:
         """A random action ``{"action": tensor}`` from the env's action spec."""
@@ -83,28 +87,30 @@ class TorchRLGymFastAdapter(TorchRLEnvAdapter):
         rec = self.plan.record(obs)
         for t in self.transforms:
             t.reset(rec)
-        self._rec = rec
         return rec
+
+    def _gym_run(self, a):
+        """``gym.step(a)`` repeated ``frame_skip`` times as ``GymLikeEnv._step`` repeats it (the
+        rewards summed, stopping at the first end): ``(obs, reward, terminated, truncated)``."""
+        if self.plan.frame_skip == 1:
+            return self.gym.step(a)[:4]
+        reward = 0
+        for _ in range(self.plan.frame_skip):
+            obs, r, terminated, truncated, _ = self.gym.step(a)
+            if r is not None:
+                reward = reward + r
+            if terminated or truncated:
+                break
+        return obs, reward, terminated, truncated
 
     def _gym_step(self, actions):
         plan = self.plan
-        a = plan.action(actions["action"])
-        if plan.frame_skip == 1:
-            obs, reward, terminated, truncated, _ = self.gym.step(a)
-        else:  # GymLikeEnv._step: repeat, sum the rewards, stop at the first end
-            reward = 0
-            for _ in range(plan.frame_skip):
-                obs, r, terminated, truncated, _ = self.gym.step(a)
-                if r is not None:
-                    reward = reward + r
-                if terminated or truncated:
-                    break
+        obs, reward, terminated, truncated = self._gym_run(plan.action(actions["action"]))
         reward = np.asarray(reward, dtype=np.float32).reshape(1)  # reward_spec.encode
         rec = plan.record(obs)
         terminated, truncated = bool(terminated), bool(truncated)
         for t in self.transforms:
             reward, terminated, truncated = t.step(rec, reward, terminated, truncated)
-        self._rec = rec
         return rec, reward, terminated, truncated
 
     def step(self, actions: Dict):
@@ -130,6 +136,32 @@ class TorchRLGymFastAdapter(TorchRLEnvAdapter):
         for key, view in views:
             copy_into(view, rec[key])
         return reward, terminated, truncated
+
+    def _direct_step_into(self, actions, views):
+        # the record path's result without building the record (plan.direct): the observation
+        # copied into its row (the copy casts as DoubleToFloat does), the count and the sum
+        # written into theirs; ~5 us a step less than the record path on a MuJoCo env
+        d = self._direct
+        obs, reward, terminated, truncated = self._gym_run(d.action(actions["action"]))
+        if views is not self._views:
+            self._bind_rows(views)
+        obs_row, count_row, sum_row = self._rows
+        copy_into(obs_row, obs)
+        truncated = bool(truncated)
+        if count_row is not None:
+            truncated = d.counter.advance() or truncated
+            count_row[0] = d.counter.n
+        reward = np.float32(reward)  # reward_spec.encode (torch.as_tensor(reward, float32))
+        if sum_row is not None:
+            sum_row[...] = d.summer.add(reward)
+        return reward, bool(terminated), truncated
+
+    def _bind_rows(self, views):
+        rows = dict(views)
+        d = self._direct
+        self._rows = (rows[d.obs_key], None if d.counter is None else rows[d.counter.key],
+                      None if d.summer is None else rows[d.summer.key])
+        self._views = views
 
     def _plain_step_into(self, actions, views):
         # GymEnv without transforms, one Box observation: the gymnasium adapter's path (the

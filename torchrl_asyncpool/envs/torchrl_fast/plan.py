@@ -136,6 +136,35 @@ class _Plan:
             return {key: np.asarray(obs, dtype=dtype).reshape(shape)}
         return {key: np.asarray(obs[gkey], dtype=dtype).reshape(shape) for gkey, key, dtype, shape in self.readers}
 
+    def direct(self):
+        """The single env's step straight into the slot's rows (:class:`_Direct`), or ``None``
+        where the record needs the record path (:meth:`record` and each transform's ``step``).
+
+        It applies when the record is the gymnasium observation (one ``Box`` of the spec's dtype
+        and shape) cast to its row's dtype, plus at most a step count and a reward sum: the only
+        transforms are ``DoubleToFloat`` of that observation (and the action), one ``StepCounter``
+        and one ``RewardSum``. None of them reads another's output, so their order does not matter.
+        """
+        if self.dict_obs:
+            return None
+        space = self.base._env.observation_space
+        _, key, dtype, shape = self.readers[0]
+        if tuple(space.shape) != shape or np.dtype(space.dtype) != dtype:
+            return None  # record() would cast or reshape before the transforms
+        roles = {}
+        for t in self.transforms:
+            role = t.direct_role
+            if role is None or (role != "cast" and (role in roles or t.key == key)):
+                return None
+            if role == "cast" and any(k != key or out != key for k, out in t.keys):
+                return None
+            roles.setdefault(role, []).append(t)
+        counter, summer = roles.get("count", [None])[0], roles.get("sum", [None])[0]
+        if counter is not None and summer is not None and counter.key == summer.key:
+            return None
+        cast = any(t.cast_action for t in roles.get("cast", []))
+        return _Direct(self, key, counter, summer, cast)
+
     def plain(self) -> bool:
         """True when a record is the gymnasium observation itself (one ``Box``, no transforms,
         the spec's shape): the worker copies it straight into the slot."""
@@ -143,6 +172,29 @@ class _Plan:
             return False
         space = self.base._env.observation_space
         return tuple(space.shape) == self.readers[0][3]
+
+
+class _Direct:
+    """What :meth:`_Plan.direct` found: the observation's entry, the ``StepCounter`` and the
+    ``RewardSum`` (or ``None``) whose state the direct step advances, and how it decodes an
+    action."""
+
+    __slots__ = ("obs_key", "counter", "summer", "action")
+
+    def __init__(self, plan, obs_key, counter, summer, cast_action):
+        self.obs_key, self.counter, self.summer = obs_key, counter, summer
+        if plan.action_kind != "box":
+            self.action = plan.action  # a Python int, as GymWrapper decodes it
+        else:  # one copy of the slot's row, cast to float64 where DoubleToFloat inverts the action
+            self.action = _cast_action if cast_action else _copy_action
+
+
+def _copy_action(a):
+    return a.numpy().copy() if isinstance(a, torch.Tensor) else np.array(a)
+
+
+def _cast_action(a):
+    return (a.numpy() if isinstance(a, torch.Tensor) else np.asarray(a)).astype(np.float64)
 
 
 def fast_plan(env, batched: bool = False) -> _Plan:

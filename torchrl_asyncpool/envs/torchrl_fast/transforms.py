@@ -17,6 +17,11 @@ __all__ = ["fast_transform", "check_vector_transform"]
 class _Fast:
     """A transform on numpy records: ``reset(rec)`` and ``step(rec, reward, term, trunc)``."""
 
+    #: what the direct step of a single env (``_Plan.direct``) makes of this transform: ``None``
+    #: (it cannot: the env takes the record path), ``"cast"`` (the observation's copy into its
+    #: row casts it), ``"count"`` (:meth:`_StepCounter.advance`) or ``"sum"`` (:meth:`_RewardSum.add`)
+    direct_role = None
+
     def action(self, action):
         """The action row as the env below this transform takes it (its inverse, if any)."""
         return action
@@ -49,6 +54,8 @@ def _no_inverse(t):
 
 
 class _StepCounter(_Fast):
+    direct_role = "count"
+
     def __init__(self, t):
         _only_root_reset(t)
         if t.truncated_key != "truncated":
@@ -61,11 +68,14 @@ class _StepCounter(_Fast):
         rec[self.key] = np.zeros(1, np.int64)
 
     def step(self, rec, reward, terminated, truncated):
+        rec[self.key] = np.array([self.n + 1], np.int64)
+        return reward, terminated, self.advance() or truncated
+
+    def advance(self) -> bool:
+        """Counts a step; returns whether it truncates the episode (StepCounter ORs that into
+        truncated and done). The count is ``self.n``."""
         self.n += 1
-        rec[self.key] = np.array([self.n], np.int64)
-        if self.max_steps is not None and self.n >= self.max_steps:
-            truncated = True  # StepCounter ORs it into truncated (and done)
-        return reward, terminated, truncated
+        return self.max_steps is not None and self.n >= self.max_steps
 
     def vreset(self, rec, k):
         self.n = np.zeros((k, 1), np.int64)
@@ -78,6 +88,8 @@ class _StepCounter(_Fast):
 
 
 class _RewardSum(_Fast):
+    direct_role = "sum"
+
     def __init__(self, t):
         _only_root_reset(t)
         if t.reward_spec:
@@ -85,16 +97,22 @@ class _RewardSum(_Fast):
         if list(t.in_keys) != ["reward"] or len(t.out_keys) != 1 or not isinstance(t.out_keys[0], str):
             raise FastPathUnsupported(f"RewardSum keys {t.in_keys} -> {t.out_keys}")
         self.key = t.out_keys[0]
-        self.total = np.zeros(1, np.float32)
+        self.total = np.float32(0)  # a float32 scalar: numpy adds two in float32, as torch does
 
     def reset(self, rec):
-        self.total = np.zeros(1, np.float32)
-        rec[self.key] = self.total
+        self.total = np.float32(0)
+        rec[self.key] = np.zeros(1, np.float32)
 
     def step(self, rec, reward, terminated, truncated):
-        self.total = self.total + reward  # float32 [1] + float32 [1], as torch adds them
-        rec[self.key] = self.total
+        total = self.total + reward  # float32 + float32 [1] -> float32 [1], as torch adds them
+        rec[self.key] = total
+        self.total = total[0]
         return reward, terminated, truncated
+
+    def add(self, reward):
+        """Adds ``reward`` (a float32 scalar) to the episode's sum; returns the sum."""
+        self.total = self.total + reward
+        return self.total
 
     def vreset(self, rec, k):
         self.total = np.zeros((k, 1), np.float32)
@@ -162,6 +180,8 @@ class _ObservationNorm(_Fast):
 
 
 class _DoubleToFloat(_Fast):
+    direct_role = "cast"
+
     def __init__(self, t, dtypes, action_dtype):
         if t.dtype_in != torch.float64 or t.dtype_out != torch.float32:
             raise FastPathUnsupported("DTypeCastTransform other than float64 -> float32")
