@@ -84,6 +84,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_collectors import _ShieldedCell  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 FAST_SYSTEMS = ("ours_gym", "ours_torchrl", "ours_ale_vec", "ours_envpool", "ours_envpool_async", "gym_async",
@@ -102,19 +103,6 @@ ATARI_ACTIONS, MUJOCO_OBS, MUJOCO_ACT = 6, 17, 6
 
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def _cpu_model() -> str:
-    """The CPU's model name (Linux ``/proc/cpuinfo``; else ``platform.processor()``): a VM's host
-    changes between runs, and a run on another CPU model does not compare with this one."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # -- env factories ---------------------------------------------------------------------------
@@ -708,7 +696,7 @@ def main(argv=None):
     torch.set_num_threads(1)
     meta = dict(commit=_git("rev-parse", "HEAD"), commit_dirty=bool(_git("status", "--porcelain", "--", "..")),
                 date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-                machine=dict(cores=_cores(), cpu_count=os.cpu_count(), cpu_model=_cpu_model(),
+                machine=dict(cores=_cores(), cpu_count=os.cpu_count(), cpu_model=cpu_model(),
                              platform=platform.platform(),
                              load_average_before=os.getloadavg()),
                 versions=_versions(), args=vars(a), systems=systems, note=a.note)

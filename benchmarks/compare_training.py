@@ -54,6 +54,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_model  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SCRIPTS = ROOT / "sota-implementations"
@@ -241,7 +244,8 @@ def main(argv=None) -> dict:
     meta = {"commit": _git("rev-parse", "HEAD"), "commit_dirty": bool(_git("status", "--porcelain")),
             "date_utc": now.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick, "total_frames": args.total_frames,
             "script_args": args.script_args,
-            "cpus": os.cpu_count(), "platform": platform.platform(), "versions": _versions()}
+            "cpus": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
+            "versions": _versions()}
     runs = []
     with tempfile.TemporaryDirectory(prefix="compare_training_") as tmp:
         log_dir = Path(args.log_dir or tmp)
