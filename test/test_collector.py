@@ -83,6 +83,36 @@ def test_start_fills_replay_buffer_in_background(envs_per_worker, env_threads):
     start_and_check(c, rb, 320)
 
 
+def test_background_collection_runs_torch_at_one_thread_beside_a_multithreaded_learner():
+    """``start()``'s thread writes the replay buffer with one torch thread and the serving thread
+    starts at ``policy_num_threads``, whatever the learner's count: a background thread that ever
+    ran torch at the learner's count (2 on 2 cores) kept OpenMP from spinning for the learner's own
+    threads, and a CPU learner's gradient step took ~2x longer while the collector was paused (see
+    benchmarks/README.md, SAC)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen = set()
+
+    def policy(td):
+        seen.add((threading.current_thread().name, torch.get_num_threads()))
+        return oracle_policy(td)
+
+    def hook(batch):
+        seen.add((threading.current_thread().name, torch.get_num_threads()))
+
+    rb = ReplayBuffer(storage=LazyTensorStorage(200))
+    c = AsyncPoolCollector(oracle_factories(4), policy=policy, frames_per_batch=32, total_frames=128,
+                           replay_buffer=rb, transition_chunk_size=8, post_collect_hook=hook)
+    try:
+        start_and_check(c, rb, 128)
+        # (the start-up's timing of the policy runs in the constructing thread, at its count)
+        background = seen - {("MainThread", 2)}
+        assert background == {("torchrl_asyncpool-inference", 1), ("AsyncPoolCollector-replay", 1)}, seen
+        assert torch.get_num_threads() == 2  # the learner's count is left as it was
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_return_same_td_writes_every_batch_into_one_tensordict():
     checker = OracleChecker()
     c = AsyncPoolCollector(oracle_factories(4), policy=oracle_policy, frames_per_batch=50, total_frames=280,

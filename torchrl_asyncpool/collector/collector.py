@@ -860,7 +860,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             raise RuntimeError("The collector is already collecting.")
         self._replay_error = None
         with pinned(self._driver_affinity):
-            self._replay_thread = start_daemon_thread(self._run_replay, "AsyncPoolCollector-replay")
+            self._replay_thread = start_daemon_thread(self._run_replay, "AsyncPoolCollector-replay", 1)
 
     def _run_replay(self) -> None:
         try:

@@ -722,7 +722,7 @@ class _ThreadBackend:
             on_batch=self.spec.on_batch, hold_fd=self._release.fd,
         )
         self.stats_block.set_state(STATE_SERVING)
-        self._thread = start_daemon_thread(self._main, "torchrl_asyncpool-inference")
+        self._thread = start_daemon_thread(self._main, "torchrl_asyncpool-inference", self.spec.num_threads)
 
     def _main(self):
         try:
