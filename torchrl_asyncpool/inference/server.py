@@ -36,7 +36,7 @@ from torchrl_asyncpool.inference._shared import (
     StatsBlock,
 )
 from torchrl_asyncpool.inference.transport import ProcessSlotTransport, _as_handle
-from torchrl_asyncpool._sys.threads import set_thread_num_threads, start_daemon_thread
+from torchrl_asyncpool._sys.threads import start_daemon_thread
 
 __all__ = ["InferenceServer"]
 
@@ -728,9 +728,7 @@ class _ThreadBackend:
         try:
             if self.spec.cpu_affinity is not None:  # pid 0: this thread only
                 os.sched_setaffinity(0, self.spec.cpu_affinity)
-            if self.spec.num_threads is not None:
-                set_thread_num_threads(self.spec.num_threads)
-            self.loop.serve()
+            self.loop.serve()  # at spec.num_threads: start_daemon_thread set it
             self.stats_block.set_state(STATE_STOPPED)
         except PolicyFailure as failure:
             self.error = InferenceServerError(failure.message, failure.key, failure.tb)

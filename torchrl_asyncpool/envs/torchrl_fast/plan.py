@@ -108,9 +108,7 @@ class _Plan:
             return int(a.argmax(-1))  # OneHot.to_numpy: argmax of the row (first maximum)
         if kind == "categorical":
             return int(a)
-        # a copy: the env may keep it, the slot row is overwritten (a tensor through .numpy(): numpy 2's
-        # np.array(tensor) warns that torch's __array__ takes no copy keyword)
-        a = a.numpy().copy() if isinstance(a, torch.Tensor) else np.array(a)
+        a = _copy_action(a)
         for t in reversed(self.transforms):  # TorchRL applies the inverses last to first
             a = t.action(a)
         return a
@@ -190,6 +188,8 @@ class _Direct:
 
 
 def _copy_action(a):
+    # a copy: the env may keep it, the slot row is overwritten (a tensor through .numpy(): numpy 2's
+    # np.array(tensor) warns that torch's __array__ takes no copy keyword)
     return a.numpy().copy() if isinstance(a, torch.Tensor) else np.array(a)
 
 
