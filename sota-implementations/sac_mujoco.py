@@ -22,12 +22,12 @@ while the envs step (``learner_wait_share``: the collection time) and the envs w
 learner trains (``collector_idle_share``: the training time).
 
 Collecting and learning in turns (``max_lead_frames=0``, the default) on a CPU: at ``utd=1`` a
-SAC gradient step (batch 256, 256x256 networks, two Q networks) costs ~50 ms on one core of the
-2-core development machine, while this collector delivers a frame in ~0.2 ms, so the learner
-decides the wall-clock. Collecting while the learner trains does not pay there: the envs and
-the policy thread then take the learner's second core and, the policy thread living in the
-learner's process, its interpreter lock, and the gradient steps slowed from ~50 to ~62 ms,
-which lost more than the collection time it hid. So the collector runs only while the
+SAC gradient step (batch 256, 256x256 networks, two Q networks) costs 11-13 ms on 2 vCPUs of an
+AMD EPYC host (~50 ms on one core of a slower 2-core host), while this collector delivers a frame
+in ~0.1 ms, so the learner decides the wall-clock. Collecting while the learner trains
+did not pay on the slower host: the envs and the policy thread then took the learner's second core
+and, the policy thread living in the learner's process, its interpreter lock, and the gradient
+steps slowed from ~50 to ~62 ms, which lost more than the collection time it hid. So the collector runs only while the
 learner has no update due (a 1,000-frame batch, a fraction of a second), and is paused while the
 learner trains with every core (``learner_threads=0``: one torch thread per CPU the process may
 use; the env workers and the paused policy thread then sleep). Where the learner runs on a GPU,
@@ -40,12 +40,13 @@ Run::
     python sota-implementations/sac_mujoco.py --collector torchrl      # TorchRL's Collector(ParallelEnv(8))
     python sota-implementations/sac_mujoco.py --total-frames 50000 --init-random-frames 5000 --log-dir /tmp/runs
 
-What was measured (commit ``3cbc2b6``, 2026-12-04, the 2-core development machine, no GPU,
-nothing else running; table in ``benchmarks/README.md``): a 15,000-frame window (5,000 random
-frames, 10,000 updates), seed 0: 440 s with this collector (22.7 updates/s, the learner waiting
-1.5 % of the time) against 473 s with ``--collector torchrl`` (11,000 updates: TorchRL's recipe
-also trains after the batch that reaches the random frames; the learner waiting 7 %): parity per
-update. No run to a return: 300,000 frames take ~3.4 hours per run at that rate.
+What was measured (commit ``6b223b7``, 2026-12-05, 2 vCPUs of an AMD EPYC host, no GPU, nothing
+else running; tables in ``benchmarks/README.md``): 10,000 frames of which 2,000 random, seed 0, the
+two collectors alternated, two runs each: 91-109 s for 8,000 updates with this collector (the
+learner waiting 1 % of the time) against 117-128 s for 9,000 with ``--collector torchrl`` (TorchRL's
+recipe also trains after the batch that reaches the random frames; the learner waiting 11 %): 0.88x
+and 0.96x its wall-clock per update, the gradient step itself the same (11-13 ms) beside either. No
+run to a return: 300,000 frames take ~1 hour per run at that rate.
 """
 from __future__ import annotations
 
