@@ -59,13 +59,14 @@ Run::
     python sota-implementations/ppo_mujoco.py --total-frames 200000 --stop-at-target true --log-dir /tmp/runs
     python sota-implementations/ppo_mujoco.py --remote-address 127.0.0.1:50051 --ray-hosts 4  # envs in Ray actors
 
-What was measured (2-core development machine, no GPU; commit, date and curves in
-``sota-implementations/README.md`` and ``benchmarks/README.md``), mean training return of 1,500,
-commit ``a1c51a7``, 2026-12-05, one run after another: seed 0 after 278,528 frames and 229 s
-(TorchRL's ``Collector(ParallelEnv(16))``: 481,280 frames and 802 s), seed 1 after 741,376 frames
-and 616 s (TorchRL's: 1,492 after 1M frames and 1,702 s); 2.0x TorchRL's frames/s. Collecting while
-training (an earlier version of this script), seed 1 stayed below 1,500 in two runs of 1M frames
-(best 1,432 and 1,409).
+What was measured (2 vCPUs of an AMD EPYC host, no GPU, one run after another; commit, date and
+curves in ``sota-implementations/README.md`` and ``benchmarks/README.md``), mean training return of
+1,500, commit ``83d10b7``, 2026-12-05: seed 0 after 305,152 frames and 76 s (TorchRL's
+``Collector(ParallelEnv(16))``: 401,408 frames and 265 s), seed 1 after 753,664 frames and 157 s
+(TorchRL's: 1,489 after 1M frames and 637 s); 2.6-3.0x TorchRL's frames/s. Again at commit
+``6b223b7`` (the collector's threads no longer slow the learner's): 66 s and 110 s. Collecting while
+training (an earlier version of this script, on a slower host), seed 1 stayed below 1,500 in two
+runs of 1M frames (best 1,432 and 1,409).
 """
 from __future__ import annotations
 
