@@ -1,5 +1,6 @@
 """The plan follows the workload: the flush deadline and the default CPU partition are decided
 from the env step the workers measure while running (tests assert the decision, not a speed)."""
+import functools
 import os
 import threading
 import time
@@ -8,7 +9,9 @@ import pytest
 import torch
 
 from torchrl_asyncpool import AsyncPoolCollector
-from torchrl_asyncpool.collector.workload_plan import PIN_STEP_S, UNPIN_STEP_S, AffinityPlan
+from torchrl_asyncpool.collector.workload_plan import (
+    PIN_STEP_S, SHARE_STEP_S, UNPIN_STEP_S, UNSHARE_STEP_S, AffinityPlan, shared_worker_masks,
+)
 from torchrl_asyncpool.inference import auto_flush_timeout
 from torchrl_asyncpool.inference._common import AUTO_TIMEOUT_FRACTION
 from torchrl_asyncpool.inference.flush_deadline import (
@@ -218,8 +221,8 @@ class _Steps:
         self.count += n
 
 
-def _plan(steps):
-    return AffinityPlan(lambda: (steps.total, steps.count), steps.moves.append, partitioned=True)
+def _plan(steps, can_share=False):
+    return AffinityPlan(lambda: (steps.total, steps.count), steps.moves.append, can_share=can_share)
 
 
 def test_the_partition_is_lifted_for_costly_steps_and_restored_for_cheap_ones():
@@ -231,13 +234,60 @@ def test_the_partition_is_lifted_for_costly_steps_and_restored_for_cheap_ones():
     assert plan.partitioned and steps.moves == [] and plan.measured_step_s == pytest.approx(12e-6)
     steps.add(1000, 1.3e-3)  # Atari-like: lifted
     plan.update(t := t + 1.0)
-    assert not plan.partitioned and steps.moves == [False]
+    assert not plan.partitioned and steps.moves == ["unpinned"]
     steps.add(1000, (PIN_STEP_S + UNPIN_STEP_S) / 2)  # between the lines: no change either way
     plan.update(t := t + 1.0)
-    assert not plan.partitioned and steps.moves == [False]
+    assert not plan.partitioned and steps.moves == ["unpinned"]
     steps.add(1000, 10e-6)  # cheap again: restored
     plan.update(t := t + 1.0)
-    assert plan.partitioned and steps.moves == [False, True] and plan.changes == 2
+    assert plan.partitioned and steps.moves == ["unpinned", "partitioned"] and plan.changes == 2
+    steps.add(1000, 45e-6)  # MuJoCo-like, one worker a CPU: nothing to share, the partition stays
+    plan.update(t := t + 1.0)
+    assert plan.layout == "partitioned" and plan.changes == 2
+
+
+def test_mid_cost_steps_share_the_policy_cpu_when_the_pool_has_two_workers_a_cpu():
+    steps = _Steps()
+    plan = _plan(steps, can_share=True)
+    t = plan.next_look
+    steps.add(1000, 12e-6)  # CartPole-like: the partition stays
+    plan.update(t)
+    assert plan.layout == "partitioned" and steps.moves == []
+    steps.add(1000, 45e-6)  # MuJoCo-like: a share of the workers joins the policy's CPU
+    plan.update(t := t + 1.0)
+    assert plan.layout == "shared" and plan.partitioned and steps.moves == ["shared"]
+    assert plan.describe()["cpu_layout"] == "shared" and plan.describe()["partitioned"] is True
+    steps.add(1000, (UNSHARE_STEP_S + SHARE_STEP_S) / 2)  # between the lines: stays shared
+    plan.update(t := t + 1.0)
+    assert plan.layout == "shared"
+    steps.add(1000, 1.3e-3)  # Atari-like: lifted
+    plan.update(t := t + 1.0)
+    assert plan.layout == "unpinned" and not plan.partitioned
+    steps.add(1000, (PIN_STEP_S + UNPIN_STEP_S) / 2)  # between the lines: stays unpinned
+    plan.update(t := t + 1.0)
+    assert plan.layout == "unpinned"
+    steps.add(1000, (SHARE_STEP_S + PIN_STEP_S) / 2)  # mid-cost again: back to shared
+    plan.update(t := t + 1.0)
+    assert plan.layout == "shared"
+    steps.add(1000, UNSHARE_STEP_S / 2)  # cheap: the policy's CPU is the policy's alone again
+    plan.update(t := t + 1.0)
+    assert steps.moves == ["shared", "unpinned", "shared", "partitioned"] and plan.changes == 4
+    steps.add(1000, 1.3e-3)
+    plan.update(t := t + 1.0)
+    steps.add(1000, UNSHARE_STEP_S / 2)  # from unpinned, a cheap step goes straight to the partition
+    plan.update(t := t + 1.0)
+    assert steps.moves[-2:] == ["unpinned", "partitioned"]
+
+
+def test_the_shared_layout_moves_about_a_third_of_a_cpu_share_of_workers():
+    assert shared_worker_masks((0,), [(1,)] * 4) == [(1,), (1,), (1,), (0,)]
+    assert shared_worker_masks((0,), [(1,)] * 3) is None  # fewer than 2 a CPU: the partition itself
+    assert shared_worker_masks((0,), [(1,)] * 8) == [(1,)] * 5 + [(0,)] * 3  # round(8 / 3)
+    assert shared_worker_masks((0,), [(1, 2, 3)] * 8) == [(1, 2, 3)] * 7 + [(0,)]  # 4 CPUs: round(8 / 7)
+    with pytest.raises(ValueError, match="shared"):
+        AffinityPlan(lambda: (0.0, 0), print, layout="shared", can_share=False)
+    with pytest.raises(ValueError, match="layout"):
+        AffinityPlan(lambda: (0.0, 0), print, layout="pinned")
 
 
 def test_the_plan_waits_for_enough_fresh_steps_and_its_period():
@@ -278,14 +328,16 @@ def _run(collector, seconds):
 
 @pytest.mark.skipif(len(CPUS) < 2, reason="the default partition needs two CPUs")
 def test_a_slow_env_lifts_the_partition_and_gets_a_flush_deadline():
-    # 2 ms steps (a simulator): the envs are the work, the policy needs a fraction of a core
-    collector = AsyncPoolCollector([lambda: OracleEnv(step_delay=0.002)] * 4, policy=_oracle_policy,
-                                   frames_per_batch=8, total_frames=-1, env_threads=False)
+    # 1 ms of computing a step (a simulator): the envs are the work, the policy needs a fraction of a core
+    collector = AsyncPoolCollector([functools.partial(_ComputingEnv, step_s=1e-3)] * 4, policy=_zero_action,
+                                   frames_per_batch=8, total_frames=-1)
     try:
         assert collector.plan()["partitioned"] is True  # the default starts partitioned
+        assert collector.plan()["startup"]["envs_per_worker"] == -(-4 // len(CPUS))  # a costly step: 1 a CPU
         _run(collector, 3.5)
         plan = collector.plan()
-        assert plan["partitioned"] is False and plan["measured_env_step_s"] >= 1e-3, plan  # resets are cheaper
+        assert plan["partitioned"] is False and plan["cpu_layout"] == "unpinned", plan
+        assert plan["measured_env_step_s"] >= 0.8e-3, plan  # the workers' CPU a step: the step and the exchange
         # a deadline is a candidate: tried against greedy, the faster one kept (not asserted: a speed)
         assert 0.0 < plan["flush_candidate_s"] <= 0.005 and plan["flush_choice"] != "unmeasured", plan
         assert plan["flush_timeout_s"] in (0.0, plan["flush_candidate_s"]), plan
@@ -315,6 +367,54 @@ def test_a_cheap_env_keeps_the_partition_and_greedy_batches():
         assert plan["flush_trial_rounds"] == 0, plan  # nothing to try: no deadline is a candidate
         for pid in collector.env.worker_pids:
             assert os.sched_getaffinity(pid) == set(CPUS[1:])
+    finally:
+        collector.shutdown()
+
+
+class _ComputingEnv:
+    """A CPU-bound gymnasium env whose step computes for ``step_s`` (a MuJoCo-like cost)."""
+
+    def __new__(cls, step_s=60e-6):
+        import gymnasium as gym
+        import numpy as np
+
+        class Computing(gym.Env):
+            observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+            action_space = gym.spaces.Discrete(2)
+
+            def reset(self, *, seed=None, options=None):
+                self.t = 0
+                return np.zeros(4, np.float32), {}
+
+            def step(self, action):
+                end = time.thread_time() + step_s
+                while time.thread_time() < end:
+                    pass
+                self.t += 1
+                return np.zeros(4, np.float32), 0.0, False, self.t >= 200, {}
+
+        return Computing()
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="the default partition needs two CPUs")
+def test_a_mid_cost_env_gets_two_workers_a_cpu_and_shares_the_policy_cpu():
+    collector = AsyncPoolCollector([_ComputingEnv] * 8, policy=_zero_action, frames_per_batch=8, total_frames=-1)
+    try:
+        startup = collector.plan()["startup"]
+        assert 40e-6 <= startup["measured"]["probe_step_cpu_s"] < 300e-6, startup  # a mid-cost step
+        assert startup["envs_per_worker"] == -(-8 // (2 * len(CPUS))), startup  # two workers a CPU
+        _run(collector, 3.5)
+        plan = collector.plan()
+        step = plan["measured_env_step_s"]
+        if not SHARE_STEP_S <= step < UNPIN_STEP_S:  # a loaded machine stretched the steps' wall time
+            assert plan["cpu_layout"] == ("unpinned" if step >= UNPIN_STEP_S else plan["cpu_layout"]), plan
+            return
+        assert plan["cpu_layout"] == "shared" and plan["partitioned"] is True, plan
+        workers = len(collector.env.worker_pids)
+        expected = shared_worker_masks((CPUS[0],), [tuple(CPUS[1:])] * workers)
+        assert expected is not None and [tuple(sorted(os.sched_getaffinity(pid))) for pid in
+                                         collector.env.worker_pids] == expected
+        assert all(os.sched_getaffinity(t.native_id) == {CPUS[0]} for t in _serving_threads())
     finally:
         collector.shutdown()
 

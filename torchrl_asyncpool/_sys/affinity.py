@@ -72,8 +72,9 @@ def auto_partition() -> tuple:
     return (cpus[0],), tuple(cpus[1:])
 
 
-def check_cpu_mask(mask, name: str) -> tuple:
-    """Validates one mask (CPU indices this process may use); returns it as a sorted tuple.
+def check_cpu_mask(mask, name: str, available=None) -> tuple:
+    """Validates one mask (CPU indices this process may use, or ``available`` when given: the
+    CPUs of the thread that created what the mask is for); returns it as a sorted tuple.
 
     Examples:
         >>> from torchrl_asyncpool._sys.affinity import check_cpu_mask
@@ -85,7 +86,7 @@ def check_cpu_mask(mask, name: str) -> tuple:
     cpus = list(mask)
     if not cpus or any(isinstance(c, bool) or not isinstance(c, int) for c in cpus):
         raise ValueError(f"{name} must be a non-empty sequence of int CPU indices, got {mask!r}.")
-    available = _available()
+    available = _available() if available is None else set(available)
     outside = sorted(c for c in set(cpus) if c not in available)
     if outside:
         raise ValueError(
@@ -96,11 +97,12 @@ def check_cpu_mask(mask, name: str) -> tuple:
 
 
 def resolve_worker_affinity(spec: Sequence[Sequence[int]] | Callable[[int], Sequence[int]] | str | None,
-                            num_workers: int, threaded: bool = False) -> list | None:
+                            num_workers: int, threaded: bool = False, available=None) -> list | None:
     """One mask per worker process from ``worker_affinity`` (a sequence of masks, or a callable
     ``worker_index -> mask``); ``None`` leaves the workers unpinned. ``"auto"``: the worker side
     of :func:`auto_partition` for every worker, unless the workers step their envs in threads
-    (``threaded``: env threads waiting on I/O want every core) or there is no partition."""
+    (``threaded``: env threads waiting on I/O want every core) or there is no partition.
+    ``available``: the CPUs the masks may name (default: the calling thread's)."""
     if isinstance(spec, str):
         if spec != AUTO:
             raise ValueError(f"worker_affinity must be {AUTO!r}, None or CPU masks, got {spec!r}.")
@@ -117,7 +119,7 @@ def resolve_worker_affinity(spec: Sequence[Sequence[int]] | Callable[[int], Sequ
                 f"worker_affinity has {len(masks)} masks for {num_workers} worker processes; give one per worker, "
                 "or a callable worker_index -> mask (the number of workers follows envs_per_worker)."
             )
-    return [check_cpu_mask(m, f"worker_affinity[{w}]") for w, m in enumerate(masks)]
+    return [check_cpu_mask(m, f"worker_affinity[{w}]", available) for w, m in enumerate(masks)]
 
 
 @contextlib.contextmanager

@@ -24,7 +24,8 @@ from torchrl_asyncpool.exchange.metrics import log_metrics
 from torchrl_asyncpool.collector.policy_cost import batch_gain, measure_policy_cost
 from torchrl_asyncpool.collector.policy_layout import PolicyLayout
 from torchrl_asyncpool.collector.traj_ids import MASK_KEY, TRAJ_IDS_KEY, TrajectoryIds, env_major
-from torchrl_asyncpool.collector.workload_plan import AffinityPlan
+from torchrl_asyncpool.collector.workload_plan import AffinityPlan, shared_worker_masks
+from torchrl_asyncpool._sys.cpu_time import CpuMeter
 from torchrl_asyncpool.pool.env_pool import AsyncEnvPool
 from torchrl_asyncpool.pool.layout import SpecEnv
 from torchrl_asyncpool.pool.plan import PoolPlan
@@ -161,8 +162,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             ``ExplorationType.RANDOM``.
         create_env_kwargs (dict or list of dicts, optional): factory keyword arguments.
         envs_per_worker (int or "auto", optional): envs hosted by one worker process.
-            ``"auto"`` (default) times the env: cheap CPU-bound envs are grouped about one
-            worker per core, blocking envs (sleep, I/O) about two workers per core, each env
+            ``"auto"`` (default) times the env: cheap and costly CPU-bound envs are grouped
+            about one worker per core, envs of a few tens of microseconds a step (MuJoCo) two
+            workers per core (so that a share of them can step on the policy's core, see
+            ``worker_affinity``), blocking envs (sleep, I/O) about two workers per core, each env
             stepped in its own thread (see ``env_threads``).
         env_threads (bool or "auto", optional): step each env of a worker in its own thread, so
             that envs whose step blocks overlap inside one process. ``"auto"`` (default): when
@@ -194,7 +197,12 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             ``"auto"`` (default): when the workers step their envs without threads (cheap,
             CPU-bound envs), every worker on the CPUs after the first one this process may use;
             none pinned with env threads (blocking envs), fewer than two CPUs or
-            ``policy_num_threads`` other than ``1``. ``None``: not pinned (TorchRL's default).
+            ``policy_num_threads`` other than ``1``. While the collector runs, the env step the
+            workers measure moves that partition: a share of the workers joins the policy's CPU
+            when a step costs a few tens of microseconds and the pool has two workers a CPU
+            (``"shared"``), every process runs on every CPU when a step costs more (Atari); see
+            :mod:`torchrl_asyncpool.collector.workload_plan` and :meth:`plan`. ``None``: not
+            pinned (TorchRL's default).
         driver_affinity (sequence of int, "auto" or None, optional): TorchRL's option: a Linux CPU
             mask for where the policy runs (the serving thread with ``policy=``, the server
             process with ``policy_factory=``), for the background thread of :meth:`start`, and
@@ -529,10 +537,12 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         # and preempt it there (measured on 2 cores: a worker's ring of a sleeping learner thread
         # took 90-100 us, against 2-3 us for rings that wake nothing on the workers' CPU)
         self._take_affinity = self._policy_affinity = policy_affinity
-        # the default partition, kept or lifted while running by the measured env step (workload_plan)
-        self._auto_partition = ((policy_affinity, list(pool.worker_affinity))
-                                if config.auto_policy_affinity is not None and pool.worker_affinity is not None
-                                and policy_affinity == config.auto_policy_affinity else None)
+        # the default partition, kept, shared or lifted while running by the measured env step (workload_plan)
+        self._auto_partition = None
+        if (config.auto_policy_affinity is not None and pool.worker_affinity is not None
+                and policy_affinity == config.auto_policy_affinity):
+            masks = list(pool.worker_affinity)
+            self._auto_partition = (policy_affinity, masks, shared_worker_masks(policy_affinity, masks))
         dtypes = {k: pool.layout_dtype(k) for k in pool.action_keys}
         checks = action_checks(pool.full_action_spec, dtypes, cast=config.cast_actions,
                                bounds=config.check_action_bounds)
@@ -616,16 +626,19 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         """The plan that keeps or lifts the default partition (``None`` when none is in force)."""
         if getattr(self, "_auto_partition", None) is None:
             return None
-        arena = self._pool._arena
-        return AffinityPlan(lambda: (float(arena.step_time.sum()), int(arena.step_count.sum())),
-                            self._apply_partition, partitioned=True)
+        arena, pool, meter = self._pool._arena, self._pool, CpuMeter()
+        # the workers' CPU an env step, not its wall time: workers that share a core see each
+        # other's turns in their steps' wall time, and the layouts here change who shares
+        return AffinityPlan(lambda: (meter(pool.worker_pids), int(arena.step_count.sum())),
+                            self._apply_partition, layout="partitioned", can_share=self._auto_partition[2] is not None)
 
-    def _apply_partition(self, partitioned: bool) -> None:
-        policy_mask, worker_masks = self._auto_partition
-        self._pool.set_worker_affinity(worker_masks if partitioned else None)
+    def _apply_partition(self, layout: str) -> None:
+        policy_mask, worker_masks, shared_masks = self._auto_partition
+        kept = layout != "unpinned"
+        self._pool.set_worker_affinity({"partitioned": worker_masks, "shared": shared_masks}.get(layout))
         with self._server_lock:
-            self._server.set_cpu_affinity(policy_mask if partitioned else None)
-        self._take_affinity = policy_mask if partitioned else None
+            self._server.set_cpu_affinity(policy_mask if kept else None)
+        self._take_affinity = policy_mask if kept else None
 
     def plan(self) -> dict:
         """What the collector decided at start-up and from what it measured while running:
@@ -634,7 +647,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         policy, what was given and what decided, what the spec env's timing measured, the
         batching options as given) with the policy's CPU mask at start (``policy_affinity``);
         whether the default CPU partition is in force now (``partitioned``; ``None`` with
-        explicit or no masks), the mean env step behind that decision, how often it changed, and
+        explicit or no masks) and in which layout (``cpu_layout``: ``"partitioned"``,
+        ``"shared"`` or ``"unpinned"``, see :mod:`~torchrl_asyncpool.collector.workload_plan`),
+        the mean env step behind that decision, how often it changed, and
         the serving loop's flush deadline with the env step it follows (thread server with
         ``server_timeout="auto"``).
 
@@ -646,8 +661,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             >>> collector = AsyncPoolCollector([ZeroLatencyEnv] * 2, policy=act, frames_per_batch=8, total_frames=8)
             >>> plan = collector.plan()
             >>> sorted(k for k in plan if not k.startswith("flush_"))  # doctest: +NORMALIZE_WHITESPACE
-            ['measured_env_step_s', 'partition_changes', 'partitioned', 'server_measured_env_step_s',
-             'startup']
+            ['cpu_layout', 'measured_env_step_s', 'partition_changes', 'partitioned',
+             'server_measured_env_step_s', 'startup']
             >>> sorted(k for k in plan if k.startswith("flush_"))  # doctest: +NORMALIZE_WHITESPACE
             ['flush_candidate_s', 'flush_choice', 'flush_timeout_s', 'flush_trial_rates',
              'flush_trial_rounds', 'flush_trial_sure']
@@ -655,7 +670,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             True
             >>> collector.shutdown()
         """
-        out = ({"partitioned": None, "measured_env_step_s": None, "partition_changes": 0}
+        out = ({"partitioned": None, "cpu_layout": None, "measured_env_step_s": None, "partition_changes": 0}
                if self._affinity_plan is None else self._affinity_plan.describe())
         loop = getattr(getattr(self._server, "_backend", None), "loop", None)
         timeout = self._server.timeout

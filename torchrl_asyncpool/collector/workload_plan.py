@@ -7,58 +7,130 @@ either side), and loses when the envs are the work: on 2 cores, Atari through gy
 step) ran 1.4x faster unpinned, MuJoCo's HalfCheetah with 64 envs 1.36x, because the partition
 gives a whole core to a policy that needs a fraction of one and crowds every env onto the other.
 
-:class:`AffinityPlan` looks at the env step the workers measure (the arena's ``step_time`` and
-``step_count`` sums) about every second, over the steps since its last look: past
-:data:`UNPIN_STEP_S` it lifts the partition (workers, serving side and the iterating thread on
-every CPU), below :data:`PIN_STEP_S` it restores it. The gap between the two keeps a workload near
-the line from switching back and forth, and a window of fresh steps (not the start-up's) keeps a
-moment of load from deciding for good. Explicit masks are never touched: the plan runs only for
-the ``"auto"`` partition.
+Between the two, an env step of a few tens of microseconds (MuJoCo's HalfCheetah, ~45 us in a
+worker) leaves the policy's core mostly idle, yet unpinned workers wait for their answers as long
+as they step: with two workers a core, the ``"shared"`` layout keeps the policy on its CPU and
+moves a share of the workers (:func:`shared_worker_masks`) onto it, so that its idle time steps
+envs. Measured on 2 cores with 16 HalfCheetah envs in 4 workers, 2 interleaved rounds: 23,982 and
+22,772 frames/s against 19,048 and 18,955 for the partition of 2 workers; with 64 envs 29,829 and
+29,972 against 26,059 and 25,219 (``benchmarks/README.md``).
+
+:class:`AffinityPlan` looks at the workers' CPU an env step (their main threads' CPU time from
+``/proc``, :class:`~torchrl_asyncpool._sys.cpu_time.CpuMeter`, over the arena's ``step_count``:
+the env's step and the worker's share of the exchange; not the step's wall time, which also counts
+the turns of whatever shares the worker's core, and the layouts change that) about every second,
+over the steps since its last look, and moves between the
+three layouts ``"partitioned"``, ``"shared"`` (only where the pool has two workers a core or more:
+:func:`~torchrl_asyncpool.pool.grouping._resolve_grouping` groups mid-cost envs so) and
+``"unpinned"`` (workers, serving side and the iterating thread on every CPU): a layout's step up
+at :data:`SHARE_STEP_S` / :data:`UNPIN_STEP_S`, its step down below :data:`PIN_STEP_S` /
+:data:`UNSHARE_STEP_S`. The gap between each pair of lines keeps a workload near a line from
+switching back and forth, and a window of fresh steps (not the start-up's) keeps a moment of load
+from deciding for good. Explicit masks are never touched: the plan runs only for the ``"auto"``
+partition.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 from torchrl_asyncpool.exchange.metrics import SumWindow
 
-__all__ = ["AffinityPlan", "UNPIN_STEP_S", "PIN_STEP_S", "PLAN_PERIOD_S"]
+__all__ = ["AffinityPlan", "LAYOUTS", "UNPIN_STEP_S", "PIN_STEP_S", "SHARE_STEP_S", "UNSHARE_STEP_S",
+           "PLAN_PERIOD_S", "shared_worker_masks"]
 
+#: the CPU layouts of the default partition, from the policy's CPU kept for it alone to none kept
+LAYOUTS = ("partitioned", "shared", "unpinned")
 #: a mean env step at least this long lifts the partition ...
 UNPIN_STEP_S = 80e-6
-#: ... and one shorter than this restores it
+#: ... and one shorter than this restores it (``"shared"`` where the pool allows it)
 PIN_STEP_S = 40e-6
+#: a mean env step at least this long moves a share of the workers onto the policy's CPU ...
+SHARE_STEP_S = 25e-6
+#: ... and one shorter than this takes them off it again
+UNSHARE_STEP_S = 12e-6
 #: seconds between two looks at the measured env step
 PLAN_PERIOD_S = 1.0
 #: the fewest fresh env steps a look trusts
 _MIN_STEPS = 64
 
 
+def shared_worker_masks(policy_mask: Sequence[int], worker_masks: Sequence[Sequence[int]]) -> Optional[list]:
+    """The workers' masks of the ``"shared"`` layout: the last ``round(W / (2C - 1))`` of the
+    ``W`` workers on the policy's CPU, the others as partitioned (``C`` CPUs in all: the policy's
+    core, which serves too, takes about half a core's share of the workers); ``None`` when the
+    pool has fewer than two workers a CPU (the layout is then the partition itself).
+
+    Examples:
+        >>> from torchrl_asyncpool.collector.workload_plan import shared_worker_masks
+        >>> shared_worker_masks((0,), [(1,)] * 4)  # 2 CPUs, 4 workers: one moves to CPU 0
+        [(1,), (1,), (1,), (0,)]
+        >>> shared_worker_masks((0,), [(1,)] * 2) is None  # one worker a CPU: nothing to share
+        True
+    """
+    cpus = len(set(policy_mask) | {c for mask in worker_masks for c in mask})
+    workers = len(worker_masks)
+    if workers < 2 * cpus:
+        return None
+    moved = max(1, round(workers / (2 * cpus - 1)))
+    return [tuple(m) for m in worker_masks[:workers - moved]] + [tuple(policy_mask)] * moved
+
+
 class AffinityPlan:
-    """Keeps or lifts the collector's default CPU partition as the measured env step says.
+    """Keeps, shares or lifts the collector's default CPU partition as the measured env step says.
 
     Args:
         measure (callable): ``() -> (total env step seconds, env steps)``, sums since the start.
-        apply (callable): ``(partitioned: bool) -> None``, moves the processes and threads.
-        partitioned (bool): whether the partition is in force now.
+        apply (callable): ``(layout: str) -> None``, moves the processes and threads to one of
+            :data:`LAYOUTS`.
+        layout (str): the layout in force now, one of :data:`LAYOUTS`.
+        can_share (bool): whether the ``"shared"`` layout differs from the partition (two
+            workers a CPU or more, see :func:`shared_worker_masks`); when not, the plan moves
+            between ``"partitioned"`` and ``"unpinned"`` only.
 
     Examples:
         >>> from torchrl_asyncpool.collector.workload_plan import AffinityPlan
         >>> sums, moves = [0.0, 0], []
-        >>> plan = AffinityPlan(lambda: tuple(sums), moves.append, partitioned=True)
-        >>> sums[:] = [1000 * 1.3e-3, 1000]  # Atari-like steps: 1.3 ms each
+        >>> plan = AffinityPlan(lambda: tuple(sums), moves.append, layout="partitioned", can_share=True)
+        >>> sums[:] = [1000 * 45e-6, 1000]  # MuJoCo-like steps: 45 us each
         >>> plan.update(now=plan.next_look)
-        >>> moves, plan.partitioned, round(plan.measured_step_s, 4)
-        ([False], False, 0.0013)
+        >>> moves, plan.layout, round(plan.measured_step_s, 6)
+        (['shared'], 'shared', 4.5e-05)
+        >>> sums[0] += 1000 * 1.3e-3; sums[1] += 1000  # Atari-like steps: 1.3 ms each
+        >>> plan.update(now=plan.next_look)
+        >>> moves, plan.partitioned
+        (['shared', 'unpinned'], False)
     """
 
-    def __init__(self, measure: Callable[[], Tuple[float, int]], apply: Callable[[bool], None], partitioned: bool):
+    def __init__(self, measure: Callable[[], Tuple[float, int]], apply: Callable[[str], None],
+                 layout: str = "partitioned", can_share: bool = False):
+        if layout not in LAYOUTS or (layout == "shared" and not can_share):
+            raise ValueError(f"layout must be one of {LAYOUTS} ('shared' only with can_share=True), got {layout!r}.")
         self._measure, self._apply = measure, apply
-        self.partitioned = bool(partitioned)
+        self.layout = layout
+        self.can_share = bool(can_share)
         self.measured_step_s: Optional[float] = None
         self.changes = 0
         self._window = SumWindow(measure(), _MIN_STEPS)
         self.next_look = time.monotonic() + PLAN_PERIOD_S
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether the policy keeps its CPU (``"partitioned"`` or ``"shared"``)."""
+        return self.layout != "unpinned"
+
+    def _wanted(self, step: float) -> str:
+        layout = self.layout
+        middle = "shared" if self.can_share else "partitioned"
+        if step >= UNPIN_STEP_S:
+            return "unpinned"
+        if layout == "unpinned":
+            if step >= PIN_STEP_S:
+                return layout
+            return "shared" if self.can_share and step >= SHARE_STEP_S else "partitioned"
+        if layout == "shared":
+            return "partitioned" if step < UNSHARE_STEP_S else layout
+        return middle if step >= SHARE_STEP_S else layout
 
     def update(self, now: Optional[float] = None) -> None:
         """Looks at the env steps since the last look, when one is due; moves the processes
@@ -71,17 +143,13 @@ class AffinityPlan:
         if taken is None:
             return
         self.measured_step_s = step = taken[0]
-        want = self.partitioned
-        if self.partitioned and step >= UNPIN_STEP_S:
-            want = False
-        elif not self.partitioned and step < PIN_STEP_S:
-            want = True
-        if want != self.partitioned:
+        want = self._wanted(step)
+        if want != self.layout:
             self._apply(want)
-            self.partitioned = want
+            self.layout = want
             self.changes += 1
 
     def describe(self) -> dict:
         """What the plan measured and chose (for ``repr`` and the collector's metrics)."""
-        return {"partitioned": self.partitioned, "measured_env_step_s": self.measured_step_s,
+        return {"partitioned": self.partitioned, "cpu_layout": self.layout, "measured_env_step_s": self.measured_step_s,
                 "partition_changes": self.changes}

@@ -641,7 +641,9 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         """
         if self.backend == "threading":
             raise ValueError("set_worker_affinity needs worker processes (backend='multiprocessing').")
-        resolved = resolve_worker_affinity(masks, self.num_workers)
+        # checked against the creator's CPUs: the caller may be pinned narrower (a collector's
+        # iterating thread runs on the policy's CPU while it moves the workers)
+        resolved = resolve_worker_affinity(masks, self.num_workers, available=self._cpus)
         for w, p in enumerate(self._procs):
             if p.pid is not None:
                 set_process_affinity(p.pid, self._cpus if resolved is None else resolved[w])

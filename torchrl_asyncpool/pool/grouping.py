@@ -63,10 +63,19 @@ def _resolve_grouping(envs_per_worker, env_threads, adapter, n, threads=False, m
     threaded = blocking if env_threads == "auto" else env_threads
     if blocking and not threaded:
         return 1, False  # stepped one after the other, blocking envs must not share a process
-    # cheap envs: about one worker per core; blocking envs in threads: a few workers per core,
-    # so that one process's GIL-held work (copies, the env's own Python) overlaps another's
-    k = max(1, math.ceil(n / (cores * (_BLOCKING_WORKERS_PER_CORE if blocking else 1))))
+    # cheap and costly envs: about one worker per core; mid-cost ones two (a collector moves a
+    # share of them onto its policy's core, collector/workload_plan.py); blocking envs in threads:
+    # a few workers per core, so that one process's GIL-held work (copies, the env's own Python)
+    # overlaps another's
+    per_core = _BLOCKING_WORKERS_PER_CORE if blocking else _MID_COST_WORKERS_PER_CORE if _mid_cost(measured) else 1
+    k = max(1, math.ceil(n / (cores * per_core)))
     return k, threaded and k > 1
+
+
+def _mid_cost(measured) -> bool:
+    """Whether the probe's CPU time a step falls in :data:`MID_COST_PROBE_S`."""
+    cpu = (measured or {}).get("probe_step_cpu_s")
+    return cpu is not None and MID_COST_PROBE_S[0] <= cpu < MID_COST_PROBE_S[1]
 
 
 def _remote_groups(envs_per_worker, env_threads, first, fns, kwargs):
@@ -121,11 +130,21 @@ def _vector_grouping(envs_per_worker, env_threads, k):
 #: process per env 51 % (benchmarks/README.md)
 _BLOCKING_WORKERS_PER_CORE = 2
 
+#: the probe's mean CPU time a step (cold: the spec env's first steps, 1.5-4x a worker's warm
+#: step) of a mid-cost CPU-bound env, grouped :data:`_MID_COST_WORKERS_PER_CORE` workers per core.
+#: On 2 cores the probe measured gymnasium's CartPole-v1 at ~15-17 us, TorchRL's GymEnv of it at
+#: ~25, Pendulum-v1 at ~22-26, HalfCheetah-v5 at ~65-110 (~85-95 as a TorchRL env) and Atari through
+#: gymnasium at ~500-690. CPU time, not wall time: a loaded machine preempts the probe but does not
+#: make its steps compute longer
+MID_COST_PROBE_S = (40e-6, 300e-6)
+_MID_COST_WORKERS_PER_CORE = 2
+
 
 def _probe_blocking(adapter, probe_s: float = 0.2, probe_steps: int = 32, measured=None) -> bool:
     """Times a few steps of the spec env: True when it mostly waits (sleep, I/O) rather than computes.
     ``measured`` (a dict, optional) receives ``probe_steps`` (steps timed), ``probe_step_s`` (their
-    mean wall time), ``probe_cpu_ratio`` (the highest CPU / wall of one step) and ``blocking``.
+    mean wall time), ``probe_step_cpu_s`` (their mean CPU time), ``probe_cpu_ratio`` (the highest
+    CPU / wall of one step) and ``blocking``.
 
     Judged from the step that computed the most for its wall time: a busy machine preempts a
     CPU-bound env now and then (its wall time then exceeds its CPU time), but not in every step,
@@ -134,7 +153,7 @@ def _probe_blocking(adapter, probe_s: float = 0.2, probe_steps: int = 32, measur
     changed with the load of the moment.)
     """
     adapter.reset()
-    wall = 0.0
+    wall = cpu = 0.0
     steps = 0
     best = 0.0  # the highest CPU / wall of one step
     t_end = time.perf_counter() + probe_s
@@ -144,11 +163,13 @@ def _probe_blocking(adapter, probe_s: float = 0.2, probe_steps: int = 32, measur
         _, _, term, trunc = adapter.step(action)
         dw, dc = time.perf_counter() - w0, time.thread_time() - c0
         wall += dw
+        cpu += dc
         best = max(best, dc / dw if dw > 0 else 1.0)
         steps += 1
         if term or trunc:
             adapter.reset()
     blocking = best < 0.5 and wall / max(steps, 1) > 2e-4
     if measured is not None:
-        measured.update(probe_steps=steps, probe_step_s=wall / max(steps, 1), probe_cpu_ratio=best, blocking=blocking)
+        measured.update(probe_steps=steps, probe_step_s=wall / max(steps, 1), probe_step_cpu_s=cpu / max(steps, 1),
+                        probe_cpu_ratio=best, blocking=blocking)
     return blocking
