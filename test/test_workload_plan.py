@@ -222,7 +222,11 @@ class _Steps:
 
 
 def _plan(steps, can_share=False):
-    return AffinityPlan(lambda: (steps.total, steps.count), steps.moves.append, can_share=can_share)
+    plan = AffinityPlan(lambda: (steps.total, steps.count), steps.moves.append, can_share=can_share)
+    steps.add(5, 0.5)  # the envs' construction, before the first look: not counted
+    plan.update(plan.next_look)  # the first look opens the window
+    assert plan.measured_step_s is None and steps.moves == []
+    return plan
 
 
 def test_the_partition_is_lifted_for_costly_steps_and_restored_for_cheap_ones():

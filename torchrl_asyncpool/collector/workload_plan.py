@@ -92,6 +92,7 @@ class AffinityPlan:
         >>> from torchrl_asyncpool.collector.workload_plan import AffinityPlan
         >>> sums, moves = [0.0, 0], []
         >>> plan = AffinityPlan(lambda: tuple(sums), moves.append, layout="partitioned", can_share=True)
+        >>> plan.update(now=plan.next_look)  # the first look opens the window
         >>> sums[:] = [1000 * 45e-6, 1000]  # MuJoCo-like steps: 45 us each
         >>> plan.update(now=plan.next_look)
         >>> moves, plan.layout, round(plan.measured_step_s, 6)
@@ -111,8 +112,10 @@ class AffinityPlan:
         self.can_share = bool(can_share)
         self.measured_step_s: Optional[float] = None
         self.changes = 0
-        self._window = SumWindow(measure(), _MIN_STEPS)
-        self.next_look = time.monotonic() + PLAN_PERIOD_S
+        # the first look only opens the window: the workers' CPU until then counts their envs'
+        # construction (an import of a simulator weighs more than thousands of its steps)
+        self._window: Optional[SumWindow] = None
+        self.next_look = time.monotonic()
 
     @property
     def partitioned(self) -> bool:
@@ -134,9 +137,14 @@ class AffinityPlan:
 
     def update(self, now: Optional[float] = None) -> None:
         """Looks at the env steps since the last look, when one is due; moves the processes
-        when the mean step crossed a line."""
+        when the mean step crossed a line. The first call opens the first window (half a
+        period long)."""
         now = time.monotonic() if now is None else now
         if now < self.next_look:
+            return
+        if self._window is None:
+            self._window = SumWindow(self._measure(), _MIN_STEPS)
+            self.next_look = now + PLAN_PERIOD_S / 2
             return
         self.next_look = now + PLAN_PERIOD_S
         taken = self._window.take(self._measure())
