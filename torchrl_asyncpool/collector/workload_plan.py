@@ -23,8 +23,8 @@ over the steps since its last look, and moves between the
 three layouts ``"partitioned"``, ``"shared"`` (only where the pool has two workers a core or more:
 :func:`~torchrl_asyncpool.pool.grouping._resolve_grouping` groups mid-cost envs so) and
 ``"unpinned"`` (workers, serving side and the iterating thread on every CPU): a layout's step up
-at :data:`SHARE_STEP_S` / :data:`UNPIN_STEP_S`, its step down below :data:`PIN_STEP_S` /
-:data:`UNSHARE_STEP_S`. The gap between each pair of lines keeps a workload near a line from
+at :data:`SHARE_STEP_S` / :data:`UNPIN_STEP_S` (:data:`SHARED_UNPIN_STEP_S` where the pool can
+share), its step down below :data:`UNSHARE_STEP_S` / :data:`PIN_STEP_S` (:data:`SHARED_PIN_STEP_S`). The gap between each pair of lines keeps a workload near a line from
 switching back and forth, and a window of fresh steps (not the start-up's) keeps a moment of load
 from deciding for good. Explicit masks are never touched: the plan runs only for the ``"auto"``
 partition.
@@ -37,7 +37,7 @@ from typing import Callable, Optional, Sequence, Tuple
 from torchrl_asyncpool.exchange.metrics import SumWindow
 
 __all__ = ["AffinityPlan", "LAYOUTS", "UNPIN_STEP_S", "PIN_STEP_S", "SHARE_STEP_S", "UNSHARE_STEP_S",
-           "PLAN_PERIOD_S", "shared_worker_masks"]
+           "SHARED_UNPIN_STEP_S", "SHARED_PIN_STEP_S", "PLAN_PERIOD_S", "shared_worker_masks"]
 
 #: the CPU layouts of the default partition, from the policy's CPU kept for it alone to none kept
 LAYOUTS = ("partitioned", "shared", "unpinned")
@@ -49,6 +49,12 @@ PIN_STEP_S = 40e-6
 SHARE_STEP_S = 25e-6
 #: ... and one shorter than this takes them off it again
 UNSHARE_STEP_S = 12e-6
+#: where the pool can share the policy's CPU, a step lifts the partition from this long ...
+SHARED_UNPIN_STEP_S = 200e-6
+#: ... and one shorter than this restores it (shared). The workers' CPU a MuJoCo step measured
+#: 50-90 us on the benchmark VM as its phases change (Atari ~480 us): the ``"shared"`` layout
+#: measured 1.2-1.3x the unpinned one there (16 and 64 envs), so the lines sit well above it
+SHARED_PIN_STEP_S = 120e-6
 #: seconds between two looks at the measured env step
 PLAN_PERIOD_S = 1.0
 #: the fewest fresh env steps a look trusts
@@ -125,10 +131,11 @@ class AffinityPlan:
     def _wanted(self, step: float) -> str:
         layout = self.layout
         middle = "shared" if self.can_share else "partitioned"
-        if step >= UNPIN_STEP_S:
+        unpin, pin = (SHARED_UNPIN_STEP_S, SHARED_PIN_STEP_S) if self.can_share else (UNPIN_STEP_S, PIN_STEP_S)
+        if step >= unpin:
             return "unpinned"
         if layout == "unpinned":
-            if step >= PIN_STEP_S:
+            if step >= pin:
                 return layout
             return "shared" if self.can_share and step >= SHARE_STEP_S else "partitioned"
         if layout == "shared":
