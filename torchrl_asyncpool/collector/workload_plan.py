@@ -15,19 +15,19 @@ envs. Measured on 2 cores with 16 HalfCheetah envs in 4 workers, 2 interleaved r
 22,772 frames/s against 19,048 and 18,955 for the partition of 2 workers; with 64 envs 29,829 and
 29,972 against 26,059 and 25,219 (``benchmarks/README.md``).
 
-:class:`AffinityPlan` looks at the workers' CPU an env step (their main threads' CPU time from
-``/proc``, :class:`~torchrl_asyncpool._sys.cpu_time.CpuMeter`, over the arena's ``step_count``:
-the env's step and the worker's share of the exchange; not the step's wall time, which also counts
-the turns of whatever shares the worker's core, and the layouts change that) about every second,
-over the steps since its last look, and moves between the
-three layouts ``"partitioned"``, ``"shared"`` (only where the pool has two workers a core or more:
-:func:`~torchrl_asyncpool.pool.grouping._resolve_grouping` groups mid-cost envs so) and
-``"unpinned"`` (workers, serving side and the iterating thread on every CPU): a layout's step up
-at :data:`SHARE_STEP_S` / :data:`UNPIN_STEP_S` (:data:`SHARED_UNPIN_STEP_S` where the pool can
-share), its step down below :data:`UNSHARE_STEP_S` / :data:`PIN_STEP_S` (:data:`SHARED_PIN_STEP_S`). The gap between each pair of lines keeps a workload near a line from
-switching back and forth, and a window of fresh steps (not the start-up's) keeps a moment of load
-from deciding for good. Explicit masks are never touched: the plan runs only for the ``"auto"``
-partition.
+:class:`AffinityPlan` looks at the workers' CPU an env step about every second, over the steps
+since its last look: their main threads' CPU time from ``/proc``
+(:class:`~torchrl_asyncpool._sys.cpu_time.CpuMeter`) over the arena's ``step_count``, that is the
+env's step and the worker's share of the exchange. Not the step's wall time, which also counts the
+turns of whatever shares the worker's core, and the layouts change that. It moves between three
+layouts: ``"partitioned"``, ``"shared"`` (only where the pool has two workers a core or more; the
+pool's ``envs_per_worker="auto"`` groups mid-cost envs so) and ``"unpinned"`` (workers, serving
+side and the iterating thread on every CPU). A layout steps up at :data:`SHARE_STEP_S` /
+:data:`UNPIN_STEP_S` (:data:`SHARED_UNPIN_STEP_S` where the pool can share) and down below
+:data:`UNSHARE_STEP_S` / :data:`PIN_STEP_S` (:data:`SHARED_PIN_STEP_S`). The gap between each pair
+of lines keeps a workload near a line from switching back and forth, and a window of fresh steps
+(not the start-up's) keeps a moment of load from deciding for good. Explicit masks are never
+touched: the plan runs only for the ``"auto"`` partition.
 """
 from __future__ import annotations
 
