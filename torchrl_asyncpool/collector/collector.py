@@ -162,11 +162,12 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             ``ExplorationType.RANDOM``.
         create_env_kwargs (dict or list of dicts, optional): factory keyword arguments.
         envs_per_worker (int or "auto", optional): envs hosted by one worker process.
-            ``"auto"`` (default) times the env: cheap and costly CPU-bound envs are grouped
-            about one worker per core, envs of a few tens of microseconds a step (MuJoCo) two
-            workers per core (so that a share of them can step on the policy's core, see
-            ``worker_affinity``), blocking envs (sleep, I/O) about two workers per core, each env
-            stepped in its own thread (see ``env_threads``).
+            ``"auto"`` (default) times the env: CPU-bound envs are grouped about one worker per
+            core, blocking envs (sleep, I/O) about two workers per core, each env stepped in its
+            own thread (see ``env_threads``). Two workers per core let the collector move some
+            of them onto the policy's CPU (``worker_affinity``): faster collection of envs of a
+            few tens of microseconds a step (MuJoCo), slower training with a learner in this
+            process (see the tuning guide).
         env_threads (bool or "auto", optional): step each env of a worker in its own thread, so
             that envs whose step blocks overlap inside one process. ``"auto"`` (default): when
             the timed env blocks. See :class:`~torchrl_asyncpool.AsyncEnvPool`.
@@ -199,8 +200,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             none pinned with env threads (blocking envs), fewer than two CPUs or
             ``policy_num_threads`` other than ``1``. While the collector runs, the env step the
             workers measure moves that partition: a share of the workers joins the policy's CPU
-            when a step costs a few tens of microseconds and the pool has two workers a CPU
-            (``"shared"``), every process runs on every CPU when a step costs more (Atari); see
+            when a step costs a few tens of microseconds and the pool has two workers a CPU or
+            more (``"shared"``), every process runs on every CPU when a step costs more (Atari); see
             :mod:`torchrl_asyncpool.collector.workload_plan` and :meth:`plan`. ``None``: not
             pinned (TorchRL's default).
         driver_affinity (sequence of int, "auto" or None, optional): TorchRL's option: a Linux CPU
@@ -626,11 +627,14 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         """The plan that keeps or lifts the default partition (``None`` when none is in force)."""
         if getattr(self, "_auto_partition", None) is None:
             return None
-        arena, pool, meter = self._pool._arena, self._pool, CpuMeter()
-        # the workers' CPU an env step, not its wall time: workers that share a core see each
-        # other's turns in their steps' wall time, and the layouts here change who shares
-        return AffinityPlan(lambda: (meter(pool.worker_pids), int(arena.step_count.sum())),
-                            self._apply_partition, layout="partitioned", can_share=self._auto_partition[2] is not None)
+        arena, pool = self._pool._arena, self._pool
+        can_share = self._auto_partition[2] is not None
+        if can_share:  # the workers' CPU an env step: the shared layout changes who shares a core,
+            meter = CpuMeter()  # and the steps' wall time counts the turns of whatever does
+            measure = lambda: (meter(pool.worker_pids), int(arena.step_count.sum()))  # noqa: E731
+        else:  # the steps' wall time, as the lines of the two-layout plan were measured
+            measure = lambda: (float(arena.step_time.sum()), int(arena.step_count.sum()))  # noqa: E731
+        return AffinityPlan(measure, self._apply_partition, layout="partitioned", can_share=can_share)
 
     def _apply_partition(self, layout: str) -> None:
         policy_mask, worker_masks, shared_masks = self._auto_partition

@@ -63,19 +63,13 @@ def _resolve_grouping(envs_per_worker, env_threads, adapter, n, threads=False, m
     threaded = blocking if env_threads == "auto" else env_threads
     if blocking and not threaded:
         return 1, False  # stepped one after the other, blocking envs must not share a process
-    # cheap and costly envs: about one worker per core; mid-cost ones two (a collector moves a
-    # share of them onto its policy's core, collector/workload_plan.py); blocking envs in threads:
-    # a few workers per core, so that one process's GIL-held work (copies, the env's own Python)
-    # overlaps another's
-    per_core = _BLOCKING_WORKERS_PER_CORE if blocking else _MID_COST_WORKERS_PER_CORE if _mid_cost(measured) else 1
-    k = max(1, math.ceil(n / (cores * per_core)))
+    # cheap envs: about one worker per core; blocking envs in threads: a few workers per core,
+    # so that one process's GIL-held work (copies, the env's own Python) overlaps another's.
+    # Mid-cost envs (MuJoCo) collect faster at two workers a core, where a collector shares its
+    # policy's CPU with some of them (collector/workload_plan.py), but a learner in the same
+    # process lost 5-15 % with them (PPO, benchmarks/README.md): one a core stays the default
+    k = max(1, math.ceil(n / (cores * (_BLOCKING_WORKERS_PER_CORE if blocking else 1))))
     return k, threaded and k > 1
-
-
-def _mid_cost(measured) -> bool:
-    """Whether the probe's CPU time a step falls in :data:`MID_COST_PROBE_S`."""
-    cpu = (measured or {}).get("probe_step_cpu_s")
-    return cpu is not None and MID_COST_PROBE_S[0] <= cpu < MID_COST_PROBE_S[1]
 
 
 def _remote_groups(envs_per_worker, env_threads, first, fns, kwargs):
@@ -130,14 +124,6 @@ def _vector_grouping(envs_per_worker, env_threads, k):
 #: process per env 51 % (benchmarks/README.md)
 _BLOCKING_WORKERS_PER_CORE = 2
 
-#: the probe's mean CPU time a step (cold: the spec env's first steps, 1.5-4x a worker's warm
-#: step) of a mid-cost CPU-bound env, grouped :data:`_MID_COST_WORKERS_PER_CORE` workers per core.
-#: On 2 cores the probe measured gymnasium's CartPole-v1 at ~15-17 us, TorchRL's GymEnv of it at
-#: ~25, Pendulum-v1 at ~22-26, HalfCheetah-v5 at ~65-110 (~85-95 as a TorchRL env) and Atari through
-#: gymnasium at ~500-690. CPU time, not wall time: a loaded machine preempts the probe but does not
-#: make its steps compute longer
-MID_COST_PROBE_S = (40e-6, 300e-6)
-_MID_COST_WORKERS_PER_CORE = 2
 
 
 def _probe_blocking(adapter, probe_s: float = 0.2, probe_steps: int = 32, measured=None) -> bool:
