@@ -7,26 +7,30 @@ either side), and loses when the envs are the work: on 2 cores, Atari through gy
 step) ran 1.4x faster unpinned, MuJoCo's HalfCheetah with 64 envs 1.36x, because the partition
 gives a whole core to a policy that needs a fraction of one and crowds every env onto the other.
 
-Between the two, an env step of a few tens of microseconds (MuJoCo's HalfCheetah, ~45 us in a
-worker) leaves the policy's core mostly idle, yet unpinned workers wait for their answers as long
-as they step: with two workers a core, the ``"shared"`` layout keeps the policy on its CPU and
-moves a share of the workers (:func:`shared_worker_masks`) onto it, so that its idle time steps
-envs. Measured on 2 cores with 16 HalfCheetah envs in 4 workers, 2 interleaved rounds: 23,982 and
-22,772 frames/s against 19,048 and 18,955 for the partition of 2 workers; with 64 envs 29,829 and
-29,972 against 26,059 and 25,219 (``benchmarks/README.md``).
+Between the two, an env step of a few tens of microseconds (MuJoCo's HalfCheetah, ~45 us) leaves
+the policy's core mostly idle, yet unpinned workers wait for their answers about as long as they
+step. Where the pool has two workers a core or more, the ``"shared"`` layout keeps the policy on
+its CPU and moves a share of the workers (:func:`shared_worker_masks`) onto it, so that its idle
+time steps envs. Measured on 2 cores (commit ``c74a7e3``, 2026-12-05, HalfCheetah-v5 and
+``compare_real.py``'s cheap policy, interleaved): 16 envs in 4 workers (``envs_per_worker=4``,
+shared) 21,305-21,951 frames/s against 18,628-19,719 for the default 2 workers (partitioned), 3
+rounds; 64 envs in 4 workers 28,979 / 30,344 against 27,684 / 29,212 (the default's 2 workers
+then unpinned), 2 rounds. ``envs_per_worker="auto"`` still groups one worker a core: with 4 workers
+TorchRL's PPO recipe (``sota-implementations/ppo_mujoco.py``, 16 envs, a learner in the
+collector's process) ran at 3,334-3,876 frames/s against 3,927-4,046 with 2.
 
-:class:`AffinityPlan` looks at the workers' CPU an env step about every second, over the steps
-since its last look: their main threads' CPU time from ``/proc``
-(:class:`~torchrl_asyncpool._sys.cpu_time.CpuMeter`) over the arena's ``step_count``, that is the
-env's step and the worker's share of the exchange. Not the step's wall time, which also counts the
-turns of whatever shares the worker's core, and the layouts change that. It moves between three
-layouts: ``"partitioned"``, ``"shared"`` (only where the pool has two workers a core or more; the
-pool's ``envs_per_worker="auto"`` groups mid-cost envs so) and ``"unpinned"`` (workers, serving
-side and the iterating thread on every CPU). A layout steps up at :data:`SHARE_STEP_S` /
-:data:`UNPIN_STEP_S` (:data:`SHARED_UNPIN_STEP_S` where the pool can share) and down below
-:data:`UNSHARE_STEP_S` / :data:`PIN_STEP_S` (:data:`SHARED_PIN_STEP_S`). The gap between each pair
-of lines keeps a workload near a line from switching back and forth, and a window of fresh steps
-(not the start-up's) keeps a moment of load from deciding for good. Explicit masks are never
+:class:`AffinityPlan` looks at the workers' env steps about every second, over the steps since
+its last look, and moves between the layouts ``"partitioned"``, ``"shared"`` (only where the pool
+has two workers a CPU or more) and ``"unpinned"`` (workers, serving side and the iterating thread
+on every CPU). With one worker a CPU it weighs a step's wall time (the arena's ``step_time`` over
+``step_count``) against :data:`UNPIN_STEP_S` and :data:`PIN_STEP_S`. Where the pool can share, it
+weighs the workers' CPU a step instead (their main threads' CPU time from ``/proc``,
+:class:`~torchrl_asyncpool._sys.cpu_time.CpuMeter`: the env's step and the worker's share of the
+exchange), since the shared layout changes who shares a core and a step's wall time counts the
+turns of whatever does; its lines are :data:`SHARE_STEP_S` / :data:`UNSHARE_STEP_S` and
+:data:`SHARED_UNPIN_STEP_S` / :data:`SHARED_PIN_STEP_S`. The gap between each pair of lines keeps
+a workload near a line from switching back and forth, and a window of fresh steps (not the
+start-up's) keeps a moment of load from deciding for good. Explicit masks are never
 touched: the plan runs only for the ``"auto"`` partition.
 """
 from __future__ import annotations
@@ -41,19 +45,21 @@ __all__ = ["AffinityPlan", "LAYOUTS", "UNPIN_STEP_S", "PIN_STEP_S", "SHARE_STEP_
 
 #: the CPU layouts of the default partition, from the policy's CPU kept for it alone to none kept
 LAYOUTS = ("partitioned", "shared", "unpinned")
-#: a mean env step at least this long lifts the partition ...
+#: with one worker a CPU, a mean env step (wall time) at least this long lifts the partition ...
 UNPIN_STEP_S = 80e-6
-#: ... and one shorter than this restores it (``"shared"`` where the pool allows it)
+#: ... and one shorter than this restores it
 PIN_STEP_S = 40e-6
-#: a mean env step at least this long moves a share of the workers onto the policy's CPU ...
+#: where the pool can share, the workers' CPU a step from this long moves a share of them onto
+#: the policy's CPU ...
 SHARE_STEP_S = 25e-6
 #: ... and one shorter than this takes them off it again
 UNSHARE_STEP_S = 12e-6
 #: where the pool can share the policy's CPU, a step lifts the partition from this long ...
 SHARED_UNPIN_STEP_S = 200e-6
 #: ... and one shorter than this restores it (shared). The workers' CPU a MuJoCo step measured
-#: 50-90 us on the benchmark VM as its phases change (Atari ~480 us): the ``"shared"`` layout
-#: measured 1.2-1.3x the unpinned one there (16 and 64 envs), so the lines sit well above it
+#: 50-90 us on the benchmark VM as its phases change (CartPole 9-15 us, Atari ~480 us): with 4
+#: workers the ``"shared"`` layout measured 1.2-1.3x the unpinned one there (16 and 64 envs), so
+#: the lines sit well above it
 SHARED_PIN_STEP_S = 120e-6
 #: seconds between two looks at the measured env step
 PLAN_PERIOD_S = 1.0
