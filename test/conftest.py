@@ -4,6 +4,7 @@ leaves a /dev/shm file behind (``dev_shm_guard``)."""
 import contextlib
 import functools
 import os
+import signal
 import sys
 import threading
 import time
@@ -16,6 +17,13 @@ from tensordict import TensorDict
 from torchrl_asyncpool.testing import OracleEnv, oracle_action
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "sota-implementations"
+
+# A shell without job control starts its background commands with Ctrl-C ignored, and an ignored
+# signal stays ignored across exec: the commands the Ctrl-C tests start would ignore it too. They
+# test what a terminal user gets, so this process takes Ctrl-C as Python does by default (a
+# caught signal is reset to the default in the processes it starts).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def oracle_factories(n, **kwargs):
