@@ -124,8 +124,9 @@ class AffinityPlan:
         self.can_share = bool(can_share)
         self.measured_step_s: Optional[float] = None
         self.changes = 0
-        # the first look only opens the window: the workers' CPU until then counts their envs'
+        # the first look only opens the window: until then the workers' CPU counts their envs'
         # construction (an import of a simulator weighs more than thousands of its steps)
+        # and their first steps are cold
         self._window: Optional[SumWindow] = None
         self.next_look = time.monotonic()
 
@@ -136,17 +137,14 @@ class AffinityPlan:
 
     def _wanted(self, step: float) -> str:
         layout = self.layout
-        middle = "shared" if self.can_share else "partitioned"
         unpin, pin = (SHARED_UNPIN_STEP_S, SHARED_PIN_STEP_S) if self.can_share else (UNPIN_STEP_S, PIN_STEP_S)
         if step >= unpin:
             return "unpinned"
-        if layout == "unpinned":
-            if step >= pin:
-                return layout
-            return "shared" if self.can_share and step >= SHARE_STEP_S else "partitioned"
-        if layout == "shared":
-            return "partitioned" if step < UNSHARE_STEP_S else layout
-        return middle if step >= SHARE_STEP_S else layout
+        if layout == "unpinned" and step >= pin:
+            return layout
+        if layout == "shared" and step >= UNSHARE_STEP_S:
+            return layout
+        return "shared" if self.can_share and step >= SHARE_STEP_S else "partitioned"
 
     def update(self, now: Optional[float] = None) -> None:
         """Looks at the env steps since the last look, when one is due; moves the processes

@@ -125,7 +125,6 @@ def _vector_grouping(envs_per_worker, env_threads, k):
 _BLOCKING_WORKERS_PER_CORE = 2
 
 
-
 def _probe_blocking(adapter, probe_s: float = 0.2, probe_steps: int = 32, measured=None) -> bool:
     """Times a few steps of the spec env: True when it mostly waits (sleep, I/O) rather than computes.
     ``measured`` (a dict, optional) receives ``probe_steps`` (steps timed), ``probe_step_s`` (their
