@@ -223,8 +223,12 @@ class _Steps:
 
 
 def _plan(steps, can_share=False):
-    plan = AffinityPlan(lambda: (steps.total, steps.count), steps.moves.append, can_share=can_share)
-    steps.add(5, 0.5)  # the envs' construction, before the first look: not counted
+    if not can_share:  # the steps' wall time: the window opens at once, the first look a period later
+        return AffinityPlan(lambda: (steps.total, steps.count), steps.moves.append)
+    # the workers' CPU: what they ran before the first look (their envs' construction) is not counted
+    plan = AffinityPlan(lambda: (steps.total, steps.count), steps.moves.append, can_share=True,
+                        first_look_opens=True)
+    steps.add(5, 0.5)
     plan.update(plan.next_look)  # the first look opens the window
     assert plan.measured_step_s is None and steps.moves == []
     return plan

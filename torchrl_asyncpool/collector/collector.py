@@ -634,7 +634,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             measure = lambda: (meter(pool.worker_pids), int(arena.step_count.sum()))  # noqa: E731
         else:  # the steps' wall time, as the lines of the two-layout plan were measured
             measure = lambda: (float(arena.step_time.sum()), int(arena.step_count.sum()))  # noqa: E731
-        return AffinityPlan(measure, self._apply_partition, layout="partitioned", can_share=can_share)
+        return AffinityPlan(measure, self._apply_partition, layout="partitioned", can_share=can_share,
+                            first_look_opens=can_share)
 
     def _apply_partition(self, layout: str) -> None:
         policy_mask, worker_masks, shared_masks = self._auto_partition

@@ -30,7 +30,8 @@ exchange), since the shared layout changes who shares a core and a step's wall t
 turns of whatever does; its lines are :data:`SHARE_STEP_S` / :data:`UNSHARE_STEP_S` and
 :data:`SHARED_UNPIN_STEP_S` / :data:`SHARED_PIN_STEP_S`. The gap between each pair of lines keeps
 a workload near a line from switching back and forth, and a window of fresh steps (not the
-start-up's) keeps a moment of load from deciding for good. Explicit masks are never
+start-up's) keeps a moment of load from deciding for good (with the workers' CPU, the window opens
+at the first look after the first batch). Explicit masks are never
 touched: the plan runs only for the ``"auto"`` partition.
 """
 from __future__ import annotations
@@ -99,11 +100,16 @@ class AffinityPlan:
         can_share (bool): whether the ``"shared"`` layout differs from the partition (two
             workers a CPU or more, see :func:`shared_worker_masks`); when not, the plan moves
             between ``"partitioned"`` and ``"unpinned"`` only.
+        first_look_opens (bool): whether the first look only opens the first window (half a
+            period long), for a ``measure`` that also counts what happens before the first steps
+            (the workers' CPU counts their envs' construction); otherwise the window opens here
+            and the first look comes a period later.
 
     Examples:
         >>> from torchrl_asyncpool.collector.workload_plan import AffinityPlan
         >>> sums, moves = [0.0, 0], []
-        >>> plan = AffinityPlan(lambda: tuple(sums), moves.append, layout="partitioned", can_share=True)
+        >>> plan = AffinityPlan(lambda: tuple(sums), moves.append, layout="partitioned", can_share=True,
+        ...                     first_look_opens=True)
         >>> plan.update(now=plan.next_look)  # the first look opens the window
         >>> sums[:] = [1000 * 45e-6, 1000]  # MuJoCo-like steps: 45 us each
         >>> plan.update(now=plan.next_look)
@@ -116,7 +122,7 @@ class AffinityPlan:
     """
 
     def __init__(self, measure: Callable[[], Tuple[float, int]], apply: Callable[[str], None],
-                 layout: str = "partitioned", can_share: bool = False):
+                 layout: str = "partitioned", can_share: bool = False, first_look_opens: bool = False):
         if layout not in LAYOUTS or (layout == "shared" and not can_share):
             raise ValueError(f"layout must be one of {LAYOUTS} ('shared' only with can_share=True), got {layout!r}.")
         self._measure, self._apply = measure, apply
@@ -124,11 +130,10 @@ class AffinityPlan:
         self.can_share = bool(can_share)
         self.measured_step_s: Optional[float] = None
         self.changes = 0
-        # the first look only opens the window: until then the workers' CPU counts their envs'
-        # construction (an import of a simulator weighs more than thousands of its steps)
-        # and their first steps are cold
-        self._window: Optional[SumWindow] = None
-        self.next_look = time.monotonic()
+        # the workers' CPU until the first look counts their envs' construction (an import of a
+        # simulator weighs more than thousands of its steps): that window is not taken
+        self._window: Optional[SumWindow] = None if first_look_opens else SumWindow(measure(), _MIN_STEPS)
+        self.next_look = time.monotonic() + (0.0 if first_look_opens else PLAN_PERIOD_S)
 
     @property
     def partitioned(self) -> bool:
@@ -148,8 +153,7 @@ class AffinityPlan:
 
     def update(self, now: Optional[float] = None) -> None:
         """Looks at the env steps since the last look, when one is due; moves the processes
-        when the mean step crossed a line. The first call opens the first window (half a
-        period long)."""
+        when the mean step crossed a line (see ``first_look_opens``)."""
         now = time.monotonic() if now is None else now
         if now < self.next_look:
             return
