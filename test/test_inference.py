@@ -234,6 +234,9 @@ def test_double_buffered_loop_on_cpu():
     with AsyncEnvPool(oracle_factories(6), envs_per_worker=3) as pool:
         with InferenceServer(OracleTagPolicy(), double_buffer=True, on_batch=rec).start(pool) as server:
             _serve_until(server, 300)
+            serving = [t.native_id for t in threading.enumerate() if t.name.startswith("torchrl_asyncpool-inference")]
+            assert server.serving_thread_id in serving  # what the collector's CPU plan weighs
+        assert server.serving_thread_id is None  # stopped
     for row in rec.rows:
         checker.observe(int(row["env_index"]), row["tag"], row["step_type"], echo=row["echo"])
     assert checker.records >= 300
@@ -399,6 +402,7 @@ def test_weight_update_without_restart_process_mode(tmp_path):
         server.update_policy_weights_(OracleTagPolicy(offset=1))  # before start: sent once it runs
         with server.start(pool):
             assert server.mode == "process" and server.pid != os.getpid()
+            assert server.serving_thread_id is None  # no serving thread in this process
             _serve_until(server, 100)
             server.update_policy_weights_(OracleTagPolicy(offset=3), wait=True)
             _serve_until(server, 200)

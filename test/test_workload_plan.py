@@ -10,8 +10,8 @@ import torch
 
 from torchrl_asyncpool import AsyncPoolCollector
 from torchrl_asyncpool.collector.workload_plan import (
-    PIN_STEP_S, SHARE_STEP_S, SHARED_PIN_STEP_S, SHARED_UNPIN_STEP_S, UNPIN_STEP_S, UNSHARE_STEP_S, AffinityPlan,
-    shared_worker_masks,
+    PIN_STEP_S, SHARE_GAIN, SHARE_STEP_S, SHARED_PIN_STEP_S, SHARED_UNPIN_STEP_S, UNPIN_STEP_S, UNSHARE_STEP_S,
+    AffinityPlan, shared_worker_masks,
 )
 from torchrl_asyncpool.inference import auto_flush_timeout
 from torchrl_asyncpool.inference._common import AUTO_TIMEOUT_FRACTION
@@ -291,6 +291,60 @@ def test_mid_cost_steps_share_the_policy_cpu_when_the_pool_has_two_workers_a_cpu
     assert steps.moves[-2:] == ["unpinned", "partitioned"]
 
 
+def _served_plan(steps, served, moved_fraction=0.25, cpus=2):
+    plan = AffinityPlan(lambda: (steps.total, steps.count), steps.moves.append, can_share=True,
+                        first_look_opens=True, serving=lambda: served[0], moved_fraction=moved_fraction, cpus=cpus)
+    plan.update(plan.next_look)  # opens the window
+    return plan
+
+
+def _look(plan, steps, served, step_s, serving_s, n=1000):
+    steps.add(n, step_s)
+    served[0] += n * serving_s
+    plan.update(plan.next_look)
+    return plan.layout
+
+
+def test_sharing_weighs_the_serving_threads_cpu_against_the_workers():
+    steps, served = _Steps(), [0.0]
+    plan = _served_plan(steps, served)
+    # 2 CPUs, a quarter of the workers moved: partitioned the workers' CPU (60 us a step) is the
+    # bottleneck; shared, max(s + 15, 45) us against 60: a cheap policy (20 us) gains 1.33x
+    assert _look(plan, steps, served, 60e-6, 20e-6) == "shared"
+    assert plan.measured_serving_s == pytest.approx(20e-6)
+    assert plan.describe()["measured_serving_s"] == pytest.approx(20e-6)
+    # a policy that serves for 44 us a step: shared max(59, 45) < 60 predicts a gain, too small to
+    # move to but enough to stay
+    assert 59e-6 > SHARE_GAIN * 60e-6
+    assert _look(plan, steps, served, 60e-6, 44e-6) == "shared"
+    # one that serves for 50 us: shared max(65, 45) against 60: the workers go back
+    assert _look(plan, steps, served, 60e-6, 50e-6) == "partitioned"
+    assert _look(plan, steps, served, 60e-6, 44e-6) == "partitioned"  # not enough to move again
+    assert _look(plan, steps, served, 60e-6, 20e-6) == "shared"
+    assert steps.moves == ["shared", "partitioned", "shared"]
+    # Atari-like steps lift the partition whatever the policy costs; CartPole-like ones never share
+    assert _look(plan, steps, served, 1.3e-3, 0.5e-3) == "unpinned"
+    assert _look(plan, steps, served, 12e-6, 1e-6) == "partitioned"
+
+
+def test_a_policy_as_costly_as_the_workers_keeps_its_cpu():
+    steps, served = _Steps(), [0.0]
+    plan = _served_plan(steps, served)
+    # the PPO recipe's actor with 4 workers of 4 HalfCheetahs: ~70 us of serving, ~75 us of workers
+    assert _look(plan, steps, served, 75e-6, 70e-6) == "partitioned"
+    assert steps.moves == [] and plan.measured_step_s == pytest.approx(75e-6)
+    # 4 CPUs, one worker of 8 moved: the other 3 CPUs each carry a third of the workers
+    steps, served = _Steps(), [0.0]
+    plan = _served_plan(steps, served, moved_fraction=1 / 8, cpus=4)
+    assert _look(plan, steps, served, 90e-6, 10e-6) == "shared"  # max(21.25, 26.25) against 30
+    steps, served = _Steps(), [0.0]
+    plan = _served_plan(steps, served, moved_fraction=1 / 8, cpus=4)
+    assert _look(plan, steps, served, 90e-6, 20e-6) == "partitioned"  # max(31.25, 26.25) against 30
+    for bad in (dict(moved_fraction=0.0), dict(moved_fraction=1.0), dict(cpus=1)):
+        with pytest.raises(ValueError, match="moved_fraction"):
+            AffinityPlan(lambda: (0.0, 0), print, can_share=True, **bad)
+
+
 def test_the_shared_layout_moves_about_a_third_of_a_cpu_share_of_workers():
     assert shared_worker_masks((0,), [(1,)] * 4) == [(1,), (1,), (1,), (0,)]
     assert shared_worker_masks((0,), [(1,)] * 3) is None  # fewer than 2 a CPU: the partition itself
@@ -426,6 +480,31 @@ def test_a_mid_cost_env_in_two_workers_a_cpu_shares_the_policy_cpu():
         assert expected is not None and [tuple(sorted(os.sched_getaffinity(pid))) for pid in
                                          collector.env.worker_pids] == expected
         assert all(os.sched_getaffinity(t.native_id) == {CPUS[0]} for t in _serving_threads())
+        assert 0 < plan["measured_serving_s"] < step  # the zero-action policy left its core room
+    finally:
+        collector.shutdown()
+
+
+def _slow_zero_action(td):
+    end = time.thread_time() + 2e-3  # 2 ms of CPU a batch: far more a step than the env's 60 us
+    while time.thread_time() < end:
+        pass
+    return td.set("action", torch.zeros(td.batch_size, dtype=torch.int64))
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="the default partition needs two CPUs")
+def test_a_costly_policy_keeps_its_cpu_from_mid_cost_envs():
+    per_worker = -(-8 // (2 * len(CPUS)))  # two workers a CPU: the shared layout is on offer
+    collector = AsyncPoolCollector([_ComputingEnv] * 8, policy=_slow_zero_action, frames_per_batch=8,
+                                   total_frames=-1, envs_per_worker=per_worker)
+    try:
+        _run(collector, 3.5)
+        plan = collector.plan()
+        assert plan["measured_env_step_s"] is not None and plan["measured_serving_s"] is not None, plan
+        # 2 ms a batch of at most 8 records serves for >= 250 us a step: the policy's CPU is the bottleneck
+        assert plan["measured_serving_s"] > plan["measured_env_step_s"], plan
+        assert plan["cpu_layout"] == "partitioned" and plan["partition_changes"] == 0, plan
+        assert all(os.sched_getaffinity(pid) == set(CPUS[1:]) for pid in collector.env.worker_pids)
     finally:
         collector.shutdown()
 

@@ -38,18 +38,22 @@ def thread_cpu_s(pid: int, tid: int | None = None) -> float | None:
 
 
 class CpuMeter:
-    """The CPU the main threads of a changing set of processes have run since the meter started:
-    each call adds what each process ran since the previous call, so a process that is replaced
-    (a restarted worker) neither loses nor double-counts what the others ran.
+    """The CPU a changing set of threads has run since the meter started: the main threads of
+    processes (given by pid) or single threads (given as ``(pid, tid)``). Each call adds what
+    each thread ran since the previous call, so a thread or process that is replaced (a restarted
+    worker) neither loses nor double-counts what the others ran.
 
     Examples:
-        >>> import os
+        >>> import os, threading
         >>> from torchrl_asyncpool._sys.cpu_time import CpuMeter
         >>> meter = CpuMeter()
         >>> meter([os.getpid()])  # the first call starts the count
         0.0
         >>> sum(range(10**6)) > 0 and meter([os.getpid()]) > 0
         True
+        >>> this_thread = CpuMeter()
+        >>> this_thread([(os.getpid(), threading.get_native_id())])
+        0.0
     """
 
     def __init__(self):
@@ -57,17 +61,18 @@ class CpuMeter:
         self.total = 0.0
 
     def __call__(self, pids) -> float:
-        """The running total, in seconds, after adding what ``pids`` ran since the last call."""
+        """The running total, in seconds, after adding what ``pids`` (pids and ``(pid, tid)``
+        pairs) ran since the last call."""
         seen = {}
-        for pid in pids:
-            if pid is None:
+        for item in pids:
+            if item is None:
                 continue
-            now = thread_cpu_s(pid)
+            now = thread_cpu_s(*item) if isinstance(item, tuple) else thread_cpu_s(item)
             if now is None:
                 continue
-            before = self._last.get(pid)
+            before = self._last.get(item)
             if before is not None and now >= before:
                 self.total += now - before
-            seen[pid] = now
+            seen[item] = now
         self._last = seen
         return self.total

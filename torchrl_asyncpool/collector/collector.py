@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import time
 import warnings
@@ -628,14 +629,32 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         if getattr(self, "_auto_partition", None) is None:
             return None
         arena, pool = self._pool._arena, self._pool
-        can_share = self._auto_partition[2] is not None
-        if can_share:  # the workers' CPU an env step: the shared layout changes who shares a core,
-            meter = CpuMeter()  # and the steps' wall time counts the turns of whatever does
-            measure = lambda: (meter(pool.worker_pids), int(arena.step_count.sum()))  # noqa: E731
-        else:  # the steps' wall time, as the lines of the two-layout plan were measured
+        policy_mask, worker_masks, shared_masks = self._auto_partition
+        if shared_masks is None:  # the steps' wall time, as the lines of the two-layout plan were measured
             measure = lambda: (float(arena.step_time.sum()), int(arena.step_count.sum()))  # noqa: E731
-        return AffinityPlan(measure, self._apply_partition, layout="partitioned", can_share=can_share,
-                            first_look_opens=can_share)
+            return AffinityPlan(measure, self._apply_partition, layout="partitioned")
+        # the workers' CPU an env step: the shared layout changes who shares a core, and the
+        # steps' wall time counts the turns of whatever does; the serving thread's CPU says how
+        # much room the policy's core has (a thread server's: a server process is not weighed)
+        workers, serving = CpuMeter(), CpuMeter()
+        measure = lambda: (workers(pool.worker_pids), int(arena.step_count.sum()))  # noqa: E731
+        weigh_serving = self._server.mode != "process"
+        moved = sum(tuple(m) == tuple(policy_mask) for m in shared_masks)
+        cpus = len(set(policy_mask) | {c for m in worker_masks for c in m})
+        return AffinityPlan(measure, self._apply_partition, layout="partitioned", can_share=True, first_look_opens=True,
+                            serving=self._serving_cpu(serving) if weigh_serving else None,
+                            moved_fraction=moved / len(shared_masks), cpus=cpus)
+
+    def _serving_cpu(self, meter: CpuMeter):
+        """``() -> seconds``: the CPU the thread inference server's serving thread has run (a
+        replaced thread's count carries on)."""
+        pid = os.getpid()
+
+        def serving_cpu_s() -> float:
+            tid = self._server.serving_thread_id
+            return meter([] if tid is None else [(pid, tid)])
+
+        return serving_cpu_s
 
     def _apply_partition(self, layout: str) -> None:
         policy_mask, worker_masks, shared_masks = self._auto_partition
@@ -654,7 +673,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         whether the default CPU partition is in force now (``partitioned``; ``None`` with
         explicit or no masks) and in which layout (``cpu_layout``: ``"partitioned"``,
         ``"shared"`` or ``"unpinned"``, see :mod:`~torchrl_asyncpool.collector.workload_plan`),
-        the mean env step behind that decision, how often it changed, and
+        the mean env step behind that decision (``measured_env_step_s``) and the serving
+        thread's CPU a step where the plan weighs it (``measured_serving_s``), how often it changed, and
         the serving loop's flush deadline with the env step it follows (thread server with
         ``server_timeout="auto"``).
 
@@ -666,8 +686,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             >>> collector = AsyncPoolCollector([ZeroLatencyEnv] * 2, policy=act, frames_per_batch=8, total_frames=8)
             >>> plan = collector.plan()
             >>> sorted(k for k in plan if not k.startswith("flush_"))  # doctest: +NORMALIZE_WHITESPACE
-            ['cpu_layout', 'measured_env_step_s', 'partition_changes', 'partitioned',
-             'server_measured_env_step_s', 'startup']
+            ['cpu_layout', 'measured_env_step_s', 'measured_serving_s', 'partition_changes',
+             'partitioned', 'server_measured_env_step_s', 'startup']
             >>> sorted(k for k in plan if k.startswith("flush_"))  # doctest: +NORMALIZE_WHITESPACE
             ['flush_candidate_s', 'flush_choice', 'flush_timeout_s', 'flush_trial_rates',
              'flush_trial_rounds', 'flush_trial_sure']
@@ -675,7 +695,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             True
             >>> collector.shutdown()
         """
-        out = ({"partitioned": None, "cpu_layout": None, "measured_env_step_s": None, "partition_changes": 0}
+        out = ({"partitioned": None, "cpu_layout": None, "measured_env_step_s": None, "measured_serving_s": None,
+                "partition_changes": 0}
                if self._affinity_plan is None else self._affinity_plan.describe())
         loop = getattr(getattr(self._server, "_backend", None), "loop", None)
         timeout = self._server.timeout

@@ -19,6 +19,21 @@ then unpinned), 2 rounds. ``envs_per_worker="auto"`` still groups one worker a c
 TorchRL's PPO recipe (``sota-implementations/ppo_mujoco.py``, 16 envs, a learner in the
 collector's process) ran at 3,334-3,876 frames/s against 3,927-4,046 with 2.
 
+Sharing only pays while the policy's core has room: the serving thread's CPU an env step
+(``s``, the policy's call and the serving loop) and the workers' (``w``) say where each layout's
+bottleneck is. Partitioned, the busier of the policy's CPU (``s``) and the workers' (``w / (C -
+1)`` each, ``C`` CPUs); shared, with a fraction ``f`` of the workers moved, the busier of ``s + f
+w`` and ``(1 - f) w / (C - 1)``. The plan shares where that predicts at least
+``1 / SHARE_GAIN`` of the partition's rate and takes the workers back where it predicts no gain.
+Measured on 2 cores (2026-12-06, HalfCheetah-v5, 16 envs in 4 workers): ``compare_real.py``'s
+cheap policy served for ~20 us of CPU a frame against the workers' ~54 us (shared, collecting
+in bursts between pauses as PPO does: 22,239-23,104 frames/s against 19,131-20,195 for the
+default 2 workers); the PPO recipe's ``TanhNormal`` actor for ~70 us against ~75 us (batches of
+~5 records), where 4 shared workers lost to the default 2 (3,823-3,966 frames/s end to end
+against 3,961-4,131, the learner waiting 24 % of its time against 22 %). The serving
+thread is weighed in the thread inference server only (``policy_backend="threading"``, the
+default); a server process is not, and the step lines alone decide there.
+
 :class:`AffinityPlan` looks at the workers' env steps about every second, over the steps since
 its last look, and moves between the layouts ``"partitioned"``, ``"shared"`` (only where the pool
 has two workers a CPU or more) and ``"unpinned"`` (workers, serving side and the iterating thread
@@ -42,7 +57,7 @@ from typing import Callable, Optional, Sequence, Tuple
 from torchrl_asyncpool.exchange.metrics import SumWindow
 
 __all__ = ["AffinityPlan", "LAYOUTS", "UNPIN_STEP_S", "PIN_STEP_S", "SHARE_STEP_S", "UNSHARE_STEP_S",
-           "SHARED_UNPIN_STEP_S", "SHARED_PIN_STEP_S", "PLAN_PERIOD_S", "shared_worker_masks"]
+           "SHARED_UNPIN_STEP_S", "SHARED_PIN_STEP_S", "SHARE_GAIN", "PLAN_PERIOD_S", "shared_worker_masks"]
 
 #: the CPU layouts of the default partition, from the policy's CPU kept for it alone to none kept
 LAYOUTS = ("partitioned", "shared", "unpinned")
@@ -62,6 +77,9 @@ SHARED_UNPIN_STEP_S = 200e-6
 #: workers the ``"shared"`` layout measured 1.2-1.3x the unpinned one there (16 and 64 envs), so
 #: the lines sit well above it
 SHARED_PIN_STEP_S = 120e-6
+#: where the serving thread's CPU is measured, the shared layout's predicted bottleneck must be at
+#: most this share of the partition's for the workers to move (they move back where it is no lower)
+SHARE_GAIN = 0.9
 #: seconds between two looks at the measured env step
 PLAN_PERIOD_S = 1.0
 #: the fewest fresh env steps a look trusts
@@ -104,6 +122,12 @@ class AffinityPlan:
             period long), for a ``measure`` that also counts what happens before the first steps
             (the workers' CPU counts their envs' construction); otherwise the window opens here
             and the first look comes a period later.
+        serving (callable, optional): ``() -> seconds``, the serving thread's CPU since the
+            start, weighed per env step against the workers' (``measure``) before sharing (see
+            the module docstring); ``None``: the step lines alone decide.
+        moved_fraction (float): the share of the workers the ``"shared"`` layout moves onto the
+            policy's CPU (see :func:`shared_worker_masks`).
+        cpus (int): the CPUs of the partition, the policy's included.
 
     Examples:
         >>> from torchrl_asyncpool.collector.workload_plan import AffinityPlan
@@ -119,37 +143,83 @@ class AffinityPlan:
         >>> plan.update(now=plan.next_look)
         >>> moves, plan.partitioned
         (['shared', 'unpinned'], False)
+
+        With the serving thread's CPU weighed too, a policy that keeps its core busy keeps it:
+
+        >>> sums, served, moves = [0.0, 0], [0.0], []
+        >>> plan = AffinityPlan(lambda: tuple(sums), moves.append, can_share=True, first_look_opens=True,
+        ...                     serving=lambda: served[0], moved_fraction=0.25, cpus=2)
+        >>> plan.update(now=plan.next_look)
+        >>> sums[:] = [1000 * 60e-6, 1000]; served[0] = 1000 * 55e-6  # 60 us a step, 55 us of serving
+        >>> plan.update(now=plan.next_look)
+        >>> moves, plan.layout
+        ([], 'partitioned')
+        >>> sums[0] += 1000 * 60e-6; sums[1] += 1000; served[0] += 1000 * 20e-6  # a cheap policy
+        >>> plan.update(now=plan.next_look)
+        >>> moves, plan.layout
+        (['shared'], 'shared')
     """
 
     def __init__(self, measure: Callable[[], Tuple[float, int]], apply: Callable[[str], None],
-                 layout: str = "partitioned", can_share: bool = False, first_look_opens: bool = False):
+                 layout: str = "partitioned", can_share: bool = False, first_look_opens: bool = False,
+                 serving: Optional[Callable[[], float]] = None, moved_fraction: float = 0.25, cpus: int = 2):
         if layout not in LAYOUTS or (layout == "shared" and not can_share):
             raise ValueError(f"layout must be one of {LAYOUTS} ('shared' only with can_share=True), got {layout!r}.")
-        self._measure, self._apply = measure, apply
+        if not 0.0 < moved_fraction < 1.0 or int(cpus) < 2:
+            raise ValueError(f"moved_fraction must lie in (0, 1) and cpus be at least 2, got {moved_fraction!r} "
+                             f"and {cpus!r}.")
+        self._measure, self._apply, self._serving = measure, apply, serving
         self.layout = layout
         self.can_share = bool(can_share)
+        self.moved_fraction, self.cpus = float(moved_fraction), int(cpus)
         self.measured_step_s: Optional[float] = None
+        self.measured_serving_s: Optional[float] = None
         self.changes = 0
         # the workers' CPU until the first look counts their envs' construction (an import of a
         # simulator weighs more than thousands of its steps): that window is not taken
-        self._window: Optional[SumWindow] = None if first_look_opens else SumWindow(measure(), _MIN_STEPS)
+        self._window: Optional[SumWindow] = None
+        self._serving_window: Optional[SumWindow] = None
+        if not first_look_opens:
+            self._open()
         self.next_look = time.monotonic() + (0.0 if first_look_opens else PLAN_PERIOD_S)
+
+    def _sums(self) -> tuple:
+        steps = self._measure()
+        return steps, (None if self._serving is None else (self._serving(), steps[1]))
+
+    def _open(self) -> None:
+        steps, served = self._sums()
+        self._window = SumWindow(steps, _MIN_STEPS)
+        self._serving_window = None if served is None else SumWindow(served, _MIN_STEPS)
 
     @property
     def partitioned(self) -> bool:
         """Whether the policy keeps its CPU (``"partitioned"`` or ``"shared"``)."""
         return self.layout != "unpinned"
 
-    def _wanted(self, step: float) -> str:
+    def _sharing_pays(self, step: float, serving: Optional[float]) -> bool:
+        """Whether the shared layout's busiest CPU is predicted less busy than the partition's
+        (by :data:`SHARE_GAIN` to move there, at all to stay), from the workers' and the serving
+        thread's CPU an env step; ``True`` when the serving thread is not measured."""
+        if serving is None:
+            return True
+        f, others = self.moved_fraction, self.cpus - 1
+        partitioned = max(serving, step / others)
+        shared = max(serving + f * step, (1.0 - f) * step / others)
+        return shared < partitioned if self.layout == "shared" else shared <= SHARE_GAIN * partitioned
+
+    def _wanted(self, step: float, serving: Optional[float] = None) -> str:
         layout = self.layout
         unpin, pin = (SHARED_UNPIN_STEP_S, SHARED_PIN_STEP_S) if self.can_share else (UNPIN_STEP_S, PIN_STEP_S)
         if step >= unpin:
             return "unpinned"
         if layout == "unpinned" and step >= pin:
             return layout
+        if not (self.can_share and self._sharing_pays(step, serving)):
+            return "partitioned"
         if layout == "shared" and step >= UNSHARE_STEP_S:
             return layout
-        return "shared" if self.can_share and step >= SHARE_STEP_S else "partitioned"
+        return "shared" if step >= SHARE_STEP_S else "partitioned"
 
     def update(self, now: Optional[float] = None) -> None:
         """Looks at the env steps since the last look, when one is due; moves the processes
@@ -158,15 +228,19 @@ class AffinityPlan:
         if now < self.next_look:
             return
         if self._window is None:
-            self._window = SumWindow(self._measure(), _MIN_STEPS)
+            self._open()
             self.next_look = now + PLAN_PERIOD_S / 2
             return
         self.next_look = now + PLAN_PERIOD_S
-        taken = self._window.take(self._measure())
+        steps, served = self._sums()
+        taken = self._window.take(steps)
         if taken is None:
             return
         self.measured_step_s = step = taken[0]
-        want = self._wanted(step)
+        served = None if self._serving_window is None else self._serving_window.take(served)
+        if served is not None:  # the same steps count both windows: taken together
+            self.measured_serving_s = served[0]
+        want = self._wanted(step, self.measured_serving_s)
         if want != self.layout:
             self._apply(want)
             self.layout = want
@@ -175,4 +249,4 @@ class AffinityPlan:
     def describe(self) -> dict:
         """What the plan measured and chose (for ``repr`` and the collector's metrics)."""
         return {"partitioned": self.partitioned, "cpu_layout": self.layout, "measured_env_step_s": self.measured_step_s,
-                "partition_changes": self.changes}
+                "measured_serving_s": self.measured_serving_s, "partition_changes": self.changes}

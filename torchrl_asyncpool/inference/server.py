@@ -476,6 +476,13 @@ class InferenceServer:
         return getattr(self._backend, "pid", None) if self.mode == "process" else None
 
     @property
+    def serving_thread_id(self) -> Optional[int]:
+        """The native id (Linux ``tid``) of the serving thread in thread mode while it runs;
+        ``None`` in process mode, before start or after stop."""
+        thread = getattr(self._backend, "_thread", None) if self.mode != "process" else None
+        return thread.native_id if thread is not None and thread.is_alive() else None
+
+    @property
     def _process(self):
         """The server's :class:`multiprocessing.Process` in process mode, ``None`` otherwise (where
         TorchRL's process inference server keeps it)."""
