@@ -31,6 +31,9 @@ Systems (``--systems``; each one cell per workload, policy and env count):
                       has answered it (``EnvPoolAsyncAdapter``)
 * ``ours_gym_unpinned`` (diagnostic, only when named) ``ours_gym`` with ``worker_affinity=None,
                       driver_affinity=None``: nothing pinned, against the default CPU partition
+* ``ours_gym_shared`` (diagnostic, only when named) ``ours_gym`` with two workers a core
+                      (``envs_per_worker = N // (2 * cores)``), where the CPU plan may move a share
+                      of the workers onto the policy's core (the ``"shared"`` layout)
 * ``gym_async``       a hand-written ``gymnasium.vector.AsyncVectorEnv(shared_memory=True, fork)``
                       loop, the policy called on each batch, nothing stored
 * ``gym_sync``        the same loop over a ``SyncVectorEnv`` (one process)
@@ -90,7 +93,7 @@ HERE = Path(__file__).resolve().parent
 FAST_SYSTEMS = ("ours_gym", "ours_torchrl", "ours_ale_vec", "ours_envpool", "ours_envpool_async", "gym_async",
                 "gym_sync", "envpool_async", "ale_async", "env_only", "env_only_ale", "env_only_envpool")
 TORCHRL_SYSTEMS = ("torchrl_sync", "torchrl_async")
-DIAGNOSTIC_SYSTEMS = ("ours_gym_unpinned",)
+DIAGNOSTIC_SYSTEMS = ("ours_gym_unpinned", "ours_gym_shared")
 SYSTEMS = FAST_SYSTEMS[:9] + TORCHRL_SYSTEMS + FAST_SYSTEMS[9:] + DIAGNOSTIC_SYSTEMS
 CEILINGS = {"env_only", "env_only_ale", "env_only_envpool"}
 # the ceiling each system is set against: its own env stack's
@@ -364,10 +367,12 @@ def build_ours(w, p, n, fpb, system, vec_factories=None):
     from torchrl_asyncpool import AsyncPoolCollector
 
     kwargs = {}
-    if system in ("ours_gym", "ours_gym_unpinned"):
+    if system in ("ours_gym", "ours_gym_unpinned", "ours_gym_shared"):
         fns = [GYM_FACTORY[w]] * n
         if system == "ours_gym_unpinned":
             kwargs = dict(worker_affinity=None, driver_affinity=None)
+        elif system == "ours_gym_shared":
+            kwargs = dict(envs_per_worker=max(1, n // (2 * _cores())))
     elif system == "ours_torchrl":
         fns = [TORCHRL_FACTORY[w]] * n
     elif system == "ours_ale_vec":
@@ -628,6 +633,7 @@ RUNNERS = {
     "ours_envpool": run_ours("ours_envpool"),
     "ours_envpool_async": run_ours("ours_envpool_async"),
     "ours_gym_unpinned": run_ours("ours_gym_unpinned"),
+    "ours_gym_shared": run_ours("ours_gym_shared"),
     "gym_async": run_gym_async,
     "gym_sync": run_gym_sync,
     "envpool_async": run_envpool_async,

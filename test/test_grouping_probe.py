@@ -58,3 +58,48 @@ def test_the_probe_reports_the_cpu_a_step_computes_and_groups_one_worker_a_core(
         assert measured["probe_step_cpu_s"] <= measured["probe_step_s"] * 1.05
     # an explicit envs_per_worker is never changed
     assert _resolve_grouping(8, "auto", _FakeAdapter(80e-6, 0.0, lambda i: False), 16) == (8, False)
+
+
+def test_a_callers_rule_sets_the_workers_a_core_of_cpu_bound_envs_only():
+    import math
+    import os
+
+    from torchrl_asyncpool.pool.grouping import _resolve_grouping
+
+    cores = len(os.sched_getaffinity(0))
+    seen = []
+
+    def two_a_core(measured, n, c):
+        seen.append((measured["probe_step_cpu_s"] > 0, n, c))
+        return 2
+
+    k, threaded = _resolve_grouping("auto", "auto", _FakeAdapter(80e-6, 0.0, lambda i: False), 16,
+                                    workers_per_core=two_a_core)
+    assert k == math.ceil(16 / (2 * cores)) and threaded is False and seen == [(True, 16, cores)]
+    # not asked for an explicit envs_per_worker, nor for blocking envs (their own rule)
+    assert _resolve_grouping(8, "auto", _FakeAdapter(80e-6, 0.0, lambda i: False), 16,
+                             workers_per_core=two_a_core) == (8, False)
+    _resolve_grouping("auto", "auto", _FakeAdapter(5e-5, 2e-3, lambda i: True), 16, workers_per_core=two_a_core)
+    assert len(seen) == 1
+
+
+def test_the_collectors_rule_groups_mid_cost_envs_two_a_core_where_the_policy_leaves_room():
+    from torchrl_asyncpool.collector.workload_plan import MID_COST_PROBE_S, SHARE_GAIN, startup_workers_per_core
+
+    cheap, costly = {1: 40e-6, 8: 40e-6, 16: 40e-6}, {1: 300e-6, 8: 330e-6, 16: 350e-6}
+    mujoco = {"probe_step_cpu_s": 70e-6}
+    assert startup_workers_per_core(cheap)(mujoco, 16, 2) == 2
+    assert mujoco["predicted_share_ratio"] <= SHARE_GAIN  # 4 workers, one moved: max(s + 17.5, 52.5) / 70
+    assert mujoco["predicted_serving_s"] == (40e-6 + 60e-6) / 4
+    assert startup_workers_per_core(costly)(dict(mujoco), 16, 2) == 1
+    for step in (MID_COST_PROBE_S[0] / 2, MID_COST_PROBE_S[1]):  # cheap (CartPole) and costly (Atari) steps
+        measured = {"probe_step_cpu_s": step}
+        assert startup_workers_per_core(cheap)(measured, 16, 2) == 1 and "predicted_share_ratio" not in measured
+    assert startup_workers_per_core(cheap)({}, 16, 2) == 1  # not timed
+    assert startup_workers_per_core({})(dict(mujoco), 16, 2) == 1  # a policy whose cost is unknown
+    assert startup_workers_per_core(cheap)(dict(mujoco), 3, 2) == 1  # too few envs for 4 workers
+    assert startup_workers_per_core(cheap)(dict(mujoco), 16, 1) == 1  # one CPU: nothing to share
+    # 4 CPUs, 64 envs: 8 workers of 8, one moved: max(12.5 + 15, 35) against 40 us a CPU
+    assert startup_workers_per_core(cheap)({"probe_step_cpu_s": 120e-6}, 64, 4) == 2
+    # 8 CPUs: the workers' 7 CPUs each carry 10 us a frame, the policy's already 25: it keeps its CPU
+    assert startup_workers_per_core(cheap)(dict(mujoco), 64, 8) == 1

@@ -509,6 +509,50 @@ def test_a_costly_policy_keeps_its_cpu_from_mid_cost_envs():
         collector.shutdown()
 
 
+class _ZeroNet(torch.nn.Module):
+    """Action 0 for every record, after ``spin_s`` of computing a call (a policy's cost)."""
+
+    def __init__(self, spin_s=0.0):
+        super().__init__()
+        self.spin_s = spin_s
+
+    def forward(self, observation):
+        end = time.thread_time() + self.spin_s
+        while time.thread_time() < end:
+            pass
+        return torch.zeros(observation.shape[0], dtype=torch.int64)
+
+
+def _module_policy(spin_s=0.0):
+    from tensordict.nn import TensorDictModule
+
+    return TensorDictModule(_ZeroNet(spin_s), in_keys=["observation"], out_keys=["action"])
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="the default partition needs two CPUs")
+@pytest.mark.parametrize("spin_s, per_core", [(0.0, 2), (2e-3, 1)])
+def test_the_default_grouping_weighs_the_policy_cost_against_a_mid_cost_env(spin_s, per_core):
+    # a 60 us step (MuJoCo-like): two workers a core where the policy leaves its CPU room, one a
+    # core where a call costs 2 ms (the predicted serving is then the busiest CPU's work)
+    # (16 envs: a worker's 4 answered together; with 8, batches of 2 would cost the policy too much a frame)
+    collector = AsyncPoolCollector([_ComputingEnv] * 16, policy=_module_policy(spin_s), frames_per_batch=16,
+                                   total_frames=32)
+    try:
+        startup = collector.plan()["startup"]
+        measured = startup["measured"]
+        assert startup["decided"]["envs_per_worker"] == "auto" and startup["policy_cost_s"], startup
+        per_worker = -(-16 // (per_core * len(CPUS)))
+        assert startup["num_workers"] == -(-16 // per_worker), startup
+        if per_core == 2:
+            assert measured["predicted_share_ratio"] <= SHARE_GAIN, measured
+        else:
+            assert measured["predicted_share_ratio"] > 1.0 and measured["predicted_serving_s"] > 250e-6, measured
+        frames = sum(batch.numel() for batch in collector)
+        assert frames == 32
+    finally:
+        collector.shutdown()
+
+
 def test_explicit_masks_and_timeouts_win():
     collector = AsyncPoolCollector([lambda: OracleEnv(step_delay=0.002)] * 2, policy=_oracle_policy,
                                    frames_per_batch=8, total_frames=-1, env_threads=False,

@@ -25,7 +25,7 @@ from torchrl_asyncpool.exchange.metrics import log_metrics
 from torchrl_asyncpool.collector.policy_cost import batch_gain, measure_policy_cost
 from torchrl_asyncpool.collector.policy_layout import PolicyLayout
 from torchrl_asyncpool.collector.traj_ids import MASK_KEY, TRAJ_IDS_KEY, TrajectoryIds, env_major
-from torchrl_asyncpool.collector.workload_plan import AffinityPlan, shared_worker_masks
+from torchrl_asyncpool.collector.workload_plan import AffinityPlan, shared_worker_masks, startup_workers_per_core
 from torchrl_asyncpool._sys.cpu_time import CpuMeter
 from torchrl_asyncpool.pool.env_pool import AsyncEnvPool
 from torchrl_asyncpool.pool.layout import SpecEnv
@@ -447,12 +447,19 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         with SpecEnv(config.create_env_fn, config.create_env_kwargs) as spec_env:
             layout = PolicyLayout.from_spec_env(acting, spec_env, version_key=config.policy_version_key,
                                                 device=config.policy_device)
-            plan = self._plan_pool(config, layout, spec_env)
-            # the policy's cost per batch size (reported by plan(): why fuller batches pay or not);
-            # a module's forward only: a plain callable may count its calls (a schedule, a test)
+            # the policy's cost per batch size (reported by plan(): why fuller batches pay or not;
+            # and whether it leaves its CPU room for env workers); a module's forward only: a plain
+            # callable may count its calls (a schedule, a test)
+            num_envs = len(config.create_env_fn) * getattr(spec_env.adapter, "num_envs", 1)
             self._policy_cost = (measure_policy_cost(acting, dict(spec_env.adapter.fields()[0]),
-                                                     num_envs=plan.num_envs, device=config.policy_device)
+                                                     num_envs=num_envs, device=config.policy_device)
                                  if isinstance(getattr(acting, "policy", None), torch.nn.Module) else {})
+            # mid-cost envs two workers a core where the policy leaves room for some on its CPU
+            # (the default partition with the thread server only: the plan that shares runs there)
+            share = (config.envs_per_worker == "auto" and config.auto_policy_affinity is not None
+                     and not config.process_server and bool(self._policy_cost))
+            plan = self._plan_pool(config, layout, spec_env,
+                                   startup_workers_per_core(self._policy_cost) if share else None)
         #: ``{key: slot key}`` of the recurrent states carried in TorchRL's convention
         self.recurrent_keys = layout.recurrent_keys
         return acting, plan
@@ -493,12 +500,15 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self._trajectories: deque = deque()
 
     @staticmethod
-    def _plan_pool(config: CollectorConfig, layout: PolicyLayout, spec_env: SpecEnv) -> PoolPlan:
+    def _plan_pool(config: CollectorConfig, layout: PolicyLayout, spec_env: SpecEnv,
+                   workers_per_core=None) -> PoolPlan:
         """The pool's start-up plan, from the spec env ``layout`` was read from (its factories
         included): the env workers, their slots (the env's records with the policy's ``layout``)
-        and the chunk buffers that deliver their transitions."""
+        and the chunk buffers that deliver their transitions; ``workers_per_core``: the grouping
+        rule of :meth:`PoolPlan.build <torchrl_asyncpool.pool.plan.PoolPlan.build>`."""
         return PoolPlan.build(
             spec_env=spec_env,
+            workers_per_core=workers_per_core,
             envs_per_worker=config.envs_per_worker,
             env_threads=config.env_threads,
             policy_output_spec=layout.outputs,

@@ -51,13 +51,15 @@ touched: the plan runs only for the ``"auto"`` partition.
 """
 from __future__ import annotations
 
+import math
 import time
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 from torchrl_asyncpool.exchange.metrics import SumWindow
 
 __all__ = ["AffinityPlan", "LAYOUTS", "UNPIN_STEP_S", "PIN_STEP_S", "SHARE_STEP_S", "UNSHARE_STEP_S",
-           "SHARED_UNPIN_STEP_S", "SHARED_PIN_STEP_S", "SHARE_GAIN", "PLAN_PERIOD_S", "shared_worker_masks"]
+           "SHARED_UNPIN_STEP_S", "SHARED_PIN_STEP_S", "SHARE_GAIN", "PLAN_PERIOD_S", "MID_COST_PROBE_S",
+           "SERVING_BATCH_S", "shared_worker_masks", "startup_workers_per_core"]
 
 #: the CPU layouts of the default partition, from the policy's CPU kept for it alone to none kept
 LAYOUTS = ("partitioned", "shared", "unpinned")
@@ -80,6 +82,15 @@ SHARED_PIN_STEP_S = 120e-6
 #: where the serving thread's CPU is measured, the shared layout's predicted bottleneck must be at
 #: most this share of the partition's for the workers to move (they move back where it is no lower)
 SHARE_GAIN = 0.9
+#: the start-up probe's CPU a step (the spec env's first steps, cold: about 1.2-2x a worker's warm
+#: step) of the mid-cost envs a collector may group two workers a core, for the shared layout. On 2
+#: cores the probe measured gymnasium's CartPole-v1 at ~15-17 us, TorchRL's GymEnv of it at ~25,
+#: Pendulum-v1 at ~22-26, HalfCheetah-v5 at ~65-110 and Atari through gymnasium at ~500-690
+MID_COST_PROBE_S = (40e-6, 300e-6)
+#: the serving loop's own CPU a batch besides the policy's call (lease, action check, answer,
+#: statistics), for the start-up prediction: on 2 cores (2026-12-06, HalfCheetah-v5, 4 workers of 4
+#: envs) ~150 us a batch of ~7.5 records with a policy call of ~90 us
+SERVING_BATCH_S = 60e-6
 #: seconds between two looks at the measured env step
 PLAN_PERIOD_S = 1.0
 #: the fewest fresh env steps a look trusts
@@ -105,6 +116,70 @@ def shared_worker_masks(policy_mask: Sequence[int], worker_masks: Sequence[Seque
         return None
     moved = max(1, round(workers / (2 * cpus - 1)))
     return [tuple(m) for m in worker_masks[:workers - moved]] + [tuple(policy_mask)] * moved
+
+
+def _share_ratio(step: float, serving: float, moved_fraction: float, cpus: int) -> float:
+    """The shared layout's busiest CPU over the partition's, from the workers' CPU an env step
+    (``step``) and the serving thread's (``serving``): below 1, sharing is predicted to collect
+    faster (see the module docstring)."""
+    others = cpus - 1
+    partitioned = max(serving, step / others)
+    shared = max(serving + moved_fraction * step, (1.0 - moved_fraction) * step / others)
+    return shared / partitioned
+
+
+def _cost_at(cost: Mapping[int, float], size: int) -> float:
+    """The policy's cost a call at ``size`` records, interpolated linearly between the timed
+    sizes (the nearest one outside them)."""
+    sizes = sorted(cost)
+    if size <= sizes[0]:
+        return cost[sizes[0]]
+    for lo, hi in zip(sizes, sizes[1:]):
+        if size <= hi:
+            return cost[lo] + (cost[hi] - cost[lo]) * (size - lo) / (hi - lo)
+    return cost[sizes[-1]]
+
+
+def startup_workers_per_core(policy_cost: Mapping[int, float]) -> Callable[[dict, int, int], int]:
+    """A collector's grouping rule for :meth:`PoolPlan.build <torchrl_asyncpool.pool.plan.PoolPlan.build>`:
+    ``(measured, num_envs, cores) -> workers per core``. Two workers a core (so that the plan can
+    move a share of them onto the policy's CPU, the ``"shared"`` layout) where the start-up probe
+    measured a mid-cost step (:data:`MID_COST_PROBE_S`, CPU time) and the policy, at its measured
+    cost (``policy_cost``: ``{batch size: seconds}``, timed by
+    :func:`~torchrl_asyncpool.collector.policy_cost.measure_policy_cost`) and
+    :data:`SERVING_BATCH_S` a batch of one worker's envs, is predicted to leave its core the
+    room for them (the balance of the module docstring within :data:`SHARE_GAIN`); one a core
+    otherwise. What it weighed goes into ``measured`` (``predicted_serving_s``,
+    ``predicted_share_ratio``).
+
+    Examples:
+        >>> from torchrl_asyncpool.collector.workload_plan import startup_workers_per_core
+        >>> cheap, costly = {1: 60e-6, 8: 75e-6}, {1: 280e-6, 8: 330e-6}  # a mean of the observation; PPO's actor
+        >>> measured = {"probe_step_cpu_s": 90e-6}  # HalfCheetah-v5
+        >>> startup_workers_per_core(cheap)(measured, 16, 2), round(measured["predicted_share_ratio"], 2)
+        (2, 0.75)
+        >>> startup_workers_per_core(costly)(measured, 16, 2), round(measured["predicted_share_ratio"], 2)
+        (1, 1.25)
+        >>> startup_workers_per_core(cheap)({"probe_step_cpu_s": 15e-6}, 16, 2)  # CartPole: one a core
+        1
+    """
+    cost = dict(policy_cost)
+
+    def workers_per_core(measured: dict, num_envs: int, cores: int) -> int:
+        step = measured.get("probe_step_cpu_s")
+        if not cost or cores < 2 or step is None or not MID_COST_PROBE_S[0] <= step < MID_COST_PROBE_S[1]:
+            return 1
+        per_worker = math.ceil(num_envs / (2 * cores))
+        workers = math.ceil(num_envs / per_worker)
+        if workers < 2 * cores:  # too few envs for two workers a core
+            return 1
+        moved = max(1, round(workers / (2 * cores - 1)))  # as shared_worker_masks moves them
+        serving = (_cost_at(cost, per_worker) + SERVING_BATCH_S) / per_worker  # a worker's envs answered together
+        ratio = _share_ratio(step, serving, moved / workers, cores)
+        measured["predicted_serving_s"], measured["predicted_share_ratio"] = serving, ratio
+        return 2 if ratio <= SHARE_GAIN else 1
+
+    return workers_per_core
 
 
 class AffinityPlan:
@@ -203,10 +278,8 @@ class AffinityPlan:
         thread's CPU an env step; ``True`` when the serving thread is not measured."""
         if serving is None:
             return True
-        f, others = self.moved_fraction, self.cpus - 1
-        partitioned = max(serving, step / others)
-        shared = max(serving + f * step, (1.0 - f) * step / others)
-        return shared < partitioned if self.layout == "shared" else shared <= SHARE_GAIN * partitioned
+        ratio = _share_ratio(step, serving, self.moved_fraction, self.cpus)
+        return ratio < 1.0 if self.layout == "shared" else ratio <= SHARE_GAIN
 
     def _wanted(self, step: float, serving: Optional[float] = None) -> str:
         layout = self.layout

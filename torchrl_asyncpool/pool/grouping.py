@@ -14,12 +14,15 @@ from torchrl_asyncpool.envs.adapters import make_adapter, remote_listener
 
 
 def _group_envs(spec_adapter, envs_per_worker, env_threads, fns, kwargs, n, threads, *, seed, restart,
-                measured=None):
+                measured=None, workers_per_core=None):
     """``(envs per worker, threaded, the slots of each worker)`` for ``n`` envs whose first factory
     built ``spec_adapter``. ``threads``: the workers are threads of the pool's process
     (``backend="threading"``); ``seed`` and ``restart`` (the pool's ``RestartPolicy`` or ``None``)
     are refused for remote env slots. ``measured`` (a dict, optional) receives what the timing of
-    the spec env measured, when it was timed (see :func:`_probe_blocking`)."""
+    the spec env measured, when it was timed (see :func:`_probe_blocking`). ``workers_per_core``
+    (callable, optional): ``(measured, n, cores) -> int``, the worker processes per core of
+    CPU-bound envs under ``envs_per_worker="auto"`` (a collector's choice, weighing its policy's
+    cost; default one a core)."""
     vector = hasattr(spec_adapter, "num_envs")
     remote = not vector and remote_listener(spec_adapter.env) is not None
     if restart is not None and remote:
@@ -35,14 +38,16 @@ def _group_envs(spec_adapter, envs_per_worker, env_threads, fns, kwargs, n, thre
         groups = _remote_groups(envs_per_worker, env_threads, spec_adapter, fns, kwargs)
         return max(map(len, groups)), True, groups
     else:
-        k, threaded = _resolve_grouping(envs_per_worker, env_threads, spec_adapter, n, threads, measured)
+        k, threaded = _resolve_grouping(envs_per_worker, env_threads, spec_adapter, n, threads, measured,
+                                        workers_per_core)
     return k, threaded, [list(range(i, min(i + k, n))) for i in range(0, n, k)]
 
 
-def _resolve_grouping(envs_per_worker, env_threads, adapter, n, threads=False, measured=None):
+def _resolve_grouping(envs_per_worker, env_threads, adapter, n, threads=False, measured=None,
+                      workers_per_core=None):
     """``(envs per worker, threaded)``; the spec env is timed only for ``envs_per_worker="auto"``.
     ``threads``: the workers are threads of the pool's process (``backend="threading"``);
-    ``measured``: as in :func:`_group_envs`."""
+    ``measured`` and ``workers_per_core``: as in :func:`_group_envs`."""
     if envs_per_worker != "auto" and (
         isinstance(envs_per_worker, bool) or not isinstance(envs_per_worker, int) or envs_per_worker < 1
     ):
@@ -52,6 +57,7 @@ def _resolve_grouping(envs_per_worker, env_threads, adapter, n, threads=False, m
     if envs_per_worker != "auto":
         k = min(envs_per_worker, n)
         return k, env_threads is True and k > 1
+    measured = {} if measured is None else measured  # what a caller's workers_per_core weighs
     blocking = _probe_blocking(adapter, measured=measured)
     if threads:
         # one GIL for every worker thread: CPU-bound envs gain nothing from more threads than one
@@ -63,12 +69,15 @@ def _resolve_grouping(envs_per_worker, env_threads, adapter, n, threads=False, m
     threaded = blocking if env_threads == "auto" else env_threads
     if blocking and not threaded:
         return 1, False  # stepped one after the other, blocking envs must not share a process
-    # cheap envs: about one worker per core; blocking envs in threads: a few workers per core,
-    # so that one process's GIL-held work (copies, the env's own Python) overlaps another's.
-    # Mid-cost envs (MuJoCo) collect faster at two workers a core, where a collector shares its
-    # policy's CPU with some of them (collector/workload_plan.py), but a learner in the same
-    # process lost 5-15 % with them (PPO, benchmarks/README.md): one a core stays the default
-    k = max(1, math.ceil(n / (cores * (_BLOCKING_WORKERS_PER_CORE if blocking else 1))))
+    # CPU-bound envs: about one worker per core, or as the caller weighs it (a collector groups
+    # mid-cost envs two a core where its policy leaves room on its core: collector/workload_plan.py);
+    # blocking envs in threads: a few workers per core, so that one process's GIL-held work
+    # (copies, the env's own Python) overlaps another's
+    if blocking:
+        per_core = _BLOCKING_WORKERS_PER_CORE
+    else:
+        per_core = 1 if workers_per_core is None else max(1, int(workers_per_core(measured, n, cores)))
+    k = max(1, math.ceil(n / (cores * per_core)))
     return k, threaded and k > 1
 
 

@@ -153,7 +153,7 @@ class PoolPlan:
 
     @classmethod
     def build(cls, create_env_fn: Sequence[Callable] | None = None, *, spec_env: SpecEnv | None = None,
-              batching: Mapping | None = None, **options) -> PoolPlan:
+              batching: Mapping | None = None, workers_per_core: Callable | None = None, **options) -> PoolPlan:
         """Checks the options, builds the spec env (unless ``spec_env`` is given) and decides.
 
         Args:
@@ -173,6 +173,11 @@ class PoolPlan:
             batching (mapping, optional): inference batching options to record as given
                 (``min_batch_size``, ``max_batch_size``, ``server_timeout``); the pool does not
                 use them.
+            workers_per_core (callable, optional): ``(measured, num_envs, cores) -> int``: how
+                many worker processes a core hosts for CPU-bound envs under
+                ``envs_per_worker="auto"``, from what the spec env's timing measured (it may add
+                what it weighed to ``measured``). Defaults to ``None``: one a core. A collector
+                passes its own rule (:func:`~torchrl_asyncpool.collector.workload_plan.startup_workers_per_core`).
 
         Examples:
             >>> from torchrl_asyncpool import AsyncEnvPool
@@ -198,7 +203,7 @@ class PoolPlan:
         spec = SpecEnv(fns, kwargs) if spec_env is None else spec_env
         try:  # the spec env: its fields fix the slot layout, its step (timed for "auto") the grouping
             request, response, specs, obs_keys, k_vec, (per_worker, threaded, groups) = _read_spec_env(
-                spec, fns, kwargs, o, restart, measured)
+                spec, fns, kwargs, o, restart, measured, workers_per_core)
         finally:
             if spec_env is None:
                 spec.close()
@@ -294,7 +299,7 @@ def _slot_bytes(layout) -> int:
     return sum(f.numel * torch.empty((), dtype=f.dtype).element_size() for f in layout.request + layout.response)
 
 
-def _read_spec_env(spec: SpecEnv, fns, kwargs, o: dict, restart, measured: dict):
+def _read_spec_env(spec: SpecEnv, fns, kwargs, o: dict, restart, measured: dict, workers_per_core=None):
     """``(request fields, response fields, slot specs, observation keys, envs per factory,
     (envs per worker, threaded, groups))`` read from the spec env; ``measured`` receives what its
     timing measured and how long it took to build."""
@@ -303,7 +308,8 @@ def _read_spec_env(spec: SpecEnv, fns, kwargs, o: dict, restart, measured: dict)
     # a vector env hosts k envs, in k consecutive slots of one worker, stepped in lockstep
     k_vec = getattr(adapter, "num_envs", 1)
     grouping = _group_envs(adapter, o["envs_per_worker"], o["env_threads"], fns, kwargs, len(fns) * k_vec,
-                           o["backend"] == "threading", seed=o["seed"], restart=restart, measured=measured)
+                           o["backend"] == "threading", seed=o["seed"], restart=restart, measured=measured,
+                           workers_per_core=workers_per_core)
     measured["spec_env_build_s"] = spec.build_s
     return request, response, slot_specs(adapter), list(adapter.obs_keys), k_vec, grouping
 
