@@ -165,10 +165,12 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         envs_per_worker (int or "auto", optional): envs hosted by one worker process.
             ``"auto"`` (default) times the env: CPU-bound envs are grouped about one worker per
             core, blocking envs (sleep, I/O) about two workers per core, each env stepped in its
-            own thread (see ``env_threads``). Two workers per core let the collector move some
-            of them onto the policy's CPU (``worker_affinity``): faster collection of envs of a
-            few tens of microseconds a step (MuJoCo), slower training with a learner in this
-            process (see the tuning guide).
+            own thread (see ``env_threads``). Envs of a few tens of microseconds a step (MuJoCo)
+            are grouped two workers per core where the policy, at the cost timed at start-up,
+            is predicted to leave its CPU room for some of them (``worker_affinity``: the
+            ``"shared"`` layout; a cheap policy does, PPO's ``TanhNormal`` actor does not; see
+            :func:`~torchrl_asyncpool.collector.workload_plan.startup_workers_per_core` and the
+            tuning guide).
         env_threads (bool or "auto", optional): step each env of a worker in its own thread, so
             that envs whose step blocks overlap inside one process. ``"auto"`` (default): when
             the timed env blocks. See :class:`~torchrl_asyncpool.AsyncEnvPool`.

@@ -15,9 +15,10 @@ time steps envs. Measured on 2 cores (commit ``c74a7e3``, 2026-12-05, HalfCheeta
 ``compare_real.py``'s cheap policy, interleaved): 16 envs in 4 workers (``envs_per_worker=4``,
 shared) 21,305-21,951 frames/s against 18,628-19,719 for the default 2 workers (partitioned), 3
 rounds; 64 envs in 4 workers 28,979 / 30,344 against 27,684 / 29,212 (the default's 2 workers
-then unpinned), 2 rounds. ``envs_per_worker="auto"`` still groups one worker a core: with 4 workers
+then unpinned), 2 rounds. ``envs_per_worker="auto"`` groups such envs two workers a core only
+where the policy leaves its CPU room (:func:`startup_workers_per_core`, below): with 4 workers
 TorchRL's PPO recipe (``sota-implementations/ppo_mujoco.py``, 16 envs, a learner in the
-collector's process) ran at 3,334-3,876 frames/s against 3,927-4,046 with 2.
+collector's process, a ``TanhNormal`` actor) ran at 3,334-3,876 frames/s against 3,927-4,046 with 2.
 
 Sharing only pays while the policy's core has room: the serving thread's CPU an env step
 (``s``, the policy's call and the serving loop) and the workers' (``w``) say where each layout's
@@ -32,7 +33,11 @@ default 2 workers); the PPO recipe's ``TanhNormal`` actor for ~70 us against ~75
 ~5 records), where 4 shared workers lost to the default 2 (3,823-3,966 frames/s end to end
 against 3,961-4,131, the learner waiting 24 % of its time against 22 %). The serving
 thread is weighed in the thread inference server only (``policy_backend="threading"``, the
-default); a server process is not, and the step lines alone decide there.
+default); a server process is not, and the step lines alone decide there. Before any worker
+runs, :func:`startup_workers_per_core` makes the same prediction from the start-up probe's CPU a
+step and the policy's cost timed on zero records (plus :data:`SERVING_BATCH_S` a batch): it
+decides whether ``envs_per_worker="auto"`` groups mid-cost envs two workers a core (the shared
+layout on offer) or one (the partition as the only pinned layout).
 
 :class:`AffinityPlan` looks at the workers' env steps about every second, over the steps since
 its last look, and moves between the layouts ``"partitioned"``, ``"shared"`` (only where the pool

@@ -108,8 +108,9 @@ class PoolPlan:
         specs (dict): the envs' TorchRL specs (``full_*_spec``) at batch size ``[num_envs]``.
         transition_chunk_size (int or None): transitions per chunk, resolved (``None``: no delivery).
         measured (dict): what the start-up measured: ``spec_env_build_s``, ``record_bytes``, and,
-            when the spec env was timed, ``probe_steps``, ``probe_step_s``, ``probe_cpu_ratio``
-            and ``blocking``.
+            when the spec env was timed, ``probe_steps``, ``probe_step_s``, ``probe_step_cpu_s``,
+            ``probe_cpu_ratio`` and ``blocking``; what a ``workers_per_core`` rule weighed
+            (a collector's: ``predicted_serving_s``, ``predicted_share_ratio``).
         decided (dict): for each option that may be left to ``"auto"``, ``"given"`` or ``"auto"``.
         batching (dict): a collector's inference batching options, recorded as given.
     """
