@@ -13,8 +13,8 @@ step. Where the pool has two workers a core or more, the ``"shared"`` layout kee
 its CPU and moves a share of the workers (:func:`shared_worker_masks`) onto it, so that its idle
 time steps envs. Measured on 2 cores (commit ``c74a7e3``, 2026-12-05, HalfCheetah-v5 and
 ``compare_real.py``'s cheap policy, interleaved): 16 envs in 4 workers (``envs_per_worker=4``,
-shared) 21,305-21,951 frames/s against 18,628-19,719 for the default 2 workers (partitioned), 3
-rounds; 64 envs in 4 workers 28,979 / 30,344 against 27,684 / 29,212 (the default's 2 workers
+shared) 21,305-21,951 frames/s against 18,628-19,719 for 2 workers (one a CPU, partitioned), 3
+rounds; 64 envs in 4 workers 28,979 / 30,344 against 27,684 / 29,212 (2 workers,
 then unpinned), 2 rounds. ``envs_per_worker="auto"`` groups such envs two workers a core only
 where the policy leaves its CPU room (:func:`startup_workers_per_core`, below): with 4 workers
 TorchRL's PPO recipe (``sota-implementations/ppo_mujoco.py``, 16 envs, a learner in the
@@ -28,9 +28,9 @@ w`` and ``(1 - f) w / (C - 1)``. The plan shares where that predicts at least
 ``1 / SHARE_GAIN`` of the partition's rate and takes the workers back where it predicts no gain.
 Measured on 2 cores (2026-12-06, HalfCheetah-v5, 16 envs in 4 workers): ``compare_real.py``'s
 cheap policy served for ~20 us of CPU a frame against the workers' ~54 us (shared, collecting
-in bursts between pauses as PPO does: 22,239-23,104 frames/s against 19,131-20,195 for the
-default 2 workers); the PPO recipe's ``TanhNormal`` actor for ~70 us against ~75 us (batches of
-~5 records), where 4 shared workers lost to the default 2 (3,823-3,966 frames/s end to end
+in bursts between pauses as PPO does: 22,239-23,104 frames/s against 19,131-20,195 for 2
+workers, one a CPU); the PPO recipe's ``TanhNormal`` actor for ~70 us against ~75 us (batches of
+~5 records), where 4 shared workers lost to 2 (3,823-3,966 frames/s end to end
 against 3,961-4,131, the learner waiting 24 % of its time against 22 %). The serving
 thread is weighed in the thread inference server only (``policy_backend="threading"``, the
 default); a server process is not, and the step lines alone decide there. Before any worker
