@@ -11,7 +11,7 @@ import torch
 from torchrl_asyncpool import AsyncPoolCollector
 from torchrl_asyncpool.collector.workload_plan import (
     PIN_STEP_S, SHARE_GAIN, SHARE_STEP_S, SHARED_PIN_STEP_S, SHARED_UNPIN_STEP_S, UNPIN_STEP_S, UNSHARE_STEP_S,
-    AffinityPlan, shared_worker_masks,
+    AffinityPlan, shared_split, shared_worker_masks,
 )
 from torchrl_asyncpool.inference import auto_flush_timeout
 from torchrl_asyncpool.inference._common import AUTO_TIMEOUT_FRACTION
@@ -350,6 +350,7 @@ def test_the_shared_layout_moves_about_a_third_of_a_cpu_share_of_workers():
     assert shared_worker_masks((0,), [(1,)] * 3) is None  # fewer than 2 a CPU: the partition itself
     assert shared_worker_masks((0,), [(1,)] * 8) == [(1,)] * 5 + [(0,)] * 3  # round(8 / 3)
     assert shared_worker_masks((0,), [(1, 2, 3)] * 8) == [(1, 2, 3)] * 7 + [(0,)]  # 4 CPUs: round(8 / 7)
+    assert shared_split((0,), [(1,)] * 8) == (3 / 8, 2) and shared_split((0,), [(1, 2, 3)] * 8) == (1 / 8, 4)
     with pytest.raises(ValueError, match="shared"):
         AffinityPlan(lambda: (0.0, 0), print, layout="shared", can_share=False)
     with pytest.raises(ValueError, match="layout"):
@@ -437,6 +438,13 @@ def test_a_cheap_env_keeps_the_partition_and_greedy_batches():
         collector.shutdown()
 
 
+def _compute(seconds):
+    """Spends ``seconds`` of this thread's CPU (a step's or a policy call's cost)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 class _ComputingEnv:
     """A CPU-bound gymnasium env whose step computes for ``step_s`` (a MuJoCo-like cost)."""
 
@@ -453,9 +461,7 @@ class _ComputingEnv:
                 return np.zeros(4, np.float32), {}
 
             def step(self, action):
-                end = time.thread_time() + step_s
-                while time.thread_time() < end:
-                    pass
+                _compute(step_s)
                 self.t += 1
                 return np.zeros(4, np.float32), 0.0, False, self.t >= 200, {}
 
@@ -486,9 +492,7 @@ def test_a_mid_cost_env_in_two_workers_a_cpu_shares_the_policy_cpu():
 
 
 def _slow_zero_action(td):
-    end = time.thread_time() + 2e-3  # 2 ms of CPU a batch: far more a step than the env's 60 us
-    while time.thread_time() < end:
-        pass
+    _compute(2e-3)  # 2 ms of CPU a batch: far more a step than the env's 60 us
     return td.set("action", torch.zeros(td.batch_size, dtype=torch.int64))
 
 
@@ -517,9 +521,7 @@ class _ZeroNet(torch.nn.Module):
         self.spin_s = spin_s
 
     def forward(self, observation):
-        end = time.thread_time() + self.spin_s
-        while time.thread_time() < end:
-            pass
+        _compute(self.spin_s)
         return torch.zeros(observation.shape[0], dtype=torch.int64)
 
 

@@ -25,7 +25,9 @@ from torchrl_asyncpool.exchange.metrics import log_metrics
 from torchrl_asyncpool.collector.policy_cost import batch_gain, measure_policy_cost
 from torchrl_asyncpool.collector.policy_layout import PolicyLayout
 from torchrl_asyncpool.collector.traj_ids import MASK_KEY, TRAJ_IDS_KEY, TrajectoryIds, env_major
-from torchrl_asyncpool.collector.workload_plan import AffinityPlan, shared_worker_masks, startup_workers_per_core
+from torchrl_asyncpool.collector.workload_plan import (
+    AffinityPlan, shared_split, shared_worker_masks, startup_workers_per_core,
+)
 from torchrl_asyncpool._sys.cpu_time import CpuMeter
 from torchrl_asyncpool.pool.env_pool import AsyncEnvPool
 from torchrl_asyncpool.pool.layout import SpecEnv
@@ -651,11 +653,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         workers, serving = CpuMeter(), CpuMeter()
         measure = lambda: (workers(pool.worker_pids), int(arena.step_count.sum()))  # noqa: E731
         weigh_serving = self._server.mode != "process"
-        moved = sum(tuple(m) == tuple(policy_mask) for m in shared_masks)
-        cpus = len(set(policy_mask) | {c for m in worker_masks for c in m})
+        moved_fraction, cpus = shared_split(policy_mask, worker_masks)
         return AffinityPlan(measure, self._apply_partition, layout="partitioned", can_share=True, first_look_opens=True,
                             serving=self._serving_cpu(serving) if weigh_serving else None,
-                            moved_fraction=moved / len(shared_masks), cpus=cpus)
+                            moved_fraction=moved_fraction, cpus=cpus)
 
     def _serving_cpu(self, meter: CpuMeter):
         """``() -> seconds``: the CPU the thread inference server's serving thread has run (a

@@ -64,7 +64,7 @@ from torchrl_asyncpool.exchange.metrics import SumWindow
 
 __all__ = ["AffinityPlan", "LAYOUTS", "UNPIN_STEP_S", "PIN_STEP_S", "SHARE_STEP_S", "UNSHARE_STEP_S",
            "SHARED_UNPIN_STEP_S", "SHARED_PIN_STEP_S", "SHARE_GAIN", "PLAN_PERIOD_S", "MID_COST_PROBE_S",
-           "SERVING_BATCH_S", "shared_worker_masks", "startup_workers_per_core"]
+           "SERVING_BATCH_S", "shared_split", "shared_worker_masks", "startup_workers_per_core"]
 
 #: the CPU layouts of the default partition, from the policy's CPU kept for it alone to none kept
 LAYOUTS = ("partitioned", "shared", "unpinned")
@@ -115,12 +115,37 @@ def shared_worker_masks(policy_mask: Sequence[int], worker_masks: Sequence[Seque
         >>> shared_worker_masks((0,), [(1,)] * 2) is None  # one worker a CPU: nothing to share
         True
     """
-    cpus = len(set(policy_mask) | {c for mask in worker_masks for c in mask})
     workers = len(worker_masks)
-    if workers < 2 * cpus:
+    if workers < 2 * _partition_cpus(policy_mask, worker_masks):
         return None
-    moved = max(1, round(workers / (2 * cpus - 1)))
+    moved = round(shared_split(policy_mask, worker_masks)[0] * workers)
     return [tuple(m) for m in worker_masks[:workers - moved]] + [tuple(policy_mask)] * moved
+
+
+def _partition_cpus(policy_mask: Sequence[int], worker_masks: Sequence[Sequence[int]]) -> int:
+    return len(set(policy_mask) | {c for mask in worker_masks for c in mask})
+
+
+def _moved_workers(workers: int, cpus: int) -> int:
+    """How many of ``workers`` the ``"shared"`` layout moves onto the policy's CPU, with ``cpus``
+    CPUs in all: ``round(W / (2C - 1))``, at least one."""
+    return max(1, round(workers / (2 * cpus - 1)))
+
+
+def shared_split(policy_mask: Sequence[int], worker_masks: Sequence[Sequence[int]]) -> Tuple[float, int]:
+    """``(the share of the workers the "shared" layout moves onto the policy's CPU, the CPUs of
+    the partition, the policy's included)``: what :class:`AffinityPlan` weighs as
+    ``moved_fraction`` and ``cpus``.
+
+    Examples:
+        >>> from torchrl_asyncpool.collector.workload_plan import shared_split
+        >>> shared_split((0,), [(1,)] * 4)  # 2 CPUs, 4 workers: one moves
+        (0.25, 2)
+        >>> shared_split((0,), [(1, 2, 3)] * 8)  # 4 CPUs, 8 workers: round(8 / 7) = 1 moves
+        (0.125, 4)
+    """
+    workers, cpus = len(worker_masks), _partition_cpus(policy_mask, worker_masks)
+    return _moved_workers(workers, cpus) / workers, cpus
 
 
 def _share_ratio(step: float, serving: float, moved_fraction: float, cpus: int) -> float:
@@ -178,9 +203,8 @@ def startup_workers_per_core(policy_cost: Mapping[int, float]) -> Callable[[dict
         workers = math.ceil(num_envs / per_worker)
         if workers < 2 * cores:  # too few envs for two workers a core
             return 1
-        moved = max(1, round(workers / (2 * cores - 1)))  # as shared_worker_masks moves them
         serving = (_cost_at(cost, per_worker) + SERVING_BATCH_S) / per_worker  # a worker's envs answered together
-        ratio = _share_ratio(step, serving, moved / workers, cores)
+        ratio = _share_ratio(step, serving, _moved_workers(workers, cores) / workers, cores)
         measured["predicted_serving_s"], measured["predicted_share_ratio"] = serving, ratio
         return 2 if ratio <= SHARE_GAIN else 1
 
@@ -206,8 +230,8 @@ class AffinityPlan:
             start, weighed per env step against the workers' (``measure``) before sharing (see
             the module docstring); ``None``: the step lines alone decide.
         moved_fraction (float): the share of the workers the ``"shared"`` layout moves onto the
-            policy's CPU (see :func:`shared_worker_masks`).
-        cpus (int): the CPUs of the partition, the policy's included.
+            policy's CPU (see :func:`shared_split`).
+        cpus (int): the CPUs of the partition, the policy's included (see :func:`shared_split`).
 
     Examples:
         >>> from torchrl_asyncpool.collector.workload_plan import AffinityPlan
