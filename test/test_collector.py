@@ -59,6 +59,21 @@ def test_a_policy_reading_only_its_in_keys_still_delivers_whole_transitions():
         c.shutdown()
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_policy_reading_a_key_the_env_lacks_is_refused_by_name_before_any_worker(nested):
+    """Calling such a TensorDictModule would hand its module ``None`` (``strict=False``) and fail
+    inside it; the collector names the key and what the records hold instead."""
+    from tensordict.nn import TensorDictModule
+
+    key = ("agent", "obs") if nested else "obs"
+    policy = TensorDictModule(_OracleModule(), in_keys=[key], out_keys=["action"])
+    with pytest.raises(ValueError) as info:
+        AsyncPoolCollector(oracle_factories(2), policy=policy, frames_per_batch=8)
+    text = str(info.value)
+    assert f"the policy reads [{key!r}], which the env's records do not provide" in text, text
+    assert "'observation'" in text and "'tag'" in text, text
+
+
 @pytest.mark.parametrize("envs_per_worker,env_threads", [("auto", "auto"), (2, True)])
 def test_replay_buffer_iteration_yields_none_and_writes_everything(envs_per_worker, env_threads):
     checker = OracleChecker()

@@ -62,3 +62,46 @@ def test_the_envs_own_error_and_traceback_reach_the_user(entry, envs_per_worker,
     assert "died" not in text.splitlines()[0], text  # never a worker's exit code in its place
     if mode == "restart":
         assert "restart budget exhausted" in text, text
+
+
+# -- env 0's first instance fails in this process (the spec env) ----------------------------
+def _no_licence():
+    raise RuntimeError("no simulator licence")
+
+
+@pytest.mark.parametrize("entry", ["pool", "collector"])
+def test_a_factory_failing_in_this_process_is_env_0s_env_error(entry):
+    """The first factory is called here, before any worker, to read the specs: its failure is
+    reported as the workers' are (an EnvError naming env 0, the phase and the traceback), chained
+    to the factory's own exception."""
+    with pytest.raises(EnvError) as info:
+        if entry == "pool":
+            AsyncEnvPool([_no_licence] * 2)
+        else:
+            AsyncPoolCollector([_no_licence] * 2, policy=_oracle_policy, frames_per_batch=8)
+    err = info.value
+    assert (err.env_index, err.phase, err.where) == (0, "construction", "this process (env 0 is first built here, "
+                                                                        "to read the specs)")
+    text = str(err)
+    assert text.startswith("env 0 raised during construction in this process"), text
+    assert "no simulator licence" in text and "Traceback (most recent call last)" in text, text
+    assert isinstance(err.__cause__, RuntimeError) and str(err.__cause__) == "no simulator licence"
+
+
+def test_an_env_failing_while_its_steps_are_timed_in_this_process_is_env_0s_env_error():
+    """``envs_per_worker="auto"`` times a few steps of the first env here: an env that raises
+    there is reported as env 0's step failure."""
+    with pytest.raises(EnvError) as info:
+        AsyncEnvPool([functools.partial(OracleEnv, env_id=0, fail_at_step=3)] * 2, envs_per_worker="auto")
+    err = info.value
+    assert (err.env_index, err.phase) == (0, "step"), str(err)
+    assert "OracleEnv 0: scripted failure at step 3" in str(err)
+
+
+def test_env_errors_keep_where_they_raised_through_pickling():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(EnvError(3, "reset", "tb", where="this process")))
+    assert (err.env_index, err.phase, err.worker_traceback, err.where) == (3, "reset", "tb", "this process")
+    assert str(err).startswith("env 3 raised during reset in this process;")
+    assert EnvError(1, "step", "tb").where == "its worker process"

@@ -17,6 +17,7 @@ _EXPORTS = {
     "WorkerDiedError": "torchrl_asyncpool.errors",
     "PoolClosedError": "torchrl_asyncpool.errors",
     "PoolStartCancelled": "torchrl_asyncpool.errors",
+    "SetupRefused": "torchrl_asyncpool.errors",
     "InferenceServer": "torchrl_asyncpool.inference",
     "ProcessSlotTransport": "torchrl_asyncpool.inference",
     "InferenceServerError": "torchrl_asyncpool.inference",

@@ -15,7 +15,7 @@ from tensordict import TensorDict
 from torchrl.envs.utils import set_exploration_type
 
 from torchrl_asyncpool.collector.direct_call import direct_call
-from torchrl_asyncpool.exchange.arena import CARRY_KEY, as_key
+from torchrl_asyncpool.exchange.arena import CARRY_KEY, as_key, missing_in_keys
 
 __all__ = [
     "ActingPolicy", "ActingPolicyFactory", "derive_policy_outputs", "torchrl_recurrent_state",
@@ -138,7 +138,8 @@ def derive_policy_outputs(policy, request: dict, actions: dict, version_key, dev
 
     Returns ``{key: (shape, dtype)}`` of the policy outputs to carry in the slots (and so in
     the transitions), plus ``version_key`` as an int64 scalar when it is not ``None``.
-    Raises ``ValueError`` naming the missing key when the policy does not write an action.
+    Raises ``ValueError`` naming the missing key when the policy does not write an action, or
+    the keys it declares it reads (``in_keys``) that the record does not hold.
     ``device`` is where the policy's parameters live (the record is built there, as the
     inference server would hand it over).
     """
@@ -148,6 +149,13 @@ def derive_policy_outputs(policy, request: dict, actions: dict, version_key, dev
     fake.set("env_index", torch.zeros(1, dtype=torch.int64))
     fake.set("valid_mask", torch.ones(1, dtype=torch.bool))
     inputs = set(fake.keys(True, True))
+    missing = missing_in_keys(policy, {as_key(k) for k in inputs})
+    if missing:
+        raise ValueError(
+            f"the policy reads {missing}, which the env's records do not provide; they hold "
+            f"{sorted(map(str, inputs))} (the env's observations and flags, and the env_index and valid_mask "
+            "the inference server adds)."
+        )
     with torch.no_grad():
         out = policy(fake)
     produced = {k: v for k, v in out.items(include_nested=True, leaves_only=True)}

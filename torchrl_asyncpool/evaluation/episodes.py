@@ -391,6 +391,7 @@ class PlannedEnvFactory:
         # imported here, not with this module: the episodes and their results need no torch
         from torchrl_asyncpool.envs.adapters import is_vector_env, remote_listener
         from torchrl_asyncpool.envs.env_attrs import EPISODE_PLAN_ATTR
+        from torchrl_asyncpool.errors import SetupRefused
 
         env = self.create_env_fn(**kwargs)
         if is_vector_env(env):  # raised in the calling process, by the pool's spec env
@@ -398,13 +399,13 @@ class PlannedEnvFactory:
                 env.close()
             except Exception:  # noqa: BLE001 - e.g. a SerialEnv never started refuses to close
                 pass
-            raise TypeError(
+            raise SetupRefused(
                 f"evaluate() runs one episode per env at a time and needs single envs; create_env_fn returned a "
                 f"{type(env).__name__} (a vector or batched env). Pass a factory of one env (e.g. gymnasium.make)."
             )
         if remote_listener(env) is not None:
             env.close()
-            raise TypeError(
+            raise SetupRefused(
                 "evaluate() seeds and limits every episode in the workers; a remote env slot's host owns its env and "
                 "its resets, so fixed episode sets need local envs."
             )

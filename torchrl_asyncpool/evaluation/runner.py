@@ -62,6 +62,7 @@ from torchrl_asyncpool.evaluation.episodes import (
     summarize,
 )
 from torchrl_asyncpool.pool.env_pool import AsyncEnvPool, close_noting
+from torchrl_asyncpool.pool.layout import SPEC_ENV_WHERE
 from torchrl_asyncpool.pool.plan import PoolPlan, restart_policy
 
 __all__ = ["EvaluationError", "EvaluationInterrupted", "evaluate", "resolve_policy_device"]
@@ -403,6 +404,9 @@ class _Supervisor:
         except PoolStartCancelled:  # drained while starting: its episodes did not start
             run.give_back_fresh()
         except EnvError as exc:
+            if exc.where == SPEC_ENV_WHERE and exc.__cause__ is not None:
+                # the env built here for the specs is no episode's: its own error is raised, as documented
+                raise exc.__cause__ from None
             run.fail(exc, all_remaining=exc.phase == "construction")
         except WorkerDiedError as exc:
             isolate |= run.died(exc)

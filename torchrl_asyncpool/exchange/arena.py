@@ -222,6 +222,28 @@ def as_key(key) -> Tuple[str, ...]:
     return (key,) if isinstance(key, str) else tuple(key)
 
 
+def missing_in_keys(reader, provided) -> list:
+    """The ``in_keys`` that ``reader`` declares (a ``TensorDictModule``'s; none for a plain
+    callable) and that are not among ``provided`` (key tuples), as TensorDict keys (``"obs"``,
+    ``("agent", "obs")``): what to name before a policy fails on records without them.
+
+    Examples:
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl_asyncpool.exchange.arena import missing_in_keys
+        >>> policy = TensorDictModule(lambda x: x, in_keys=["obs", ("agent", "obs")], out_keys=["action"])
+        >>> missing_in_keys(policy, {("observation",), ("agent", "obs")})
+        ['obs']
+        >>> missing_in_keys(lambda td: td, {("observation",)})
+        []
+    """
+    in_keys = getattr(reader, "in_keys", None)
+    if in_keys is None:
+        return []
+    try:
+        wanted = [as_key(k) for k in in_keys]
+    except TypeError:
+        return []
+    return [k[0] if len(k) == 1 else k for k in wanted if k not in provided]
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -20,6 +20,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from torchrl_asyncpool._sys.absent_modules import remember_absent
+from torchrl_asyncpool.exchange.arena import missing_in_keys
 from torchrl_asyncpool.exchange.gather import RowGather
 from torchrl_asyncpool.inference._common import KeyPlan, key_repr, pick_bucket
 
@@ -176,19 +177,13 @@ class KeyRunner:
         """Runs the policy once on a zero batch of the pool's request layout; raises ``ValueError``."""
         name = self.plan.name
         provided = {k for k, _, _ in self.input_fields}
-        in_keys = getattr(self.policy, "in_keys", None)
-        if in_keys is not None:
-            try:
-                wanted = [k if isinstance(k, tuple) else (k,) for k in in_keys]
-            except TypeError:
-                wanted = []
-            missing = [key_repr(k) for k in wanted if k not in provided]
-            if missing:
-                available = provided if self._available is None else self._available
-                raise ValueError(
-                    f"policy {name!r} reads {missing}, which the pool's records do not "
-                    f"provide; available keys: {sorted(map(str, (key_repr(k) for k in available)))}."
-                )
+        missing = missing_in_keys(self.policy, provided)
+        if missing:
+            available = provided if self._available is None else self._available
+            raise ValueError(
+                f"policy {name!r} reads {missing}, which the pool's records do not "
+                f"provide; available keys: {sorted(map(str, (key_repr(k) for k in available)))}."
+            )
         sizes = sorted({pick_bucket(self.buckets, 1), self.staging_rows})
         for rows in sizes:
             td = _zeros_td(self.input_fields, rows, self.device)

@@ -9,6 +9,7 @@ import math
 import os
 import time
 
+from torchrl_asyncpool.pool.layout import spec_env_phase
 from torchrl_asyncpool.pool.seeding import _refuse_remote_seed
 from torchrl_asyncpool.envs.adapters import make_adapter, remote_listener
 
@@ -135,7 +136,8 @@ _BLOCKING_WORKERS_PER_CORE = 2
 
 
 def _probe_blocking(adapter, probe_s: float = 0.2, probe_steps: int = 32, measured=None) -> bool:
-    """Times a few steps of the spec env: True when it mostly waits (sleep, I/O) rather than computes.
+    """Times a few steps of the spec env: True when it mostly waits (sleep, I/O) rather than computes
+    (an env that raises meanwhile is reported as env 0's :class:`~torchrl_asyncpool.errors.EnvError`).
     ``measured`` (a dict, optional) receives ``probe_steps`` (steps timed), ``probe_step_s`` (their
     mean wall time), ``probe_step_cpu_s`` (their mean CPU time), ``probe_cpu_ratio`` (the highest
     CPU / wall of one step) and ``blocking``.
@@ -146,7 +148,8 @@ def _probe_blocking(adapter, probe_s: float = 0.2, probe_steps: int = 32, measur
     replaced, took Atari on a loaded 2-core machine for a blocking env: a layout that then
     changed with the load of the moment.)
     """
-    adapter.reset()
+    with spec_env_phase("reset"):
+        adapter.reset()
     wall = cpu = 0.0
     steps = 0
     best = 0.0  # the highest CPU / wall of one step
@@ -154,14 +157,16 @@ def _probe_blocking(adapter, probe_s: float = 0.2, probe_steps: int = 32, measur
     while steps < probe_steps and time.perf_counter() < t_end:
         action = adapter.random_action()
         w0, c0 = time.perf_counter(), time.thread_time()
-        _, _, term, trunc = adapter.step(action)
+        with spec_env_phase("step"):
+            _, _, term, trunc = adapter.step(action)
         dw, dc = time.perf_counter() - w0, time.thread_time() - c0
         wall += dw
         cpu += dc
         best = max(best, dc / dw if dw > 0 else 1.0)
         steps += 1
         if term or trunc:
-            adapter.reset()
+            with spec_env_phase("reset"):
+                adapter.reset()
     blocking = best < 0.5 and wall / max(steps, 1) > 2e-4
     if measured is not None:
         measured.update(probe_steps=steps, probe_step_s=wall / max(steps, 1), probe_step_cpu_s=cpu / max(steps, 1),

@@ -5,11 +5,14 @@ workers carry from one record to the next, and the ``env_restarted`` flag of
 ``on_env_failure="restart"``."""
 from __future__ import annotations
 
+import contextlib
 import time
+import traceback
 from collections.abc import Mapping
 
 import torch
 
+from torchrl_asyncpool.errors import EnvError, SetupRefused
 from torchrl_asyncpool.exchange.arena import CARRY_KEY, ArenaLayout, as_key
 from torchrl_asyncpool.envs.adapters import make_adapter
 from torchrl_asyncpool.workers.record_writer import RESTARTED_KEY
@@ -17,12 +20,32 @@ from torchrl_asyncpool.envs.torchrl_vector_hosting import synchronous_vector_env
 from torchrl_asyncpool.pool.arguments import check_factories, check_kwargs
 
 
+#: where an :class:`~torchrl_asyncpool.errors.EnvError` of the spec env says it raised
+SPEC_ENV_WHERE = "this process (env 0 is first built here, to read the specs)"
+
+
+@contextlib.contextmanager
+def spec_env_phase(phase: str):
+    """Reports an exception of the spec env's factory or env, raised inside the block, as the
+    :class:`~torchrl_asyncpool.errors.EnvError` of env 0 during ``phase`` (chained to it), as a
+    worker reports its envs' errors (a :class:`~torchrl_asyncpool.errors.SetupRefused` of this
+    package's own factory wrappers is raised as is)."""
+    try:
+        yield
+    except SetupRefused:
+        raise
+    except Exception as exc:
+        raise EnvError(0, phase, traceback.format_exc(), where=SPEC_ENV_WHERE) from exc
+
+
 def build_spec_env(fns, kwargs):
     """``(env, adapter)``: the env of the first factory, built in this process to read its fields
-    and specs (the caller closes the adapter, which closes the env)."""
+    and specs (the caller closes the adapter, which closes the env). A factory that raises is
+    reported as env 0's :class:`~torchrl_asyncpool.errors.EnvError` during ``"construction"``."""
     # a GymEnv(num_envs=k) built only to read specs steps in this process, not in k new ones
     with synchronous_vector_envs():
-        env = fns[0](**kwargs[0])
+        with spec_env_phase("construction"):
+            env = fns[0](**kwargs[0])
         return env, make_adapter(env, 0)
 
 
