@@ -172,9 +172,14 @@ def test_server_stats_hold_torchrl_keys_with_torchrl_meaning():
         assert stats["requests_per_s"] > 0 and stats["policy_version"] == 0
         assert 0 <= stats["p50_queue_ms"] <= stats["p95_queue_ms"]
         assert 0 < stats["p50_forward_ms"] <= stats["p95_forward_ms"]
-        c.update_policy_weights_()
-        assert c.server_stats(reset=True)["policy_version"] == 1
-        after = c.server_stats()
+        # the envs keep stepping after the last batch (until shutdown) and the server keeps
+        # answering them: paused, it answers nothing, so the window restarted stays empty (a
+        # batch whose call ended as the pause began is recorded within microseconds: the sleep)
+        with c.pause():
+            c.update_policy_weights_()
+            time.sleep(0.05)
+            assert c.server_stats(reset=True)["policy_version"] == 1
+            after = c.server_stats()
         assert after["requests"] == 0 and after["p95_forward_ms"] == 0.0  # the window restarted
     finally:
         c.shutdown()

@@ -222,6 +222,8 @@ def evaluate(
             process, to learn the specs (before any episode ran; nothing to report), and the
             ``ValueError``/``TypeError`` of bad arguments (``on_env_failure`` other than
             ``"restart"`` or ``"new_pool"``, a restart budget that is not a positive count).
+        SetupRefused: ``create_env_fn`` returned a vector or batched env, or a remote env slot
+            (a ``TypeError``).
 
     Examples:
         >>> import gymnasium as gym, torch
