@@ -15,7 +15,7 @@ from tensordict import TensorDict
 from torchrl.envs.utils import set_exploration_type
 
 from torchrl_asyncpool.collector.direct_call import direct_call
-from torchrl_asyncpool.exchange.arena import CARRY_KEY, as_key, missing_in_keys
+from torchrl_asyncpool.exchange.arena import CARRY_KEY, as_key, key_repr, missing_in_keys
 
 __all__ = [
     "ActingPolicy", "ActingPolicyFactory", "derive_policy_outputs", "torchrl_recurrent_state",
@@ -161,7 +161,7 @@ def derive_policy_outputs(policy, request: dict, actions: dict, version_key, dev
     produced = {k: v for k, v in out.items(include_nested=True, leaves_only=True)}
     norm_actions = {as_key(k) for k in actions}
     for key in norm_actions:
-        if (key[0] if len(key) == 1 else key) not in produced:
+        if key_repr(key) not in produced:
             raise ValueError(
                 f"the policy did not write the action key {key!r} (it wrote {sorted(map(str, produced))})."
             )

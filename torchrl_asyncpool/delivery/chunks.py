@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout, as_key
+from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout, as_key, key_repr
 from torchrl_asyncpool.exchange.doorbell import Doorbell
 from torchrl_asyncpool._sys.descriptors import InheritedFd
 from torchrl_asyncpool.exchange.gather import RowGather
@@ -220,7 +220,7 @@ class ChunkReader:
         for k, v in arena.request.items(include_nested=True, leaves_only=True):
             key = renamed.get(as_key(k), as_key(k))
             if key is not None:
-                self._flat.append((key[0] if len(key) == 1 else key, v.reshape(-1, *v.shape[2:])))
+                self._flat.append((key_repr(key), v.reshape(-1, *v.shape[2:])))
         self._carry = None  # (chunk id, offset) of a partly consumed chunk
         self._pending = None  # (batch, filled) of a call that timed out
         self._last, self._last_leaves = None, []  # the last batch allocated, for take(reuse=True)

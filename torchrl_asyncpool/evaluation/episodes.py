@@ -17,6 +17,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Sequence
 
+from torchrl_asyncpool.errors import SetupRefused
+
 __all__ = ["Episode", "EpisodeResult", "STATUSES", "load_manifest", "summarize", "write_results"]
 
 #: the three statuses an :class:`EpisodeResult` can have
@@ -391,7 +393,6 @@ class PlannedEnvFactory:
         # imported here, not with this module: the episodes and their results need no torch
         from torchrl_asyncpool.envs.adapters import is_vector_env, remote_listener
         from torchrl_asyncpool.envs.env_attrs import EPISODE_PLAN_ATTR
-        from torchrl_asyncpool.errors import SetupRefused
 
         env = self.create_env_fn(**kwargs)
         if is_vector_env(env):  # raised in the calling process, by the pool's spec env

@@ -222,6 +222,11 @@ def as_key(key) -> Tuple[str, ...]:
     return (key,) if isinstance(key, str) else tuple(key)
 
 
+def key_repr(key: Tuple[str, ...]):
+    """A key tuple as TensorDict spells it: ``("obs",)`` -> ``"obs"``, nested keys stay tuples."""
+    return key[0] if len(key) == 1 else key
+
+
 def missing_in_keys(reader, provided) -> list:
     """The ``in_keys`` that ``reader`` declares (a ``TensorDictModule``'s; none for a plain
     callable) and that are not among ``provided`` (key tuples), as TensorDict keys (``"obs"``,
@@ -243,7 +248,7 @@ def missing_in_keys(reader, provided) -> list:
         wanted = [as_key(k) for k in in_keys]
     except TypeError:
         return []
-    return [k[0] if len(k) == 1 else k for k in wanted if k not in provided]
+    return [key_repr(k) for k in wanted if k not in provided]
 
 
 def _itemsize(dtype: torch.dtype) -> int:

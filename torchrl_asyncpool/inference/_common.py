@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from torchrl_asyncpool.exchange.arena import as_key  # noqa: F401 - the server modules import it from here
+from torchrl_asyncpool.exchange.arena import as_key, key_repr  # noqa: F401 - the server modules import them from here
 
 __all__ = [
     "InferenceServerError",
@@ -202,10 +202,6 @@ class ServerSpec:
         policies read, ``None`` for all) when the leased batch feeds the policy, none otherwise."""
         return keys if self.feeds_leased_batch else ()
 
-
-
-def key_repr(key: Tuple[str, ...]):
-    return key[0] if len(key) == 1 else key
 
 
 def check_positive_int(name, value, allow_none=False):
