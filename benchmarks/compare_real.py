@@ -688,7 +688,8 @@ def main(argv=None):
     ap.add_argument("--vec-factories", type=int, default=0,
                     help="vector-env factories hosted by the collector (default: one per core)")
     ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: one repeat, 0.5 s cells, 0.2 s warm-up, the first env count, no TorchRL")
+                    help="a smoke run: one repeat, 0.5 s cells, 0.2 s warm-up, the first env count, no TorchRL, "
+                         "at most 5 s of waiting for the CPUs to go quiet before each system (else 60 s)")
     ap.add_argument("--json", default=None, help="where to write the rows, the cells and the table (default: nowhere; "
                                                  "the committed results files are named in benchmarks/README.md)")
     ap.add_argument("--note", default="", help="free text stored in the JSON (what else ran on the machine)")
@@ -716,7 +717,9 @@ def main(argv=None):
                 for rep in range(a.repeats):
                     k = rep % len(cell_systems)
                     for s in cell_systems[k:] + cell_systems[:k]:
-                        settle_s = _wait_quiet()  # e.g. TorchRL's workers still exiting after their run
+                        # e.g. TorchRL's workers still exiting after their run; a --quick smoke run does not
+                        # wait a minute per system on a machine that something else keeps busy
+                        settle_s = _wait_quiet(max_s=5.0 if a.quick else 60.0)
                         row = dict(workload=w, policy=p, envs=n, system=s, rep=rep, load_average=os.getloadavg()[0],
                                    settle_s=settle_s)
                         try:

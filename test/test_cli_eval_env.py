@@ -98,7 +98,7 @@ def test_validate_only_finds_a_float64_observation_for_a_float32_policy(envs_mod
     assert _eval("--env-factory", "cli_eval_envs:make", "--policy", "cli_eval_envs:linear", "--validate-only") == 2
     err = capsys.readouterr().err
     assert "'observation' float64 (3,)" in err and "RuntimeError" in err, err
-    assert "observations are float64 but the policy's parameters are float32" in err, err
+    assert "observations are float64 ('observation') but the policy's parameters are float32" in err, err
     assert "DtypeObservation(env, numpy.float32)" in err and "policy.to(torch.float64)" in err, err
 
 

@@ -2,6 +2,8 @@
 import threading
 import time
 
+import gymnasium
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -72,6 +74,55 @@ def test_a_policy_reading_a_key_the_env_lacks_is_refused_by_name_before_any_work
     text = str(info.value)
     assert f"the policy reads [{key!r}], which the env's records do not provide" in text, text
     assert "'observation'" in text and "'tag'" in text, text
+
+
+class _Float64ObservationEnv(gymnasium.Env):
+    """gymnasium's MuJoCo envs in one respect: float64 observations, float32 actions."""
+
+    observation_space = gymnasium.spaces.Box(-1.0, 1.0, (3,), np.float64)
+    action_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(3), {}
+
+    def step(self, action):
+        return np.full(3, 0.5), 1.0, False, False, {}
+
+
+def test_a_float32_policy_on_float64_observations_is_refused_with_both_dtypes_and_the_fixes(dev_shm_guard):
+    """The constructor runs the policy on a zero record before any worker starts; a dtype
+    mismatch failed there with torch's bare "mat1 and mat2 must have the same dtype"."""
+    from tensordict.nn import TensorDictModule
+
+    policy = TensorDictModule(torch.nn.Linear(3, 2), in_keys=["observation"], out_keys=["action"])
+    with pytest.raises(ValueError) as info:
+        AsyncPoolCollector([_Float64ObservationEnv] * 2, policy=policy, frames_per_batch=8)
+    text = str(info.value)
+    assert "the policy failed on a zero record built from the env's specs" in text, text
+    assert "'observation': (3,) float64" in text and "same dtype" in text, text
+    assert "observations are float64 ('observation') but the policy's parameters are float32" in text, text
+    assert "DtypeObservation(env, numpy.float32)" in text and "policy.to(torch.float64)" in text, text
+    assert isinstance(info.value.__cause__, RuntimeError)
+    # the second fix runs (float64 actions cast to the env's float32)
+    c = AsyncPoolCollector([_Float64ObservationEnv] * 2, policy=policy.to(torch.float64), frames_per_batch=8,
+                           total_frames=16)
+    try:
+        batches = list(c)
+    finally:
+        c.shutdown()
+    assert [b["observation"].dtype for b in batches] == [torch.float64] * 2
+    assert batches[0]["action"].dtype == torch.float32
+
+
+def test_a_policy_that_raises_at_start_up_is_reported_with_the_record_it_was_given():
+    def policy(td):
+        raise ZeroDivisionError("boom")
+
+    expected = r"the policy failed on a zero record .*'tag'.*: ZeroDivisionError: boom\.$"
+    with pytest.raises(ValueError, match=expected) as info:
+        AsyncPoolCollector(oracle_factories(2), policy=policy, frames_per_batch=8)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
 
 
 @pytest.mark.parametrize("envs_per_worker,env_threads", [("auto", "auto"), (2, True)])

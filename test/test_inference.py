@@ -150,6 +150,33 @@ def test_absent_optional_modules_are_remembered_once():
 _REQ = [(("tag",), (3,), torch.int64), (("observation",), (2,), torch.float32), (("step_type",), (), torch.int8)]
 
 
+def test_the_dry_run_names_a_float_dtype_mismatch_and_the_fix():
+    """A float32 network on float64 observations (gymnasium's MuJoCo) fails inside F.linear with
+    an error naming neither side; the dry run's error names the entry, both dtypes and the fixes."""
+    from tensordict.nn import TensorDictModule
+
+    n = 4
+    req = [(("observation",), (3,), torch.float64), (("reward",), (1,), torch.float32),
+           (("step_type",), (), torch.int8)]
+    arena = TensorDict({"observation": torch.zeros(n, 3, dtype=torch.float64), "reward": torch.zeros(n, 1),
+                        "step_type": torch.zeros(n, dtype=torch.int8)}, [n])
+    policy = TensorDictModule(torch.nn.Linear(3, 2), in_keys=["observation"], out_keys=["action"])
+
+    def runner(p):
+        return KeyRunner(KeyPlan(0, "p", "h", list(range(n)), None, n), p, req,
+                         [(("action",), (2,), torch.float32)], device="cpu", arena_request=arena)
+
+    with pytest.raises(ValueError) as info:
+        runner(policy).dry_run()
+    text = str(info.value)
+    assert "policy 'p' failed on a zero batch" in text and "'observation': (3,) float64" in text, text
+    assert "observations are float64 ('observation') but the policy's parameters are float32" in text, text
+    assert "DtypeObservation(env, numpy.float32)" in text and "DoubleToFloat" in text, text
+    # a served policy writes its actions in the pool's dtypes itself: casting it is not offered
+    assert "policy.to(" not in text, text
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
 @pytest.mark.parametrize("buckets", ["auto", None, (4,), (3, 8), (1,), (2, 5)])
 @pytest.mark.parametrize("policy_cls", [OracleTagPolicy, MLPPolicy])
 def test_padded_batches_give_the_same_actions_as_single_calls(buckets, policy_cls):

@@ -113,21 +113,15 @@ def _obs_dtypes(request: dict, obs_keys) -> str:
 
 
 def _dtype_hint(request: dict, obs_keys, policy) -> str:
-    """What to do when the env's float observations and the policy's float parameters differ
-    (a float64 MuJoCo observation into a float32 network); empty when they agree."""
-    import torch
+    """:func:`~torchrl_asyncpool.inference.dtype_hint.dtype_mismatch_hint` for the env's
+    observations, with this command's own fix for MuJoCo; empty when the dtypes agree."""
+    from torchrl_asyncpool.inference.dtype_hint import dtype_mismatch_hint
 
-    params = [p.dtype for p in policy.parameters() if p.dtype.is_floating_point] \
-        if isinstance(policy, torch.nn.Module) else []
-    obs = sorted({str(request[k][1]) for k in obs_keys if request[k][1].is_floating_point})
-    if not params or not obs or obs == [str(params[0])]:
+    hint = dtype_mismatch_hint({k: request[k][1] for k in obs_keys}, policy)
+    if not hint:
         return ""
-    want = str(params[0]).replace("torch.", "")
-    have = ", ".join(o.replace("torch.", "") for o in obs)
-    return (f" The env's observations are {have} but the policy's parameters are {want}: cast the observations "
-            f"in the env factory (gymnasium.wrappers.DtypeObservation(env, numpy.{want}); for MuJoCo, --env-factory "
-            f"torchrl_asyncpool.examples.envs:make_mujoco_env does it), or the policy to the observations' dtype "
-            f"(policy.to(torch.{obs[0].replace('torch.', '')})).")
+    return (f" {hint} For MuJoCo, --env-factory torchrl_asyncpool.examples.envs:make_mujoco_env casts them "
+            "to float32.")
 
 
 def _act_once(env, policy, device) -> str:

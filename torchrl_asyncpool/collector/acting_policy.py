@@ -14,8 +14,10 @@ import torch
 from tensordict import TensorDict
 from torchrl.envs.utils import set_exploration_type
 
+from torchrl_asyncpool.collector.action_checks import InvalidActionError
 from torchrl_asyncpool.collector.direct_call import direct_call
 from torchrl_asyncpool.exchange.arena import CARRY_KEY, as_key, key_repr, missing_in_keys
+from torchrl_asyncpool.inference.dtype_hint import dtype_mismatch_hint
 
 __all__ = [
     "ActingPolicy", "ActingPolicyFactory", "derive_policy_outputs", "torchrl_recurrent_state",
@@ -156,8 +158,20 @@ def derive_policy_outputs(policy, request: dict, actions: dict, version_key, dev
             f"{sorted(map(str, inputs))} (the env's observations and flags, and the env_index and valid_mask "
             "the inference server adds)."
         )
-    with torch.no_grad():
-        out = policy(fake)
+    try:
+        with torch.no_grad():
+            out = policy(fake)
+    except InvalidActionError:  # names the action key and what is wrong with it
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised with the record it was given, as the server's dry run does
+        layout = ", ".join(f"{key_repr(k)!r}: {tuple(v.shape[1:])} {str(v.dtype).replace('torch.', '')}"
+                           for k, v in fake.items(include_nested=True, leaves_only=True))
+        hint = dtype_mismatch_hint({k: v.dtype for k, v in fake.items(include_nested=True, leaves_only=True)},
+                                   policy)
+        raise ValueError(
+            f"the policy failed on a zero record built from the env's specs {{{layout}}}: "
+            f"{type(exc).__name__}: {str(exc).strip().rstrip('.')}.{' ' + hint if hint else ''}"
+        ) from exc
     produced = {k: v for k, v in out.items(include_nested=True, leaves_only=True)}
     norm_actions = {as_key(k) for k in actions}
     for key in norm_actions:

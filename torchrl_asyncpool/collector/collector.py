@@ -79,6 +79,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     the first transition, as TorchRL applies them before any request is served. Before the
     workers start, one env is built (and closed) in this process and the policy runs once on a
     zero record, to learn what the policy writes (see :mod:`torchrl_asyncpool.collector.policy_layout`).
+    A policy that fails on it is reported there, as a ``ValueError`` that shows the record's
+    entries, shapes and dtypes (the policy's own exception as ``__cause__``) and, where the
+    env's float observations and the policy's parameters differ in dtype (gymnasium's MuJoCo
+    envs observe float64), both dtypes and the fixes.
 
     Recurrent policies in TorchRL's setup (an ``LSTMModule``/``GRUModule`` whose
     ``make_tensordict_primer()`` is in the env, usually with ``InitTracker``) work as with

@@ -23,6 +23,7 @@ from torchrl_asyncpool._sys.absent_modules import remember_absent
 from torchrl_asyncpool.exchange.arena import missing_in_keys
 from torchrl_asyncpool.exchange.gather import RowGather
 from torchrl_asyncpool.inference._common import KeyPlan, key_repr, pick_bucket
+from torchrl_asyncpool.inference.dtype_hint import dtype_mismatch_hint
 
 __all__ = ["KeyRunner", "PolicyFailure"]
 
@@ -204,6 +205,10 @@ class KeyRunner:
                         f"{ {key_repr(k): tuple(s) for k, s, _ in self.request_fields if k in self._rec_in_keys()} }: "
                         "check that they match the policy's hidden size."
                     )
+                # its actions must come in the pool's dtypes: casting the policy is no fix here
+                dtypes = dtype_mismatch_hint({key_repr(k): d for k, _, d in self.input_fields}, self.policy,
+                                             cast_policy=False)
+                hint += f" {dtypes}" if dtypes else ""
                 raise ValueError(
                     f"policy {name!r} failed on a zero batch of {rows} records built from the "
                     f"pool's request layout {{{layout}}}: {type(exc).__name__}: {str(exc).rstrip('.')}.{hint}"
