@@ -457,3 +457,46 @@ def test_fresh_batch_tensordicts_share_rows_but_not_keys(monkeypatch):
         second["obs"][0, 0] = 42.0  # the rows themselves are shared with the staging buffer
         assert staging["obs"][0, 0] == 42.0
         staging["obs"][0, 0] = 0.0
+
+
+@pytest.mark.skipif(doorbell_module._c is None, reason="idle polling is in the C extension")
+def test_a_starved_idle_poller_turns_the_process_to_blocking_waits_for_a_while():
+    """A busy process on the waiter's only CPU keeps the SCHED_IDLE poller from running, so each
+    idle-polled wait is woken by its own 1 ms check, late; past enough late wakes the process's
+    waits block in poll(2) for a while (a backoff), and every ring is still seen."""
+    c = doorbell_module._c
+    mask = os.sched_getaffinity(0)
+    cpu = min(mask)
+    busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    bell = Doorbell()
+    stop = threading.Event()
+
+    def ring():
+        while not stop.is_set():
+            time.sleep(0.002)
+            bell.ring()
+
+    ringer = threading.Thread(target=ring)
+    os.sched_setaffinity(0, {cpu})  # this thread; the poller follows the mask of the thread that parks
+    try:
+        time.sleep(0.2)  # the busy loop is running
+        late0, _, backoffs0 = c.idle_stats()
+        ringer.start()
+        waiter = BellWait(bell, idle_poll=True)
+        for _ in range(400):
+            assert waiter.wait(30.0) == [bell.fd]
+            late, _, backoffs = c.idle_stats()
+            if backoffs > backoffs0:
+                break
+        # (the count that triggers it is net of timely wakes and may include earlier tests' late ones)
+        assert late > late0 and backoffs > backoffs0, (late - late0, backoffs - backoffs0)
+        for _ in range(20):  # backing off: the waits block in poll(2) and still see every ring
+            assert waiter.wait(30.0) == [bell.fd]
+    finally:
+        stop.set()
+        os.sched_setaffinity(0, mask)
+        busy.kill()
+        busy.wait()
+        if ringer.is_alive():
+            ringer.join(10.0)
+        bell.close()

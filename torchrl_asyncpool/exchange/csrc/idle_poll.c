@@ -68,6 +68,37 @@ static pthread_mutex_t idle_mask_writer = PTHREAD_MUTEX_INITIALIZER; /* waiters 
 
 static pthread_t idle_main_thread; /* the thread that imported the module: Python's main thread */
 
+/* Starvation. The poller runs only on an idle core; where another process keeps the cores busy
+   it hardly runs, and every parked waiter is woken by its own capped wait instead, up to
+   idle_cap_ns late: on cheap envs (MuJoCo, ~60 us a step) that halved a pool's throughput beside
+   one busy process, while blocking waits were slowed by far less. A waiter that finds its
+   descriptors fired after its own wait timed out counts a late wake, one woken by the poller a
+   timely one; when late wakes outnumber timely ones by STARVE_SCORE, the process's waits block
+   in poll(2) for STARVE_BACKOFF_NS (then idle polling is tried again). */
+#define STARVE_SCORE 32
+#define STARVE_BACKOFF_NS 500000000LL
+static _Atomic long idle_late, idle_timely, idle_backoffs;
+static _Atomic int idle_score;
+static _Atomic int64_t idle_backoff_until; /* mono_ns; 0: never */
+
+static void
+note_wake(int timely)
+{
+    if (timely) {
+        atomic_fetch_add_explicit(&idle_timely, 1, memory_order_relaxed);
+        if (atomic_load_explicit(&idle_score, memory_order_relaxed) > 0) {
+            atomic_fetch_sub_explicit(&idle_score, 1, memory_order_relaxed); /* may dip below 0 in a race: harmless */
+        }
+        return;
+    }
+    atomic_fetch_add_explicit(&idle_late, 1, memory_order_relaxed);
+    if (atomic_fetch_add(&idle_score, 1) + 1 >= STARVE_SCORE) {
+        atomic_store(&idle_score, 0);
+        atomic_store(&idle_backoff_until, mono_ns() + STARVE_BACKOFF_NS);
+        atomic_fetch_add(&idle_backoffs, 1);
+    }
+}
+
 void
 ap_idle_init(void)
 {
@@ -247,6 +278,9 @@ ap_idle_wait(struct pollfd *p, Py_ssize_t n, int timeout_ms, int64_t give_up)
     if (got == 0 && mono_ns() >= give_up) {
         return blocking_rest(p, n, deadline, main_thread);
     }
+    if (got == 0 && mono_ns() < atomic_load(&idle_backoff_until)) { /* starved: see note_wake */
+        return blocking_rest(p, n, deadline, main_thread);
+    }
     if (got != 0 || n > WAIT_STACK_FDS || idle_start() < 0) {
         return got != 0 ? got : poll(p, (nfds_t)n, timeout_ms);
     }
@@ -296,6 +330,7 @@ ap_idle_wait(struct pollfd *p, Py_ssize_t n, int timeout_ms, int64_t give_up)
         }
         got = poll(p, (nfds_t)n, 0);
         if (got != 0) {
+            note_wake(atomic_load_explicit(&w->state, memory_order_acquire) == W_FIRED);
             break;
         }
         int64_t now = mono_ns();
@@ -337,6 +372,18 @@ ap_idle_enabled(void)
         on = atomic_load(&idle_on);
     }
     return on;
+}
+
+const char ap_idle_stats_doc[] =
+    "idle_stats() -> (late, timely, backoffs)\n\n"
+    "This process's idle-polled waits so far: woken late by their own capped wait with their\n"
+    "descriptors fired (the poller starved), woken by the poller, and the times late wakes made\n"
+    "the process's waits block in poll(2) for a while (see the starvation comment).";
+
+PyObject *
+ap_idle_stats(PyObject *module, PyObject *unused)
+{
+    return Py_BuildValue("(lll)", atomic_load(&idle_late), atomic_load(&idle_timely), atomic_load(&idle_backoffs));
 }
 
 const char ap_set_idle_poll_doc[] =

@@ -41,6 +41,7 @@ static PyMethodDef native_functions[] = {
     {"drain", (PyCFunction)ap_drain, METH_O, ap_drain_doc},
     {"wait", (PyCFunction)ap_wait, METH_VARARGS, ap_wait_doc},
     {"set_idle_poll", (PyCFunction)ap_set_idle_poll, METH_VARARGS, ap_set_idle_poll_doc},
+    {"idle_stats", (PyCFunction)ap_idle_stats, METH_NOARGS, ap_idle_stats_doc},
     {"wake_probe", (PyCFunction)ap_wake_probe, METH_VARARGS, ap_wake_probe_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -149,6 +149,8 @@ void ap_idle_init(void);
 int ap_idle_enabled(void);
 int ap_idle_wait(struct pollfd *p, Py_ssize_t n, int timeout_ms, int64_t give_up);
 PyObject *ap_set_idle_poll(PyObject *module, PyObject *args);
+PyObject *ap_idle_stats(PyObject *module, PyObject *unused);
+extern const char ap_idle_stats_doc[];
 extern const char ap_set_idle_poll_doc[];
 
 /* ---- wake_probe.c ---- */
