@@ -164,10 +164,10 @@ def derive_policy_outputs(policy, request: dict, actions: dict, version_key, dev
     except InvalidActionError:  # names the action key and what is wrong with it
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the record it was given, as the server's dry run does
+        leaves = dict(fake.items(include_nested=True, leaves_only=True))
         layout = ", ".join(f"{key_repr(k)!r}: {tuple(v.shape[1:])} {str(v.dtype).replace('torch.', '')}"
-                           for k, v in fake.items(include_nested=True, leaves_only=True))
-        hint = dtype_mismatch_hint({k: v.dtype for k, v in fake.items(include_nested=True, leaves_only=True)},
-                                   policy)
+                           for k, v in leaves.items())
+        hint = dtype_mismatch_hint({k: v.dtype for k, v in leaves.items()}, policy)
         raise ValueError(
             f"the policy failed on a zero record built from the env's specs {{{layout}}}: "
             f"{type(exc).__name__}: {str(exc).strip().rstrip('.')}.{' ' + hint if hint else ''}"

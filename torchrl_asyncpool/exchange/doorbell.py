@@ -26,8 +26,9 @@ longer wait blocks in ``poll(2)``, and the poller parks after 5 ms without a par
 an idle pool leaves the cores idle; a process whose waits keep being woken late by their own
 check (the poller starved: another process keeps the cores busy) blocks in ``poll(2)`` for half
 a second before it tries again (``idle_poll.c``'s starvation rule). It pays off when each side
-of the exchange has a core of its own and that core often idles (cheap CPU envs in a pinned worker); threaded workers of
-sleeping envs share their core with many runnable threads and measured worse (see
+of the exchange has a core of its own and that core often idles (cheap CPU envs in a pinned
+worker); threaded workers of sleeping envs share their core with many runnable threads and
+measured worse (see
 ``benchmarks/README.md``). A pool's ``idle_poll="auto"`` follows exactly that: on for CPU-bound
 workers where idle cores wake slowly (:func:`wake_cost_ns`), off otherwise.
 """

@@ -13,6 +13,8 @@ from typing import Mapping
 
 import torch
 
+from torchrl_asyncpool.exchange.arena import as_key, key_repr
+
 __all__ = ["dtype_mismatch_hint"]
 
 
@@ -53,7 +55,7 @@ def dtype_mismatch_hint(input_dtypes: Mapping, policy, *, cast_policy: bool = Tr
     if not odd:
         return ""
     have = sorted({_name(d) for d in odd.values()})
-    keys = ", ".join(repr(k if isinstance(k, str) or len(k) != 1 else k[0]) for k in odd)
+    keys = ", ".join(repr(key_repr(as_key(k))) for k in odd)
     fix = (f"cast the observations in the env factory (gymnasium.wrappers.DtypeObservation(env, numpy.{_name(want)}), "
            f"or TorchRL's DoubleToFloat transform)")
     if cast_policy:
