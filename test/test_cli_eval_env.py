@@ -91,13 +91,13 @@ def test_a_factory_called_with_env_kwargs_runs_in_the_workers(envs_module):
 def test_validate_only_runs_the_policy_on_a_real_observation(envs_module, capsys):
     assert _eval("--env-factory", "cli_eval_envs:make_f32", "--policy", "cli_eval_envs:linear",
                  "--validate-only") == 0
-    assert "acted on one real observation of the env ('action' float32 (2,))" in capsys.readouterr().out
+    assert "acted on one real observation of the env ('action': (2,) float32)" in capsys.readouterr().out
 
 
 def test_validate_only_finds_a_float64_observation_for_a_float32_policy(envs_module, capsys):
     assert _eval("--env-factory", "cli_eval_envs:make", "--policy", "cli_eval_envs:linear", "--validate-only") == 2
     err = capsys.readouterr().err
-    assert "'observation' float64 (3,)" in err and "RuntimeError" in err, err
+    assert "'observation': (3,) float64" in err and "RuntimeError" in err, err
     assert "observations are float64 ('observation') but the policy's parameters are float32" in err, err
     assert "DtypeObservation(env, numpy.float32)" in err and "policy.to(torch.float64)" in err, err
 

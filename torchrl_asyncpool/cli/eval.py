@@ -108,10 +108,6 @@ def _close_env(env) -> None:
         pass
 
 
-def _obs_dtypes(request: dict, obs_keys) -> str:
-    return ", ".join(f"{k!r} {str(request[k][1]).replace('torch.', '')} {tuple(request[k][0])}" for k in obs_keys)
-
-
 def _dtype_hint(request: dict, obs_keys, policy) -> str:
     """:func:`~torchrl_asyncpool.inference.dtype_hint.dtype_mismatch_hint` for the env's
     observations, with this command's own fix for MuJoCo; empty when the dtypes agree."""
@@ -136,6 +132,7 @@ def _act_once(env, policy, device) -> str:
     from torchrl_asyncpool.collector.acting_policy import ActingPolicy
     from torchrl_asyncpool.collector.action_checks import ActionCheck
     from torchrl_asyncpool.envs.adapters import make_adapter
+    from torchrl_asyncpool.exchange.arena import layout_repr
     from torchrl_asyncpool.evaluation.episode_run import policy_answers
 
     adapter = make_adapter(env)
@@ -149,7 +146,8 @@ def _act_once(env, policy, device) -> str:
     record.set("env_index", torch.zeros(1, dtype=torch.int64))
     checks = {k: ActionCheck(k, dtype, action_spec[k]) for k, (_, dtype) in response.items()}
     acting = ActingPolicy(policy, ExplorationType.DETERMINISTIC, action_checks=checks)
-    where = f"the policy, run once on a real observation of the env ({_obs_dtypes(request, adapter.obs_keys)})"
+    observed = layout_repr((k, *request[k]) for k in adapter.obs_keys)
+    where = f"the policy, run once on a real observation of the env ({observed})"
     try:
         with torch.no_grad():
             out = acting(record.to(device))
@@ -160,13 +158,11 @@ def _act_once(env, policy, device) -> str:
         actions = policy_answers(out, list(response), torch.arange(1), None)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
-    shown = []
     for key, (shape, dtype) in response.items():
         if tuple(actions[key].shape) != (1, *shape):
             raise ValueError(f"{where}, wrote {key!r} of shape {tuple(actions[key].shape)}; the env takes "
                              f"{tuple(shape)} per env, so a batch of one is {(1, *shape)}.")
-        shown.append(f"{key!r} {str(dtype).replace('torch.', '')} {tuple(shape)}")
-    return ", ".join(shown)
+    return layout_repr((k, *v) for k, v in response.items())
 
 
 #: exit statuses of ``torchrl-asyncpool eval`` (see its ``--help``)

@@ -16,7 +16,7 @@ from torchrl.envs.utils import set_exploration_type
 
 from torchrl_asyncpool.collector.action_checks import InvalidActionError
 from torchrl_asyncpool.collector.direct_call import direct_call
-from torchrl_asyncpool.exchange.arena import CARRY_KEY, as_key, key_repr, missing_in_keys
+from torchrl_asyncpool.exchange.arena import CARRY_KEY, as_key, key_repr, layout_repr, missing_in_keys
 from torchrl_asyncpool.inference.dtype_hint import dtype_mismatch_hint
 
 __all__ = [
@@ -165,8 +165,7 @@ def derive_policy_outputs(policy, request: dict, actions: dict, version_key, dev
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the record it was given, as the server's dry run does
         leaves = dict(fake.items(include_nested=True, leaves_only=True))
-        layout = ", ".join(f"{key_repr(k)!r}: {tuple(v.shape[1:])} {str(v.dtype).replace('torch.', '')}"
-                           for k, v in leaves.items())
+        layout = layout_repr((k, v.shape[1:], v.dtype) for k, v in leaves.items())
         hint = dtype_mismatch_hint({k: v.dtype for k, v in leaves.items()}, policy)
         raise ValueError(
             f"the policy failed on a zero record built from the env's specs {{{layout}}}: "

@@ -227,6 +227,23 @@ def key_repr(key: Tuple[str, ...]):
     return key[0] if len(key) == 1 else key
 
 
+def layout_repr(fields) -> str:
+    """A record's entries as error messages show them: ``'key': (shape) dtype``, comma-separated.
+
+    Args:
+        fields (iterable): ``(key, shape, dtype)`` triples; a key is a string or a key tuple,
+            a dtype a ``torch.dtype`` or a NumPy one.
+
+    Examples:
+        >>> import torch
+        >>> from torchrl_asyncpool.exchange.arena import layout_repr
+        >>> layout_repr([("observation", (3,), torch.float64), (("agent", "done"), (), torch.bool)])
+        "'observation': (3,) float64, ('agent', 'done'): () bool"
+    """
+    return ", ".join(f"{key_repr(as_key(k))!r}: {tuple(shape)} {str(dtype).replace('torch.', '')}"
+                     for k, shape, dtype in fields)
+
+
 def missing_in_keys(reader, provided) -> list:
     """The ``in_keys`` that ``reader`` declares (a ``TensorDictModule``'s; none for a plain
     callable) and that are not among ``provided`` (key tuples), as TensorDict keys (``"obs"``,

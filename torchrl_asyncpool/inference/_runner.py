@@ -20,7 +20,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from torchrl_asyncpool._sys.absent_modules import remember_absent
-from torchrl_asyncpool.exchange.arena import missing_in_keys
+from torchrl_asyncpool.exchange.arena import layout_repr, missing_in_keys
 from torchrl_asyncpool.exchange.gather import RowGather
 from torchrl_asyncpool.inference._common import KeyPlan, key_repr, pick_bucket
 from torchrl_asyncpool.inference.dtype_hint import dtype_mismatch_hint
@@ -189,9 +189,6 @@ class KeyRunner:
         for rows in sizes:
             td = _zeros_td(self.input_fields, rows, self.device)
             td.set(VALID_MASK, torch.ones(rows, dtype=torch.bool, device=self.device))
-            layout = ", ".join(
-                f"{key_repr(k)!r}: {tuple(s)} {str(d).replace('torch.', '')}" for k, s, d in self.input_fields
-            )
             try:
                 with torch.no_grad():
                     out = self._call(td)
@@ -211,7 +208,8 @@ class KeyRunner:
                 hint += f" {dtypes}" if dtypes else ""
                 raise ValueError(
                     f"policy {name!r} failed on a zero batch of {rows} records built from the "
-                    f"pool's request layout {{{layout}}}: {type(exc).__name__}: {str(exc).rstrip('.')}.{hint}"
+                        f"pool's request layout {{{layout_repr(self.input_fields)}}}: "
+                    f"{type(exc).__name__}: {str(exc).rstrip('.')}.{hint}"
                 ) from exc
             for (key, shape, dtype) in self.response_fields:
                 value = out.get(key, None)
