@@ -6,6 +6,7 @@ slot states, response rows, doorbell rings and metric sums. The oracle tests run
 on each exchange.
 """
 import os
+import re
 
 import numpy as np
 import pytest
@@ -370,7 +371,7 @@ def test_pass_stores_and_publish_match_the_workers_numpy_path():
         arena.close()
 
 
-def test_copy_into_matches_numpy_assignment_for_every_source():
+def test_copy_into_matches_numpy_assignment_for_every_source_of_the_rows_shape():
     from torchrl_asyncpool.exchange.native import copy_into
 
     dst = np.zeros((84, 84, 3), np.uint8)
@@ -378,9 +379,8 @@ def test_copy_into_matches_numpy_assignment_for_every_source():
         np.random.default_rng(0).integers(0, 255, (84, 84, 3), dtype=np.uint8),  # the plain copy
         np.arange(84 * 84 * 3, dtype=np.int64).reshape(84, 84, 3) % 251,  # another dtype: numpy casts
         np.ones((3, 84, 84), np.uint8).transpose(1, 2, 0),  # not C-contiguous
-        np.full((84, 1, 3), 9, np.uint8),  # broadcast
         torch.full((84, 84, 3), 5, dtype=torch.uint8),  # a tensor
-        7,  # a scalar
+        np.full((84, 84, 3), 3, np.uint8).tolist(),  # nested lists
     ]
     for src in sources:
         want = np.zeros_like(dst)
@@ -393,8 +393,15 @@ def test_copy_into_matches_numpy_assignment_for_every_source():
     big = np.zeros(300_000, np.uint8)  # above 256 KiB: copied without the GIL
     copy_into(big, np.full(300_000, 3, np.uint8))
     assert int(big.sum()) == 900_000
-    with pytest.raises(ValueError):  # what numpy says about a shape it cannot broadcast
-        copy_into(dst, np.zeros((2, 2), np.uint8))
+    # what numpy would broadcast (or refuse) is refused with both layouts, nothing written
+    dst[...] = 1
+    for src, given in [(np.full((84, 1, 3), 9, np.uint8), "of shape (84, 1, 3) and dtype uint8"),
+                       (7, "of shape () and dtype int64"),
+                       (np.zeros((2, 2), np.uint8), "of shape (2, 2) and dtype uint8")]:
+        with pytest.raises(ValueError, match=rf"observation {re.escape(given)} where its observation spec "
+                                             r"declares shape \(84, 84, 3\) and dtype uint8"):
+            copy_into(dst, src)
+    assert (dst == 1).all()
 
 
 @needs_native

@@ -171,3 +171,62 @@ def test_dict_observations_exactly_once_in_order(exchange, dev_shm_guard):
         for _ in range(5):
             checker.observe_transitions(pool.take_transitions(64, timeout=30, check=pool.check_workers))
     assert checker.records == 5 * 64 and checker.episodes_done > 0
+
+
+class _BadObservation(_FlatOracle):
+    """:class:`_FlatOracle` whose step number ``at`` returns ``bad`` as its observation (or, for
+    a Dict space, as its ``"state"`` entry)."""
+
+    def __init__(self, env_id, at, bad, dict_obs=False):
+        super().__init__(env_id)
+        self.at, self.bad, self.dict_obs = at, bad, dict_obs
+        if dict_obs:
+            self.observation_space = gym.spaces.Dict({"state": self.observation_space})
+
+    def reset(self, *, seed=None, options=None):
+        obs, info = super().reset(seed=seed)
+        return ({"state": obs} if self.dict_obs else obs), info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.steps == self.at:
+            obs = self.bad
+        return ({"state": obs} if self.dict_obs else obs), reward, terminated, truncated, info
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+@pytest.mark.parametrize("bad, given", [
+    (np.zeros(6, np.int64), "of shape (6,) and dtype int64"),
+    (np.zeros((1, 5), np.int64), "of shape (1, 5) and dtype int64"),  # numpy would broadcast it
+    (3.0, "of shape () and dtype float64"),  # ... and a scalar, into every entry
+    (None, "as None"),  # numpy would write NaN
+    ("done", "of shape () and dtype <U4"),
+], ids=["longer", "extra-dim", "scalar", "none", "string"])
+@pytest.mark.parametrize("dict_obs", [False, True], ids=["box", "dict"])
+def test_an_observation_that_does_not_fit_its_space_is_the_envs_error(exchange, bad, given, dict_obs,
+                                                                      dev_shm_guard):
+    # env 5 (the second of its worker's four) returns a bad observation at its seventh step;
+    # nothing of it reaches a batch: the pool raises the env's error, naming env and layouts
+    factories = [functools.partial(_BadObservation, i, at=7 if i == 5 else -1, bad=bad, dict_obs=dict_obs)
+                 for i in range(8)]
+    what = "'state'" if dict_obs else "an observation"
+    expected = (f"the env returned {what} {given} where its observation spec declares shape (5,) and "
+                "dtype int64.")
+    with pytest.raises(EnvError, match=r"env 5 raised during step") as info:
+        with AsyncEnvPool(factories, envs_per_worker=4, transition_chunk_size=4, exchange=exchange) as pool, \
+                served(pool, lambda td: _answer(td["state"] if dict_obs else td["observation"])):
+            for _ in range(50):
+                pool.take_transitions(16, timeout=30, check=pool.check_workers)
+    assert expected in str(info.value), str(info.value)
+
+
+def test_an_observation_of_another_type_that_fits_is_converted(dev_shm_guard):
+    # a list and numpy's float64 for an int64 Box of shape (5,): converted as before
+    from torchrl_asyncpool.exchange.native import copy_into, fit_rows
+
+    row = np.zeros(5, np.int64)
+    copy_into(row, [1, 2, 3, 4, 5])
+    fit_rows(row[::-1], np.arange(5.0))  # a strided row: numpy's assignment
+    assert row.tolist() == [4, 3, 2, 1, 0]
+    with pytest.raises(ValueError, match=r"'pixels' as a list \(\[1, None\]\)"):
+        fit_rows(np.zeros(2), [1, None], key="pixels")

@@ -146,12 +146,12 @@ class GymnasiumEnvAdapter:
         if self._plan is not None:
             obs, reward, terminated, truncated = self._planned_step(actions)
             for key, view in views:
-                copy_into(view, obs[key])
+                copy_into(view, obs[key], key)
             return reward, terminated, truncated
         obs, reward, terminated, truncated, _ = self.env.step(self._action_value(actions))
         if self._dict_obs:
             for key, view in views:
-                copy_into(view, obs[key])
+                copy_into(view, obs[key], key)
         else:
             copy_into(views[0][1], obs)
         return reward, bool(terminated), bool(truncated)

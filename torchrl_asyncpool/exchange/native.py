@@ -32,7 +32,7 @@ import numpy as np
 from torchrl_asyncpool.exchange.metrics import STAT_SLOTS
 
 __all__ = ["EXCHANGES", "native_available", "resolve_exchange", "describe_exchange", "build_engine", "row_copier",
-           "pass_stores", "step_group", "copy_into"]
+           "pass_stores", "step_group", "copy_into", "fit_rows"]
 
 #: the accepted values of a pool's ``exchange=`` (see :func:`resolve_exchange`)
 EXCHANGES = ("auto", "native", "python")
@@ -269,15 +269,65 @@ def _row_bytes(a: np.ndarray) -> int:
     return a.nbytes // a.shape[0]
 
 
+#: dtype kinds an observation may come in (bool, integers, floats, complex): numpy casts them to the
+#: row's; anything else (None, strings, objects) is refused
+_NUMBER_KINDS = frozenset("biufc")
+
+
+def fit_rows(dst: np.ndarray, src, key=None) -> None:
+    """``dst[...] = src`` for a value that must have ``dst``'s shape: numpy casts its dtype to
+    ``dst``'s, but a value of another shape (which numpy would broadcast: a scalar, ``(1, n)`` for
+    ``(n,)``) or not numeric (``None`` would become NaN) is refused with a ``ValueError`` naming
+    both layouts, before anything is written. The workers' observation copies end here whenever
+    the value is not already an array of the row's dtype and shape.
+
+    Args:
+        dst (np.ndarray): the slot's row (its shape and dtype come from the env's spec).
+        src: the value the env returned (an array, a list, a number).
+        key (optional): the observation entry, named in the error (a Dict space's key).
+
+    Examples:
+        >>> import numpy as np
+        >>> from torchrl_asyncpool.exchange.native import fit_rows
+        >>> row = np.zeros(3, np.float32)
+        >>> fit_rows(row, [1, 2, 3]); row.tolist()  # converted: the same shape
+        [1.0, 2.0, 3.0]
+        >>> fit_rows(row, np.ones((1, 3)))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: the env returned an observation of shape (1, 3) and dtype float64 where ... (3,) ...
+        >>> fit_rows(row, None, key="pixels")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: the env returned 'pixels' as None where its observation spec declares shape (3,) ...
+    """
+    value = np.asarray(src)
+    if value.shape == dst.shape and value.dtype.kind in _NUMBER_KINDS:
+        dst[...] = value
+        return
+    what = "an observation" if key is None else repr(key)
+    if src is None:
+        given = "as None"
+    elif value.dtype.kind == "O":  # not an array of numbers: say what it is
+        given = f"as a {type(src).__name__} ({src!r:.60})"
+    else:
+        given = f"of shape {value.shape} and dtype {value.dtype}"
+    raise ValueError(f"the env returned {what} {given} where its observation spec declares shape "
+                     f"{dst.shape} and dtype {dst.dtype}.")
+
+
 if _native is not None:
     _copy_into = _native.copy_into
+    _native.set_obs_fallback(fit_rows)
 
-    def copy_into(dst: np.ndarray, src) -> None:
+    def copy_into(dst: np.ndarray, src, key=None) -> None:
         """``dst[...] = src``, by one ``memcpy`` that keeps the GIL when both are C-contiguous
         arrays of the same dtype and shape of 500 elements to 256 KiB (numpy's own copy, which
-        lets the GIL go above 500 elements, otherwise). An observation copy in a threaded worker
-        that lets the GIL go is taken over by another env thread, and the copy then waits for that
-        thread's Python run. Used whatever the exchange (it is the workers' copy, not the consumer's).
+        lets the GIL go above 500 elements, otherwise; a value of another dtype is converted,
+        one of another shape refused, see :func:`fit_rows`, whose error names ``key``). An
+        observation copy in a threaded worker that lets the GIL go is taken over by another env
+        thread, and the copy then waits for that thread's Python run. Used whatever the exchange
+        (it is the workers' copy, not the consumer's).
 
         Examples:
             >>> import numpy as np
@@ -289,9 +339,15 @@ if _native is not None:
         """
         # up to 500 elements numpy keeps the GIL itself, and its copy of a fresh array costs less
         # than exporting that array's buffer
-        if dst.size <= 500 or not _copy_into(dst, src):
-            dst[...] = src
+        if dst.size <= 500:
+            if src.__class__ is np.ndarray and src.shape == dst.shape and src.dtype.kind in _NUMBER_KINDS:
+                dst[...] = src
+            else:
+                fit_rows(dst, src, key)
+        elif not _copy_into(dst, src):
+            fit_rows(dst, src, key)
 else:
-    def copy_into(dst: np.ndarray, src) -> None:
-        """``dst[...] = src`` (the C extension is not built: numpy's copy)."""
-        dst[...] = src
+    def copy_into(dst: np.ndarray, src, key=None) -> None:
+        """``dst[...] = src`` (the C extension is not built: numpy's copy), as :func:`fit_rows`
+        checks it."""
+        fit_rows(dst, src, key)

@@ -224,7 +224,7 @@ class _Slot:
         """Copies an observation (as the adapter's ``step``/``reset`` return it) into the slot's rows."""
         as_np = self.adapter.as_numpy
         for key, view in self.obs:
-            copy_into(view, as_np(obs.get(key)))  # keeps the GIL (see copy_into)
+            copy_into(view, as_np(obs.get(key)), key)  # keeps the GIL (see copy_into)
 
 
 def _fast_step(index, adapter, obs, actions):
@@ -246,7 +246,7 @@ def _step_into(adapter, actions, views):
     obs, reward, terminated, truncated = adapter.step(actions)
     as_np = adapter.as_numpy
     for key, view in views:
-        copy_into(view, as_np(obs.get(key)))
+        copy_into(view, as_np(obs.get(key)), key)
     return as_np(reward), terminated, truncated
 
 

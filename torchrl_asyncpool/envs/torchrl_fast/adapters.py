@@ -128,13 +128,13 @@ class TorchRLGymFastAdapter(TorchRLEnvAdapter):
         returns ``(reward, terminated, truncated)``."""
         rec, reward, terminated, truncated = self._gym_step(actions)
         for key, view in views:
-            copy_into(view, rec[key])
+            copy_into(view, rec[key], key)
         return reward, terminated, truncated
 
     def _planned_step_into(self, actions, views):
         rec, reward, terminated, truncated = self._planned_step(actions)
         for key, view in views:
-            copy_into(view, rec[key])
+            copy_into(view, rec[key], key)
         return reward, terminated, truncated
 
     def _direct_step_into(self, actions, views):
@@ -336,7 +336,7 @@ class VectorSubEnvAdapter:
         """:meth:`step` writing the record into ``views``; returns ``(reward, terminated, truncated)``."""
         rec, reward, terminated, truncated = self.step(actions)
         for key, view in views:
-            copy_into(view, rec[key])
+            copy_into(view, rec[key], key)
         return reward, terminated, truncated
 
     def random_action(self):

@@ -37,6 +37,7 @@ ap_index_buffer(PyObject *obj, Py_buffer *v, const char *what)
 static PyMethodDef native_functions[] = {
     {"copy_into", (PyCFunction)ap_copy_into, METH_VARARGS, ap_copy_into_doc},
     {"step_group", (PyCFunction)ap_step_group, METH_VARARGS, ap_step_group_doc},
+    {"set_obs_fallback", (PyCFunction)ap_set_obs_fallback, METH_O, ap_set_obs_fallback_doc},
     {"ring", (PyCFunction)ap_ring, METH_VARARGS, ap_ring_doc},
     {"drain", (PyCFunction)ap_drain, METH_O, ap_drain_doc},
     {"wait", (PyCFunction)ap_wait, METH_VARARGS, ap_wait_doc},

@@ -166,6 +166,8 @@ extern const char ap_copy_into_doc[];
 /* step_loop.c */
 PyObject *ap_step_group(PyObject *module, PyObject *args);
 extern const char ap_step_group_doc[];
+PyObject *ap_set_obs_fallback(PyObject *module, PyObject *fit);
+extern const char ap_set_obs_fallback_doc[];
 extern PyTypeObject ap_EngineType, ap_RowsType, ap_PassType;
 
 #endif

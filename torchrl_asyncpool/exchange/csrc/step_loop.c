@@ -24,21 +24,53 @@ monotonic_s(void)
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
-/* dst[...] = src: one memcpy for same-format C-contiguous buffers of up to NOGIL_BYTES (the copy
-   keeps the GIL, as copy_into's does), numpy's assignment for anything else. */
+/* What copies an observation that is not a same-format buffer of the row's shape: exchange.native's
+   fit_rows(dst, src, key), which converts what fits and raises for what does not (set by
+   set_obs_fallback when that module is imported); numpy's dst[...] = src until then. */
+static PyObject *obs_fallback = NULL;
+
+const char ap_set_obs_fallback_doc[] =
+             "set_obs_fallback(fit)\n\n"
+             "fit(dst, src, key) copies the observations step_group cannot memcpy (another dtype, shape or\n"
+             "type): it converts what fits the row and raises ValueError for what does not.";
+
+PyObject *
+ap_set_obs_fallback(PyObject *module, PyObject *fit)
+{
+    if (!PyCallable_Check(fit)) {
+        PyErr_SetString(PyExc_TypeError, "set_obs_fallback takes a callable fit(dst, src, key)");
+        return NULL;
+    }
+    Py_XSETREF(obs_fallback, Py_NewRef(fit));
+    Py_RETURN_NONE;
+}
+
 static int
-copy_obs(PyObject *dst, PyObject *src)
+fit_obs(PyObject *dst, PyObject *src, PyObject *key)
+{
+    if (obs_fallback == NULL) {
+        return PyObject_SetItem(dst, Py_Ellipsis, src);
+    }
+    PyObject *r = PyObject_CallFunctionObjArgs(obs_fallback, dst, src, key, NULL);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* dst[...] = src: one memcpy for same-format C-contiguous buffers of up to NOGIL_BYTES (the copy
+   keeps the GIL, as copy_into's does), fit_obs for anything else. key: the Dict space's key, or None. */
+static int
+copy_obs(PyObject *dst, PyObject *src, PyObject *key)
 {
     Py_buffer d, s;
     int same = 0;
     if (PyObject_GetBuffer(dst, &d, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         PyErr_Clear();
-        return PyObject_SetItem(dst, Py_Ellipsis, src);
+        return fit_obs(dst, src, key);
     }
     if (PyObject_GetBuffer(src, &s, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         PyErr_Clear();
         PyBuffer_Release(&d);
-        return PyObject_SetItem(dst, Py_Ellipsis, src);
+        return fit_obs(dst, src, key);
     }
     same = d.len == s.len && d.len <= NOGIL_BYTES && d.itemsize == s.itemsize && d.ndim == s.ndim &&
            strcmp(d.format ? d.format : "B", s.format ? s.format : "B") == 0;
@@ -50,7 +82,7 @@ copy_obs(PyObject *dst, PyObject *src)
     }
     PyBuffer_Release(&s);
     PyBuffer_Release(&d);
-    return same ? 0 : PyObject_SetItem(dst, Py_Ellipsis, src);
+    return same ? 0 : fit_obs(dst, src, key);
 }
 
 /* env.step's action for one slot: row[()] (a numpy scalar of a Discrete space's int64 row) when
@@ -86,13 +118,13 @@ step_one(PyObject *fast, PyObject *empty, PyObject **reward)
         for (Py_ssize_t m = 0; m < PyTuple_GET_SIZE(rows); m++) {
             PyObject *pair = PyTuple_GET_ITEM(rows, m);
             PyObject *value = PyObject_GetItem(obs, PyTuple_GET_ITEM(pair, 0));
-            int rc = value == NULL ? -1 : copy_obs(PyTuple_GET_ITEM(pair, 1), value);
+            int rc = value == NULL ? -1 : copy_obs(PyTuple_GET_ITEM(pair, 1), value, PyTuple_GET_ITEM(pair, 0));
             Py_XDECREF(value);
             if (rc < 0) {
                 goto done;
             }
         }
-    } else if (copy_obs(rows, obs) < 0) {
+    } else if (copy_obs(rows, obs, Py_None) < 0) {
         goto done;
     }
     int terminated = PyObject_IsTrue(PyTuple_GET_ITEM(out, 2));
