@@ -7,6 +7,7 @@ pairing and action routing, as for single envs.
 """
 import functools
 import os
+import re
 import signal
 import time
 
@@ -226,3 +227,32 @@ def test_a_slow_learner_holds_back_vector_envs_without_loss(kind):
         assert checker.records == 200
     finally:
         c.shutdown()
+
+
+class _OneRowShort(gym.vector.VectorWrapper):
+    """Its second step returns each observation entry for the first env only (``[1, ...]`` for
+    ``[k, ...]``): numpy would have copied that row into all ``k`` slots."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.steps = 0
+
+    def step(self, actions):
+        obs, *rest = self.env.step(actions)
+        self.steps += 1
+        if self.steps == 2:
+            obs = {key: value[:1] for key, value in obs.items()}
+        return (obs, *rest)
+
+
+def test_a_vector_env_observation_of_another_shape_is_its_error():
+    factories = [lambda: _OneRowShort(oracle_vector(0, 3))]
+    with AsyncEnvPool(factories) as pool:
+        with pytest.raises(EnvError) as info:
+            for _ in range(20):
+                td = pool.recv(min_get=3, timeout=30)
+                pool.send(TensorDict({"action": oracle_action(td["tag"])}, td.batch_size), td.env_indices)
+    err = info.value
+    assert err.phase == "step" and err.env_index == 0, str(err)
+    assert re.search(r"the env returned '\w+' of shape \(1,?\) and dtype \w+ where its observation spec declares "
+                     r"shape \(3,?", str(err)), str(err)

@@ -32,6 +32,7 @@ import numpy as np
 
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.doorbell import BellWait
+from torchrl_asyncpool.exchange.native import copy_into, fit_rows
 from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.workers.hosted_envs import check_life, close_reporting
 from torchrl_asyncpool.workers.stepper import _Block
@@ -264,9 +265,12 @@ class _Lockstep:
         """Copies the vector env's observations (of the envs in ``mask``) into the slots' rows."""
         for key, view in self.obs_rows:
             if mask is None:
-                view[...] = obs[key]
-            else:
-                view[mask] = obs[key][mask]
+                copy_into(view, obs[key], key)
+                continue
+            value = np.asarray(obs[key])
+            if value.shape != view.shape or value.dtype.kind not in "biufc":
+                fit_rows(view, value, key)  # raises: it names the entry and both layouts
+            view[mask] = value[mask]
 
     def _write_roots(self, at):
         """Claims a chunk for each env at positions ``at`` and copies its answered record and
