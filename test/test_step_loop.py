@@ -1,6 +1,7 @@
 """The pass loop's steps of plain gymnasium envs in C (``exchange.native.step_group``) against
 the Python loop: the same transitions, exactly once and in order, and the same failures."""
 import functools
+import re
 import sys
 
 import gymnasium as gym
@@ -230,3 +231,67 @@ def test_an_observation_of_another_type_that_fits_is_converted(dev_shm_guard):
     assert row.tolist() == [4, 3, 2, 1, 0]
     with pytest.raises(ValueError, match=r"'pixels' as a list \(\[1, None\]\)"):
         fit_rows(np.zeros(2), [1, None], key="pixels")
+
+
+class _BadReward(_FlatOracle):
+    """:class:`_FlatOracle` whose step number ``at`` returns ``bad`` as its reward."""
+
+    def __init__(self, env_id, at, bad):
+        super().__init__(env_id)
+        self.at, self.bad = at, bad
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        return obs, (self.bad if self.steps == self.at else reward), terminated, truncated, info
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+@pytest.mark.parametrize("bad, expected", [
+    (np.array([1.0, 2.0]), r"the env returned a reward of shape \(2,\); its reward spec holds one number a step"),
+    ("x", r"the env returned the reward 'x', which is not a number"),
+], ids=["two-numbers", "string"])
+def test_a_reward_that_is_not_one_number_names_its_env(exchange, bad, expected, dev_shm_guard):
+    # rewards are stored for a whole group of steps after the group ran: the error must name the
+    # env that returned the bad one (env 5, the second of its worker's four), not the group's last
+    factories = [functools.partial(_BadReward, i, at=6 if i == 5 else -1, bad=bad) for i in range(8)]
+    with pytest.raises(EnvError, match=r"env 5 raised during step") as info:
+        with AsyncEnvPool(factories, envs_per_worker=4, transition_chunk_size=4, exchange=exchange) as pool, \
+                served(pool, _answer_td):
+            for _ in range(50):
+                pool.take_transitions(16, timeout=30, check=pool.check_workers)
+    assert info.value.env_index == 5
+    assert re.search(expected, str(info.value)), str(info.value)
+
+
+class _OldApi(_FlatOracle):
+    """The gym < 0.26 API: ``reset`` returns the observation alone (``where="reset"``), or
+    ``step`` returns ``(obs, reward, done, info)`` from its third step (``where="step"``)."""
+
+    def __init__(self, env_id, where):
+        super().__init__(env_id)
+        self.where = where
+
+    def reset(self, *, seed=None, options=None):
+        obs, info = super().reset(seed=seed)
+        return obs if self.where == "reset" else (obs, info)
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.where == "step" and self.steps >= 3:
+            return obs, reward, terminated or truncated, info
+        return obs, reward, terminated, truncated, info
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+@pytest.mark.parametrize("where, expected", [
+    ("reset", r"(?s)raised during reset.*env\.reset must return \(observation, info\), as gymnasium envs do, "
+              r"got array"),
+    ("step", r"(?s)raised during step.*env\.step must return \(observation, reward, terminated, truncated, info\), "
+             r"got \(array"),
+], ids=["reset", "step"])
+def test_an_env_of_the_old_gym_api_is_told_what_to_return(exchange, where, expected, dev_shm_guard):
+    with pytest.raises(EnvError, match=expected):
+        with AsyncEnvPool([functools.partial(_OldApi, i, where) for i in range(4)], envs_per_worker=4,
+                          transition_chunk_size=4, exchange=exchange) as pool, served(pool, _answer_td):
+            for _ in range(20):
+                pool.take_transitions(16, timeout=30, check=pool.check_workers)

@@ -110,12 +110,12 @@ class GymnasiumEnvAdapter:
         set); returns a mapping ``key -> numpy array`` holding the observation."""
         if self._plan is not None:
             seed, options = self._plan.next_reset()
-            obs, _ = self.env.reset(seed=seed, options=options)
+            obs, _ = _reset_result(self.env.reset(seed=seed, options=options))
         elif self._first_seed is not None:
-            obs, _ = self.env.reset(seed=self._first_seed)
+            obs, _ = _reset_result(self.env.reset(seed=self._first_seed))
             self._first_seed = None
         else:  # no seed argument at all: some envs' reset() does not take one
-            obs, _ = self.env.reset()
+            obs, _ = _reset_result(self.env.reset())
         return self._obs(obs)
 
     def _planned_step(self, actions: Dict):
@@ -136,7 +136,7 @@ class GymnasiumEnvAdapter:
 
     def step(self, actions: Dict):
         """Steps with ``actions["action"]``; returns ``(obs, reward, terminated, truncated)``."""
-        obs, reward, terminated, truncated, _ = self.env.step(self._action_value(actions))
+        obs, reward, terminated, truncated, _ = _step_result(self.env.step(self._action_value(actions)))
         return self._obs(obs), reward, bool(terminated), bool(truncated)
 
     def step_into(self, actions: Dict, views):
@@ -148,7 +148,7 @@ class GymnasiumEnvAdapter:
             for key, view in views:
                 copy_into(view, obs[key], key)
             return reward, terminated, truncated
-        obs, reward, terminated, truncated, _ = self.env.step(self._action_value(actions))
+        obs, reward, terminated, truncated, _ = _step_result(self.env.step(self._action_value(actions)))
         if self._dict_obs:
             for key, view in views:
                 copy_into(view, obs[key], key)
@@ -235,16 +235,16 @@ class GymnasiumVectorAdapter(GymnasiumEnvAdapter):
         """Resets all ``k`` envs (sub-env ``j`` with the first seed ``+ j`` when set); returns the
         observations, each with a leading ``k``."""
         if self._first_seed is not None:
-            obs, _ = self.env.reset(seed=self._first_seed)  # sub-env j gets seed + j (gymnasium's rule)
+            obs, _ = _reset_result(self.env.reset(seed=self._first_seed))  # sub-env j gets seed + j (gymnasium's rule)
             self._first_seed = None
         else:
-            obs, _ = self.env.reset()
+            obs, _ = _reset_result(self.env.reset())
         return self._obs(obs)
 
     def step(self, actions: Dict):
         """Steps all ``k`` envs with ``actions["action"]`` (``[k, ...]``); returns
         ``(obs, reward, terminated, truncated)``, each with a leading ``k``."""
-        obs, reward, terminated, truncated, _ = self.env.step(actions["action"].copy())
+        obs, reward, terminated, truncated, _ = _step_result(self.env.step(actions["action"].copy()))
         return self._obs(obs), reward, terminated, truncated
 
     def step_some(self, actions: Dict, ready):
@@ -256,3 +256,19 @@ class GymnasiumVectorAdapter(GymnasiumEnvAdapter):
     def fileno(self) -> int:
         """For a vector env of partial steps: the descriptor readable when records are ready."""
         return self.env.fileno()
+
+
+def _reset_result(out):
+    """``env.reset``'s ``(observation, info)``, or a ``ValueError`` saying what the env returned
+    instead (an env of the old gym API returns the observation alone, which unpacking would
+    split along its first axis when that axis has two entries)."""
+    if out.__class__ is not tuple or len(out) != 2:
+        raise ValueError(f"env.reset must return (observation, info), as gymnasium envs do, got {out!r:.200}")
+    return out
+
+
+def _step_result(out):
+    """``env.step``'s 5-tuple, or the ``ValueError`` the C step loop raises for anything else."""
+    if out.__class__ is not tuple or len(out) != 5:
+        raise ValueError(f"env.step must return (observation, reward, terminated, truncated, info), got {out!r:.200}")
+    return out

@@ -36,7 +36,7 @@ from torchrl_asyncpool.exchange.doorbell import Doorbell
 from torchrl_asyncpool.exchange.native import pass_stores
 from torchrl_asyncpool.step_type import StepType
 
-__all__ = ["RecordWriter", "RESTARTED_KEY"]
+__all__ = ["RecordWriter", "RESTARTED_KEY", "RewardError"]
 
 _FIRST, _TERM, _TRUNC = int(StepType.FIRST), int(StepType.TERMINATION), int(StepType.TRUNCATION)
 #: the request entry that marks a record produced by an env restart (``on_env_failure="restart"``)
@@ -177,28 +177,47 @@ class RecordWriter:
         else:
             stored = False
         if not stored:  # the reference stores (also a reward that is not one number)
-            if k == 1:  # scalar stores cost less than fancy indexing
-                i = idx[0]
-                self.reward[i] = self._rewards[0]
-                self._store_step_types(i, self._sts[0])
-                self.step_time[i] += self._times[0]
-                self.step_count[i] += 1
-            else:
-                rows = np.array(idx, np.int64)
-                try:
-                    self.reward[rows] = np.asarray(self._rewards, self.reward.dtype).reshape(
-                        (k, *self.reward.shape[1:]))
-                except ValueError:  # rewards of mixed shapes (a float here, a [1] array there): one by one
-                    for i, r in zip(idx, self._rewards):
-                        self.reward[i] = r
-                self._store_step_types(rows, np.array(self._sts, np.int8))
-                self.step_time[rows] += self._times
-                self.step_count[rows] += 1
+            try:
+                self._store_reference(k, idx)
+            except (TypeError, ValueError):  # a reward the row cannot hold: name its env
+                for i, r in zip(idx, self._rewards):
+                    self._check_reward(i, r)
+                raise
         self._stored.extend(idx)
         idx.clear()
         self._sts.clear()
         self._rewards.clear()
         self._times.clear()
+
+    def _store_reference(self, k, idx) -> None:
+        if k == 1:  # scalar stores cost less than fancy indexing
+            i = idx[0]
+            self.reward[i] = self._rewards[0]
+            self._store_step_types(i, self._sts[0])
+            self.step_time[i] += self._times[0]
+            self.step_count[i] += 1
+            return
+        rows = np.array(idx, np.int64)
+        try:
+            self.reward[rows] = np.asarray(self._rewards, self.reward.dtype).reshape((k, *self.reward.shape[1:]))
+        except ValueError:  # rewards of mixed shapes (a float here, a [1] array there): one by one
+            for i, r in zip(idx, self._rewards):
+                self.reward[i] = r
+        self._store_step_types(rows, np.array(self._sts, np.int8))
+        self.step_time[rows] += self._times
+        self.step_count[rows] += 1
+
+    def _check_reward(self, i: int, reward) -> None:
+        """Raises :class:`RewardError` for slot ``i`` if ``reward`` is not a number its row holds."""
+        shape = self.reward.shape[1:]
+        try:
+            value = np.asarray(reward, self.reward.dtype)
+        except (TypeError, ValueError) as exc:
+            raise RewardError(i, f"the env returned the reward {reward!r:.60}, which is not a number "
+                                 f"({exc}).") from None
+        if value.size != int(np.prod(shape)):
+            raise RewardError(i, f"the env returned a reward of shape {value.shape}; its reward spec holds one "
+                                 f"number a step (shape {tuple(shape)}).")
 
     def publish(self) -> None:
         """Publishes every record staged or stored since the last publish: ready times, then
@@ -249,3 +268,13 @@ class RecordWriter:
         self.terminated[target] = flag == _TERM
         self.truncated[target] = flag == _TRUNC
         self.done[target] = flag >= _TERM
+
+
+class RewardError(ValueError):
+    """A reward the env returned that its slot cannot hold (not a number, or too many); raised
+    while records are stored, after the step that returned it, so it carries the slot of the env
+    that did (``env_slot``) for the worker to name instead of the last env it stepped."""
+
+    def __init__(self, env_slot: int, message: str):
+        super().__init__(message)
+        self.env_slot = env_slot

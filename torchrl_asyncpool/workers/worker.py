@@ -319,6 +319,7 @@ def run_worker(worker_id, slot_ids, env_fns, env_kwargs, layout, arena_fd, bell_
         tb = exc.tb if isinstance(exc, DeferredEnvError) else traceback.format_exc()
         phase = worker._phase if worker is not None else "start-up"
         index = worker._current if worker is not None and worker._current is not None else slot_ids[0]
+        index = getattr(exc, "env_slot", index)  # a record's error names its own env (RewardError)
         try:
             if worker is not None and worker.started:
                 worker.arena.write_error(index, f"{phase}\n{tb}")
