@@ -231,7 +231,8 @@ def step_group(exchange: str):
 
     The function, ``step_group(stepper, fast, start, idx, sts, rewards, times, slow_s, hold_s)``,
     steps ``fast[start:]`` (one tuple per slot, see ``workers.stepper._fast_step``), copies
-    each observation into its slot's row and appends each record to the four staging lists a
+    each observation into its slot's row (by :func:`fit_rows` where it is not an array of the
+    row's dtype and shape) and appends each record to the four staging lists a
     :class:`~torchrl_asyncpool.workers.record_writer.RecordWriter` hands out for it
     (``RecordWriter.plain_staging``: only while its ``add`` would append nothing more, i.e.
     no recurrent inputs and no restart flags), as its ``add`` does; it

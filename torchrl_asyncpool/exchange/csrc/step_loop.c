@@ -6,7 +6,8 @@
  * more: no recurrent inputs, no restart flags), as GymnasiumEnvAdapter.step_into and
  * RecordWriter.add do in Python.
  * What stays Python: the env's step itself (a call of its bound method) and the copy of an
- * observation that is not a same-format C-contiguous buffer (numpy converts it). Only the
+ * observation that is not a same-format C-contiguous buffer of the row's shape (exchange.native's
+ * fit_rows converts it, or refuses another shape). Only the
  * worker's pass-loop thread calls it, with the GIL held throughout.
  */
 #include "native.h"
