@@ -275,7 +275,7 @@ def _row_bytes(a: np.ndarray) -> int:
 _NUMBER_KINDS = frozenset("biufc")
 
 
-def fit_rows(dst: np.ndarray, src, key=None) -> None:
+def fit_rows(dst: np.ndarray, src, key=None, rows=None) -> None:
     """``dst[...] = src`` for a value that must have ``dst``'s shape: numpy casts its dtype to
     ``dst``'s, but a value of another shape (which numpy would broadcast: a scalar, ``(1, n)`` for
     ``(n,)``) or not numeric (``None`` would become NaN) is refused with a ``ValueError`` naming
@@ -286,6 +286,9 @@ def fit_rows(dst: np.ndarray, src, key=None) -> None:
         dst (np.ndarray): the slot's row (its shape and dtype come from the env's spec).
         src: the value the env returned (an array, a list, a number).
         key (optional): the observation entry, named in the error (a Dict space's key).
+        rows (optional): an index of ``dst``'s first axis: only those rows are written (the
+            envs of a vector env that were stepped), from the same rows of ``src``, which must
+            still have ``dst``'s whole shape.
 
     Examples:
         >>> import numpy as np
@@ -304,7 +307,10 @@ def fit_rows(dst: np.ndarray, src, key=None) -> None:
     """
     value = np.asarray(src)
     if value.shape == dst.shape and value.dtype.kind in _NUMBER_KINDS:
-        dst[...] = value
+        if rows is None:
+            dst[...] = value
+        else:
+            dst[rows] = value[rows]
         return
     what = "an observation" if key is None else repr(key)
     if src is None:

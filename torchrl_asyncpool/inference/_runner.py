@@ -208,7 +208,7 @@ class KeyRunner:
                 hint += f" {dtypes}" if dtypes else ""
                 raise ValueError(
                     f"policy {name!r} failed on a zero batch of {rows} records built from the "
-                        f"pool's request layout {{{layout_repr(self.input_fields)}}}: "
+                    f"pool's request layout {{{layout_repr(self.input_fields)}}}: "
                     f"{type(exc).__name__}: {str(exc).rstrip('.')}.{hint}"
                 ) from exc
             for (key, shape, dtype) in self.response_fields:

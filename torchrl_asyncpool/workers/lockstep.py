@@ -266,11 +266,8 @@ class _Lockstep:
         for key, view in self.obs_rows:
             if mask is None:
                 copy_into(view, obs[key], key)
-                continue
-            value = np.asarray(obs[key])
-            if value.shape != view.shape or value.dtype.kind not in "biufc":
-                fit_rows(view, value, key)  # raises: it names the entry and both layouts
-            view[mask] = value[mask]
+            else:
+                fit_rows(view, obs[key], key, rows=mask)
 
     def _write_roots(self, at):
         """Claims a chunk for each env at positions ``at`` and copies its answered record and

@@ -484,8 +484,9 @@ const char ap_copy_into_doc[] =
              "copy_into(dst, src) -> bool\n\n"
              "dst[...] = src for two C-contiguous buffers of the same format and shape: copied (without\n"
              "the GIL only above 256 KiB) and True; False, with nothing copied, for anything else (the\n"
-             "caller then converts it, or refuses another shape: exchange.native.fit_rows). numpy lets the GIL go for every copy of\n"
-             "more than 500 elements, and in a threaded worker another env thread then takes it.";
+             "caller then converts it, or refuses another shape: exchange.native.fit_rows). numpy lets\n"
+             "the GIL go for every copy of more than 500 elements, and in a threaded worker another env\n"
+             "thread then takes it.";
 
 PyObject *
 ap_copy_into(PyObject *module, PyObject *args)
