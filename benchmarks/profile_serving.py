@@ -124,7 +124,8 @@ def build_server(actor: str):
     # (unpinned) thread is not timed against 64 spinning workers on a small machine; a collector
     # keeps its serving thread off the workers' CPUs instead (its "auto" partition)
     pool = AsyncEnvPool([make_cartpole] * NUM_ENVS, policy_output_spec=layout.outputs,
-                        recurrent_state=layout.recurrent, seed=0, idle_poll=False)
+                        recurrent_state=layout.recurrent, seed=0, idle_poll=False,
+                         envs_per_worker="auto")
     dtypes = {k: pool.layout_dtype(k) for k in pool.action_keys}
     acting.action_checks = action_checks(pool.full_action_spec, dtypes)
     acting.carry = layout.recurrent_keys

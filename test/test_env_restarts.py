@@ -2,13 +2,16 @@
 nothing lost or duplicated (the oracle env proves it), every cut episode ending in one marked
 TRUNCATION, and a budget past which the env's error is raised as without restarts."""
 import functools
+import re
 
+import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
 
 from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, EnvError, StepType
-from torchrl_asyncpool.testing import OracleChecker, OracleEnv, oracle_action
+from torchrl_asyncpool.testing import OracleChecker, OracleEnv, OracleGymEnv, oracle_action
 
 UNLIMITED = dict(on_env_failure="restart", max_restarts_per_env=10_000, max_restarts=None)
 
@@ -206,6 +209,100 @@ def test_collector_over_failing_vector_envs_delivers_total_frames_exactly_once(k
     finally:
         c.shutdown()
 
+
+
+class _BadOutput(OracleGymEnv):
+    """An oracle env whose step number ``bad_at_step`` (counted in each build) returns what its
+    rows cannot hold: a reward of two numbers, or an observation entry ``key`` one entry short."""
+
+    def __init__(self, env_id, bad_at_step, what, key="tag"):
+        super().__init__(env_id)
+        self.bad_at_step, self.what, self.key = bad_at_step, what, key
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.total_steps == self.bad_at_step:
+            if self.what == "reward":
+                reward = np.array([reward, 0.0])
+            else:
+                obs[self.key] = obs[self.key][:-1]
+        return obs, reward, terminated, truncated, info
+
+
+_BAD_OUTPUT_CAUSES = {
+    "reward": r"the env returned a reward of shape \(2,\); its reward spec holds one number a step",
+    "tag": r"the env returned 'tag' of shape \(2,\) and dtype int64 where its observation spec declares shape "
+           r"\(3,\)",
+    "observation": r"the env returned 'observation' of shape \(1,\) and dtype float32 where its observation spec "
+                   r"declares shape \(2,\)",
+}
+
+
+@pytest.mark.parametrize("what", list(_BAD_OUTPUT_CAUSES))
+@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (3, False), (3, True)])
+def test_an_env_output_its_rows_cannot_hold_is_restarted_like_a_raise(what, envs_per_worker, env_threads,
+                                                                      dev_shm_guard):
+    # the reward is checked at the step, not when the pass's records are stored: with restarts on,
+    # it is that env's failure like a raise, and the records stay exact (the oracle)
+    checker = OracleChecker()
+    factories = [functools.partial(_BadOutput, i, bad_at_step=9, what="reward" if what == "reward" else "obs",
+                                   key=what) for i in range(6)]
+    with AsyncEnvPool(factories, envs_per_worker=envs_per_worker, env_threads=env_threads, **UNLIMITED) as pool:
+        _drive(pool, checker, 200)
+        info = pool.restart_info()
+    assert checker.records >= 200 and checker.restarts >= 6
+    assert set(info) == set(range(6))
+    for _, cause in info.values():
+        assert re.search(_BAD_OUTPUT_CAUSES[what], cause), cause[-400:]
+
+
+class _BadVectorOutput(gym.vector.VectorWrapper):
+    """A vector env whose step number ``bad_at_step`` (in each build) returns what its rows cannot
+    hold: rewards of two numbers an env, an observation entry for its first env only, or one
+    ``terminated`` flag for all its envs."""
+
+    def __init__(self, env, bad_at_step, what):
+        super().__init__(env)
+        self.bad_at_step, self.what, self.steps = bad_at_step, what, 0
+
+    def step(self, actions):
+        obs, rewards, terminated, truncated, info = self.env.step(actions)
+        self.steps += 1
+        if self.steps == self.bad_at_step:
+            if self.what == "rewards":
+                rewards = np.stack([rewards, rewards], axis=-1)
+            elif self.what == "observation":
+                obs = {**obs, "observation": obs["observation"][:1]}
+            else:
+                terminated = bool(terminated.any())
+        return obs, rewards, terminated, truncated, info
+
+
+@pytest.mark.parametrize("what, cause", [
+    ("rewards", r"the vector env returned rewards of shape \(3, 2\) for its 3 envs; their reward spec holds one "
+                r"number an env a step"),
+    ("observation", r"the env returned 'observation' of shape \(1, 2\) and dtype float32 where its observation "
+                    r"spec declares shape \(3, 2\)"),
+    ("terminated", r"the vector env returned terminated of shape \(\) for its 3 envs; one flag an env was expected"),
+])
+def test_a_vector_env_output_its_rows_cannot_hold_is_rebuilt_whole(what, cause, dev_shm_guard):
+    # checked before any row is written, so that the rebuild's truncations stand at the last
+    # observation (the oracle checks them)
+    def make(base):
+        envs = [functools.partial(OracleGymEnv, env_id=base + j) for j in range(3)]
+        return _BadVectorOutput(gym.vector.SyncVectorEnv(envs), bad_at_step=7, what=what)
+
+    checker = OracleChecker()
+    with AsyncEnvPool([functools.partial(make, 0), functools.partial(make, 3)], **UNLIMITED) as pool:
+        for _ in range(200):
+            td = pool.recv(min_get=1)
+            checker.observe_batch(td)
+            pool.send(TensorDict({"action": oracle_action(td["tag"])}, td.batch_size), td.env_indices)
+        info = pool.restart_info()
+    assert checker.records >= 200 and checker.restarts >= 2 * 3
+    assert set(info) == {0, 3}
+    for _, text in info.values():
+        assert re.search(cause, text), text[-400:]
 
 
 @pytest.mark.slow

@@ -121,8 +121,8 @@ class _Lockstep:
         dt = time.perf_counter() - t
         if not answered.any():
             return
-        st = episodes.step_types(np.asarray(term, bool), np.asarray(trunc, bool))
-        rew = np.array(rew, writer.reward.dtype).reshape(self.reward_shape)  # a copy: FIRST rows are zeroed
+        st = episodes.step_types(self._flags(term, "terminated"), self._flags(trunc, "truncated"))
+        rew = self._rewards(rew)
         rew[ended] = 0
         stepping = np.flatnonzero(answered & ~ended)
         moving, chunk_rows = self._write_roots(stepping)
@@ -143,8 +143,7 @@ class _Lockstep:
         if worker.resuming:  # the new env's reset waits (see _Stepper.resume_slot)
             for slot in self.slots:
                 stepper.take_over(slot)
-            held = {key: np.array(obs[key]) for key, _ in self.obs_rows}
-            self.episodes.taken_over(writer.step_type[self.rows], held)
+            self.episodes.taken_over(writer.step_type[self.rows], self._held(obs))
         else:
             self.write_obs(obs)
             writer.add_block(self.lo, self.first, None, time.perf_counter() - t)
@@ -185,12 +184,12 @@ class _Lockstep:
         t = time.perf_counter()
         try:
             obs = self.worker.vector.reset_some(ended)
+            self.write_obs(obs, ended)  # an observation its rows cannot hold is the env's failure too
         except Exception:
             if self.worker.restarts is None:
                 raise
             self.rebuild("reset")
             return
-        self.write_obs(obs, ended)
         self.writer.add_block(self.lo, self.first, None, time.perf_counter() - t, ended)
         self.writer.publish()
         self.episodes.reset_done()
@@ -208,6 +207,14 @@ class _Lockstep:
         t = time.perf_counter()
         try:
             obs, rew, term, trunc = self.worker.vector.step(self.actions)
+            dt = time.perf_counter() - t
+            # what the env returned is checked before anything is written, so that a restart's
+            # truncations stand at the last observation: a reward or an observation that its rows
+            # cannot hold is the env's failure, restarted like a raise
+            st = episodes.step_types(self._flags(term, "terminated"), self._flags(trunc, "truncated"))
+            rew = self._rewards(rew)
+            rew[ended] = 0
+            self.write_obs(obs)
         except Exception:
             if self.worker.restarts is None:
                 raise
@@ -215,11 +222,6 @@ class _Lockstep:
             self._write_nexts(moving, stepping, chunk_rows)  # the cut episodes' truncations, as "next"
             writer.publish()
             return
-        dt = time.perf_counter() - t
-        st = episodes.step_types(np.asarray(term, bool), np.asarray(trunc, bool))
-        rew = np.array(rew, writer.reward.dtype).reshape(self.reward_shape)  # a copy: FIRST rows are zeroed
-        rew[ended] = 0
-        self.write_obs(obs)
         writer.add_block(self.lo, st, rew, dt)
         self._write_nexts(moving, stepping, chunk_rows)  # copied from the request rows, which are ours
         writer.publish()
@@ -246,7 +248,7 @@ class _Lockstep:
                 failed = adapter = stepper.replacement(lo, worker.vector_factory, r, num_envs=k)
                 stepper.note("reset", lo)
                 t = time.perf_counter()
-                obs = adapter.reset()
+                held = self._held(adapter.reset())  # until the next pass
                 dt = time.perf_counter() - t
             except Exception:  # noqa: BLE001 - a failed rebuild is one more failure of this env
                 tb, phase = traceback.format_exc(), "construction"
@@ -256,18 +258,56 @@ class _Lockstep:
         for slot in self.slots:
             slot.adapter = adapter
         stepper.note_restart(lo, phase, tb, r)
-        held = {key: np.array(obs[key]) for key, _ in self.obs_rows}  # held until the next pass: a copy
         truncated = self.episodes.rebuilt(held)
         self.writer.add_block(lo, np.full(k, _TRUNC, np.int8), None, dt, truncated, restarted=True)
 
     # -- rows ---------------------------------------------------------------------------------
     def write_obs(self, obs, mask=None) -> None:
-        """Copies the vector env's observations (of the envs in ``mask``) into the slots' rows."""
+        """Copies the vector env's observations (of the envs in ``mask``) into the slots' rows.
+        Every entry's shape is checked before the first is written (``ValueError`` from
+        ``fit_rows``), so that a refused observation leaves the rows as they were."""
+        if len(self.obs_rows) > 1:
+            for key, view in self.obs_rows:
+                if np.shape(obs[key]) != view.shape:
+                    fit_rows(np.empty_like(view), obs[key], key)  # raises, naming the entry
         for key, view in self.obs_rows:
             if mask is None:
                 copy_into(view, obs[key], key)
             else:
                 fit_rows(view, obs[key], key, rows=mask)
+
+    def _held(self, obs) -> dict:
+        """A reset's observations, copied (checked and cast as :meth:`write_obs` does) to be
+        written by a later pass."""
+        held = {}
+        for key, view in self.obs_rows:
+            held[key] = np.empty_like(view)
+            copy_into(held[key], obs[key], key)
+        return held
+
+    def _rewards(self, rew) -> np.ndarray:
+        """The step's rewards as a fresh array of the block's reward rows (FIRST rows are zeroed
+        in it); ``ValueError`` for rewards of another count or not numbers."""
+        dtype = self.writer.reward.dtype
+        try:
+            out = np.array(rew, dtype)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"the vector env returned the rewards {rew!r:.80}, which are not numbers "
+                             f"({exc}).") from None
+        if out.size != int(np.prod(self.reward_shape)):
+            raise ValueError(f"the vector env returned rewards of shape {out.shape} for its {self.k} envs; their "
+                             f"reward spec holds one number an env a step (shape {self.reward_shape}).")
+        return out.reshape(self.reward_shape)
+
+    def _flags(self, value, name) -> np.ndarray:
+        """``terminated`` or ``truncated`` of a step as ``k`` bools; ``ValueError`` for another count."""
+        flags = np.asarray(value, bool)
+        if flags.shape != (self.k,):
+            flags = flags.reshape(-1) if flags.size == self.k else None
+        if flags is None:
+            raise ValueError(f"the vector env returned {name} of shape {np.shape(value)} for its {self.k} envs; "
+                             f"one flag an env was expected (shape ({self.k},)).")
+        return flags
 
     def _write_roots(self, at):
         """Claims a chunk for each env at positions ``at`` and copies its answered record and

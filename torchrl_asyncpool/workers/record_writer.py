@@ -181,7 +181,7 @@ class RecordWriter:
                 self._store_reference(k, idx)
             except (TypeError, ValueError):  # a reward the row cannot hold: name its env
                 for i, r in zip(idx, self._rewards):
-                    self._check_reward(i, r)
+                    self.check_reward(i, r)
                 raise
         self._stored.extend(idx)
         idx.clear()
@@ -207,7 +207,7 @@ class RecordWriter:
         self.step_time[rows] += self._times
         self.step_count[rows] += 1
 
-    def _check_reward(self, i: int, reward) -> None:
+    def check_reward(self, i: int, reward) -> None:
         """Raises :class:`RewardError` for slot ``i`` if ``reward`` is not a number its row holds."""
         shape = self.reward.shape[1:]
         try:
@@ -271,9 +271,10 @@ class RecordWriter:
 
 
 class RewardError(ValueError):
-    """A reward the env returned that its slot cannot hold (not a number, or too many); raised
-    while records are stored, after the step that returned it, so it carries the slot of the env
-    that did (``env_slot``) for the worker to name instead of the last env it stepped."""
+    """A reward the env returned that its slot cannot hold (not a number, or too many). Raised
+    while records are stored, after the step that returned it (with restarts on, at the step:
+    :meth:`RecordWriter.check_reward`), so it carries the slot of the env that did
+    (``env_slot``) for the worker to name instead of the last env it stepped."""
 
     def __init__(self, env_slot: int, message: str):
         super().__init__(message)

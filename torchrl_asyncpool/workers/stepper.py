@@ -62,7 +62,8 @@ _SLOW_STEP_S = 200e-6
 _FIRST, _MID, _TERM, _TRUNC = (
     int(StepType.FIRST), int(StepType.MID), int(StepType.TERMINATION), int(StepType.TRUNCATION)
 )
-
+#: rewards that are one number as they stand (anything else is checked against its row with restarts on)
+_NUMBERS = frozenset({float, int, np.float64, np.float32})
 
 
 def _ends(st):
@@ -186,7 +187,7 @@ class _Slot:
     """Everything one hosted env needs on the hot path, resolved once."""
 
     __slots__ = ("index", "adapter", "obs", "actions", "step_into", "fast", "ended", "pending_first", "pending_error",
-                 "reset_dt", "chunks", "chunk", "pos", "seq", "factory", "reborn", "cut")
+                 "reset_dt", "chunks", "chunk", "pos", "seq", "factory", "reborn", "cut", "saved_obs")
 
     def __init__(self, index, adapter, arena):
         self.index = index
@@ -219,6 +220,9 @@ class _Slot:
         # step_into(actions, obs views) -> (reward, terminated, truncated), the observation written
         self.step_into = getattr(adapter, "step_into", None) or functools.partial(_step_into, adapter)
         self.fast = _fast_step(index, adapter, self.obs, self.actions)
+        # with restarts on: a copy of the observation rows taken before each step, put back when
+        # the step fails (allocated by the stepper at the first such step)
+        self.saved_obs = None
 
     def write_obs(self, obs):
         """Copies an observation (as the adapter's ``step``/``reset`` return it) into the slot's rows."""
@@ -358,11 +362,26 @@ class _Stepper:
         """Steps ``slot``'s env into its rows: ``(reward, step type, restarted)``. With restarts on,
         an env that raises is rebuilt and its episode ends as a truncation (reward 0, marked as a
         restart's) at its last observation, which the failed step did not touch."""
+        saved = slot.saved_obs
+        if saved is None and self.restarts is not None:
+            saved = slot.saved_obs = [(view, np.empty_like(view)) for _, view in slot.obs]
         try:
+            if saved is not None:
+                for view, copy in saved:
+                    np.copyto(copy, view)
             reward, terminated, truncated = slot.step_into(slot.actions, slot.obs)
+            if saved is not None and reward.__class__ not in _NUMBERS:
+                # checked here, not when the pass's records are stored, so that a reward its row
+                # cannot hold is this env's failure, restarted like a raise
+                self.writer.check_reward(slot.index, reward)
         except Exception:
             if self.restarts is None:
                 raise
+            # the step may have written part of its observation (an entry of another shape
+            # refused after the others, a bad reward after all of them): the truncation stands
+            # at the last observation
+            for view, copy in saved:
+                np.copyto(view, copy)
             self._rebuild(slot, "step")
             self.note("step", slot.index)
             return None, _TRUNC, True
