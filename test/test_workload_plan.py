@@ -179,9 +179,58 @@ def test_a_drifting_env_step_starts_a_round_at_once():
     assert (d.choice, d.timeout) == ("greedy", 0.0)
 
 
-def test_a_policy_swapped_for_a_costlier_one_starts_a_round_at_once():
+def _policy_clock():
+    """A :class:`_Clock` whose deadline also takes the server's ``(policy seconds, records served,
+    policy calls)``; returns ``(clock, window)``, ``window(rate, policy_s, batch)`` one window of
+    ``rate`` env steps/s served at ``policy_s`` a record in batches of ``batch``."""
     clock = _Clock(2e-3)
-    policy = [0.0, 0]  # the server's (policy seconds, records served)
+    policy = [0.0, 0, 0]
+    clock.deadline = FlushDeadline(1, now=0.0, sums=(0.0, 0), policy_sums=tuple(policy))
+
+    def window(rate, policy_s, batch=4):
+        n = int(rate * TRIAL_WINDOW_S)
+        policy[0] += n * policy_s
+        policy[1] += n
+        policy[2] += n // batch
+        clock.t += TRIAL_WINDOW_S
+        clock.count += n
+        clock.total += n * clock.step_s
+        clock.deadline.look(clock.t, (clock.total, clock.count), tuple(policy))
+        return clock.deadline
+
+    for _ in range(SETTLE_WINDOWS + 1):  # settling, then the window that starts the round
+        window(1_000, 20e-6)
+    for _ in range(TRIAL_WINDOWS):  # waiting wins; fuller batches cost less per record than greedy's
+        d = window(1_500 if clock.deadline.timeout > 0 else 1_000, 10e-6 if clock.deadline.timeout > 0 else 30e-6)
+    assert d.choice == "wait" and d.rounds == 1
+    for _ in range(3):  # the decision's own batches: no drift (the reference is taken under it)
+        assert window(1_500, 10e-6).choice == "wait"
+    assert d.measured_policy_s == pytest.approx(10e-6) and d.measured_policy_call_s == pytest.approx(40e-6, rel=0.01)
+    return clock, window
+
+
+def test_a_policy_swapped_for_a_costlier_one_starts_a_round_at_once():
+    clock, window = _policy_clock()
+    d = window(1_500, 40e-6)  # the same envs and batches, a policy 4x costlier per record and per call
+    assert d.choice == "trial" and d.measured_policy_s == pytest.approx(40e-6)
+
+
+def test_fuller_batches_of_a_cheap_policy_are_no_drift():
+    # a cheap policy costs about the same per call whatever the batch: batches of 10 instead of 4
+    # (as a pool warming up under the decision to wait gives) cost it 2.5x less per record
+    clock, window = _policy_clock()
+    for _ in range(5):
+        d = window(1_500, 4e-6, batch=10)
+        assert d.choice == "wait", d.measured_policy_s
+    assert d.measured_policy_s == pytest.approx(4e-6) and d.measured_policy_call_s == pytest.approx(40e-6, rel=0.01)
+    # ... and a costly one costs the same per record: twice the batch is twice the call, no drift either
+    d = window(1_500, 10e-6, batch=10)
+    assert d.choice == "wait"
+
+
+def test_without_its_calls_the_policy_drifts_by_its_cost_per_record():
+    clock = _Clock(2e-3)
+    policy = [0.0, 0]  # (policy seconds, records served): a server that counts no calls
     clock.deadline = FlushDeadline(1, now=0.0, sums=(0.0, 0), policy_sums=tuple(policy))
 
     def window(rate, policy_s):
@@ -193,16 +242,13 @@ def test_a_policy_swapped_for_a_costlier_one_starts_a_round_at_once():
         clock.deadline.look(clock.t, (clock.total, clock.count), tuple(policy))
         return clock.deadline
 
-    for _ in range(SETTLE_WINDOWS + 1):  # settling, then the window that starts the round
+    for _ in range(SETTLE_WINDOWS + 1):
         window(1_000, 20e-6)
-    for _ in range(TRIAL_WINDOWS):  # waiting wins; fuller batches cost less per record than greedy's
-        d = window(1_500 if clock.deadline.timeout > 0 else 1_000, 10e-6 if clock.deadline.timeout > 0 else 30e-6)
-    assert d.choice == "wait" and d.rounds == 1
-    for _ in range(3):  # the decision's own batches: no drift (the reference is taken under it)
-        assert window(1_500, 10e-6).choice == "wait"
-    assert d.measured_policy_s == pytest.approx(10e-6)
-    d = window(1_500, 40e-6)  # the same envs, a policy 4x costlier per record
-    assert d.choice == "trial" and d.measured_policy_s == pytest.approx(40e-6)
+    for _ in range(TRIAL_WINDOWS):
+        d = window(1_500 if clock.deadline.timeout > 0 else 1_000, 10e-6)
+    assert d.choice == "wait"
+    assert window(1_500, 10e-6).choice == "wait" and d.measured_policy_call_s is None
+    assert window(1_500, 40e-6).choice == "trial"
 
 
 def test_a_window_with_too_few_steps_stays_open():

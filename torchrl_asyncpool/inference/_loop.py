@@ -141,7 +141,8 @@ class ServingLoop:
         return float(self._step_time.sum()), int(self._step_count.sum())
 
     def _policy_sums(self) -> tuple:
-        """``(policy seconds, records served)`` so far: the policy's cost per record."""
+        """``(policy seconds, records served, policy calls)`` so far: the policy's cost per record
+        and per call."""
         return self.stats.policy_sums()
 
     @property

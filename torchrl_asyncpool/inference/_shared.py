@@ -308,9 +308,9 @@ class StatsBlock:
         a[o + _K_POLICY] += policy_s
 
     def policy_sums(self) -> tuple:
-        """``(seconds in the policy, records served)`` since the server started."""
+        """``(seconds in the policy, records served, policy calls)`` since the server started."""
         a = self._sums
-        return float(a[_G_POLICY]), int(a[_G_FRAMES])
+        return float(a[_G_POLICY]), int(a[_G_FRAMES]), int(a[_G_BATCHES])
 
     def set_version(self, k, version):
         self.array[_GLOBAL + _PER_KEY * k + _K_VERSION] = version

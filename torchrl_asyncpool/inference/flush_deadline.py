@@ -30,12 +30,17 @@ window of a noisy minute, or the slow start of 64 envs: one round on Atari measu
 and 1,219 frames/s) is tried again after :data:`UNSURE_HOLD_S`, up to :data:`UNSURE_RETRIES`
 times in a row, instead of held for :data:`HOLD_S`.
 
-A mean env step, or a policy cost per record, that moves by more than 2x since the decision
-starts new trials at once (an env whose steps got slower, a policy that got costlier: either
-changes what a fuller batch saves).
+A mean env step that moves by more than 2x since the decision starts new trials at once (an env
+whose steps got slower changes what a fuller batch saves), and so does a policy whose cost moved
+by more than 2x both per record and per call (a policy swapped for a bigger or smaller one). One
+of the two alone is no drift: the batches' size moves it. A cheap policy costs about the same per
+call whatever the batch, so its cost per record halves when its batches double, which the
+decision to wait itself does while a pool warms up (measured on Atari with 16 envs: 30.7 -> 13.3
+us a record); a costly one costs the same per record, so its cost per call doubles.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Dict, List, Optional
 
@@ -65,6 +70,8 @@ UNSURE_HOLD_S = 1.0
 UNSURE_RETRIES = 2
 #: waiting must beat greedy by this fraction of greedy's rate (ties go to greedy: less latency)
 WAIT_MARGIN = 0.02
+_log = logging.getLogger(__name__)
+
 #: the fewest env steps a window must see to count (fewer: the window is measured again)
 _MIN_STEPS = 32
 #: a mean env step this many times larger or smaller than at the decision starts a new round
@@ -79,15 +86,18 @@ class FlushDeadline:
             :func:`~torchrl_asyncpool.inference.auto_flush_timeout`).
         now (float): the clock at creation (``time.monotonic()``).
         sums (tuple): ``(total env step seconds, env steps)`` at creation.
-        policy_sums (tuple, optional): ``(total policy seconds, records served)`` at creation;
-            given here, :meth:`look` takes them too and a drift of the policy's cost per record
-            starts a round like a drift of the env step.
+        policy_sums (tuple, optional): ``(total policy seconds, records served, policy calls)``
+            at creation; given here, :meth:`look` takes them too and a drift of the policy's cost
+            per record and per call starts a round like a drift of the env step (without the
+            calls, the cost per record alone).
 
     Attributes:
         timeout (float): the deadline in force (seconds; ``0``: greedy).
         measured_step_s (float or None): the mean env step of the last window.
         measured_policy_s (float or None): the policy's seconds per record served in the last
             window (``None``: not measured).
+        measured_policy_call_s (float or None): the policy's seconds per call in the last window
+            (``None``: not measured, or no calls counted).
         choice (str): ``"greedy"`` (cheap envs, or greedy won), ``"wait"`` (the deadline won),
             ``"trial"`` (a round is running), ``"settling"`` (served greedily for the first
             :data:`SETTLE_WINDOWS` windows of a costly step, before the first round) or
@@ -123,8 +133,10 @@ class FlushDeadline:
         self.timeout = 0.0
         self.measured_step_s: Optional[float] = None
         self.measured_policy_s: Optional[float] = None
-        self._policy_window = None if policy_sums is None else SumWindow(policy_sums, _MIN_STEPS)
-        self._decided_policy: Optional[float] = None  # the policy's cost per record at the last decision
+        self.measured_policy_call_s: Optional[float] = None
+        self._policy_at = None if policy_sums is None else tuple(policy_sums)  # the policy window's start
+        # the policy's (cost per record, cost per call) at the last decision
+        self._decided_policy: Optional[tuple] = None
         self.choice = "unmeasured"
         self.candidate_s = 0.0
         self.rounds = 0
@@ -168,10 +180,17 @@ class FlushDeadline:
         if self._settled <= SETTLE_WINDOWS and self.rounds == 0:
             self.choice = "settling"  # served greedily until the pool's start-up drift has passed
             return
-        if self._decided_policy is None and self._hold_until is not None:
-            self._decided_policy = self.measured_policy_s
-        drifted = _drifted(step, self._decided_step) or _drifted(self.measured_policy_s, self._decided_policy)
-        if self._hold_until is None or now >= self._hold_until or drifted:
+        if self._decided_policy is None and self._hold_until is not None and self.measured_policy_s is not None:
+            self._decided_policy = (self.measured_policy_s, self.measured_policy_call_s)
+        step_drift = _drifted(step, self._decided_step)
+        policy_drift = self._policy_drifted()
+        if self._hold_until is None or now >= self._hold_until or step_drift or policy_drift:
+            if _log.isEnabledFor(logging.DEBUG):
+                why = ("the first round" if self._hold_until is None else
+                       f"the env step moved from {self._decided_step * 1e6:.0f} to {step * 1e6:.0f} us" if step_drift
+                       else f"the policy's cost per record moved from {self._decided_policy[0] * 1e6:.1f} to "
+                            f"{self.measured_policy_s * 1e6:.1f} us" if policy_drift else "the hold ended")
+                _log.debug("flush deadline: a trial round of %.2f ms against greedy starts (%s)", candidate * 1e3, why)
             self.candidate_s, self.choice, self._trial = candidate, "trial", []
             self.timeout = candidate
 
@@ -187,19 +206,40 @@ class FlushDeadline:
         sure = _sure(rates)
         self._unsure = 0 if sure is not False else self._unsure + 1
         hold = UNSURE_HOLD_S if 0 < self._unsure <= UNSURE_RETRIES else HOLD_S
+        _log.debug("flush deadline: round %d, env steps/s waiting %s, greedy %s: %s (%s), held %.0f s", self.rounds,
+                   [round(r) for r in rates["wait"]], [round(r) for r in rates["greedy"]], self.choice,
+                   "sure" if sure else "within the windows' own spread", hold)
         self._decided_step, self._hold_until = self.measured_step_s, now + hold
         # the policy's cost per record depends on the batch sizes the option gives: its reference
         # is the first window served under the decision
         self._decided_policy = None
 
     def _look_policy(self, policy_sums: Optional[tuple]) -> None:
-        """The policy's cost per record over the window (kept from the last window that served
-        enough records)."""
-        if policy_sums is None or self._policy_window is None:
+        """The policy's cost per record and per call over the window (kept from the last window
+        that served enough records)."""
+        start = self._policy_at
+        if policy_sums is None or start is None:
             return
-        taken = self._policy_window.take(policy_sums)
-        if taken is not None:
-            self.measured_policy_s = taken[0]
+        seconds, records = float(policy_sums[0]) - start[0], int(policy_sums[1]) - start[1]
+        if records < _MIN_STEPS:
+            return  # the window stays open
+        calls = int(policy_sums[2]) - start[2] if len(policy_sums) > 2 and len(start) > 2 else 0
+        self.measured_policy_s = seconds / records
+        self.measured_policy_call_s = seconds / calls if calls > 0 else None
+        self._policy_at = tuple(policy_sums)
+
+    def _policy_drifted(self) -> bool:
+        """Whether the policy's cost moved by more than :data:`_DRIFT` times since the decision,
+        per record and (where calls are counted) per call alike, in the same direction."""
+        if self._decided_policy is None:
+            return False
+        record_ref, call_ref = self._decided_policy
+        if not _drifted(self.measured_policy_s, record_ref):
+            return False
+        call = self.measured_policy_call_s
+        if call is None or not call_ref:
+            return True
+        return _drifted(call, call_ref) and (call > call_ref) == (self.measured_policy_s > record_ref)
 
     def describe(self) -> dict:
         """The decision and the measurements behind it (for the collector's ``plan()``)."""
