@@ -239,15 +239,19 @@ _BAD_OUTPUT_CAUSES = {
 
 
 @pytest.mark.parametrize("what", list(_BAD_OUTPUT_CAUSES))
-@pytest.mark.parametrize("envs_per_worker,env_threads", [(1, False), (3, False), (3, True)])
-def test_an_env_output_its_rows_cannot_hold_is_restarted_like_a_raise(what, envs_per_worker, env_threads,
+@pytest.mark.parametrize("backend,envs_per_worker,env_threads", [
+    ("multiprocessing", 1, False), ("multiprocessing", 3, False), ("multiprocessing", 3, True), ("threading", 3, False),
+])
+def test_an_env_output_its_rows_cannot_hold_is_restarted_like_a_raise(what, backend, envs_per_worker, env_threads,
                                                                       dev_shm_guard):
+    # a process worker puts the rows back from its watcher's shadow, a worker thread from its own copy
     # the reward is checked at the step, not when the pass's records are stored: with restarts on,
     # it is that env's failure like a raise, and the records stay exact (the oracle)
     checker = OracleChecker()
     factories = [functools.partial(_BadOutput, i, bad_at_step=9, what="reward" if what == "reward" else "obs",
                                    key=what) for i in range(6)]
-    with AsyncEnvPool(factories, envs_per_worker=envs_per_worker, env_threads=env_threads, **UNLIMITED) as pool:
+    with AsyncEnvPool(factories, envs_per_worker=envs_per_worker, env_threads=env_threads, backend=backend,
+                      **UNLIMITED) as pool:
         _drive(pool, checker, 200)
         info = pool.restart_info()
     assert checker.records >= 200 and checker.restarts >= 6

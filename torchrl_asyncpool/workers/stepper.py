@@ -220,8 +220,8 @@ class _Slot:
         # step_into(actions, obs views) -> (reward, terminated, truncated), the observation written
         self.step_into = getattr(adapter, "step_into", None) or functools.partial(_step_into, adapter)
         self.fast = _fast_step(index, adapter, self.obs, self.actions)
-        # with restarts on: a copy of the observation rows taken before each step, put back when
-        # the step fails (allocated by the stepper at the first such step)
+        # with restarts on and no watcher's shadow: a copy of the observation rows taken before
+        # each step, put back when the step fails (allocated by the stepper at the first step)
         self.saved_obs = None
 
     def write_obs(self, obs):
@@ -362,26 +362,32 @@ class _Stepper:
         """Steps ``slot``'s env into its rows: ``(reward, step type, restarted)``. With restarts on,
         an env that raises is rebuilt and its episode ends as a truncation (reward 0, marked as a
         restart's) at its last observation, which the failed step did not touch."""
+        restarts = self.restarts is not None
+        # the step may write part of its observation before it fails (an entry of another shape
+        # refused after the others, a bad reward after all of them): with restarts on, the
+        # truncation must stand at the last observation, so the rows are put back from a copy
+        # taken as the step began: the watcher's shadow (a process worker's, taken by _begin)
+        # or, without one (an env thread of backend="threading"), the slot's own
         saved = slot.saved_obs
-        if saved is None and self.restarts is not None:
+        if saved is None and restarts and not (self.watcher is not None and self.watcher.pairs):
             saved = slot.saved_obs = [(view, np.empty_like(view)) for _, view in slot.obs]
         try:
             if saved is not None:
                 for view, copy in saved:
                     np.copyto(copy, view)
             reward, terminated, truncated = slot.step_into(slot.actions, slot.obs)
-            if saved is not None and reward.__class__ not in _NUMBERS:
+            if restarts and reward.__class__ not in _NUMBERS:
                 # checked here, not when the pass's records are stored, so that a reward its row
                 # cannot hold is this env's failure, restarted like a raise
                 self.writer.check_reward(slot.index, reward)
         except Exception:
-            if self.restarts is None:
+            if not restarts:
                 raise
-            # the step may have written part of its observation (an entry of another shape
-            # refused after the others, a bad reward after all of them): the truncation stands
-            # at the last observation
-            for view, copy in saved:
-                np.copyto(view, copy)
+            if saved is not None:
+                for view, copy in saved:
+                    np.copyto(view, copy)
+            else:
+                self.watcher.restore(slot.index)
             self._rebuild(slot, "step")
             self.note("step", slot.index)
             return None, _TRUNC, True

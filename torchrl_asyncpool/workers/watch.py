@@ -136,9 +136,14 @@ class Watcher:
             if pos >= 0 and chunk_lengths is not None and chunk_lengths[pos // chunk_size] > pos % chunk_size:
                 # its transition is complete in the chunk (written from the stored record): so is the record
                 return True
-            for rows, shadow in self.pairs:
-                rows[i] = shadow[i]
+            self.restore(i)
         return False
+
+    def restore(self, i: int) -> None:
+        """Puts slot ``i``'s shadowed rows back as :meth:`begin` copied them (a step that failed
+        after writing part of them, or a dead worker's step)."""
+        for rows, shadow in self.pairs:
+            rows[i] = shadow[i]
 
 
 def hung_slots(arena: Arena, timeout: float, now: float) -> np.ndarray:
