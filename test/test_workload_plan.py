@@ -156,7 +156,7 @@ def test_an_unsure_round_is_tried_again_soon_a_few_times():
 
 def test_the_decision_holds_then_is_tried_again_and_can_change():
     clock = _Clock(2e-3)
-    clock.start()
+    assert clock.start().describe()["flush_trial_reason"] == "the first round"
     d = clock.round(1_000, 1_200)
     assert d.choice == "greedy"
     windows = int(HOLD_S / TRIAL_WINDOW_S) - 1
@@ -164,6 +164,7 @@ def test_the_decision_holds_then_is_tried_again_and_can_change():
         assert clock.window(5_000).choice == "greedy"
     d = clock.window(1_000)
     assert d.choice == "trial"  # the hold is over: a new round
+    assert d.describe()["flush_trial_reason"] == "the hold ended"
     d = clock.round(1_500, 1_000)  # the load went away: now waiting wins
     assert d.choice == "wait" and d.rounds == 2
 
@@ -175,6 +176,7 @@ def test_a_drifting_env_step_starts_a_round_at_once():
     assert clock.window(1_000).choice == "wait"
     d = clock.window(1_000, step_s=5e-3)  # the env's steps got 2.5x slower
     assert d.choice == "trial"
+    assert d.describe()["flush_trial_reason"] == "the env step moved from 2000 to 5000 us"
     d = clock.window(1_000, step_s=50e-6)  # ... or cheap: greedy at once, no deadline tried
     assert (d.choice, d.timeout) == ("greedy", 0.0)
 
@@ -213,6 +215,7 @@ def test_a_policy_swapped_for_a_costlier_one_starts_a_round_at_once():
     clock, window = _policy_clock()
     d = window(1_500, 40e-6)  # the same envs and batches, a policy 4x costlier per record and per call
     assert d.choice == "trial" and d.measured_policy_s == pytest.approx(40e-6)
+    assert d.describe()["flush_trial_reason"] == "the policy's cost per record moved from 10.0 to 40.0 us"
 
 
 def test_fuller_batches_of_a_cheap_policy_are_no_drift():

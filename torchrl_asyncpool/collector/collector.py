@@ -707,7 +707,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
              'partitioned', 'server_measured_env_step_s', 'startup']
             >>> sorted(k for k in plan if k.startswith("flush_"))  # doctest: +NORMALIZE_WHITESPACE
             ['flush_candidate_s', 'flush_choice', 'flush_timeout_s', 'flush_trial_rates',
-             'flush_trial_rounds', 'flush_trial_sure']
+             'flush_trial_reason', 'flush_trial_rounds', 'flush_trial_sure']
             >>> plan["startup"]["num_workers"] == collector.env.num_workers
             True
             >>> collector.shutdown()

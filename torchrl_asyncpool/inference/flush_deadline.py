@@ -126,7 +126,8 @@ class FlushDeadline:
     """
 
     #: the keys of :meth:`describe`
-    REPORTED = ("flush_choice", "flush_candidate_s", "flush_trial_rounds", "flush_trial_rates", "flush_trial_sure")
+    REPORTED = ("flush_choice", "flush_candidate_s", "flush_trial_rounds", "flush_trial_rates", "flush_trial_sure",
+                "flush_trial_reason")
 
     def __init__(self, envs_in_turn: float, now: float, sums: tuple, policy_sums: Optional[tuple] = None):
         self.envs_in_turn = float(envs_in_turn)
@@ -142,6 +143,8 @@ class FlushDeadline:
         self.rounds = 0
         #: the last round's rates (env steps per second) per option, one per window
         self.last_trial: Dict[str, List[float]] = {}
+        #: why the running (or last) round started (``None``: no round yet)
+        self.trial_reason: Optional[str] = None
         self._at, self._window = now, SumWindow(sums, _MIN_STEPS)
         self._trial: List[tuple] = []  # (option, rate) of the running round
         self._decided_step: Optional[float] = None  # the mean step when a round last decided
@@ -185,12 +188,12 @@ class FlushDeadline:
         step_drift = _drifted(step, self._decided_step)
         policy_drift = self._policy_drifted()
         if self._hold_until is None or now >= self._hold_until or step_drift or policy_drift:
-            if _log.isEnabledFor(logging.DEBUG):
-                why = ("the first round" if self._hold_until is None else
-                       f"the env step moved from {self._decided_step * 1e6:.0f} to {step * 1e6:.0f} us" if step_drift
-                       else f"the policy's cost per record moved from {self._decided_policy[0] * 1e6:.1f} to "
-                            f"{self.measured_policy_s * 1e6:.1f} us" if policy_drift else "the hold ended")
-                _log.debug("flush deadline: a trial round of %.2f ms against greedy starts (%s)", candidate * 1e3, why)
+            self.trial_reason = why = (
+                "the first round" if self._hold_until is None else
+                f"the env step moved from {self._decided_step * 1e6:.0f} to {step * 1e6:.0f} us" if step_drift
+                else f"the policy's cost per record moved from {self._decided_policy[0] * 1e6:.1f} to "
+                     f"{self.measured_policy_s * 1e6:.1f} us" if policy_drift else "the hold ended")
+            _log.debug("flush deadline: a trial round of %.2f ms against greedy starts (%s)", candidate * 1e3, why)
             self.candidate_s, self.choice, self._trial = candidate, "trial", []
             self.timeout = candidate
 
@@ -249,6 +252,7 @@ class FlushDeadline:
             "flush_trial_rounds": self.rounds,
             "flush_trial_rates": {k: [round(r, 1) for r in v] for k, v in self.last_trial.items()},
             "flush_trial_sure": _sure(self.last_trial),
+            "flush_trial_reason": self.trial_reason,
         }
 
 
