@@ -42,8 +42,9 @@ step); its ``[16, 128]`` batches go through the same GAE call and are flattened 
 Threads: ``torch.set_num_threads(1)`` in the learner; the collector's policy thread uses one
 thread too (``policy_num_threads=1``, its default); the env workers are processes.
 
-By default the collector is paused (``with collector.pause():``) during the epochs, and the new
-weights reach it before it resumes: a batch then comes almost entirely from the current policy
+By default the collector is paused (``with collector.pause():``) from the moment a batch arrives
+until the end of its epochs (the advantages and the updates), and the new weights reach it before
+it resumes: a batch then comes almost entirely from the current policy
 (mean policy lag ~0.3 versions), and the learner has the cores to itself while it trains; it waits
 for each batch ~27 % of its time (~0.45 s of collection against ~1.2 s of updates per batch).
 ``--collect-while-training true`` lets the collector gather the next batch during the epochs
@@ -427,19 +428,21 @@ def main(argv=None) -> dict:
             wait_s += time.monotonic() - t_wait
             if batch is None:
                 break
-            batch, lag = advantages(cfg, batch, adv_module, collector)
-            n = batch.numel()
-            frames += n
-            new_returns = tracker.update(batch)
-            recent.extend(new_returns)
-            curve_frames += [frames] * len(new_returns)
-            curve_returns += new_returns
-
-            # --- PPO epochs ---------------------------------------------------------------------
+            # paused from here (not only for the epochs): what the envs would step meanwhile is
+            # the previous policy's
             paused = cfg.collector == "asyncpool" and not cfg.collect_while_training
             pause = collector.pause() if paused else contextlib.nullcontext()
             t_pause = time.monotonic()
             with pause:
+                batch, lag = advantages(cfg, batch, adv_module, collector)
+                n = batch.numel()
+                frames += n
+                new_returns = tracker.update(batch)
+                recent.extend(new_returns)
+                curve_frames += [frames] * len(new_returns)
+                curve_returns += new_returns
+
+                # --- PPO epochs -----------------------------------------------------------------
                 t_learn = time.monotonic()
                 updates, stats = ppo_epochs(cfg, batch, loss_module, optim, updates, total_updates)
                 learn_s += time.monotonic() - t_learn

@@ -80,7 +80,10 @@ def test_ppo_mujoco_collects_and_learns_in_turns(tmp_path):
     _check_common(tmp_path, "ppo_mujoco.png", 2048)
     assert all(0.0 < x < 1.0 for x in _scalar(tmp_path, "collector_idle_share"))
     lags = _scalar(tmp_path, "policy_lag")
-    assert lags[0] == 0.0 and all(x < 0.5 for x in lags), lags
+    # what the envs gathered between a batch's arrival and the pause, and the records in flight
+    # (a busy machine can stretch that moment: 0.53 was seen once in CI, before the script paused
+    # ahead of its advantages); a collector running through the epochs would give 1.0
+    assert lags[0] == 0.0 and all(x < 0.75 for x in lags), lags
 
 
 @pytest.mark.slow
