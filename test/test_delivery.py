@@ -56,3 +56,55 @@ def test_take_transitions_times_out_without_consuming():
     with AsyncEnvPool(oracle_factories(1)) as pool:
         with pytest.raises(RuntimeError, match="transition_chunk_size"):
             pool.take_transitions(4)
+
+
+def _ptr(batch):
+    return batch["observation"].data_ptr()
+
+
+def test_a_new_batch_reuses_the_memory_of_one_nothing_references_any_more(dev_shm_guard):
+    # a for loop holds batch N while N+1 is taken: N+1 goes into N-1's memory, once nothing
+    # (no tensor, view, numpy array or autograd graph) holds N-1; every batch stays exact
+    import torch
+
+    checker = OracleChecker()
+
+    def take():
+        out = pool.take_transitions(16, timeout=30)
+        checker.observe_transitions(out)
+        return out
+
+    with AsyncEnvPool(oracle_factories(4), transition_chunk_size=4) as pool, served(pool):
+        first = take()
+        seen = [_ptr(first)]
+        del first
+        batch = None
+        for _ in range(6):
+            batch = take()  # the previous batch is still bound to the name while this one is taken
+            seen.append(_ptr(batch))
+        assert seen[1] == seen[0] and seen[2] != seen[1], seen  # dropped: its memory serves the next batch
+        assert all(seen[k] == seen[k - 2] for k in range(3, len(seen))), seen  # then two buffers in turn
+
+        # anything still over a batch keeps its memory out of the next batches
+        keep = take()
+        kept = keep.clone()
+        view = take()
+        view_part, view_copy = view["observation"][2:5], view["observation"][2:5].clone()
+        numpy_view = take()
+        as_numpy, numpy_copy = numpy_view["observation"].numpy(), numpy_view["observation"].clone()
+        graph = take()
+        obs = graph["observation"]
+        assert obs.dtype == torch.float32
+        w = torch.ones(obs.shape[-1], requires_grad=True)
+        loss = (obs * w).sum()  # saves the observation itself for its backward
+        expected_grad = obs.sum(0)
+        ptrs = {_ptr(keep), _ptr(view), _ptr(numpy_view), _ptr(graph)}
+        del view, numpy_view, graph, obs
+        for _ in range(6):
+            batch = take()
+            assert _ptr(batch) not in ptrs
+        loss.backward()
+        assert torch.equal(w.grad, expected_grad)
+        assert (keep == kept).all() and torch.equal(view_part, view_copy)
+        assert torch.equal(torch.from_numpy(as_numpy), numpy_copy)
+    assert checker.records == 16 * 17

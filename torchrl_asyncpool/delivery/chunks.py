@@ -186,6 +186,11 @@ _DEAF_FRACTION = 0.5
 _MAX_DEAF_S = 0.05
 
 
+def _storage_use_count(storage) -> int:
+    """How many references a tensor storage has (tensors over it, Python storage objects)."""
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
 class ChunkReader:
     """Driver side: concatenates full chunks into dense batches of exactly ``frames`` transitions.
 
@@ -224,6 +229,9 @@ class ChunkReader:
         self._carry = None  # (chunk id, offset) of a partly consumed chunk
         self._pending = None  # (batch, filled) of a call that timed out
         self._last, self._last_leaves = None, []  # the last batch allocated, for take(reuse=True)
+        # the storages of the last two new batches, reused for the next one once nothing else
+        # holds them (see _recycled): a for loop holds the batch it is on while the next one is taken
+        self._spares: list = []
         self._wait = WaitLoop(buffers.driver_bell, max_wait=_CHECK_EVERY_S, idle_poll=bool(idle_poll))
         self._check, self._checked, self._full = None, 0.0, None  # the running take's check and full chunks
         # the rate the chunks fill at (transitions per second, None: not measured yet): how long
@@ -258,7 +266,10 @@ class ChunkReader:
             reuse (bool, optional): return the batch the previous call returned, written over,
                 when it holds ``frames`` transitions and still holds the tensors this reader put
                 in it (TorchRL's ``return_same_td``): no allocation and no page faults on first
-                touch per batch (with 84x84x3 pixels, 42 KB per transition). Else a new batch.
+                touch per batch (with 84x84x3 pixels, 42 KB per transition). Else a new batch,
+                whose memory may be that of an earlier batch nothing references any more (no
+                tensor, view, numpy array or autograd graph of it is alive: the caller cannot
+                tell the difference, and the kernel does not fault and zero the pages again).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._pending is None or self._pending[0].batch_size[0] != frames:
@@ -266,9 +277,9 @@ class ChunkReader:
                 raise ValueError("take() resumed with a different frame count than the timed-out call.")
             out = self._last if reuse and self._reusable(frames) else None
             if out is None:
-                out = TensorDict({k: torch.empty((frames, *v.shape[1:]), dtype=v.dtype) for k, v in self._flat},
-                                 batch_size=[frames])
-                self._last, self._last_leaves = out, [out.get(k) for k, _ in self._flat]
+                out = TensorDict(self._new_leaves(frames), batch_size=[frames])
+                if reuse:
+                    self._last, self._last_leaves = out, [out.get(k) for k, _ in self._flat]
             self._pending = (out, 0)
         out, pos = self._pending
         gathers = [RowGather(src, out.get(k)) for k, src in self._flat]
@@ -298,6 +309,20 @@ class ChunkReader:
             self._wait.deaf_until = 0.0
         self._pending = None
         return out
+
+    def _new_leaves(self, frames: int) -> dict:
+        """The leaves of a new batch of ``frames`` transitions: on the storages of an earlier
+        batch that nothing else holds now, else new ones (then remembered as spares)."""
+        shapes = [(k, (frames, *v.shape[1:]), v.dtype) for k, v in self._flat]
+        for n, (size, storages) in enumerate(self._spares):
+            # 1: the spare's own reference; any tensor, view or autograd graph over it adds one
+            if size == frames and all(_storage_use_count(s) == 1 for s in storages):
+                self._spares.append(self._spares.pop(n))  # the newest spare now
+                return {k: torch.empty(0, dtype=dtype).set_(s, 0, shape)
+                        for (k, shape, dtype), s in zip(shapes, storages)}
+        leaves = {k: torch.empty(shape, dtype=dtype) for k, shape, dtype in shapes}
+        self._spares = self._spares[-1:] + [(frames, [t.untyped_storage() for t in leaves.values()])]
+        return leaves
 
     def _chunks_due(self, now: float) -> float:
         """``take``'s readiness test: due while a chunk is full or partly consumed (keeps the
