@@ -31,6 +31,13 @@ WORKER_DIED = "worker"
 BUILD = "build"
 #: build_timeout="auto": this many times the workers' start-up, and at least this many seconds
 _AUTO_BUILD_FACTOR, _MIN_AUTO_BUILD_S = 10.0, 60.0
+#: a worker this watchdog killed is replaced this long after its SIGKILL even if its exit has not
+#: finished: a killed process runs no more of its own code, but the kernel's teardown of its
+#: memory runs in whichever of its threads exits last, and when that is the SCHED_IDLE idle
+#: poller (see exchange/doorbell.py) on a core the other workers keep busy, it got ~0.3 % of the
+#: core and took over a minute (a worker killed for build_timeout on 2 cores, its exit seen in
+#: /proc as its idle poller in D state in unlink_file_vma)
+_KILLED_GRACE_S = 0.25
 
 
 class _PoolWatchdog:
@@ -61,6 +68,8 @@ class _PoolWatchdog:
         # the pool's own tracker of the restart policy, for the replacements it makes
         self._budget = self._restart.budget(self._arena, self.layout.num_slots) if self._restart is not None else None
         self._timed_out = {}  # worker -> (env, phase, seconds its step had run) of a kill for step_timeout
+        self._killed_at = {}  # worker -> when this watchdog sent it SIGKILL (until it is replaced)
+        self._exiting = []  # replaced processes whose exit had not finished: released once it has
         self._sentinel_poll = None
         # worker -> when its current process was started as a replacement: the marks its dead
         # predecessor left (which the replacement reads to take over) are not hung steps
@@ -99,9 +108,14 @@ class _PoolWatchdog:
                 self._kill_hung_builds(time.monotonic())
             if self._sentinel_poll is None:
                 self._refresh_sentinels()
-            dead = sorted({self._sentinel_fds[fd] for fd, _ in self._sentinel_poll.poll(0)})
-            for w in dead:
+            dead = {self._sentinel_fds[fd] for fd, _ in self._sentinel_poll.poll(0)}
+            now = time.monotonic()
+            # killed here and not seen to end: gone all the same once the kill is delivered
+            dead.update(w for w, t in self._killed_at.items() if now - t > _KILLED_GRACE_S)
+            for w in sorted(dead):
                 self._replace(w)
+            if self._exiting:
+                self._release_exited()
         finally:
             self._watch_lock.release()
 
@@ -119,9 +133,7 @@ class _PoolWatchdog:
             # an eager reset (negative), or the reset an answered terminal record asked for
             phase = "reset" if began < 0 or int(arena.request["step_type"][i]) in _ENDS else "step"
             self._timed_out[w] = (i, phase, now - abs(began))
-            p = self._procs[w]
-            if exit_code(p) is None:
-                p.kill()  # (its envs' processes go with its group, in _replace)
+            self._kill(w, now)
 
     def _kill_hung_builds(self, now: float) -> None:
         marks = self._arena.build_since
@@ -135,16 +147,32 @@ class _PoolWatchdog:
                     or since < self._started_at.get(w, self._arena_clock_floor)):
                 continue
             self._timed_out[w] = (i, BUILD, now - since)
-            p = self._procs[w]
-            if exit_code(p) is None:
-                p.kill()
+            self._kill(w, now)
+
+    def _release_exited(self) -> None:
+        from torchrl_asyncpool.pool.processes import release_process
+
+        ended = [p for p in self._exiting if exit_code(p) is not None]
+        for p in ended:
+            release_process(p)
+            self._exiting.remove(p)
+
+    def _kill(self, w: int, now: float) -> None:
+        """SIGKILLs worker ``w`` (its envs' processes go with its group, in :meth:`_replace`)."""
+        p = self._procs[w]
+        if exit_code(p) is None:
+            p.kill()
+        self._killed_at[w] = now
 
     def _replace(self, w: int) -> None:
         from torchrl_asyncpool.pool.processes import kill_process_group, release_process
 
         p = self._procs[w]
-        exit_code(p, 1.0)
-        kill_process_group(p.pid, alive=False)  # what its envs started
+        killed = self._killed_at.pop(w, None) is not None
+        # a process killed here may still be tearing its memory down: no wait, and its group is
+        # still its own (its pid is not free before it is reaped)
+        ended = exit_code(p, 0.0 if killed else 1.0) is not None
+        kill_process_group(p.pid, alive=not ended)  # what its envs started
         slots = np.flatnonzero(self._slot_worker == w).tolist()
         reported = [j for j in slots if int(self._arena.state[j]) == S.ERROR]
         if reported:  # it exited after reporting its env's fatal failure: that failure is the error
@@ -178,6 +206,8 @@ class _PoolWatchdog:
         arena.build_since[slots] = 0.0
         self._conns[w].close()
         release_process(p)
+        if not ended:
+            self._exiting.append(p)
         self._started_at[w] = time.monotonic()
         self._procs[w], self._conns[w] = self._start_worker(w, self._watch.resumed())
         self._refresh_sentinels()
