@@ -230,7 +230,7 @@ class ChunkReader:
         self._pending = None  # (batch, filled) of a call that timed out
         self._last, self._last_leaves = None, []  # the last batch allocated, for take(reuse=True)
         # the storages of the last two new batches, reused for the next one once nothing else
-        # holds them (see _recycled): a for loop holds the batch it is on while the next one is taken
+        # holds them (see _new_leaves): a for loop holds the batch it is on while the next one is taken
         self._spares: list = []
         self._wait = WaitLoop(buffers.driver_bell, max_wait=_CHECK_EVERY_S, idle_poll=bool(idle_poll))
         self._check, self._checked, self._full = None, 0.0, None  # the running take's check and full chunks
