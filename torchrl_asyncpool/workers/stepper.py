@@ -360,8 +360,9 @@ class _Stepper:
 
     def _step(self, slot):
         """Steps ``slot``'s env into its rows: ``(reward, step type, restarted)``. With restarts on,
-        an env that raises is rebuilt and its episode ends as a truncation (reward 0, marked as a
-        restart's) at its last observation, which the failed step did not touch."""
+        an env that raises (or returns what its rows cannot hold) is rebuilt and its episode ends as
+        a truncation (reward 0, marked as a restart's) at its last observation: the rows the failed
+        step wrote are put back."""
         restarts = self.restarts is not None
         # the step may write part of its observation before it fails (an entry of another shape
         # refused after the others, a bad reward after all of them): with restarts on, the
