@@ -82,6 +82,12 @@ class _PoolWatchdog:
             self.build_timeout = max(_MIN_AUTO_BUILD_S, _AUTO_BUILD_FACTOR * startup_s)
 
     def _close_watchdog(self):
+        from torchrl_asyncpool.pool.processes import release_process
+
+        for p in getattr(self, "_exiting", ()):  # killed already: their exit ends once the cores are free
+            exit_code(p, 5.0)
+            release_process(p)
+        self._exiting = []
         if getattr(self, "_shadow", None) is not None:
             self._shadow.close()
             self._shadow = None
