@@ -135,7 +135,11 @@ class FlushDeadline:
         self.measured_step_s: Optional[float] = None
         self.measured_policy_s: Optional[float] = None
         self.measured_policy_call_s: Optional[float] = None
-        self._policy_at = None if policy_sums is None else tuple(policy_sums)  # the policy window's start
+        # the policy's seconds over the records served and over its calls (taken together: the
+        # calls' window is taken whenever the records' window is)
+        self._policy_window = None if policy_sums is None else SumWindow(policy_sums[:2], _MIN_STEPS)
+        self._call_window = (SumWindow((policy_sums[0], policy_sums[2]), 1)
+                             if policy_sums is not None and len(policy_sums) > 2 else None)
         # the policy's (cost per record, cost per call) at the last decision
         self._decided_policy: Optional[tuple] = None
         self.choice = "unmeasured"
@@ -220,16 +224,15 @@ class FlushDeadline:
     def _look_policy(self, policy_sums: Optional[tuple]) -> None:
         """The policy's cost per record and per call over the window (kept from the last window
         that served enough records)."""
-        start = self._policy_at
-        if policy_sums is None or start is None:
+        if policy_sums is None or self._policy_window is None:
             return
-        seconds, records = float(policy_sums[0]) - start[0], int(policy_sums[1]) - start[1]
-        if records < _MIN_STEPS:
+        taken = self._policy_window.take(policy_sums[:2])
+        if taken is None:
             return  # the window stays open
-        calls = int(policy_sums[2]) - start[2] if len(policy_sums) > 2 and len(start) > 2 else 0
-        self.measured_policy_s = seconds / records
-        self.measured_policy_call_s = seconds / calls if calls > 0 else None
-        self._policy_at = tuple(policy_sums)
+        self.measured_policy_s = taken[0]
+        if self._call_window is not None:
+            calls = self._call_window.take((policy_sums[0], policy_sums[2]))
+            self.measured_policy_call_s = None if calls is None else calls[0]
 
     def _policy_drifted(self) -> bool:
         """Whether the policy's cost moved by more than :data:`_DRIFT` times since the decision,
