@@ -92,6 +92,13 @@ def test_the_collectors_rule_groups_mid_cost_envs_two_a_core_where_the_policy_le
     assert mujoco["predicted_share_ratio"] <= SHARE_GAIN  # 4 workers, one moved: max(s + 17.5, 52.5) / 70
     assert mujoco["predicted_serving_s"] == (40e-6 + 60e-6) / 4
     assert startup_workers_per_core(costly)(dict(mujoco), 16, 2) == 1
+    # a faster host's HalfCheetah: max(22.5 + 8.25, 24.75) / 33 = 0.93, above the running plan's
+    # margin and still predicted faster than the partition: two a core
+    fast = {"probe_step_cpu_s": 33e-6}
+    assert startup_workers_per_core({4: 30e-6})(fast, 16, 2) == 2
+    assert SHARE_GAIN < fast["predicted_share_ratio"] < 1.0
+    # predicted no faster (the serving thread already the busier CPU): one a core
+    assert startup_workers_per_core({4: 60e-6})({"probe_step_cpu_s": 33e-6}, 16, 2) == 1
     for step in (MID_COST_PROBE_S[0] / 2, MID_COST_PROBE_S[1]):  # cheap (CartPole) and costly (Atari) steps
         measured = {"probe_step_cpu_s": step}
         assert startup_workers_per_core(cheap)(measured, 16, 2) == 1 and "predicted_share_ratio" not in measured

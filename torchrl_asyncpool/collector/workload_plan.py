@@ -88,10 +88,17 @@ SHARED_PIN_STEP_S = 120e-6
 #: most this share of the partition's for the workers to move (they move back where it is no lower)
 SHARE_GAIN = 0.9
 #: the start-up probe's CPU a step (the spec env's first steps, cold: about 1.2-2x a worker's warm
-#: step) of the mid-cost envs a collector may group two workers a core, for the shared layout. On 2
-#: cores the probe measured gymnasium's CartPole-v1 at ~15-17 us, TorchRL's GymEnv of it at ~25,
-#: Pendulum-v1 at ~22-26, HalfCheetah-v5 at ~65-110 and Atari through gymnasium at ~500-690
-MID_COST_PROBE_S = (40e-6, 300e-6)
+#: step) of the mid-cost envs a collector may group two workers a core, for the shared layout; the
+#: prediction of :func:`startup_workers_per_core` decides within it. The same env's probe varies
+#: about 2x with the host (2 vCPUs of one AMD EPYC VM, 2026-12-06, in a slow and a fast hour):
+#: gymnasium's CartPole-v1 ~15-17 / ~10-13 us, TorchRL's GymEnv of it ~25 / ~11-13, Pendulum-v1
+#: ~22-26 / ~15-17, HalfCheetah-v5 ~65-110 / ~35-45 and Atari through gymnasium ~500-690 / ~317-333.
+#: A band of (40, 300) us sent HalfCheetah one worker a core in the fast hour (0.79x the shared
+#: layout's frames/s) and nearly let Atari in; below 20 us the prediction says no anyway (CartPole
+#: predicted 1.2-1.25), and from 200 us (the line where the plan lifts a shared partition,
+#: :data:`SHARED_UNPIN_STEP_S`) the workers end up unpinned, where 4 workers of Atari measured
+#: 0.98x 2
+MID_COST_PROBE_S = (20e-6, 200e-6)
 #: the serving loop's own CPU a batch besides the policy's call (lease, action check, answer,
 #: statistics), for the start-up prediction: on 2 cores (2026-12-06, HalfCheetah-v5, 4 workers of 4
 #: envs) ~150 us a batch of ~7.5 records with a policy call of ~90 us
@@ -178,9 +185,17 @@ def startup_workers_per_core(policy_cost: Mapping[int, float]) -> Callable[[dict
     cost (``policy_cost``: ``{batch size: seconds}``, timed by
     :func:`~torchrl_asyncpool.collector.policy_cost.measure_policy_cost`) and
     :data:`SERVING_BATCH_S` a batch of one worker's envs, is predicted to leave its core the
-    room for them (the balance of the module docstring within :data:`SHARE_GAIN`); one a core
-    otherwise. What it weighed goes into ``measured`` (``predicted_serving_s``,
-    ``predicted_share_ratio``).
+    room for them (the shared layout's busiest CPU predicted less busy than the partition's, the
+    balance of the module docstring); one a core otherwise. What it weighed goes into ``measured``
+    (``predicted_serving_s``, ``predicted_share_ratio``).
+
+    Unlike the running plan's move (:data:`SHARE_GAIN`), the rule keeps no margin: the prediction
+    errs on the policy's side (it answers each worker's envs in a batch of their own, where the
+    shared layout measured batches of about two workers' envs and half the predicted serving CPU a
+    frame), and the two errors cost unlike amounts. On 2 cores (2026-12-06, a fast hour),
+    HalfCheetah-v5 predicted 0.81-0.92 with the cheap policy, and one worker a core collected 0.79x
+    what two did, where two a core had cost the PPO recipe's actor (predicted 1.11) ~4 %; with
+    two a core the running plan can still keep the partition.
 
     Examples:
         >>> from torchrl_asyncpool.collector.workload_plan import startup_workers_per_core
@@ -206,7 +221,7 @@ def startup_workers_per_core(policy_cost: Mapping[int, float]) -> Callable[[dict
         serving = (_cost_at(cost, per_worker) + SERVING_BATCH_S) / per_worker  # a worker's envs answered together
         ratio = _share_ratio(step, serving, _moved_workers(workers, cores) / workers, cores)
         measured["predicted_serving_s"], measured["predicted_share_ratio"] = serving, ratio
-        return 2 if ratio <= SHARE_GAIN else 1
+        return 2 if ratio < 1.0 else 1
 
     return workers_per_core
 
