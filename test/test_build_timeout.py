@@ -165,7 +165,7 @@ def test_a_killed_worker_whose_exit_lingers_is_replaced_all_the_same(monkeypatch
     replaced = []
     dog = SimpleNamespace(_watched=True, _closed=False, _watch_lock=threading.Lock(), step_timeout=None,
                           build_timeout=None, _sentinel_poll=SimpleNamespace(poll=lambda timeout: []),
-                          _sentinel_fds={}, _exiting=[], _replace=replaced.append,
+                          _sentinel_fds={}, _exiting=[], _replace=replaced.append, _last_exit_check=time.monotonic(),
                           _killed_at={0: time.monotonic() - 5 * watchdog._KILLED_GRACE_S, 1: time.monotonic()})
     watchdog._PoolWatchdog._watchdog(dog)
     assert replaced == [0]  # worker 1's kill is too recent, and nothing else is dead

@@ -25,6 +25,7 @@ from torchrl_asyncpool._sys.descriptors import InheritedFd
 from torchrl_asyncpool.exchange.gather import numpy_or_none
 from torchrl_asyncpool.exchange.metrics import record_wait
 from torchrl_asyncpool.exchange.native import build_engine
+from torchrl_asyncpool._sys.exit_begun import EXIT_CHECK_S, describe_exit, exit_begun
 from torchrl_asyncpool.exchange.wait_loop import NOT_DUE, TIMED_OUT, WaitLoop
 
 __all__ = ["ConsumerHandle", "SlotConsumer"]
@@ -80,6 +81,7 @@ class SlotConsumer:
         self._bell = Doorbell(handle.consumer_bell.fd)
         self._slot_worker = np.asarray(handle.slot_worker)
         self._last_sentinel_check = 0.0
+        self._last_exit_check = 0.0
         self._death_info = death_info
         self._watchdog = watchdog
         self._last_watch = 0.0
@@ -89,7 +91,7 @@ class SlotConsumer:
             self._sentinel_poller.register(s.fd, select.POLLIN)
             self._sentinels[s.fd] = w
         # recv's and wait_ready's waits: the doorbell and the sentinels (a death is noticed at
-        # once), blocking in poll(2), at most a watchdog period at a time when there is one
+        # once), blocking in poll(2), at most a watchdog period (or an exit check's) at a time
         self._wait = WaitLoop(self._bell, list(self._sentinels), max_wait=self.wait_bound(None), idle_poll=False)
         self._want = (1, 1, None)  # what the running wait needs: (min_get or count, cap, deadline)
         self._ready = 0  # records ready at the running wait's last look
@@ -201,19 +203,35 @@ class SlotConsumer:
             if self._sentinel_poller.poll(0):
                 self.raise_worker_errors()
 
+    def _raise_lingering(self) -> None:
+        """Raises :class:`~torchrl_asyncpool.WorkerDiedError` for a worker whose main thread has
+        exited while its process runs on: its death descriptor stays quiet until the process
+        ends, which can take minutes (see :mod:`~torchrl_asyncpool._sys.exit_begun`)."""
+        for w in sorted(self._sentinels.values()):
+            code = exit_begun(self.handle.worker_pids[w])
+            if code is not None:
+                self._raise_died(w, describe_exit(code))
+
     def watch(self, now: float) -> None:
-        """Runs the watchdog if it has one and its period has passed: for a serving loop that
+        """Runs the watchdog if it has one and its period has passed, and raises for a worker
+        whose main thread has exited (see :meth:`_raise_lingering`): for a serving loop that
         waits on its own (see ``inference/_loop.py``)."""
         if self._watchdog is not None and now - self._last_watch > _WATCH_PERIOD_S:
             self._last_watch = now
             self._watchdog()
+        if self._sentinels and now - self._last_exit_check >= EXIT_CHECK_S:
+            self._last_exit_check = now
+            self._raise_lingering()
 
     def wait_bound(self, remaining):
         """A wait's timeout: ``remaining`` (seconds or ``None``), at most the watchdog's period
-        when there is one."""
-        if self._watchdog is None:
+        when there is one, else at most :data:`~torchrl_asyncpool._sys.exit_begun.EXIT_CHECK_S`
+        where worker processes are watched for deaths (a worker whose main thread exited wakes
+        no descriptor)."""
+        bound = _WATCH_PERIOD_S if self._watchdog is not None else EXIT_CHECK_S if self._sentinels else None
+        if bound is None:
             return remaining
-        return _WATCH_PERIOD_S if remaining is None else min(remaining, _WATCH_PERIOD_S)
+        return bound if remaining is None else min(remaining, bound)
 
     def wait_ready(self, count: int = 1, timeout: float | None = None) -> int:
         """Blocks until ``count`` records are ready or ``timeout`` passes; leases nothing.
@@ -365,12 +383,14 @@ class SlotConsumer:
         dead = _poll_now(list(self._sentinels))
         if dead:
             w = min(self._sentinels[fd] for fd in dead)
-            slots = np.flatnonzero(self._slot_worker == w).tolist()
-            how = self._death_info(w) if self._death_info is not None else "exit status unknown here"
-            self.error = WorkerDiedError(
-                f"worker {w} (pid {self.handle.worker_pids[w]}, hosting envs {slots}) died ({how}).", slots
-            )
-            raise self.error
+            self._raise_died(w, self._death_info(w) if self._death_info is not None else "exit status unknown here")
+
+    def _raise_died(self, w: int, how: str) -> None:
+        slots = np.flatnonzero(self._slot_worker == w).tolist()
+        self.error = WorkerDiedError(
+            f"worker {w} (pid {self.handle.worker_pids[w]}, hosting envs {slots}) died ({how}).", slots
+        )
+        raise self.error
 
     def close(self) -> None:
         """Drops this process's mapping (descriptors belong to the handle's owner)."""

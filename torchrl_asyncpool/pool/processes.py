@@ -16,6 +16,7 @@ import numpy as np
 
 from torchrl_asyncpool.errors import EnvError, PoolStartCancelled, WorkerDiedError
 from torchrl_asyncpool._sys.descriptors import InheritedFd
+from torchrl_asyncpool._sys.exit_begun import describe_exit, exit_begun
 from torchrl_asyncpool._sys.forkserver import death_fd, exit_code, forkserver_context, picklable, release_death_fd
 from torchrl_asyncpool._sys.descriptors import ship_fds
 from torchrl_asyncpool.workers.worker import run_worker, worker_main
@@ -141,8 +142,11 @@ class _PoolWorkers:
     def death_info(self, w) -> str:
         """How worker ``w`` (a worker index) ended, for error messages: ``"killed by signal N"``
         or ``"exit code N"`` (``"exit code None"`` while it still runs)."""
-        code = exit_code(self._procs[w], 0.05)
-        return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        p = self._procs[w]
+        code = exit_code(p, 0.05)
+        if code is None:  # its main thread may have exited while the process lingers
+            code = exit_begun(p.pid)
+        return describe_exit(code)
 
     def _start_error(self, msg):
         _, _, index, (phase, tb) = msg
@@ -175,18 +179,22 @@ class _PoolWorkers:
             release_process(p)
 
 
-def release_process(p) -> None:
+def release_process(p) -> bool:
     """Frees what a worker that has exited still holds in this process (a process's sentinel
     and start-up pipes, a thread worker's descriptors) now, not when it is garbage collected;
-    a worker still running keeps them."""
+    a worker still running keeps them. Returns whether it was released (its process object is
+    closed then)."""
     if isinstance(p, ThreadWorker):
         p.close()
-    elif exit_code(p) is not None:
-        release_death_fd(p)
-        try:
-            p.close()
-        except ValueError:  # closed already
-            pass
+        return True
+    if exit_code(p) is None:
+        return False
+    release_death_fd(p)
+    try:
+        p.close()
+    except ValueError:  # closed already
+        pass
+    return True
 
 
 def _shutdown(procs, life_w_box, timeout, stacklevel=3):

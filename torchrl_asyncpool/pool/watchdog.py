@@ -19,6 +19,7 @@ from torchrl_asyncpool.errors import EnvError, WorkerDiedError
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena
 from torchrl_asyncpool._sys.descriptors import InheritedFd
+from torchrl_asyncpool._sys.exit_begun import EXIT_CHECK_S, describe_exit, exit_begun
 from torchrl_asyncpool._sys.forkserver import death_fd, exit_code
 from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.workers.restarts import DeferredEnvError
@@ -70,6 +71,8 @@ class _PoolWatchdog:
         self._timed_out = {}  # worker -> (env, phase, seconds its step had run) of a kill for step_timeout
         self._killed_at = {}  # worker -> when this watchdog sent it SIGKILL (until it is replaced)
         self._exiting = []  # replaced processes whose exit had not finished: released once it has
+        self._lingering = set()  # workers whose main thread exited while the process runs on
+        self._last_exit_check = 0.0
         self._sentinel_poll = None
         # worker -> when its current process was started as a replacement: the marks its dead
         # predecessor left (which the replacement reads to take over) are not hung steps
@@ -118,12 +121,24 @@ class _PoolWatchdog:
             now = time.monotonic()
             # killed here and not seen to end: gone all the same once the kill is delivered
             dead.update(w for w, t in self._killed_at.items() if now - t > _KILLED_GRACE_S)
+            if now - self._last_exit_check >= EXIT_CHECK_S:
+                self._last_exit_check = now
+                dead.update(self._find_lingering(dead))
             for w in sorted(dead):
                 self._replace(w)
             if self._exiting:
                 self._release_exited()
         finally:
             self._watch_lock.release()
+
+    def _find_lingering(self, dead) -> set:
+        """Workers whose main thread has exited while their process runs on (see
+        :mod:`~torchrl_asyncpool._sys.exit_begun`): dead to their envs, replaced without waiting
+        for their end."""
+        found = {w for w, p in enumerate(self._procs)
+                 if w not in dead and w not in self._killed_at and exit_begun(p.pid) is not None}
+        self._lingering.update(found)
+        return found
 
     def _kill_hung(self, now: float) -> None:
         arena = self._arena
@@ -175,9 +190,17 @@ class _PoolWatchdog:
 
         p = self._procs[w]
         killed = self._killed_at.pop(w, None) is not None
-        # a process killed here may still be tearing its memory down: no wait, and its group is
-        # still its own (its pid is not free before it is reaped)
-        ended = exit_code(p, 0.0 if killed else 1.0) is not None
+        lingering = w in self._lingering
+        self._lingering.discard(w)
+        # a process killed here, or whose main thread has exited, may still be tearing its memory
+        # down (or run threads it left): no wait, and its group is still its own (its pid is not
+        # free before it is reaped)
+        ended = exit_code(p, 0.0 if killed or lingering else 1.0) is not None
+        # how it ended, read before the kills below make it "killed by signal 9"
+        code = None if ended or not lingering else exit_begun(p.pid)
+        how = describe_exit(code) if code is not None else None
+        if lingering and not ended:
+            p.kill()  # the threads it left (a worker that leads no group is not killed below)
         kill_process_group(p.pid, alive=not ended)  # what its envs started
         slots = np.flatnonzero(self._slot_worker == w).tolist()
         reported = [j for j in slots if int(self._arena.state[j]) == S.ERROR]
@@ -197,7 +220,7 @@ class _PoolWatchdog:
                     f"{secs:.1f}s): its worker {w} (pid {p.pid}, hosting envs {slots}) was killed.")
         else:
             i, phase = slots[0], WORKER_DIED
-            text = f"worker {w} (pid {p.pid}, hosting envs {slots}) died ({self.death_info(w)})."
+            text = f"worker {w} (pid {p.pid}, hosting envs {slots}) died ({how or self.death_info(w)})."
         fail = (lambda msg: EnvError(i, phase, msg)) if timed is not None else (lambda msg: WorkerDiedError(msg, slots))
         if self._restart is None:
             self._fail(fail(text))
@@ -211,8 +234,7 @@ class _PoolWatchdog:
             arena.restarts[j] = r  # after the text; also the seed of its env's next build
         arena.build_since[slots] = 0.0
         self._conns[w].close()
-        release_process(p)
-        if not ended:
+        if not release_process(p):  # (it may have ended since: the kill above, or on its own)
             self._exiting.append(p)
         self._started_at[w] = time.monotonic()
         self._procs[w], self._conns[w] = self._start_worker(w, self._watch.resumed())
