@@ -10,7 +10,8 @@ import torch
 
 from torchrl_asyncpool import AsyncPoolCollector
 from torchrl_asyncpool.collector.workload_plan import (
-    PIN_STEP_S, SHARE_GAIN, SHARE_STEP_S, SHARED_PIN_STEP_S, SHARED_UNPIN_STEP_S, UNPIN_STEP_S, UNSHARE_STEP_S,
+    PIN_STEP_S, SHARE_GAIN, SHARE_STEP_S, SHARED_PIN_STEP_S, SHARED_UNPIN_STEP_S, START_UNPINNED_PROBE_S, UNPIN_STEP_S,
+    UNSHARE_STEP_S,
     AffinityPlan, shared_split, shared_worker_masks,
 )
 from torchrl_asyncpool.inference import auto_flush_timeout
@@ -448,8 +449,12 @@ def test_a_slow_env_lifts_the_partition_and_gets_a_flush_deadline():
     collector = AsyncPoolCollector([functools.partial(_ComputingEnv, step_s=1e-3)] * 4, policy=_zero_action,
                                    frames_per_batch=8, total_frames=-1)
     try:
-        assert collector.plan()["partitioned"] is True  # the default starts partitioned
-        assert collector.plan()["startup"]["envs_per_worker"] == -(-4 // len(CPUS))  # a costly step: 1 a CPU
+        # a costly step by the start-up probe: one worker a CPU, and unpinned from the start
+        assert collector.plan()["startup"]["envs_per_worker"] == -(-4 // len(CPUS))
+        assert collector.plan()["startup"]["measured"]["probe_step_s"] >= START_UNPINNED_PROBE_S
+        assert collector.plan()["cpu_layout"] == "unpinned" and collector.plan()["partition_changes"] == 0
+        for pid in collector.env.worker_pids:
+            assert os.sched_getaffinity(pid) == set(CPUS)
         _run(collector, 3.5)
         plan = collector.plan()
         assert plan["partitioned"] is False and plan["cpu_layout"] == "unpinned", plan

@@ -26,7 +26,7 @@ from torchrl_asyncpool.collector.policy_cost import batch_gain, measure_policy_c
 from torchrl_asyncpool.collector.policy_layout import PolicyLayout
 from torchrl_asyncpool.collector.traj_ids import MASK_KEY, TRAJ_IDS_KEY, TrajectoryIds, env_major
 from torchrl_asyncpool.collector.workload_plan import (
-    AffinityPlan, shared_split, shared_worker_masks, startup_workers_per_core,
+    START_UNPINNED_PROBE_S, AffinityPlan, shared_split, shared_worker_masks, startup_workers_per_core,
 )
 from torchrl_asyncpool._sys.cpu_time import CpuMeter
 from torchrl_asyncpool.pool.env_pool import AsyncEnvPool
@@ -652,7 +652,12 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         policy_mask, worker_masks, shared_masks = self._auto_partition
         if shared_masks is None:  # the steps' wall time, as the lines of the two-layout plan were measured
             measure = lambda: (float(arena.step_time.sum()), int(arena.step_count.sum()))  # noqa: E731
-            return AffinityPlan(measure, self._apply_partition, layout="partitioned")
+            # a costly step by the start-up probe: unpinned from the start, not a second later
+            probe = pool.plan.measured.get("probe_step_s")
+            layout = "unpinned" if probe is not None and probe >= START_UNPINNED_PROBE_S else "partitioned"
+            if layout == "unpinned":
+                self._apply_partition(layout)
+            return AffinityPlan(measure, self._apply_partition, layout=layout)
         # the workers' CPU an env step: the shared layout changes who shares a core, and the
         # steps' wall time counts the turns of whatever does; the serving thread's CPU says how
         # much room the policy's core has (a thread server's: a server process is not weighed)

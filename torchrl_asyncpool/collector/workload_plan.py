@@ -43,8 +43,9 @@ layout on offer) or one (the partition as the only pinned layout).
 its last look, and moves between the layouts ``"partitioned"``, ``"shared"`` (only where the pool
 has two workers a CPU or more) and ``"unpinned"`` (workers, serving side and the iterating thread
 on every CPU). With one worker a CPU it weighs a step's wall time (the arena's ``step_time`` over
-``step_count``) against :data:`UNPIN_STEP_S` and :data:`PIN_STEP_S`. Where the pool can share, it
-weighs the workers' CPU a step instead (their main threads' CPU time from ``/proc``,
+``step_count``) against :data:`UNPIN_STEP_S` and :data:`PIN_STEP_S`, and starts unpinned where the
+start-up probe's step already says it would lift the partition (:data:`START_UNPINNED_PROBE_S`).
+Where the pool can share, it weighs the workers' CPU a step instead (their main threads' CPU time from ``/proc``,
 :class:`~torchrl_asyncpool._sys.cpu_time.CpuMeter`: the env's step and the worker's share of the
 exchange), since the shared layout changes who shares a core and a step's wall time counts the
 turns of whatever does; its lines are :data:`SHARE_STEP_S` / :data:`UNSHARE_STEP_S` and
@@ -62,7 +63,8 @@ from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 from torchrl_asyncpool.exchange.metrics import SumWindow
 
-__all__ = ["AffinityPlan", "LAYOUTS", "UNPIN_STEP_S", "PIN_STEP_S", "SHARE_STEP_S", "UNSHARE_STEP_S",
+__all__ = ["AffinityPlan", "LAYOUTS", "UNPIN_STEP_S", "PIN_STEP_S", "START_UNPINNED_PROBE_S", "SHARE_STEP_S",
+           "UNSHARE_STEP_S",
            "SHARED_UNPIN_STEP_S", "SHARED_PIN_STEP_S", "SHARE_GAIN", "PLAN_PERIOD_S", "MID_COST_PROBE_S",
            "SERVING_BATCH_S", "shared_split", "shared_worker_masks", "startup_workers_per_core"]
 
@@ -72,6 +74,11 @@ LAYOUTS = ("partitioned", "shared", "unpinned")
 UNPIN_STEP_S = 80e-6
 #: ... and one shorter than this restores it
 PIN_STEP_S = 40e-6
+#: with one worker a CPU, a start-up probe's mean step (wall time, the spec env's first steps: about
+#: 1.2-2x a worker's warm step) at least this long starts the pool unpinned: the plan's first look
+#: would lift the partition a second later (Atari through gymnasium probes at ~320-690 us; its
+#: first second partitioned delivered 1,536 frames against 2,048-3,072 unpinned, 16 envs, 2 cores)
+START_UNPINNED_PROBE_S = 2 * UNPIN_STEP_S
 #: where the pool can share, the workers' CPU a step from this long moves a share of them onto
 #: the policy's CPU ...
 SHARE_STEP_S = 25e-6
