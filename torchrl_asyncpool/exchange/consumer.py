@@ -22,10 +22,10 @@ from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
 from torchrl_asyncpool.exchange.doorbell import Doorbell
 from torchrl_asyncpool._sys.descriptors import InheritedFd
+from torchrl_asyncpool._sys.exit_begun import EXIT_CHECK_S, describe_exit, exit_begun
 from torchrl_asyncpool.exchange.gather import numpy_or_none
 from torchrl_asyncpool.exchange.metrics import record_wait
 from torchrl_asyncpool.exchange.native import build_engine
-from torchrl_asyncpool._sys.exit_begun import EXIT_CHECK_S, describe_exit, exit_begun
 from torchrl_asyncpool.exchange.wait_loop import NOT_DUE, TIMED_OUT, WaitLoop
 
 __all__ = ["ConsumerHandle", "SlotConsumer"]
