@@ -16,7 +16,7 @@ import time
 import pytest
 from tensordict import TensorDict
 
-from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, WorkerDiedError
+from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, InferenceServerError, WorkerDiedError
 from torchrl_asyncpool._sys.exit_begun import exit_begun
 from torchrl_asyncpool.testing import OracleChecker, OracleEnv, oracle_action
 
@@ -116,5 +116,23 @@ def test_the_collector_raises_a_lingering_worker_with_raise():
         with pytest.raises(WorkerDiedError, match=rf"died \(exit code {_CODE}\)"):
             for _ in collector:
                 assert time.monotonic() - t0 < 30, "the collector waited on a worker that runs no more"
+    finally:
+        collector.shutdown(raise_on_error=False)
+
+
+def _oracle_policy():
+    return lambda td: td.set("action", oracle_action(td["tag"]))
+
+
+def test_a_server_process_raises_a_lingering_worker_with_raise():
+    # the consumer in the server process watches the workers' main threads too
+    collector = AsyncPoolCollector(_envs(2, exit_at=5), policy_factory=_oracle_policy, frames_per_batch=4,
+                                   total_frames=-1)
+    t0 = time.monotonic()
+    try:
+        # the server process's failure, carrying the worker's death
+        with pytest.raises(InferenceServerError, match=rf"worker \d .*died \(exit code {_CODE}\)"):
+            for _ in collector:
+                assert time.monotonic() - t0 < 30, "the server process waited on a worker that runs no more"
     finally:
         collector.shutdown(raise_on_error=False)
