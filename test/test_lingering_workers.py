@@ -47,6 +47,10 @@ def _envs(n, exit_at):
     return [functools.partial(_MainThreadExits, i, exit_at=exit_at) for i in range(n)]
 
 
+def _oracle_policy():
+    return lambda td: td.set("action", oracle_action(td["tag"]))
+
+
 def _answer(pool, td):
     pool.send(TensorDict({"action": oracle_action(td["tag"])}, td.batch_size), td.env_indices)
 
@@ -95,8 +99,8 @@ def test_with_raise_a_lingering_worker_is_a_worker_died_error_not_a_wait():
 
 def test_the_collector_delivers_exactly_through_lingering_workers(dev_shm_guard):
     checker = OracleChecker()
-    collector = AsyncPoolCollector(_envs(4, exit_at=50), policy=lambda td: td.set("action", oracle_action(td["tag"])),
-                                   frames_per_batch=32, total_frames=640, envs_per_worker=2,
+    collector = AsyncPoolCollector(_envs(4, exit_at=50), policy=_oracle_policy(), frames_per_batch=32,
+                                   total_frames=640, envs_per_worker=2,
                                    on_env_failure="restart", max_restarts_per_env=100, max_restarts=None)
     try:
         frames = 0
@@ -108,31 +112,19 @@ def test_the_collector_delivers_exactly_through_lingering_workers(dev_shm_guard)
         collector.shutdown()
 
 
-def test_the_collector_raises_a_lingering_worker_with_raise():
-    collector = AsyncPoolCollector(_envs(2, exit_at=5), policy=lambda td: td.set("action", oracle_action(td["tag"])),
-                                   frames_per_batch=4, total_frames=-1)
+@pytest.mark.parametrize("server,error,died", [
+    ("thread", WorkerDiedError, rf"died \(exit code {_CODE}\)"),
+    # the consumer in the server process watches the workers' main threads too; the server
+    # process's failure carries the worker's death
+    ("process", InferenceServerError, rf"worker \d .*died \(exit code {_CODE}\)"),
+])
+def test_the_collector_raises_a_lingering_worker_with_raise(server, error, died):
+    policy = dict(policy=_oracle_policy()) if server == "thread" else dict(policy_factory=_oracle_policy)
+    collector = AsyncPoolCollector(_envs(2, exit_at=5), frames_per_batch=4, total_frames=-1, **policy)
     t0 = time.monotonic()
     try:
-        with pytest.raises(WorkerDiedError, match=rf"died \(exit code {_CODE}\)"):
+        with pytest.raises(error, match=died):
             for _ in collector:
                 assert time.monotonic() - t0 < 30, "the collector waited on a worker that runs no more"
-    finally:
-        collector.shutdown(raise_on_error=False)
-
-
-def _oracle_policy():
-    return lambda td: td.set("action", oracle_action(td["tag"]))
-
-
-def test_a_server_process_raises_a_lingering_worker_with_raise():
-    # the consumer in the server process watches the workers' main threads too
-    collector = AsyncPoolCollector(_envs(2, exit_at=5), policy_factory=_oracle_policy, frames_per_batch=4,
-                                   total_frames=-1)
-    t0 = time.monotonic()
-    try:
-        # the server process's failure, carrying the worker's death
-        with pytest.raises(InferenceServerError, match=rf"worker \d .*died \(exit code {_CODE}\)"):
-            for _ in collector:
-                assert time.monotonic() - t0 < 30, "the server process waited on a worker that runs no more"
     finally:
         collector.shutdown(raise_on_error=False)

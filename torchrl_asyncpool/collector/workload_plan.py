@@ -45,14 +45,14 @@ has two workers a CPU or more) and ``"unpinned"`` (workers, serving side and the
 on every CPU). With one worker a CPU it weighs a step's wall time (the arena's ``step_time`` over
 ``step_count``) against :data:`UNPIN_STEP_S` and :data:`PIN_STEP_S`, and starts unpinned where the
 start-up probe's step already says it would lift the partition (:data:`START_UNPINNED_PROBE_S`).
-Where the pool can share, it weighs the workers' CPU a step instead (their main threads' CPU time from ``/proc``,
-:class:`~torchrl_asyncpool._sys.cpu_time.CpuMeter`: the env's step and the worker's share of the
-exchange), since the shared layout changes who shares a core and a step's wall time counts the
-turns of whatever does; its lines are :data:`SHARE_STEP_S` / :data:`UNSHARE_STEP_S` and
-:data:`SHARED_UNPIN_STEP_S` / :data:`SHARED_PIN_STEP_S`. The gap between each pair of lines keeps
-a workload near a line from switching back and forth, and a window of fresh steps (not the
-start-up's) keeps a moment of load from deciding for good (with the workers' CPU, the window opens
-at the first look after the first batch). Explicit masks are never
+Where the pool can share, it weighs the workers' CPU a step instead (their main threads' CPU time
+from ``/proc``, :class:`~torchrl_asyncpool._sys.cpu_time.CpuMeter`: the env's step and the
+worker's share of the exchange), since the shared layout changes who shares a core and a step's
+wall time counts the turns of whatever does; its lines are :data:`SHARE_STEP_S` /
+:data:`UNSHARE_STEP_S` and :data:`SHARED_UNPIN_STEP_S` / :data:`SHARED_PIN_STEP_S`. The gap
+between each pair of lines keeps a workload near a line from switching back and forth, and a
+window of fresh steps (not the start-up's) keeps a moment of load from deciding for good (with the
+workers' CPU, the window opens at the first look after the first batch). Explicit masks are never
 touched: the plan runs only for the ``"auto"`` partition.
 """
 from __future__ import annotations
@@ -64,9 +64,8 @@ from typing import Callable, Mapping, Optional, Sequence, Tuple
 from torchrl_asyncpool.exchange.metrics import SumWindow
 
 __all__ = ["AffinityPlan", "LAYOUTS", "UNPIN_STEP_S", "PIN_STEP_S", "START_UNPINNED_PROBE_S", "SHARE_STEP_S",
-           "UNSHARE_STEP_S",
-           "SHARED_UNPIN_STEP_S", "SHARED_PIN_STEP_S", "SHARE_GAIN", "PLAN_PERIOD_S", "MID_COST_PROBE_S",
-           "SERVING_BATCH_S", "shared_split", "shared_worker_masks", "startup_workers_per_core"]
+           "UNSHARE_STEP_S", "SHARED_UNPIN_STEP_S", "SHARED_PIN_STEP_S", "SHARE_GAIN", "PLAN_PERIOD_S",
+           "MID_COST_PROBE_S", "SERVING_BATCH_S", "shared_split", "shared_worker_masks", "startup_workers_per_core"]
 
 #: the CPU layouts of the default partition, from the policy's CPU kept for it alone to none kept
 LAYOUTS = ("partitioned", "shared", "unpinned")

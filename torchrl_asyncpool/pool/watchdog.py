@@ -19,7 +19,7 @@ from torchrl_asyncpool.errors import EnvError, WorkerDiedError
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena
 from torchrl_asyncpool._sys.descriptors import InheritedFd
-from torchrl_asyncpool._sys.exit_begun import EXIT_CHECK_S, describe_exit, exit_begun
+from torchrl_asyncpool._sys.exit_begun import EXIT_CHECK_S, exit_begun
 from torchrl_asyncpool._sys.forkserver import death_fd, exit_code
 from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.workers.restarts import DeferredEnvError
@@ -196,9 +196,9 @@ class _PoolWatchdog:
         # down (or run threads it left): no wait, and its group is still its own (its pid is not
         # free before it is reaped)
         ended = exit_code(p, 0.0 if killed or lingering else 1.0) is not None
-        # how it ended, read before the kills below make it "killed by signal 9"
-        code = None if ended or not lingering else exit_begun(p.pid)
-        how = describe_exit(code) if code is not None else None
+        # how it ended, read before the kills below make it "killed by signal 9" (death_info reads
+        # a lingering process's main thread)
+        how = self.death_info(w) if lingering and not ended else None
         if lingering and not ended:
             p.kill()  # the threads it left (a worker that leads no group is not killed below)
         kill_process_group(p.pid, alive=not ended)  # what its envs started
