@@ -1,5 +1,6 @@
-"""The pass loop's steps of plain gymnasium envs in C (``exchange.native.step_group``) against
-the Python loop: the same transitions, exactly once and in order, and the same failures."""
+"""The pass loop's steps of plain gymnasium envs (and TorchRL ``GymEnv`` factories on the fast
+path) in C (``exchange.native.step_group``) against the Python loop: the same transitions,
+exactly once and in order, and the same failures."""
 import functools
 import re
 import sys
@@ -30,9 +31,10 @@ class _FlatOracle(gym.Env):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, env_id, fail_at_step=None, obs_dtype=np.int64):
+    def __init__(self, env_id, fail_at_step=None, obs_dtype=np.int64, space_dtype=np.int64, action_type=np.integer):
         self.env_id, self.fail_at_step, self.obs_dtype = env_id, fail_at_step, obs_dtype
-        self.observation_space = gym.spaces.Box(-1, _BIG, (5,), np.int64)
+        self.action_type = action_type
+        self.observation_space = gym.spaces.Box(-1, _BIG, (5,), space_dtype)
         self.action_space = gym.spaces.Discrete(1000)
         self.episode, self.t, self.steps = -1, 0, 0
 
@@ -48,7 +50,8 @@ class _FlatOracle(gym.Env):
     def step(self, action):
         # the Python loop calls this from GymnasiumEnvAdapter.step_into; C has no frame of its own
         from_c = int(sys._getframe(1).f_code.co_name == "step_pass")
-        assert isinstance(action, np.integer), type(action)  # what gymnasium's vector envs pass
+        # np.integer: what gymnasium's vector envs pass; int: what TorchRL's GymWrapper passes
+        assert isinstance(action, self.action_type), type(action)
         self.steps += 1
         if self.steps == self.fail_at_step:
             raise RuntimeError(f"scripted failure of env {self.env_id}")
@@ -75,8 +78,10 @@ def _collect(exchange, num_envs=8, envs_per_worker=4, batches=5, frames=60, **en
                           for _ in range(batches)])
 
 
-def _check(td, from_c):
-    """Every env's transitions in order, each exactly once, with the right step types."""
+def _check(td, from_c, max_steps=None):
+    """Every env's transitions in order, each exactly once, with the right step types (and,
+    with ``max_steps``, a TorchRL ``StepCounter(max_steps)``'s truncations, counts and a
+    ``RewardSum``'s sums)."""
     obs, nxt = td["observation"], td["next", "observation"]
     if from_c:  # a pass with one env to step takes the per-slot path (Python) instead
         assert (nxt[:, 4] == 1).float().mean() > 0.5, "the passes' steps did not run in C"
@@ -90,9 +95,14 @@ def _check(td, from_c):
         assert (td["action"][rows] == _answer(o)).all()
         assert (n[:, 1] == o[:, 1]).all() and (n[:, 2] == o[:, 2] + 1).all()
         assert (td["next", "reward"][rows].squeeze(-1) == n[:, 2].float()).all()
-        ends = n[:, 2] == torch.tensor([_length(env, e) for e in n[:, 1].tolist()])
+        own_end = n[:, 2] == torch.tensor([_length(env, e) for e in n[:, 1].tolist()])
+        ends = own_end if max_steps is None else own_end | (n[:, 2] == max_steps)
         term, trunc = td["next", "terminated"][rows].squeeze(-1), td["next", "truncated"][rows].squeeze(-1)
-        assert (term == (ends & (n[:, 1] % 2 == 0))).all() and (trunc == (ends & (n[:, 1] % 2 == 1))).all()
+        assert (term == (own_end & (n[:, 1] % 2 == 0))).all() and (trunc == (ends & ~term)).all()
+        if max_steps is not None:
+            t = n[:, 2]
+            assert torch.equal(td["next", "step_count"][rows].squeeze(-1), t.long())
+            assert torch.equal(td["next", "episode_reward"][rows].squeeze(-1), (t * (t + 1) / 2).float())
         # consecutive: the next transition starts where this one ended, or at the next episode's start
         follow = torch.where(ends[:-1], (o[1:, 1] == n[:-1, 1] + 1) & (o[1:, 2] == 0),
                              (o[1:, 1] == n[:-1, 1]) & (o[1:, 2] == n[:-1, 2]))
@@ -112,6 +122,38 @@ def test_observation_of_another_dtype_is_converted(exchange, dev_shm_guard):
     # float64 observations for an int64 space: not one memcpy, numpy's converting assignment
     _check(_collect(exchange, num_envs=4, envs_per_worker=4, batches=2, frames=40, obs_dtype=np.float64),
            from_c=exchange == "native")
+
+
+def _torchrl_oracle(env_id, max_steps):
+    """The oracle under TorchRL: ``GymWrapper`` of its float64 twin, ``DoubleToFloat``,
+    ``StepCounter(max_steps)`` and ``RewardSum``, which the fast path steps directly."""
+    from torchrl.envs import Compose, DoubleToFloat, GymWrapper, RewardSum, StepCounter, TransformedEnv
+
+    base = _FlatOracle(env_id, obs_dtype=np.float64, space_dtype=np.float64, action_type=int)
+    return TransformedEnv(GymWrapper(base, categorical_action_encoding=True),
+                          Compose(DoubleToFloat(), StepCounter(max_steps=max_steps), RewardSum()))
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_torchrl_gym_envs_step_in_c_exactly_once_in_order(exchange, dev_shm_guard):
+    # a TorchRL GymEnv on the fast path steps in the C loop too (exchange "native"): its float64
+    # observation cast into the float32 row, its StepCounter's count and truncation at max_steps,
+    # its RewardSum's sum; the Python loop (exchange "python") makes the same records
+    from torchrl_asyncpool.envs.adapters import adapter_path, make_adapter
+
+    adapter = make_adapter(_torchrl_oracle(0, 3))
+    assert adapter_path(adapter) == "torchrl-fast" and adapter.c_step(
+        [(k, np.zeros(1, np.int64) if k == "step_count" else np.zeros(1 if k == "episode_reward" else 5, np.float32))
+         for k in adapter.obs_keys]) is not None
+    adapter.close()
+    factories = [functools.partial(_torchrl_oracle, i, 3) for i in range(8)]
+    with AsyncEnvPool(factories, envs_per_worker=4, transition_chunk_size=4, exchange=exchange) as pool, \
+            served(pool, lambda td: _answer(td["observation"]).long()):
+        td = torch.cat([pool.take_transitions(60, timeout=30, check=pool.check_workers) for _ in range(5)])
+    assert td["next", "observation"].dtype == torch.float32
+    _check(td, from_c=exchange == "native", max_steps=3)
+    trunc = td["next", "truncated"].squeeze(-1)
+    assert (trunc & (td["next", "observation"][:, 2] == 3)).any()  # StepCounter's own truncations
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)

@@ -226,13 +226,17 @@ def pass_stores(exchange: str, arena, reward: np.ndarray, step_type: np.ndarray,
 
 
 def step_group(exchange: str):
-    """The C steps of a pass loop's plain gymnasium envs (``csrc/step_loop.c``), or ``None``
-    for the Python loop (``exchange="python"`` or the engine not built).
+    """The C steps of a pass loop's plain gymnasium envs and TorchRL ``GymEnv`` factories on
+    the fast path (``csrc/step_loop.c``), or ``None`` for the Python loop (``exchange="python"``
+    or the engine not built).
 
     The function, ``step_group(stepper, fast, start, idx, sts, rewards, times, slow_s, hold_s)``,
     steps ``fast[start:]`` (one tuple per slot, see ``workers.stepper._fast_step``), copies
-    each observation into its slot's row (by :func:`fit_rows` where it is not an array of the
-    row's dtype and shape) and appends each record to the four staging lists a
+    each observation into its slot's row (a float64 one into a float32 row by a cast; by
+    :func:`fit_rows` where it is not an array of the row's dtype and shape otherwise), advances
+    a slot's step count and reward sum where its tuple carries them (TorchRL's ``StepCounter``,
+    truncating at its ``max_steps``, and ``RewardSum``: state and row arrays) and appends each
+    record to the four staging lists a
     :class:`~torchrl_asyncpool.workers.record_writer.RecordWriter` hands out for it
     (``RecordWriter.plain_staging``: only while its ``add`` would append nothing more, i.e.
     no recurrent inputs and no restart flags), as its ``add`` does; it
@@ -251,7 +255,7 @@ def step_group(exchange: str):
         >>> action, obs = np.ones((), np.int64), np.zeros(4, np.float32)
         >>> lists = [], [], [], []
         >>> if run is not None:
-        ...     stepped, ended = run(None, [(7, env.step, action, None, obs)], 0, *lists, 1.0, 1.0)
+        ...     stepped, ended = run(None, [(7, env.step, action, None, obs, None, None)], 0, *lists, 1.0, 1.0)
         ... else:  # what it does, in Python
         ...     o, r, term, trunc, _ = env.step(action[()]); obs[...] = o
         ...     stepped, ended = 1, []

@@ -233,16 +233,24 @@ class _Slot:
 
 def _fast_step(index, adapter, obs, actions):
     """The slot's tuple for the C steps of a pass (``exchange/csrc/step_loop.c``): ``(index,
-    env.step, action row, action maker or None, observation row or ((key, row), ...))``, what
-    ``GymnasiumEnvAdapter.step_into`` uses; ``None`` where the env takes the Python path (any
-    other adapter, an env with planned episodes)."""
-    if (type(adapter) is not GymnasiumEnvAdapter or adapter._plan is not None
-            or not isinstance(actions.get("action"), np.ndarray)):
+    env.step, action row, action maker or None, observation row or ((key, row), ...), step count
+    or None, reward sum or None)``: what ``GymnasiumEnvAdapter.step_into`` uses, or for a TorchRL
+    ``GymEnv`` on the fast path what its ``c_step`` says (the count and the sum its
+    ``StepCounter``/``RewardSum`` keep); ``None`` where the env takes the Python path (any other
+    adapter, an env with planned episodes)."""
+    if getattr(adapter, "_plan", None) is not None or not isinstance(actions.get("action"), np.ndarray):
         return None
-    # GymnasiumEnvAdapter._action_value: row[()] (None here), the space's scalar type, or a copy
-    make = adapter._discrete_scalar if adapter._discrete else np.ndarray.copy
-    rows = tuple(obs) if adapter._dict_obs else obs[0][1]
-    return index, adapter.env.step, actions["action"], make, rows
+    if type(adapter) is GymnasiumEnvAdapter:
+        # GymnasiumEnvAdapter._action_value: row[()] (None here), the space's scalar type, or a copy
+        make = adapter._discrete_scalar if adapter._discrete else np.ndarray.copy
+        rows = tuple(obs) if adapter._dict_obs else obs[0][1]
+        return index, adapter.env.step, actions["action"], make, rows, None, None
+    c_step = getattr(adapter, "c_step", None)
+    fields = c_step(obs) if c_step is not None else None
+    if fields is None:
+        return None
+    step, make, row, count, total = fields
+    return index, step, actions["action"], make, row, count, total
 
 
 def _step_into(adapter, actions, views):
@@ -397,8 +405,9 @@ class _Stepper:
     def step_pass(self, stepping):
         """Steps ``stepping`` (claimed, ACTION_READY, not ended) in order; returns those whose
         episode ended. Per slot only the step (with its observation copy) and the staging of
-        its record run per slot, in C for plain gymnasium envs (``exchange.native.step_group``:
-        the env's step is the only Python then) and in Python otherwise; the records are stored
+        its record run per slot, in C for plain gymnasium envs and TorchRL ``GymEnv`` factories
+        on the fast path (``exchange.native.step_group``: the env's step is the only Python
+        then) and in Python otherwise; the records are stored
         one store per array for a group of slots, published together; a group closes early after
         a slow step or once its first record has waited :data:`_HOLD_S` (see there). The last
         group is left unpublished, for the caller's publish of the pass."""
@@ -442,7 +451,7 @@ class _Stepper:
 
     def _step_group_py(self, stepping, start, plain, add, ended):
         """:meth:`step_pass`'s group in Python (``exchange.native.step_group`` does the same in C
-        for plain gymnasium envs): steps ``stepping[start:]`` in order until a slow step or the
+        for plain gymnasium envs and TorchRL's fast path): steps ``stepping[start:]`` in order until a slow step or the
         hold time, stages their records, adds the ended ones to ``ended``; returns how many."""
         k = 0
         clock = time.perf_counter

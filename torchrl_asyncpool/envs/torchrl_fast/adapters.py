@@ -62,6 +62,10 @@ class TorchRLGymFastAdapter(TorchRLEnvAdapter):
         self.plan = plan
         self.gym = plan.base._env
         self.transforms = plan.transforms
+        self._direct = None
+        # the direct step's StepCounter count and RewardSum total (int64 / float32 [1]): arrays,
+        # which the C pass loop advances as the Python one does (see c_step)
+        self._count, self._sum = np.zeros(1, np.int64), np.zeros(1, np.float32)
         # the worker's _Slot reads ``self.step`` once: keep the planned variant when there is a plan
         if self._plan is not None:
             self.step = self._planned_step
@@ -87,7 +91,37 @@ class TorchRLGymFastAdapter(TorchRLEnvAdapter):
         rec = self.plan.record(obs)
         for t in self.transforms:
             t.reset(rec)
+        self._count[0], self._sum[0] = 0, 0
         return rec
+
+    def c_step(self, views):
+        """What the worker's pass loop needs to step this env in C (``exchange.native.step_group``)
+        into the slot's rows ``views`` (``[(key, numpy row)]``): ``(gym_env.step, action maker,
+        observation row, step count, reward sum)``, the count ``(state, row, max_steps or 0)`` and
+        the sum ``(state, row)`` or ``None`` where there is no ``StepCounter``/``RewardSum``; ``None``
+        where the env steps in Python (episode plans, frame skipping, the record path, rows of
+        other dtypes). Both loops make the same records: :meth:`step_into` advances the same
+        state arrays."""
+        if self._plan is not None or self.plan.frame_skip != 1:
+            return None
+        if self.step_into == self._plain_step_into:
+            return self.gym.step, self.plan.action, views[0][1], None, None
+        d = self._direct
+        if d is None:
+            return None
+        rows = dict(views)
+        count = total = None
+        if d.counter is not None:
+            row = rows[d.counter.key]
+            if row.dtype != np.int64 or row.shape != (1,):
+                return None
+            count = (self._count, row, d.counter.max_steps or 0)
+        if d.summer is not None:
+            row = rows[d.summer.key]
+            if row.dtype != np.float32 or row.shape != (1,):
+                return None
+            total = (self._sum, row)
+        return self.gym.step, d.action, rows[d.obs_key], count, total
 
     def _gym_run(self, a):
         """``gym.step(a)`` repeated ``frame_skip`` times as ``GymLikeEnv._step`` repeats it (the
@@ -140,7 +174,8 @@ class TorchRLGymFastAdapter(TorchRLEnvAdapter):
     def _direct_step_into(self, actions, views):
         # the record path's result without building the record (plan.direct): the observation
         # copied into its row (the copy casts as DoubleToFloat does), the count and the sum
-        # written into theirs; ~5 us a step less than the record path on a MuJoCo env
+        # written into theirs; ~5 us a step less than the record path on a MuJoCo env. The
+        # worker's C pass loop does the same (c_step), on the same state arrays.
         d = self._direct
         obs, reward, terminated, truncated = self._gym_run(d.action(actions["action"]))
         if views is not self._views:
@@ -149,12 +184,17 @@ class TorchRLGymFastAdapter(TorchRLEnvAdapter):
         copy_into(obs_row, obs)
         truncated = bool(truncated)
         if count_row is not None:
-            truncated = d.counter.advance() or truncated
-            count_row[0] = d.counter.n
+            count = self._count
+            count += 1
+            count_row[0] = count[0]
+            max_steps = d.counter.max_steps
+            truncated = truncated or (max_steps is not None and count[0] >= max_steps)
         reward = np.float32(reward)  # reward_spec.encode (torch.as_tensor(reward, float32))
         if sum_row is not None:
-            sum_row[...] = d.summer.add(reward)
-        return reward, bool(terminated), truncated
+            total = self._sum
+            total += reward
+            sum_row[0] = total[0]
+        return reward, bool(terminated), bool(truncated)
 
     def _bind_rows(self, views):
         rows = dict(views)

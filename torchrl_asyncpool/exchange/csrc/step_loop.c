@@ -1,7 +1,10 @@
 /*
  * The pass loop's env steps for plain gymnasium envs, in C (workers/stepper.py,
- * _Stepper.step_pass). For each env of a group: its action value from the slot's action row,
- * env.step(action), the observation copied into the slot's row, and the record staged in the
+ * _Stepper.step_pass), and for the gymnasium env under a TorchRL GymEnv on the fast path
+ * (TorchRLGymFastAdapter.c_step: its step count and reward sum too). For each env of a group:
+ * its action value from the slot's action row, env.step(action), the observation copied into the
+ * slot's row (cast from float64 where the row is float32, as DoubleToFloat casts), the step count
+ * and the reward sum advanced and written into theirs, and the record staged in the
  * lists RecordWriter.plain_staging() hands out (only for a writer whose add() does nothing
  * more: no recurrent inputs, no restart flags), as GymnasiumEnvAdapter.step_into and
  * RecordWriter.add do in Python.
@@ -13,7 +16,7 @@
 #include "native.h"
 
 /* the fields of a slot's fast tuple (stepper._fast_step) */
-enum { F_INDEX, F_STEP, F_ACTION, F_MAKE_ACTION, F_OBS, F_FIELDS };
+enum { F_INDEX, F_STEP, F_ACTION, F_MAKE_ACTION, F_OBS, F_COUNT, F_SUM, F_FIELDS };
 /* the RecordWriter's staging lists, in the order step_group takes them */
 enum { L_IDX, L_STS, L_REWARDS, L_TIMES, L_LISTS };
 
@@ -73,12 +76,22 @@ copy_obs(PyObject *dst, PyObject *src, PyObject *key)
         PyBuffer_Release(&d);
         return fit_obs(dst, src, key);
     }
-    same = d.len == s.len && d.len <= NOGIL_BYTES && d.itemsize == s.itemsize && d.ndim == s.ndim &&
-           strcmp(d.format ? d.format : "B", s.format ? s.format : "B") == 0;
+    const char *df = d.format ? d.format : "B", *sf = s.format ? s.format : "B";
+    /* a float32 row of a float64 observation (TorchRL's DoubleToFloat of a MuJoCo env) is cast
+       element by element, as numpy's astype rounds */
+    int cast = strcmp(df, "f") == 0 && strcmp(sf, "d") == 0 && d.len / 4 == s.len / 8;
+    same = (cast || (d.len == s.len && d.itemsize == s.itemsize && strcmp(df, sf) == 0)) && d.len <= NOGIL_BYTES &&
+           d.ndim == s.ndim;
     for (int j = 0; same && j < d.ndim; j++) {
         same = d.shape[j] == s.shape[j];
     }
-    if (same && d.buf != s.buf) {
+    if (same && cast) {
+        float *out = (float *)d.buf;
+        const double *in = (const double *)s.buf;
+        for (Py_ssize_t j = 0; j < d.len / 4; j++) {
+            out[j] = (float)in[j];
+        }
+    } else if (same && d.buf != s.buf) {
         memmove(d.buf, s.buf, (size_t)d.len);
     }
     PyBuffer_Release(&s);
@@ -94,8 +107,78 @@ action_value(PyObject *row, PyObject *make, PyObject *empty)
     return make == Py_None ? PyObject_GetItem(row, empty) : PyObject_CallOneArg(make, row);
 }
 
-/* Steps one slot and writes its observation; its step type (enum step_type), or -1 with an
-   exception set. *reward gets a new reference to the reward (None: 0.0, as RecordWriter.add). */
+/* The one element of a writable state array or row of itemsize bytes (the stepper checked the
+   dtypes: int64 counts, float32 sums), or NULL with an exception set; release b after. */
+static void *
+element(PyObject *o, Py_buffer *b, Py_ssize_t itemsize)
+{
+    if (PyObject_GetBuffer(o, b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    if (b->len != itemsize) {
+        PyBuffer_Release(b);
+        PyErr_Format(PyExc_TypeError, "step_group: a step count or reward sum must be one element of %zd bytes",
+                     itemsize);
+        return NULL;
+    }
+    return b->buf;
+}
+
+/* TorchRL's StepCounter on the fast path: count = (state, row, max_steps) with int64 [1] arrays;
+   the state counts the step, the row gets it, and reaching max_steps (> 0) truncates. */
+static int
+count_step(PyObject *count, int *truncated)
+{
+    Py_buffer sb, rb;
+    int64_t *state = element(PyTuple_GET_ITEM(count, 0), &sb, 8);
+    if (state == NULL) {
+        return -1;
+    }
+    int64_t *row = element(PyTuple_GET_ITEM(count, 1), &rb, 8);
+    if (row == NULL) {
+        PyBuffer_Release(&sb);
+        return -1;
+    }
+    *row = ++*state;
+    long long max_steps = PyLong_AsLongLong(PyTuple_GET_ITEM(count, 2));
+    if (max_steps > 0 && *state >= max_steps) {
+        *truncated = 1;
+    }
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&sb);
+    return max_steps == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* TorchRL's RewardSum on the fast path: total = (state, row), float32 [1] arrays; the reward,
+   rounded to float32 as reward_spec.encode rounds it, is added in float32 as torch adds it. */
+static int
+sum_reward(PyObject *total, PyObject *reward)
+{
+    double r = reward == Py_None ? 0.0 : PyFloat_AsDouble(reward);
+    if (r == -1.0 && PyErr_Occurred()) {
+        return -1;
+    }
+    Py_buffer sb, rb;
+    float *state = element(PyTuple_GET_ITEM(total, 0), &sb, 4);
+    if (state == NULL) {
+        return -1;
+    }
+    float *row = element(PyTuple_GET_ITEM(total, 1), &rb, 4);
+    if (row == NULL) {
+        PyBuffer_Release(&sb);
+        return -1;
+    }
+    float sum = *state + (float)r;
+    *state = sum;
+    *row = sum;
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&sb);
+    return 0;
+}
+
+/* Steps one slot and writes its observation (and its count and sum); its step type (enum
+   step_type), or -1 with an exception set. *reward gets a new reference to the reward (None:
+   0.0, as RecordWriter.add). */
 static int
 step_one(PyObject *fast, PyObject *empty, PyObject **reward)
 {
@@ -133,8 +216,12 @@ step_one(PyObject *fast, PyObject *empty, PyObject **reward)
     if (truncated < 0) {
         goto done;
     }
-    st = terminated ? STEP_TERMINATION : (truncated ? STEP_TRUNCATION : STEP_MID);
+    PyObject *count = PyTuple_GET_ITEM(fast, F_COUNT), *total = PyTuple_GET_ITEM(fast, F_SUM);
     PyObject *r = PyTuple_GET_ITEM(out, 1);
+    if ((count != Py_None && count_step(count, &truncated) < 0) || (total != Py_None && sum_reward(total, r) < 0)) {
+        goto done;
+    }
+    st = terminated ? STEP_TERMINATION : (truncated ? STEP_TRUNCATION : STEP_MID);
     *reward = r == Py_None ? PyFloat_FromDouble(0.0) : Py_NewRef(r);
     if (*reward == NULL) {
         st = -1;
@@ -158,7 +245,8 @@ append_new(PyObject *list, PyObject *item)
 const char ap_step_group_doc[] =
     "step_group(stepper, fast, start, idx, sts, rewards, times, slow_s, hold_s) -> (k, ended)\n\n"
     "Steps the slots fast[start:] in order (each slot's tuple: index, env.step, action row, action\n"
-    "maker or None, observation row or ((key, row), ...) for a Dict space) and appends each record to the four staging lists (slot,\n"
+    "maker or None, observation row or ((key, row), ...) for a Dict space, step count (state, row,\n"
+    "max_steps) or None, reward sum (state, row) or None) and appends each record to the four staging lists (slot,\n"
     "step type, reward, step seconds), as RecordWriter.add does. Stops after a step slower than\n"
     "slow_s or once hold_s has passed since the group started. Returns how many were stepped and\n"
     "the positions (in fast) of those whose episode ended. If a step raises, stepper.current is\n"
@@ -183,7 +271,7 @@ ap_step_group(PyObject *module, PyObject *args)
     for (Py_ssize_t j = start; j < n; j++) {
         PyObject *f = PyList_GET_ITEM(fast, j);
         if (!PyTuple_Check(f) || PyTuple_GET_SIZE(f) != F_FIELDS) {
-            PyErr_SetString(PyExc_TypeError, "step_group: each slot is a tuple of 5 fields");
+            PyErr_SetString(PyExc_TypeError, "step_group: each slot is a tuple of 7 fields");
             return NULL;
         }
     }
