@@ -12,7 +12,8 @@ import torch
 
 from conftest import served
 from torchrl_asyncpool import AsyncEnvPool, EnvError
-from torchrl_asyncpool.exchange.native import native_available
+from torchrl_asyncpool.exchange.native import native_available, step_group
+from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.testing import OracleChecker, OracleGymEnv
 
 EXCHANGES = ["python", pytest.param("native", marks=pytest.mark.skipif(
@@ -154,6 +155,48 @@ def test_torchrl_gym_envs_step_in_c_exactly_once_in_order(exchange, dev_shm_guar
     _check(td, from_c=exchange == "native", max_steps=3)
     trunc = td["next", "truncated"].squeeze(-1)
     assert (trunc & (td["next", "observation"][:, 2] == 3)).any()  # StepCounter's own truncations
+
+
+class _Tenths(gym.Env):
+    """float64 observations ``[t, t / 3]`` and a reward of 0.1 a step (not a float32 number):
+    what a float32 row and a float32 running sum must round as numpy rounds them."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (2,), np.float64)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        self.t = 0
+        return np.zeros(2), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.array([self.t, self.t / 3]), 0.1, False, False, {}
+
+
+@pytest.mark.skipif(not native_available(), reason="the C extension is not built")
+def test_step_group_counts_sums_and_casts_as_the_python_step():
+    # the TorchRL fields of a slot's tuple, stepped in C: StepCounter's count (truncating at
+    # max_steps) and RewardSum's float32 sum in their state and row arrays, the float64
+    # observation rounded into its float32 row
+    run = step_group("native")
+    env = _Tenths()
+    env.reset()
+    count, count_row = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    total, total_row = np.zeros(1, np.float32), np.zeros(1, np.float32)
+    obs = np.zeros(2, np.float32)
+    fast = [(5, env.step, np.zeros((), np.int64), None, obs, (count, count_row, 10), (total, total_row))]
+    lists = [], [], [], []
+    expected = np.float32(0)
+    for t in range(1, 11):
+        assert run(None, fast, 0, *lists, 1.0, 1.0) == (1, [0] if t == 10 else [])
+        expected = expected + np.float32(0.1)
+        assert count[0] == count_row[0] == t and total[0] == total_row[0] == expected
+        assert obs.tolist() == np.array([t, t / 3], np.float32).tolist()
+    assert lists[1] == [StepType.MID] * 9 + [StepType.TRUNCATION]  # max_steps=10 truncates
+    assert expected != np.float32(sum([0.1] * 10))  # a float32 sum, as torch adds float32 rewards
+    bad = [fast[0][:5] + ((count, count_row), None)]
+    with pytest.raises(TypeError, match=r"step count is None or \(state, row, max_steps: int\)"):
+        run(None, bad, 0, *lists, 1.0, 1.0)
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)

@@ -312,6 +312,10 @@ def test_gymenv_num_envs_is_hosted_as_k_slots_with_each_sub_envs_torchrl_records
     making exactly the records of ``GymEnv(env_id)`` seeded ``seed + 3 i + j``."""
     vec = functools.partial(GymEnv, "CartPole-v1", num_envs=3, max_episode_steps=25)
     with synchronous_vector_envs():  # the pool's spec env: no 3 processes started only to read specs
+        subs = make_adapter(vec()).split()
+        # each sub-env steps in the workers' C pass loop (exchange "native"), straight into its row
+        assert all(sub.c_step([("observation", np.zeros(4, np.float32))]) is not None for sub in subs)
+        subs[0].parent.close()
         fast = _per_env_records([vec] * 2, length=60)
     ref = _per_env_records([functools.partial(_slow, cartpole)] * 6, length=60)
     _assert_same_sequences(fast, ref, min_len=60)

@@ -372,6 +372,16 @@ class VectorSubEnvAdapter:
         return (self.plan.record(obs), np.asarray(reward, dtype=np.float32).reshape(1), bool(terminated),
                 bool(truncated))
 
+    def c_step(self, views):
+        """What the worker's C pass loop needs to step this sub-env into the slot's rows ``views``
+        (see :meth:`TorchRLGymFastAdapter.c_step`): ``(sub_env.step, action maker, observation
+        row, None, None)`` where its record is the gymnasium observation itself (one ``Box`` of
+        the spec's shape), else ``None``."""
+        # split() took no transforms and no frame skipping: only the observation's layout decides
+        if self.plan.dict_obs or tuple(self.gym.observation_space.shape) != self.plan.readers[0][3]:
+            return None
+        return self.gym.step, self.plan.action, views[0][1], None, None
+
     def step_into(self, actions, views):
         """:meth:`step` writing the record into ``views``; returns ``(reward, terminated, truncated)``."""
         rec, reward, terminated, truncated = self.step(actions)

@@ -124,29 +124,39 @@ element(PyObject *o, Py_buffer *b, Py_ssize_t itemsize)
     return b->buf;
 }
 
+/* The state and the row of a count or sum tuple (its items 0 and 1) in sb and rb: 0 (release
+   both after), or -1 with an exception set. */
+static int
+state_and_row(PyObject *t, Py_ssize_t itemsize, Py_buffer *sb, Py_buffer *rb)
+{
+    if (element(PyTuple_GET_ITEM(t, 0), sb, itemsize) == NULL) {
+        return -1;
+    }
+    if (element(PyTuple_GET_ITEM(t, 1), rb, itemsize) == NULL) {
+        PyBuffer_Release(sb);
+        return -1;
+    }
+    return 0;
+}
+
 /* TorchRL's StepCounter on the fast path: count = (state, row, max_steps) with int64 [1] arrays;
    the state counts the step, the row gets it, and reaching max_steps (> 0) truncates. */
 static int
 count_step(PyObject *count, int *truncated)
 {
-    Py_buffer sb, rb;
-    int64_t *state = element(PyTuple_GET_ITEM(count, 0), &sb, 8);
-    if (state == NULL) {
-        return -1;
-    }
-    int64_t *row = element(PyTuple_GET_ITEM(count, 1), &rb, 8);
-    if (row == NULL) {
-        PyBuffer_Release(&sb);
-        return -1;
-    }
-    *row = ++*state;
     long long max_steps = PyLong_AsLongLong(PyTuple_GET_ITEM(count, 2));
-    if (max_steps > 0 && *state >= max_steps) {
+    Py_buffer sb, rb;
+    if ((max_steps == -1 && PyErr_Occurred()) || state_and_row(count, 8, &sb, &rb) < 0) {
+        return -1;
+    }
+    int64_t n = ++*(int64_t *)sb.buf;
+    *(int64_t *)rb.buf = n;
+    if (max_steps > 0 && n >= max_steps) {
         *truncated = 1;
     }
     PyBuffer_Release(&rb);
     PyBuffer_Release(&sb);
-    return max_steps == -1 && PyErr_Occurred() ? -1 : 0;
+    return 0;
 }
 
 /* TorchRL's RewardSum on the fast path: total = (state, row), float32 [1] arrays; the reward,
@@ -155,22 +165,13 @@ static int
 sum_reward(PyObject *total, PyObject *reward)
 {
     double r = reward == Py_None ? 0.0 : PyFloat_AsDouble(reward);
-    if (r == -1.0 && PyErr_Occurred()) {
-        return -1;
-    }
     Py_buffer sb, rb;
-    float *state = element(PyTuple_GET_ITEM(total, 0), &sb, 4);
-    if (state == NULL) {
+    if ((r == -1.0 && PyErr_Occurred()) || state_and_row(total, 4, &sb, &rb) < 0) {
         return -1;
     }
-    float *row = element(PyTuple_GET_ITEM(total, 1), &rb, 4);
-    if (row == NULL) {
-        PyBuffer_Release(&sb);
-        return -1;
-    }
-    float sum = *state + (float)r;
-    *state = sum;
-    *row = sum;
+    float sum = *(float *)sb.buf + (float)r;
+    *(float *)sb.buf = sum;
+    *(float *)rb.buf = sum;
     PyBuffer_Release(&rb);
     PyBuffer_Release(&sb);
     return 0;
@@ -272,6 +273,15 @@ ap_step_group(PyObject *module, PyObject *args)
         PyObject *f = PyList_GET_ITEM(fast, j);
         if (!PyTuple_Check(f) || PyTuple_GET_SIZE(f) != F_FIELDS) {
             PyErr_SetString(PyExc_TypeError, "step_group: each slot is a tuple of 7 fields");
+            return NULL;
+        }
+        PyObject *count = PyTuple_GET_ITEM(f, F_COUNT), *total = PyTuple_GET_ITEM(f, F_SUM);
+        if ((count != Py_None && (!PyTuple_Check(count) || PyTuple_GET_SIZE(count) != 3 ||
+                                  !PyLong_Check(PyTuple_GET_ITEM(count, 2)))) ||
+            (total != Py_None && (!PyTuple_Check(total) || PyTuple_GET_SIZE(total) != 2))) {
+            PyErr_SetString(PyExc_TypeError,
+                            "step_group: a slot's step count is None or (state, row, max_steps: int), its reward "
+                            "sum None or (state, row)");
             return NULL;
         }
     }
