@@ -125,12 +125,12 @@ def test_observation_of_another_dtype_is_converted(exchange, dev_shm_guard):
            from_c=exchange == "native")
 
 
-def _torchrl_oracle(env_id, max_steps):
+def _torchrl_oracle(env_id, max_steps, fail_at_step=None):
     """The oracle under TorchRL: ``GymWrapper`` of its float64 twin, ``DoubleToFloat``,
     ``StepCounter(max_steps)`` and ``RewardSum``, which the fast path steps directly."""
     from torchrl.envs import Compose, DoubleToFloat, GymWrapper, RewardSum, StepCounter, TransformedEnv
 
-    base = _FlatOracle(env_id, obs_dtype=np.float64, space_dtype=np.float64, action_type=int)
+    base = _FlatOracle(env_id, fail_at_step, obs_dtype=np.float64, space_dtype=np.float64, action_type=int)
     return TransformedEnv(GymWrapper(base, categorical_action_encoding=True),
                           Compose(DoubleToFloat(), StepCounter(max_steps=max_steps), RewardSum()))
 
@@ -199,14 +199,19 @@ def test_step_group_counts_sums_and_casts_as_the_python_step():
         run(None, bad, 0, *lists, 1.0, 1.0)
 
 
+@pytest.mark.parametrize("torchrl", [False, True], ids=["gymnasium", "torchrl"])
 @pytest.mark.parametrize("exchange", EXCHANGES)
-def test_env_failure_in_a_pass_names_the_env(exchange, dev_shm_guard):
+def test_env_failure_in_a_pass_names_the_env(exchange, torchrl, dev_shm_guard):
     # env 6 (second of its worker's four) raises in its fifth step: the error names it, not the
-    # last env its pass stepped before it
-    factories = [functools.partial(_FlatOracle, i, fail_at_step=5 if i == 6 else None) for i in range(8)]
+    # last env its pass stepped before it (a gymnasium env, or one under TorchRL's GymWrapper)
+    if torchrl:
+        factories = [functools.partial(_torchrl_oracle, i, None, fail_at_step=5 if i == 6 else None)
+                     for i in range(8)]
+    else:
+        factories = [functools.partial(_FlatOracle, i, fail_at_step=5 if i == 6 else None) for i in range(8)]
     with pytest.raises(EnvError, match=r"env 6 raised during step") as info:
         with AsyncEnvPool(factories, envs_per_worker=4, transition_chunk_size=4, exchange=exchange) as pool, \
-                served(pool, _answer_td):
+                served(pool, lambda td: _answer(td["observation"]).long()):
             for _ in range(50):
                 pool.take_transitions(16, timeout=30, check=pool.check_workers)
     assert "scripted failure of env 6" in str(info.value)
