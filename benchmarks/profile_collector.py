@@ -15,7 +15,11 @@ fast as it is, on the same workloads and builders. For one workload and env coun
   process's ``asyncpool-idle`` thread is its idle poller (``SCHED_IDLE``: it runs only when its
   core has nothing else to run), so its CPU is the time the cores would otherwise have idled: it
   is listed on a line of its own (``idle poller: of env worker 0 ...``) and left out of its
-  process's line.
+  process's line. An env worker's line also gives the frames of its own envs and its CPU over
+  those (``[33,280 own frames, 60.4 us each]``): workers need not deliver the same share (one on
+  the policy's CPU can step more often than those that share the other), so a worker's CPU per
+  delivered frame says how much of the machine it took, and its CPU per own frame what a step
+  costs it.
 
 ``--policy cnn`` serves the Nature CNN on ``atari`` (``compare_real.py``'s, the SEED case).
 ``--policy zero`` swaps the benchmark MLP for a policy that only writes a zero action: the
@@ -191,9 +195,12 @@ def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frame
         before = _cpu_snapshot(children)
         t0 = time.perf_counter()
         frames = 0
+        env_frames = torch.zeros(envs, dtype=torch.int64)  # per env: a worker's own frames
         while time.perf_counter() - t0 < seconds:
             batch = next(it)
             frames += frames_per_batch if batch is None else batch.numel()
+            if batch is not None and "env_index" in batch.keys():
+                env_frames += torch.bincount(batch["env_index"].reshape(-1), minlength=envs)[:envs]
         elapsed = time.perf_counter() - t0
         after = _cpu_snapshot(children)
         pool = collector.pool_metrics()
@@ -207,8 +214,11 @@ def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frame
                 name = _comm(f"/proc/self/task/{ident}/comm")
                 if name is not None:
                     names[ident] = f"{name} ({ident})"
+        own_frames = {}  # worker pid -> the frames of the envs it hosts (a worker's share can differ)
+        slot_workers = collector.env.slot_workers
         for w, pid in enumerate(collector.env.worker_pids):
             children[pid] = f"env worker {w}"
+            own_frames[pid] = int(sum(int(env_frames[i]) for i, sw in enumerate(slot_workers) if sw == w))
         if collector.server.pid is not None:
             children[collector.server.pid] = "inference server"
     finally:
@@ -226,11 +236,15 @@ def profile(workload: str, envs: int, seconds: float, policy: str = "mlp", frame
             label = f"of {children.get(ident, '?')} (pid {ident})"
         else:
             label = f"{children.get(ident, '?')} (pid {ident}), idle poller apart"
+        own = own_frames.get(ident) if kind == "process" else None
         cpu.append({
             "what": f"{kind}: {label}",
             "user_us_per_frame": 1e6 * (user1 - user0) / frames,
             "system_us_per_frame": 1e6 * (sys1 - sys0) / frames,
             "minor_faults_per_frame": (flt1 - flt0) / frames if kind == "process" else None,
+            # an env worker's CPU over the frames of its own envs (its cost a step, whatever its share)
+            "own_frames": own,
+            "us_per_own_frame": 1e6 * (user1 - user0 + sys1 - sys0) / own if own else None,
         })
     cpu = [c for c in cpu if c["user_us_per_frame"] + c["system_us_per_frame"] > 0.05]
     cpu.sort(key=lambda c: -(c["user_us_per_frame"] + c["system_us_per_frame"]))
@@ -270,7 +284,9 @@ def _print(r: dict) -> None:
     print("CPU per frame (us, user + system):")
     for c in r["cpu"]:
         faults = "" if c["minor_faults_per_frame"] is None else f"  ({c['minor_faults_per_frame']:.2f} minor faults)"
-        print(f"  {c['what']:56s} {c['user_us_per_frame']:7.1f} + {c['system_us_per_frame']:6.1f}{faults}")
+        own = "" if not c.get("us_per_own_frame") else (f"  [{c['own_frames']:,} own frames, "
+                                                         f"{c['us_per_own_frame']:.1f} us each]")
+        print(f"  {c['what']:56s} {c['user_us_per_frame']:7.1f} + {c['system_us_per_frame']:6.1f}{faults}{own}")
 
 
 def _kwarg(text: str):

@@ -328,6 +328,11 @@ def test_profile_collector_script(tmp_path):
     assert sum(w.startswith("process: env worker") for w in what) == 2, what
     # a worker's idle poller, when it ran, has a line of its own that names the worker
     assert all("of env worker" in w for w in what if w.startswith("idle poller")), what
+    # each worker's own frames (those of its two envs) are a part of all, so its CPU per own frame
+    # is at least its CPU per delivered frame
+    workers = [c for c in r["cpu"] if c["what"].startswith("process: env worker")]
+    assert all(c["own_frames"] > 0 for c in workers), workers
+    assert all(c["us_per_own_frame"] >= c["user_us_per_frame"] + c["system_us_per_frame"] for c in workers), workers
 
 
 @pytest.mark.parametrize("policy", ["mlp", "zero"])
