@@ -40,8 +40,10 @@ stepping, with the reason in the debug log and in ``adapter.fast_path_reason``):
 A single env whose record is its gymnasium observation (one ``Box`` of the spec's dtype and
 shape), cast by ``DoubleToFloat``, plus at most a ``StepCounter`` count and a ``RewardSum`` sum
 (TorchRL's MuJoCo idiom) is stepped by the worker straight into the slot's rows, without
-building the record (``_Plan.direct``); every other supported env builds the record and copies
-its entries.
+building the record (``_Plan.direct``), and, with the C extension and no frame skipping, in the
+worker's C pass loop as a plain gymnasium env is (``c_step``: the count and the sum advanced in
+C); so are the sub-envs of ``GymEnv(env_id, num_envs=k)`` hosted one by one. Every other
+supported env builds the record and copies its entries.
 
 Which path a slot takes: ``adapter.path`` (:func:`adapter_path`) and a debug log line of the
 ``torchrl_asyncpool.envs.torchrl_fast`` logger when the adapter is built (in the pool's
