@@ -99,6 +99,10 @@ def test_the_collectors_rule_groups_mid_cost_envs_two_a_core_where_the_policy_le
     assert SHARE_GAIN < fast["predicted_share_ratio"] < 1.0
     # predicted no faster (the serving thread already the busier CPU): one a core
     assert startup_workers_per_core({4: 60e-6})({"probe_step_cpu_s": 33e-6}, 16, 2) == 1
+    # CartPole's probe on a first build in a fresh process (22 us, predicted 0.82 here): below the
+    # band, one a core (grouped, 4 workers of CartPole measured 0.62-0.81x 2)
+    cartpole = {"probe_step_cpu_s": 22e-6}
+    assert startup_workers_per_core(cheap)(cartpole, 32, 2) == 1 and "predicted_share_ratio" not in cartpole
     for step in (MID_COST_PROBE_S[0] / 2, MID_COST_PROBE_S[1]):  # cheap (CartPole) and costly (Atari) steps
         measured = {"probe_step_cpu_s": step}
         assert startup_workers_per_core(cheap)(measured, 16, 2) == 1 and "predicted_share_ratio" not in measured

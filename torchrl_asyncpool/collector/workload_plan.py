@@ -100,11 +100,15 @@ SHARE_GAIN = 0.9
 #: gymnasium's CartPole-v1 ~15-17 / ~10-13 us, TorchRL's GymEnv of it ~25 / ~11-13, Pendulum-v1
 #: ~22-26 / ~15-17, HalfCheetah-v5 ~65-110 / ~35-45 and Atari through gymnasium ~500-690 / ~317-333.
 #: A band of (40, 300) us sent HalfCheetah one worker a core in the fast hour (0.79x the shared
-#: layout's frames/s) and nearly let Atari in; below 20 us the prediction says no anyway (CartPole
-#: predicted 1.2-1.25), and from 200 us (the line where the plan lifts a shared partition,
-#: :data:`SHARED_UNPIN_STEP_S`) the workers end up unpinned, where 4 workers of Atari measured
-#: 0.98x 2
-MID_COST_PROBE_S = (20e-6, 200e-6)
+#: layout's frames/s) and nearly let Atari in. One from 20 us let CartPole in: the first build in a
+#: fresh process probed 22 us (10.6-18.4 in the seven builds after it), the prediction said 0.97,
+#: and 4 workers of 8 envs then collected 0.62-0.81x what 2 of 16 did (32 envs, 3 interleaved
+#: pairs): the prediction does not see what more, smaller processes cost so cheap a step. 30 us
+#: lies between the cheap envs' highest probes (CartPole 22, TorchRL's GymEnv of it 25, Pendulum
+#: 26) and HalfCheetah's lowest (35). From 200 us (the line where the plan lifts a shared
+#: partition, :data:`SHARED_UNPIN_STEP_S`) the workers end up unpinned, where 4 workers of Atari
+#: measured 0.98x 2
+MID_COST_PROBE_S = (30e-6, 200e-6)
 #: the serving loop's own CPU a batch besides the policy's call (lease, action check, answer,
 #: statistics), for the start-up prediction: on 2 cores (2026-12-06, HalfCheetah-v5, 4 workers of 4
 #: envs) ~150 us a batch of ~7.5 records with a policy call of ~90 us
