@@ -451,8 +451,9 @@ class _Stepper:
 
     def _step_group_py(self, stepping, start, plain, add, ended):
         """:meth:`step_pass`'s group in Python (``exchange.native.step_group`` does the same in C
-        for plain gymnasium envs and TorchRL's fast path): steps ``stepping[start:]`` in order until a slow step or the
-        hold time, stages their records, adds the ended ones to ``ended``; returns how many."""
+        for plain gymnasium envs and TorchRL's fast path): steps ``stepping[start:]`` in order
+        until a slow step or the hold time, stages their records, adds the ended ones to
+        ``ended``; returns how many."""
         k = 0
         clock = time.perf_counter
         watcher = self.watcher

@@ -109,19 +109,18 @@ class TorchRLGymFastAdapter(TorchRLEnvAdapter):
         d = self._direct
         if d is None:
             return None
-        rows = dict(views)
+        self._bind_rows(views)  # the rows the direct step writes
+        obs_row, count_row, sum_row = self._rows
         count = total = None
-        if d.counter is not None:
-            row = rows[d.counter.key]
-            if row.dtype != np.int64 or row.shape != (1,):
+        if count_row is not None:
+            if count_row.dtype != np.int64 or count_row.shape != (1,):
                 return None
-            count = (self._count, row, d.counter.max_steps or 0)
-        if d.summer is not None:
-            row = rows[d.summer.key]
-            if row.dtype != np.float32 or row.shape != (1,):
+            count = (self._count, count_row, d.counter.max_steps or 0)
+        if sum_row is not None:
+            if sum_row.dtype != np.float32 or sum_row.shape != (1,):
                 return None
-            total = (self._sum, row)
-        return self.gym.step, d.action, rows[d.obs_key], count, total
+            total = (self._sum, sum_row)
+        return self.gym.step, d.action, obs_row, count, total
 
     def _gym_run(self, a):
         """``gym.step(a)`` repeated ``frame_skip`` times as ``GymLikeEnv._step`` repeats it (the

@@ -109,11 +109,6 @@ class _RewardSum(_Fast):
         self.total = total[0]
         return reward, terminated, truncated
 
-    def add(self, reward):
-        """Adds ``reward`` (a float32 scalar) to the episode's sum; returns the sum."""
-        self.total = self.total + reward
-        return self.total
-
     def vreset(self, rec, k):
         self.total = np.zeros((k, 1), np.float32)
         rec[self.key] = self.total

@@ -243,6 +243,29 @@ append_new(PyObject *list, PyObject *item)
     return rc;
 }
 
+/* The slot tuples fast[start:n] have step_group's layout: 0, or -1 with a TypeError set. */
+static int
+check_slots(PyObject *fast, Py_ssize_t start, Py_ssize_t n)
+{
+    for (Py_ssize_t j = start; j < n; j++) {
+        PyObject *f = PyList_GET_ITEM(fast, j);
+        if (!PyTuple_Check(f) || PyTuple_GET_SIZE(f) != F_FIELDS) {
+            PyErr_SetString(PyExc_TypeError, "step_group: each slot is a tuple of 7 fields");
+            return -1;
+        }
+        PyObject *count = PyTuple_GET_ITEM(f, F_COUNT), *total = PyTuple_GET_ITEM(f, F_SUM);
+        if ((count != Py_None && (!PyTuple_Check(count) || PyTuple_GET_SIZE(count) != 3 ||
+                                  !PyLong_Check(PyTuple_GET_ITEM(count, 2)))) ||
+            (total != Py_None && (!PyTuple_Check(total) || PyTuple_GET_SIZE(total) != 2))) {
+            PyErr_SetString(PyExc_TypeError,
+                            "step_group: a slot's step count is None or (state, row, max_steps: int), its reward "
+                            "sum None or (state, row)");
+            return -1;
+        }
+    }
+    return 0;
+}
+
 const char ap_step_group_doc[] =
     "step_group(stepper, fast, start, idx, sts, rewards, times, slow_s, hold_s) -> (k, ended)\n\n"
     "Steps the slots fast[start:] in order (each slot's tuple: index, env.step, action row, action\n"
@@ -269,21 +292,8 @@ ap_step_group(PyObject *module, PyObject *args)
         PyErr_Format(PyExc_IndexError, "start %zd outside the %zd slots", start, n);
         return NULL;
     }
-    for (Py_ssize_t j = start; j < n; j++) {
-        PyObject *f = PyList_GET_ITEM(fast, j);
-        if (!PyTuple_Check(f) || PyTuple_GET_SIZE(f) != F_FIELDS) {
-            PyErr_SetString(PyExc_TypeError, "step_group: each slot is a tuple of 7 fields");
-            return NULL;
-        }
-        PyObject *count = PyTuple_GET_ITEM(f, F_COUNT), *total = PyTuple_GET_ITEM(f, F_SUM);
-        if ((count != Py_None && (!PyTuple_Check(count) || PyTuple_GET_SIZE(count) != 3 ||
-                                  !PyLong_Check(PyTuple_GET_ITEM(count, 2)))) ||
-            (total != Py_None && (!PyTuple_Check(total) || PyTuple_GET_SIZE(total) != 2))) {
-            PyErr_SetString(PyExc_TypeError,
-                            "step_group: a slot's step count is None or (state, row, max_steps: int), its reward "
-                            "sum None or (state, row)");
-            return NULL;
-        }
+    if (check_slots(fast, start, n) < 0) {
+        return NULL;
     }
     PyObject *ended = PyList_New(0), *empty = PyTuple_New(0);
     if (ended == NULL || empty == NULL) {
