@@ -359,6 +359,43 @@ def test_deadline_flushes_partial_batches_and_self_sizing():
                 assert s["queueing_time_s"] < 0.5, s
 
 
+def test_an_auto_deadline_is_waited_for_deaf_to_records_but_not_to_a_stop():
+    """timeout="auto" waiting: once a record is ready the deadline alone ends the wait (the loop's
+    wait leaves the workers' doorbell out until then); fewer ready than min_get, or an explicit
+    timeout, listen; a stop ends the deaf wait at once."""
+    with AsyncEnvPool(oracle_factories(4), envs_per_worker=1) as pool:
+        server = InferenceServer(OracleTagPolicy(), timeout="auto", mode="thread").start(pool, hold=True)
+        try:
+            loop = server._backend.loop
+            assert loop.consumer.wait_ready(4, timeout=30) == 4  # held: the records wait in their slots
+            loop.deadline = None  # the chooser's choice held by hand: wait 30 s, no flush size reached
+            loop.timeout, loop.max_get = 30.0, 100
+            oldest = loop.consumer.scan_states()[3]
+            now = time.monotonic()
+            assert loop._due(now) == pytest.approx(oldest + 30.0 - now)
+            assert loop._wait.deaf_until == pytest.approx(oldest + 30.0)
+            loop.min_get = 8  # fewer ready than min_get: only a publication can make a batch due
+            assert loop._due(now) == float("inf") and loop._wait.deaf_until == 0.0
+            loop.min_get = 1
+            loop._due(now)
+            assert loop._wait.deaf_until > now
+            loop.auto_timeout = False  # an explicit timeout: the wait listens to every record
+            assert loop._due(now) > 0 and loop._wait.deaf_until == 0.0
+            loop.auto_timeout = True
+            result = []
+            waiter = threading.Thread(target=lambda: result.append(loop.wait_flush()))
+            waiter.start()
+            time.sleep(0.3)
+            assert waiter.is_alive() and loop._wait.deaf_until > time.monotonic() + 20  # deaf, 30 s to go
+            t0 = time.monotonic()
+            server.stop()
+            waiter.join(_PROMPT_S)
+            assert not waiter.is_alive() and result == [False], "a stop must end a deaf wait"
+            assert time.monotonic() - t0 < _PROMPT_S
+        finally:
+            server.stop()
+
+
 # -- recurrent state ----------------------------------------------------------------------------
 def test_gru_state_is_carried_in_the_slot_and_reset_on_first():
     hidden = 8

@@ -141,7 +141,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             three eighths of the steps a worker takes before it comes back to an env (at most 5 ms
             per env in turn, :func:`~torchrl_asyncpool.inference.auto_flush_timeout`) is tried against greedy
             and kept only if the envs step faster with it (it pays when the CPUs are the
-            bottleneck, not when the envs sleep or wait), tried again every 15 s
+            bottleneck, not when the envs sleep or wait; while it waits, the deadline alone
+            ends the wait, not a flush size reached meanwhile), tried again every 15 s
             (:class:`~torchrl_asyncpool.inference.FlushDeadline`; :meth:`plan` shows the
             trials). Pass seconds to
             fix it (TorchRL's examples use ``0.001``); raise it for a GPU policy whose per-call

@@ -156,11 +156,12 @@ class InferenceServer:
         timeout (float, optional): flush deadline in seconds, counted from when the oldest
             ready record became ready. A batch is flushed when full OR at the deadline.
             Defaults to ``0.002``. ``"auto"``: greedy (``0``) for cheap envs; for envs whose
-            step costs as much as a batch, a deadline of a quarter of the steps a worker takes
-            before it comes back to an env (at most 5 ms,
+            step costs as much as a batch, a deadline of three eighths of the steps a worker
+            takes before it comes back to an env (at most 5 ms per env in turn,
             :func:`~torchrl_asyncpool.inference.auto_flush_timeout`) is tried against greedy
             and the one under which the envs stepped faster is kept, tried again every 15 s
-            (:class:`~torchrl_asyncpool.inference.FlushDeadline`).
+            (:class:`~torchrl_asyncpool.inference.FlushDeadline`). While it waits, the deadline
+            alone ends the wait (records that became ready meanwhile do not wake the loop).
         device (str or torch.device, optional): where policies run. Defaults to ``"cpu"``.
         cuda_graphs (bool, optional): capture one CUDA graph per bucket (CUDA only).
         double_buffer (bool, optional): form batch N+1 while batch N runs on the device.
