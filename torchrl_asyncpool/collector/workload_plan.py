@@ -93,21 +93,25 @@ SHARED_PIN_STEP_S = 120e-6
 #: where the serving thread's CPU is measured, the shared layout's predicted bottleneck must be at
 #: most this share of the partition's for the workers to move (they move back where it is no lower)
 SHARE_GAIN = 0.9
-#: the start-up probe's CPU a step (the spec env's first steps, cold: about 1.2-2x a worker's warm
-#: step) of the mid-cost envs a collector may group two workers a core, for the shared layout; the
-#: prediction of :func:`startup_workers_per_core` decides within it. The same env's probe varies
-#: about 2x with the host (2 vCPUs of one AMD EPYC VM, 2026-12-06, in a slow and a fast hour):
-#: gymnasium's CartPole-v1 ~15-17 / ~10-13 us, TorchRL's GymEnv of it ~25 / ~11-13, Pendulum-v1
-#: ~22-26 / ~15-17, HalfCheetah-v5 ~65-110 / ~35-45 and Atari through gymnasium ~500-690 / ~317-333.
-#: A band of (40, 300) us sent HalfCheetah one worker a core in the fast hour (0.79x the shared
-#: layout's frames/s) and nearly let Atari in. One from 20 us let CartPole in: the first build in a
-#: fresh process probed 22 us (10.6-18.4 in the seven builds after it), the prediction said 0.97,
-#: and 4 workers of 8 envs then collected 0.62-0.81x what 2 of 16 did (32 envs, 3 interleaved
-#: pairs): the prediction does not see what more, smaller processes cost so cheap a step. 30 us
-#: lies between the cheap envs' highest probes (CartPole 22, TorchRL's GymEnv of it 25, Pendulum
-#: 26) and HalfCheetah's lowest (35). From 200 us (the line where the plan lifts a shared
-#: partition, :data:`SHARED_UNPIN_STEP_S`) the workers end up unpinned, where 4 workers of Atari
-#: measured 0.98x 2
+#: the start-up probe's median CPU a step (``probe_step_cpu_median_s``) of the mid-cost envs a
+#: collector may group two workers a core, for the shared layout; the prediction of
+#: :func:`startup_workers_per_core` decides within it, from the probe's mean (the spec env's first
+#: steps, cold: about 1.2-2x a worker's warm step). The band was first drawn on the mean, which
+#: varies about 2x with the host (2 vCPUs of one AMD EPYC VM, 2026-12-06, in a slow and a fast
+#: hour): gymnasium's CartPole-v1 ~15-17 / ~10-13 us, TorchRL's GymEnv of it ~25 / ~11-13,
+#: Pendulum-v1 ~22-26 / ~15-17, HalfCheetah-v5 ~65-110 / ~35-45 and Atari through gymnasium
+#: ~500-690 / ~317-333. A band of (40, 300) us sent HalfCheetah one worker a core in the fast hour
+#: (0.79x the shared layout's frames/s) and nearly let Atari in. One from 20 us let CartPole in: the
+#: first build in a fresh process probed 22 us (10.6-18.4 in the seven builds after it), the
+#: prediction said 0.97, and 4 workers of 8 envs then collected 0.62-0.81x what 2 of 16 did (32
+#: envs, 3 interleaved pairs): the prediction does not see what more, smaller processes cost so
+#: cheap a step. The mean carries the fresh env's first step (200-700 us of CPU whatever the env),
+#: 6-20 us over ~32 steps, enough to put Pendulum at 37 us once; the medians in fresh processes
+#: (2026-12-06, 21:58-22:05 UTC): CartPole-v1 7.5-12 us, TorchRL's GymEnv of it 10-19, Pendulum-v1
+#: 12-14, HalfCheetah-v5 36-58 and TorchRL's factory of it 41-44. 30 us lies between the cheap and
+#: the mid-cost medians with a margin on both sides. From 200 us (the line where the plan lifts a
+#: shared partition, :data:`SHARED_UNPIN_STEP_S`) the workers end up unpinned, where 4 workers of
+#: Atari measured 0.98x 2
 MID_COST_PROBE_S = (30e-6, 200e-6)
 #: the serving loop's own CPU a batch besides the policy's call (lease, action check, answer,
 #: statistics), for the start-up prediction: on 2 cores (2026-12-06, HalfCheetah-v5, 4 workers of 4
@@ -191,13 +195,14 @@ def startup_workers_per_core(policy_cost: Mapping[int, float]) -> Callable[[dict
     """A collector's grouping rule for :meth:`PoolPlan.build <torchrl_asyncpool.pool.plan.PoolPlan.build>`:
     ``(measured, num_envs, cores) -> workers per core``. Two workers a core (so that the plan can
     move a share of them onto the policy's CPU, the ``"shared"`` layout) where the start-up probe
-    measured a mid-cost step (:data:`MID_COST_PROBE_S`, CPU time) and the policy, at its measured
+    measured a mid-cost step (:data:`MID_COST_PROBE_S`, the median CPU time of a step, which a
+    fresh env's costly first step does not move) and the policy, at its measured
     cost (``policy_cost``: ``{batch size: seconds}``, timed by
     :func:`~torchrl_asyncpool.collector.policy_cost.measure_policy_cost`) and
     :data:`SERVING_BATCH_S` a batch of one worker's envs, is predicted to leave its core the
     room for them (the shared layout's busiest CPU predicted less busy than the partition's, the
-    balance of the module docstring); one a core otherwise. What it weighed goes into ``measured``
-    (``predicted_serving_s``, ``predicted_share_ratio``).
+    balance of the module docstring, with the probe's mean CPU a step); one a core otherwise.
+    What it weighed goes into ``measured`` (``predicted_serving_s``, ``predicted_share_ratio``).
 
     Unlike the running plan's move (:data:`SHARE_GAIN`), the rule keeps no margin: the prediction
     errs on the policy's side (it answers each worker's envs in a batch of their own, where the
@@ -210,19 +215,20 @@ def startup_workers_per_core(policy_cost: Mapping[int, float]) -> Callable[[dict
     Examples:
         >>> from torchrl_asyncpool.collector.workload_plan import startup_workers_per_core
         >>> cheap, costly = {1: 60e-6, 8: 75e-6}, {1: 280e-6, 8: 330e-6}  # a mean of the observation; PPO's actor
-        >>> measured = {"probe_step_cpu_s": 90e-6}  # HalfCheetah-v5
+        >>> measured = {"probe_step_cpu_s": 90e-6, "probe_step_cpu_median_s": 60e-6}  # HalfCheetah-v5
         >>> startup_workers_per_core(cheap)(measured, 16, 2), round(measured["predicted_share_ratio"], 2)
         (2, 0.75)
         >>> startup_workers_per_core(costly)(measured, 16, 2), round(measured["predicted_share_ratio"], 2)
         (1, 1.25)
-        >>> startup_workers_per_core(cheap)({"probe_step_cpu_s": 15e-6}, 16, 2)  # CartPole: one a core
+        >>> cartpole = {"probe_step_cpu_s": 31e-6, "probe_step_cpu_median_s": 12e-6}  # a costly first step
+        >>> startup_workers_per_core(cheap)(cartpole, 16, 2)  # a cheap step: one a core
         1
     """
     cost = dict(policy_cost)
 
     def workers_per_core(measured: dict, num_envs: int, cores: int) -> int:
-        step = measured.get("probe_step_cpu_s")
-        if not cost or cores < 2 or step is None or not MID_COST_PROBE_S[0] <= step < MID_COST_PROBE_S[1]:
+        step, median = measured.get("probe_step_cpu_s"), measured.get("probe_step_cpu_median_s")
+        if not cost or cores < 2 or median is None or not MID_COST_PROBE_S[0] <= median < MID_COST_PROBE_S[1]:
             return 1
         per_worker = math.ceil(num_envs / (2 * cores))
         workers = math.ceil(num_envs / per_worker)

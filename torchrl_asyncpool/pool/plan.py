@@ -109,7 +109,7 @@ class PoolPlan:
         transition_chunk_size (int or None): transitions per chunk, resolved (``None``: no delivery).
         measured (dict): what the start-up measured: ``spec_env_build_s``, ``record_bytes``, and,
             when the spec env was timed, ``probe_steps``, ``probe_step_s``, ``probe_step_cpu_s``,
-            ``probe_cpu_ratio`` and ``blocking``; what a ``workers_per_core`` rule weighed
+            ``probe_step_cpu_median_s``, ``probe_cpu_ratio`` and ``blocking``; what a ``workers_per_core`` rule weighed
             (a collector's: ``predicted_serving_s``, ``predicted_share_ratio``).
         decided (dict): for each option that may be left to ``"auto"``, ``"given"`` or ``"auto"``.
         batching (dict): a collector's inference batching options, recorded as given.
@@ -286,8 +286,9 @@ class PoolPlan:
             return f"{name}={v!r}" + (" (auto)" if how == "auto" else "")
 
         m = self.measured
-        probe = (f"probe: {m['probe_steps']} steps of {m['probe_step_s'] * 1e6:.0f} us, "
-                 f"blocking={m['blocking']}" if "probe_step_s" in m else "probe: not timed")
+        probe = (f"probe: {m['probe_steps']} steps of {m['probe_step_s'] * 1e6:.0f} us "
+                 f"(median CPU {m['probe_step_cpu_median_s'] * 1e6:.0f} us), blocking={m['blocking']}"
+                 if "probe_step_s" in m else "probe: not timed")
         parts = [f"num_envs={self.num_envs}", f"num_workers={self.num_workers}",
                  *map(value, ("envs_per_worker", "env_threads", "worker_affinity", "idle_poll", "exchange")),
                  f"backend={self.backend!r}", f"seed={self.seed!r}", f"on_env_failure={self.on_env_failure!r}",
