@@ -38,6 +38,21 @@ def test_an_env_that_waits_in_every_step_is_blocking():
     assert _probe_blocking(_FakeAdapter(5e-5, 2e-3, lambda i: True))
 
 
+def test_one_step_that_computes_does_not_make_a_waiting_env_cpu_bound():
+    # a 2 ms wait in every step, and in one step of 32 (a cold or a descheduled one) 3 ms of CPU
+    class OneCostlyStep(_FakeAdapter):
+        def step(self, action):
+            if self.i == 5:
+                end = time.thread_time() + 3e-3
+                while time.thread_time() < end:
+                    pass
+            return super().step(action)
+
+    measured = {}
+    assert _probe_blocking(OneCostlyStep(5e-5, 2e-3, lambda i: True), measured=measured)
+    assert measured["probe_cpu_ratio"] < 0.5 and measured["probe_steps"] >= 10
+
+
 def test_a_cheap_env_is_never_blocking():
     assert not _probe_blocking(_FakeAdapter(1e-5, 0.0, lambda i: False))
 
