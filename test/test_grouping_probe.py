@@ -5,12 +5,21 @@ import time
 from torchrl_asyncpool.pool.grouping import _probe_blocking
 
 
+def _compute(seconds):
+    """Spends ``seconds`` of this thread's CPU."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 class _FakeAdapter:
     """Steps as given: ``compute_s`` of CPU work, then ``wait_s`` of waiting in the steps
-    ``waits(i)`` says (waiting off the CPU, as a preempted or blocked step does)."""
+    ``waits(i)`` says (waiting off the CPU, as a preempted or blocked step does); ``costly``
+    ``(i, seconds)``: step ``i`` computes that much more (a cold or a descheduled step)."""
 
-    def __init__(self, compute_s, wait_s, waits):
+    def __init__(self, compute_s, wait_s, waits, costly=(-1, 0.0)):
         self.compute_s, self.wait_s, self.waits, self.i = compute_s, wait_s, waits, 0
+        self.costly = costly
 
     def reset(self):
         return {}
@@ -19,9 +28,7 @@ class _FakeAdapter:
         return 0
 
     def step(self, action):
-        end = time.thread_time() + self.compute_s
-        while time.thread_time() < end:
-            pass
+        _compute(self.compute_s + (self.costly[1] if self.i == self.costly[0] else 0.0))
         if self.waits(self.i):
             time.sleep(self.wait_s)
         self.i += 1
@@ -40,16 +47,8 @@ def test_an_env_that_waits_in_every_step_is_blocking():
 
 def test_one_step_that_computes_does_not_make_a_waiting_env_cpu_bound():
     # a 2 ms wait in every step, and in one step of 32 (a cold or a descheduled one) 3 ms of CPU
-    class OneCostlyStep(_FakeAdapter):
-        def step(self, action):
-            if self.i == 5:
-                end = time.thread_time() + 3e-3
-                while time.thread_time() < end:
-                    pass
-            return super().step(action)
-
     measured = {}
-    assert _probe_blocking(OneCostlyStep(5e-5, 2e-3, lambda i: True), measured=measured)
+    assert _probe_blocking(_FakeAdapter(5e-5, 2e-3, lambda i: True, costly=(5, 3e-3)), measured=measured)
     assert measured["probe_cpu_ratio"] < 0.5 and measured["probe_steps"] >= 10
 
 
@@ -78,17 +77,7 @@ def test_the_probe_reports_the_cpu_a_step_computes_and_groups_one_worker_a_core(
 
 def test_the_probe_reports_the_median_step_which_a_costly_first_step_does_not_move():
     # a fresh env's first step costs 200-700 us whatever the env (cold code paths and caches)
-    first_costly = _FakeAdapter(10e-6, 0.0, lambda i: False)
-    step = first_costly.step
-
-    def first_step_slow(action):
-        if first_costly.i == 0:
-            end = time.thread_time() + 1e-3
-            while time.thread_time() < end:
-                pass
-        return step(action)
-
-    first_costly.step = first_step_slow
+    first_costly = _FakeAdapter(10e-6, 0.0, lambda i: False, costly=(0, 1e-3))
     measured = {}
     assert not _probe_blocking(first_costly, measured=measured)
     assert measured["probe_step_cpu_s"] >= 10e-6 + 1e-3 / measured["probe_steps"]  # the mean carries it

@@ -162,7 +162,7 @@ def _probe_blocking(adapter, probe_s: float = 0.2, probe_steps: int = 32, measur
     """
     with spec_env_phase("reset"):
         adapter.reset()
-    wall = cpu = 0.0
+    wall = 0.0
     steps = 0
     step_cpus, ratios = [], []
     t_end = time.perf_counter() + probe_s
@@ -173,7 +173,6 @@ def _probe_blocking(adapter, probe_s: float = 0.2, probe_steps: int = 32, measur
             _, _, term, trunc = adapter.step(action)
             dw, dc = time.perf_counter() - w0, time.thread_time() - c0
         wall += dw
-        cpu += dc
         step_cpus.append(dc)
         ratios.append(dc / dw if dw > 0 else 1.0)
         steps += 1
@@ -183,7 +182,8 @@ def _probe_blocking(adapter, probe_s: float = 0.2, probe_steps: int = 32, measur
     best = float(np.percentile(ratios, 90)) if ratios else 1.0
     blocking = best < 0.5 and wall / max(steps, 1) > 2e-4
     if measured is not None:
-        measured.update(probe_steps=steps, probe_step_s=wall / max(steps, 1), probe_step_cpu_s=cpu / max(steps, 1),
+        measured.update(probe_steps=steps, probe_step_s=wall / max(steps, 1),
+                        probe_step_cpu_s=sum(step_cpus) / max(steps, 1),
                         probe_step_cpu_median_s=float(np.median(step_cpus)) if step_cpus else 0.0,
                         probe_cpu_ratio=best, blocking=blocking)
     return blocking
