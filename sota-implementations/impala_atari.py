@@ -37,6 +37,7 @@ Run::
     python sota-implementations/impala_atari.py --collector torchrl
     python sota-implementations/impala_atari.py --num-envs 8 --total-frames 2000000 --log-dir /tmp/runs
     python sota-implementations/impala_atari.py --max-minutes 60   # as many frames as fit in an hour
+    python sota-implementations/impala_atari.py --remote-address 127.0.0.1:50051 --ray-hosts 4  # envs in Ray actors
 
 What was measured (no GPU; commit, date and curve in ``benchmarks/README.md``): on a 2-core host,
 one hour with the defaults trained 1.43M agent steps at 411 frames/s, and the return did not yet
@@ -65,6 +66,7 @@ from torchrl_asyncpool.examples.envs import make_atari_env, make_torchrl_atari_e
 from torchrl_asyncpool.examples.learner_process import prepare_learner_process
 from torchrl_asyncpool.examples.nature_cnn import ActModule, NatureCNNActorCritic, impala_cnn_update
 from torchrl_asyncpool.examples.plots import plot_curve
+from torchrl_asyncpool.examples.ray_env_hosts import check_ray_flags, start_ray_env_hosts
 from torchrl_asyncpool.examples.script_config import config_parser
 
 
@@ -99,6 +101,9 @@ class Config:
     eval_max_steps: int = 27_000          # agent steps after which an evaluation episode is cut
     on_env_failure: str = "raise"         # asyncpool: "restart": an env that raises is rebuilt and training goes on
     step_timeout: float = 0.0             # asyncpool: seconds an env step may take before its worker is killed
+    remote_address: str = ""              # asyncpool: "HOST:PORT": the envs run in env hosts that connect there
+    ray_hosts: int = 0                    # with remote_address: start the hosts as this many Ray actors
+                                          # (num_envs / ray_hosts envs each), on RAY_ADDRESS's cluster or a local one
     seed: int = 0
     # logging
     log_dir: str = "runs"
@@ -127,9 +132,35 @@ def parse_config(argv=None) -> Config:
         parser.error(f"--max-minutes must be >= 0 (0: no limit), got {cfg.max_minutes}.")
     if cfg.step_timeout < 0:
         parser.error(f"--step-timeout must be >= 0 (0: no limit), got {cfg.step_timeout}.")
+    check_ray_flags(parser, cfg)  # --remote-address / --ray-hosts
     if cfg.eval_episodes < 0 or cfg.eval_max_steps < 1:
         parser.error("--eval-episodes must be >= 0 and --eval-max-steps >= 1.")
     return cfg
+
+
+def make_collector(cfg: Config, policy):
+    """This package's collector acting with a copy of ``policy``, and the Ray env hosts it reads
+    from (``None`` without ``--ray-hosts``)."""
+    factories = [functools.partial(make_atari_env, cfg.env_id)] * cfg.num_envs
+    ray_hosts = None
+    if cfg.remote_address:  # slots fed by env hosts in Ray actors (torchrl_asyncpool.remote)
+        factories, ray_hosts = start_ray_env_hosts(functools.partial(make_atari_env, cfg.env_id),
+                                                   cfg.remote_address, cfg.num_envs, cfg.ray_hosts)
+    try:
+        collector = AsyncPoolCollector(
+            factories,
+            policy=copy.deepcopy(policy),  # the acting copy, in the collector's policy thread
+            frames_per_batch=cfg.frames_per_batch,
+            total_frames=cfg.total_frames,
+            seed=None if cfg.remote_address else cfg.seed,  # env i's first reset: seed + i (hosts seed their own)
+            on_env_failure=cfg.on_env_failure,
+            step_timeout=cfg.step_timeout or None,
+        )
+    except BaseException:
+        if ray_hosts is not None:
+            ray_hosts.stop()
+        raise
+    return collector, ray_hosts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,6 +184,7 @@ def main(argv=None) -> dict:
     optim = torch.optim.RMSprop(net.parameters(), lr=cfg.lr, alpha=cfg.rms_alpha, eps=cfg.rms_eps)
     total_updates = max(1, cfg.total_frames // cfg.frames_per_batch)
 
+    ray_hosts = None
     if cfg.collector == "torchrl":
         from torchrl.collectors import MultiAsyncCollector
 
@@ -163,15 +195,7 @@ def main(argv=None) -> dict:
         collector.set_seed(cfg.seed)
         rollouts_per_batch = cfg.frames_per_batch // cfg.rollout_length
     else:
-        collector = AsyncPoolCollector(
-            [functools.partial(make_atari_env, cfg.env_id)] * cfg.num_envs,
-            policy=copy.deepcopy(policy),  # the acting copy, in the collector's policy thread
-            frames_per_batch=cfg.frames_per_batch,
-            total_frames=cfg.total_frames,
-            seed=cfg.seed,  # env i's first reset: seed + i
-            on_env_failure=cfg.on_env_failure,
-            step_timeout=cfg.step_timeout or None,
-        )
+        collector, ray_hosts = make_collector(cfg, policy)
 
     tracker = EpisodeTracker(cfg.num_envs)  # asyncpool: returns per env index
     running = {}  # torchrl: returns per trajectory id
@@ -263,6 +287,8 @@ def main(argv=None) -> dict:
     finally:
         pbar.close()
         collector.shutdown()
+        if ray_hosts is not None:
+            ray_hosts.stop()
     elapsed = time.monotonic() - t0
     mean_ret = sum(recent) / len(recent) if recent else float("nan")
 

@@ -97,6 +97,7 @@ from torchrl_asyncpool.examples.envs import make_mujoco_env, make_torchrl_mujoco
 from torchrl_asyncpool.examples.learner_process import prepare_learner_process
 from torchrl_asyncpool.examples.obs_norm import RunningObsNorm
 from torchrl_asyncpool.examples.plots import plot_curve
+from torchrl_asyncpool.examples.ray_env_hosts import check_ray_flags, start_ray_env_hosts
 from torchrl_asyncpool.examples.script_config import config_parser
 
 
@@ -162,21 +163,15 @@ def parse_config(argv=None) -> Config:
     if cfg.collector == "torchrl" and cfg.frames_per_batch % cfg.num_envs:
         parser.error(f"--collector torchrl: --frames-per-batch {cfg.frames_per_batch} must be a multiple of "
                      f"--num-envs {cfg.num_envs}.")
-    if cfg.collector == "torchrl" and (cfg.remote_address or cfg.on_env_failure != "raise" or cfg.step_timeout):
-        parser.error("--remote-address, --on-env-failure and --step-timeout are AsyncPoolCollector options.")
-    if cfg.ray_hosts and (not cfg.remote_address or cfg.ray_hosts < 0 or cfg.num_envs % cfg.ray_hosts):
-        parser.error(f"--ray-hosts {cfg.ray_hosts} needs --remote-address HOST:PORT and a --num-envs it divides.")
-    if cfg.remote_address and not cfg.ray_hosts:
-        parser.error("--remote-address needs --ray-hosts N (or hosts you start: `torchrl-asyncpool env-host` "
-                     "serves gymnasium.make(env_id), whose float64 observations differ from this script's).")
+    if cfg.collector == "torchrl" and (cfg.on_env_failure != "raise" or cfg.step_timeout):
+        parser.error("--on-env-failure and --step-timeout are AsyncPoolCollector options.")
     if cfg.acting not in ("plain", "actor"):
         parser.error(f"--acting must be 'plain' or 'actor', got {cfg.acting!r}.")
     if cfg.on_env_failure not in ("raise", "restart"):
         parser.error(f"--on-env-failure must be 'raise' or 'restart', got {cfg.on_env_failure!r}.")
     if cfg.step_timeout < 0:
         parser.error(f"--step-timeout must be >= 0 (0: no limit), got {cfg.step_timeout}.")
-    if cfg.remote_address and (cfg.on_env_failure == "restart" or cfg.step_timeout):
-        parser.error("--on-env-failure restart and --step-timeout act on local envs: not with --remote-address.")
+    check_ray_flags(parser, cfg)  # --remote-address / --ray-hosts
     if cfg.eval_episodes < 0 or cfg.eval_max_steps < 1:
         parser.error("--eval-episodes must be >= 0 and --eval-max-steps >= 1.")
     return cfg
@@ -298,20 +293,8 @@ def make_collector(cfg: Config, acting):
     else:
         factories = [functools.partial(make_mujoco_env, cfg.env_id)] * cfg.num_envs
         if cfg.remote_address:  # slots fed by env hosts in Ray actors (torchrl_asyncpool.remote)
-            import ray
-
-            from torchrl_asyncpool.remote import RemoteEnvSlot
-            from torchrl_asyncpool.remote.ray import RayEnvHosts
-
-            gym_probe = make_mujoco_env(cfg.env_id)
-            factories = [functools.partial(RemoteEnvSlot, cfg.remote_address, gym_probe.observation_space,
-                                           gym_probe.action_space)] * cfg.num_envs
-            gym_probe.close()
-            if not ray.is_initialized():
-                ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
-            ray_hosts = RayEnvHosts(functools.partial(make_mujoco_env, cfg.env_id),
-                                    [cfg.remote_address] * cfg.ray_hosts, protocol=1,
-                                    envs_per_host=cfg.num_envs // cfg.ray_hosts, num_cpus=0).start()
+            factories, ray_hosts = start_ray_env_hosts(functools.partial(make_mujoco_env, cfg.env_id),
+                                                       cfg.remote_address, cfg.num_envs, cfg.ray_hosts)
         try:
             collector = AsyncPoolCollector(
                 factories,

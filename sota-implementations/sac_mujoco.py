@@ -39,6 +39,7 @@ Run::
     python sota-implementations/sac_mujoco.py                          # 8 envs, utd 1, 1M frames
     python sota-implementations/sac_mujoco.py --collector torchrl      # TorchRL's Collector(ParallelEnv(8))
     python sota-implementations/sac_mujoco.py --total-frames 50000 --init-random-frames 5000 --log-dir /tmp/runs
+    python sota-implementations/sac_mujoco.py --remote-address 127.0.0.1:50051 --ray-hosts 4  # envs in Ray actors
 
 What was measured (commit ``6b223b7``, 2026-12-05, 2 vCPUs of an AMD EPYC host, no GPU, nothing
 else running; tables in ``benchmarks/README.md``): 10,000 frames of which 2,000 random, seed 0, the
@@ -75,6 +76,7 @@ from torchrl_asyncpool.examples.eval_return import mean_eval_return
 from torchrl_asyncpool.examples.envs import make_mujoco_env, make_torchrl_mujoco_env
 from torchrl_asyncpool.examples.learner_process import prepare_learner_process
 from torchrl_asyncpool.examples.plots import plot_curve
+from torchrl_asyncpool.examples.ray_env_hosts import check_ray_flags, start_ray_env_hosts
 from torchrl_asyncpool.examples.script_config import config_parser
 
 
@@ -112,6 +114,9 @@ class Config:
     eval_max_steps: int = 1000            # steps after which an evaluation episode is cut
     on_env_failure: str = "raise"         # asyncpool: "restart": an env that raises is rebuilt and training goes on
     step_timeout: float = 0.0             # asyncpool: seconds an env step may take before its worker is killed
+    remote_address: str = ""              # asyncpool: "HOST:PORT": the envs run in env hosts that connect there
+    ray_hosts: int = 0                    # with remote_address: start the hosts as this many Ray actors
+                                          # (num_envs / ray_hosts envs each), on RAY_ADDRESS's cluster or a local one
     seed: int = 0
     # logging
     log_interval: int = 1000              # frames between log lines (and the progress bar's updates)
@@ -145,6 +150,7 @@ def parse_config(argv=None) -> Config:
         parser.error(f"--on-env-failure must be 'raise' or 'restart', got {cfg.on_env_failure!r}.")
     if cfg.step_timeout < 0:
         parser.error(f"--step-timeout must be >= 0 (0: no limit), got {cfg.step_timeout}.")
+    check_ray_flags(parser, cfg)  # --remote-address / --ray-hosts
     if cfg.eval_episodes < 0 or cfg.eval_max_steps < 1:
         parser.error("--eval-episodes must be >= 0 and --eval-max-steps >= 1.")
     return cfg
@@ -325,17 +331,27 @@ def train_asyncpool(cfg: Config, learner: Learner, actor, action_spec) -> float:
     update-to-data ratio, waiting when ahead of the data and pausing the collector when more than
     ``max_lead_frames`` behind (see the module docstring). Returns the start time."""
     acting = SACActing(copy.deepcopy(actor), action_spec.space.low, action_spec.space.high)
-    collector = AsyncPoolCollector(
-        [functools.partial(make_mujoco_env, cfg.env_id)] * cfg.num_envs,
-        policy=acting,
-        frames_per_batch=cfg.frames_per_batch,
-        total_frames=cfg.total_frames,
-        replay_buffer=learner.rb,
-        post_collect_hook=learner.stats,
-        seed=cfg.seed,  # env i's first reset: seed + i
-        on_env_failure=cfg.on_env_failure,
-        step_timeout=cfg.step_timeout or None,
-    )
+    factories = [functools.partial(make_mujoco_env, cfg.env_id)] * cfg.num_envs
+    ray_hosts = None
+    if cfg.remote_address:  # slots fed by env hosts in Ray actors (torchrl_asyncpool.remote)
+        factories, ray_hosts = start_ray_env_hosts(functools.partial(make_mujoco_env, cfg.env_id),
+                                                   cfg.remote_address, cfg.num_envs, cfg.ray_hosts)
+    try:
+        collector = AsyncPoolCollector(
+            factories,
+            policy=acting,
+            frames_per_batch=cfg.frames_per_batch,
+            total_frames=cfg.total_frames,
+            replay_buffer=learner.rb,
+            post_collect_hook=learner.stats,
+            seed=None if cfg.remote_address else cfg.seed,  # env i's first reset: seed + i (hosts seed their own)
+            on_env_failure=cfg.on_env_failure,
+            step_timeout=cfg.step_timeout or None,
+        )
+    except BaseException:
+        if ray_hosts is not None:
+            ray_hosts.stop()
+        raise
 
     def push_weights() -> None:  # a copy of the actor's weights to the acting policy's "actor" submodule
         collector.update_policy_weights_({"actor." + k: v for k, v in actor.state_dict().items()})
@@ -376,6 +392,8 @@ def train_asyncpool(cfg: Config, learner: Learner, actor, action_spec) -> float:
                 push_weights()
     finally:
         collector.shutdown()
+        if ray_hosts is not None:
+            ray_hosts.stop()
     return t0
 
 

@@ -184,3 +184,47 @@ def test_impala_atari_torchrl_collector_smoke(tmp_path):
                 "--eval-episodes", "0", "--collector", "torchrl", timeout=540)
     _check_common(tmp_path, "impala_atari.png", 1200, asyncpool=False)
     assert _scalar(tmp_path, "updates")[-1] == 10
+
+
+# -- --remote-address / --ray-hosts ---------------------------------------------------------------
+def _ray_cfg(**overrides):
+    import types
+
+    cfg = dict(remote_address="127.0.0.1:50051", ray_hosts=2, num_envs=8, collector="asyncpool",
+               on_env_failure="raise", step_timeout=0.0)
+    cfg.update(overrides)
+    return types.SimpleNamespace(**cfg)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"ray_hosts": 3}, "--ray-hosts 3 needs --remote-address HOST:PORT and a --num-envs (8) it divides"),
+    ({"ray_hosts": -1}, "--ray-hosts -1 needs"),
+    ({"remote_address": ""}, "--ray-hosts 2 needs --remote-address"),
+    ({"ray_hosts": 0}, "--remote-address needs --ray-hosts N"),
+    ({"remote_address": "localhost"}, "--remote-address must be HOST:PORT, got 'localhost'"),
+    ({"collector": "torchrl"}, "are AsyncPoolCollector options"),
+    ({"on_env_failure": "restart"}, "act on local envs"),
+    ({"step_timeout": 5.0}, "act on local envs"),
+])
+def test_ray_flags_are_checked(overrides, message):
+    import argparse
+    import re
+
+    from torchrl_asyncpool.examples.ray_env_hosts import check_ray_flags
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, text):  # what argparse prints before exiting with status 2
+            raise ValueError(text)
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_ray_flags(Parser(), _ray_cfg(**overrides))
+    check_ray_flags(Parser(), _ray_cfg())  # the valid pair passes
+    check_ray_flags(Parser(), _ray_cfg(remote_address="", ray_hosts=0, collector="torchrl", step_timeout=5.0))
+
+
+@pytest.mark.parametrize("script", ["ppo_mujoco.py", "sac_mujoco.py", "impala_atari.py"])
+def test_scripts_refuse_ray_hosts_that_do_not_divide_the_envs(script, tmp_path):
+    cmd = [sys.executable, str(SCRIPTS / script), "--ray-hosts", "3", "--num-envs", "8",
+           "--remote-address", "127.0.0.1:1", "--log-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "--ray-hosts 3 needs" in proc.stderr, proc.stderr[-500:]

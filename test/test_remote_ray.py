@@ -229,3 +229,28 @@ def test_ppo_trains_on_hosts_started_by_ray(tmp_path):
                "--frames-per-batch", "512", "--progress", "false", "--log-dir", str(tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Frames/s" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, args, done", [
+    ("ppo_mujoco.py", ("--frames-per-batch", "512", "--total-frames", "1024", "--epochs", "1",
+                       "--minibatch-size", "256"), "1024 frames"),
+    ("sac_mujoco.py", ("--frames-per-batch", "250", "--total-frames", "1000", "--init-random-frames", "500",
+                       "--utd", "0.25", "--buffer-size", "2000", "--log-interval", "500"), "1000 frames, 125 updates"),
+    ("impala_atari.py", ("--frames-per-batch", "128", "--total-frames", "512"), "512 agent steps"),
+])
+def test_real_workload_scripts_train_on_hosts_started_by_ray(script, args, done, tmp_path):
+    """``--ray-hosts 2`` on the MuJoCo and Atari scripts: a local Ray cluster, two actors of two
+    protocol-1 hosts each building the script's own env, a short run that ends (and ends them)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("ale_py" if "atari" in script else "mujoco")
+    path = os.path.join(os.path.dirname(__file__), "..", "sota-implementations", script)
+    cmd = [sys.executable, path, "--remote-address", free_address(), "--ray-hosts", "2", "--num-envs", "4", *args,
+           "--eval-episodes", "1", "--eval-max-steps", "20", "--progress", "false", "--log-dir", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert done in out.stdout, out.stdout[-1000:]
+    assert "Started a local Ray instance" in out.stderr  # the envs came from Ray's actors, not local workers

@@ -15,4 +15,6 @@ they had in common are written once, here:
   with either collector;
 - :mod:`~torchrl_asyncpool.examples.eval_return`: the evaluation at the end of a script (the
   mean return of seeded episodes).
+- :mod:`~torchrl_asyncpool.examples.ray_env_hosts`: the ``--remote-address`` and ``--ray-hosts``
+  flags of the MuJoCo and Atari scripts (their envs in env hosts that Ray starts).
 """

@@ -17,6 +17,8 @@ scripts' ``--collector torchrl`` baselines (TorchRL's ``Collector``/``ParallelEn
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 __all__ = ["make_mujoco_env", "make_torchrl_mujoco_env", "make_atari_env", "make_torchrl_atari_env"]
@@ -26,7 +28,12 @@ def make_mujoco_env(env_id: str = "HalfCheetah-v5"):
     """A gymnasium MuJoCo env with float32 observations."""
     import gymnasium
 
-    return gymnasium.wrappers.DtypeObservation(gymnasium.make(env_id), np.float32)
+    env = gymnasium.make(env_id)
+    with warnings.catch_warnings():
+        # the float64 bounds of the space are cast to float32 (MuJoCo's are +-inf, which float32
+        # holds exactly): gymnasium warns twice for every env built, i.e. every worker and restart
+        warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32", category=UserWarning)
+        return gymnasium.wrappers.DtypeObservation(env, np.float32)
 
 
 def make_torchrl_mujoco_env(env_id: str = "HalfCheetah-v5"):
