@@ -78,3 +78,12 @@ def test_values_the_fast_pass_cannot_read_are_checked_in_torch():
         check(torch.tensor([1.0, 3.0], dtype=torch.bfloat16))
     value = torch.tensor([2, 0])
     assert check(value) is value  # the slot's dtype already: the same tensor, not a copy
+
+
+def test_action_indices_for_a_onehot_spec_are_refused_with_the_encoding_fix():
+    # GymEnv's default encoding makes CartPole's Discrete(2) a OneHot spec: a policy writing the
+    # index (an argmax) is told which env option or conversion fits it
+    check = ActionCheck("action", torch.int64, OneHot(2, dtype=torch.int64))
+    with pytest.raises(InvalidActionError, match=r"one-hot rows of 2: .*categorical_action_encoding=True"):
+        check(torch.tensor([1, 0]))  # a batch of 2 indices
+    assert check(torch.tensor([[0, 1], [1, 0]])).tolist() == [[0, 1], [1, 0]]

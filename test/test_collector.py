@@ -332,6 +332,28 @@ def test_torchrl_docstring_example_float_actions_are_refused_or_cast_on_request(
     collector.shutdown()
 
 
+class _ArgmaxIndex(torch.nn.Module):
+    def forward(self, obs):  # push the cart the way the pole leans: an index, 0 or 1
+        return (obs[..., 2] > 0).long()
+
+
+def test_action_indices_for_gymenvs_onehot_actions_are_refused_at_construction_with_the_fix():
+    """An argmax policy (action indices) on TorchRL's ``GymEnv("CartPole-v1")``, whose default
+    encoding makes the action one-hot: construction names ``categorical_action_encoding=True``,
+    and with it the same policy collects."""
+    from tensordict.nn import TensorDictModule
+    from torchrl.envs import GymEnv
+
+    policy = TensorDictModule(_ArgmaxIndex(), in_keys=["observation"], out_keys=["action"])
+    with pytest.raises(ValueError, match=r"one-hot rows of 2.*categorical_action_encoding=True"):
+        AsyncPoolCollector([lambda: GymEnv("CartPole-v1")] * 2, policy=policy, frames_per_batch=64)
+    collector = AsyncPoolCollector([lambda: GymEnv("CartPole-v1", categorical_action_encoding=True)] * 2,
+                                   policy=policy, frames_per_batch=64, total_frames=64)
+    batch = next(iter(collector))
+    collector.shutdown()
+    assert batch.shape == (64,) and set(batch["action"].tolist()) <= {0, 1}
+
+
 def _make_linear_policy(device):
     """TorchRL's ``make_policy`` from its AsyncBatchedCollector examples (module level: picklable)."""
     import torch.nn as nn

@@ -98,7 +98,7 @@ class ActionCheck:
             if name in ("Categorical", "DiscreteTensorSpec") and n is not None:
                 self.rule = ("range", 0, n - 1, f"0 <= action < {n}")
             elif name in ("OneHot", "OneHotDiscreteTensorSpec"):
-                self.rule = ("onehot",)
+                self.rule = ("onehot", n)
             elif name in ("Binary", "BinaryDiscreteTensorSpec"):
                 self.rule = ("range", 0, 1, "0 or 1")
             elif hasattr(getattr(spec, "space", None), "low"):
@@ -168,7 +168,9 @@ class ActionCheck:
         rule = self.rule
         if rule is None or not a.size:
             return True
-        if rule[0] == "onehot":
+        if rule[0] == "onehot":  # a batch of indices (no row axis) is not a batch of one row
+            if a.ndim < 2 or (rule[1] is not None and a.shape[-1] != rule[1]):
+                return False
             return bool(((a == 0) | (a == 1)).all() and (a.sum(-1, dtype=np.int64) == 1).all())
         if rule[0] == "box":
             low, high = self._box_np
@@ -206,9 +208,17 @@ class ActionCheck:
     def _check_bounds(self, value: torch.Tensor) -> None:
         rule, key = self.rule, self.key
         if rule[0] == "onehot":
-            ok = ((value == 0) | (value == 1)).all(-1) & (value.to(torch.int64).sum(-1) == 1)
-            bad = ~ok.reshape(len(value), -1).all(-1)
-            expected = "one-hot rows: zeros and exactly one 1"
+            if value.dim() < 2 or (rule[1] is not None and value.shape[-1] != rule[1]):
+                bad = torch.ones(len(value), dtype=torch.bool, device=value.device)  # no rows at all
+            else:
+                ok = ((value == 0) | (value == 1)).all(-1) & (value.to(torch.int64).sum(-1) == 1)
+                bad = ~ok.reshape(len(value), -1).all(-1)
+            # the usual cause: an action index (an argmax, a Categorical sample) for a TorchRL env
+            # whose Discrete action space became a OneHot spec (GymEnv's default encoding)
+            rows_of = f" of {rule[1]}" if rule[1] is not None else ""
+            expected = (f"one-hot rows{rows_of}: zeros and exactly one 1; a policy that writes action indices needs "
+                        "the env built with categorical_action_encoding=True (TorchRL's GymEnv / GymWrapper), or "
+                        "torch.nn.functional.one_hot(index, n) of its indices")
         else:
             low, high, expected = rule[1], rule[2], rule[3]
             if rule[0] == "box":
