@@ -14,7 +14,7 @@ builds what the plan says (arena, doorbells, workers). Start-up runs in one dire
     PoolPlan -> AsyncEnvPool: arena, doorbells, chunk buffers, worker processes
 
 A collector builds the spec env first (its policy's outputs are read from the same env) and hands
-it to :meth:`PoolPlan.build`; :func:`~torchrl_asyncpool.evaluate` builds each of its pools from a
+it to :meth:`PoolPlan.build`; :func:`~torchrl_asyncpool.evaluation.evaluate` builds each of its pools from a
 plan as well, so the three share one set of rules. The plan says which values were given and which
 were decided (``"auto"``), and what the start-up measured: ``repr``, :meth:`PoolPlan.describe`, a
 debug log line (logger ``torchrl_asyncpool.pool.plan``), :attr:`AsyncEnvPool.plan
@@ -72,7 +72,7 @@ def restart_policy(on_env_failure, max_restarts_per_env, restart_window_s, max_r
     """The workers' :class:`~torchrl_asyncpool.workers.restarts.RestartPolicy` for
     ``on_env_failure="restart"``, ``None`` for ``"raise"``; a bad value raises ``ValueError``
     naming it. The one check of the restart options, shared by the pool and
-    :func:`~torchrl_asyncpool.evaluate`.
+    :func:`~torchrl_asyncpool.evaluation.evaluate`.
 
     Examples:
         >>> from torchrl_asyncpool.pool.plan import restart_policy
