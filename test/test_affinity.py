@@ -52,6 +52,27 @@ def test_each_worker_and_its_env_threads_run_on_their_mask(env_threads):
         AsyncEnvPool(oracle_factories(4), envs_per_worker=2, worker_affinity=[[FIRST]])
 
 
+def test_running_workers_move_to_new_masks_and_back():
+    """``set_worker_affinity`` moves every thread of each running worker, ``worker_affinity`` says
+    which masks are in force, ``None`` gives back every CPU; threads backend: refused."""
+    with AsyncEnvPool(oracle_factories(4), envs_per_worker=2, worker_affinity=[[FIRST], [FIRST]]) as pool:
+        pool.set_worker_affinity([[LAST], [FIRST]])
+        assert pool.worker_affinity == [(LAST,), (FIRST,)]
+        for pid, mask in zip(pool.worker_pids, ({LAST}, {FIRST})):
+            assert all(m == mask for m in _task_masks(pid).values())
+        td = pool.recv(min_get=4)  # the moved workers still step
+        pool.send({"action": oracle_action(td["tag"])}, td.env_indices)
+        assert pool.recv(min_get=1).numel() >= 1
+        pool.set_worker_affinity(None)
+        assert pool.worker_affinity is None
+        assert all(m == set(CPUS) for pid in pool.worker_pids for m in _task_masks(pid).values())
+        with pytest.raises(ValueError, match="worker_affinity has 1 masks for 2 worker processes"):
+            pool.set_worker_affinity([[FIRST]])
+    with AsyncEnvPool(oracle_factories(2), backend="threading") as pool:
+        with pytest.raises(ValueError, match="set_worker_affinity needs worker processes"):
+            pool.set_worker_affinity(None)
+
+
 def test_collector_pins_its_threads_not_the_caller():
     def policy(td):
         return td.set("action", oracle_action(td["tag"]))
@@ -174,6 +195,14 @@ def test_inference_server_cpu_affinity_is_validated_and_applied():
         with InferenceServer(_oracle_policy, cpu_affinity=[LAST], timeout=0.0).start(pool) as server:
             assert all(os.sched_getaffinity(t.native_id) == {LAST} for t in _serving_threads())
             server.check()
+            server.set_cpu_affinity([FIRST])  # moved while it serves
+            assert os.sched_getaffinity(server.serving_thread_id) == {FIRST}
+            server.set_cpu_affinity(None)  # every CPU its creator could use
+            assert os.sched_getaffinity(server.serving_thread_id) == set(CPUS)
+            with pytest.raises(ValueError, match=r"cpu_affinity=\[4096\] names CPUs"):
+                server.set_cpu_affinity([4096])
+            server.check()
+        server.set_cpu_affinity([LAST])  # after stop: nothing to move, no error
 
 
 def test_auto_partition_follows_the_environment_variable(monkeypatch):

@@ -268,6 +268,33 @@ def test_yield_completed_trajectories():
         c.shutdown()
 
 
+@pytest.mark.parametrize("trajectories", [False, True])
+def test_rollout_is_the_callable_each_batch_comes_from(trajectories):
+    """``collector.rollout`` (TorchRL's name): called by hand, before any iteration, it returns
+    what iterating yields, the next ``frames_per_batch`` transitions, or the next whole
+    trajectory, in the same exactly-once order the oracle checks (it hung before: the server
+    waited for a first iteration to answer the envs)."""
+    checker = OracleChecker()
+    c = AsyncPoolCollector(oracle_factories(2), policy=oracle_policy, frames_per_batch=16, total_frames=64,
+                           yield_completed_trajectories=trajectories, transition_chunk_size=4)
+    try:
+        n = 0
+        for _ in range(3):
+            out = c.rollout()
+            n += out.shape[0]
+            if trajectories:
+                assert out["next", "done"][-1].all() and not out["next", "done"][:-1].any()
+                assert out["env_index"].unique().numel() == 1
+            else:
+                assert out.shape == (16,)
+            checker.observe_transitions(out)
+        assert checker.records == n and n >= 3 and (trajectories or n == 48)
+    finally:
+        c.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):  # not a wait for records that never come
+        c.rollout()
+
+
 def test_weight_update_bumps_stamped_version():
     policy = torch.nn.Linear(2, 1)
 

@@ -392,11 +392,36 @@ def test_fault_is_raised_even_while_other_envs_are_ready(fault):
             _answer(pool, td)  # env 0 steps, env 1 fails
         else:
             _answer(pool, td[torch.tensor([0])])  # env 0 steps, env 1 stays leased
+            assert pool.death_info(1) == "exit code None"  # still running
             os.kill(pool.worker_pids[1], signal.SIGKILL)
         time.sleep(1.0)  # env 0 has published its next record; env 1 has failed / died
         expected = EnvError if fault == "env_error" else WorkerDiedError
-        with pytest.raises(expected):
+        with pytest.raises(expected) as info:
             pool.recv()
+        if fault == "sigkill":
+            assert pool.death_info(1) == "killed by signal 9" and "killed by signal 9" in str(info.value)
+
+
+def test_consumer_raises_a_workers_env_error_once_asked_and_again_after():
+    """``SlotConsumer.raise_worker_errors``: the health check a driver thread runs between
+    batches (the collector's ``check_errors``) raises the env's error, and keeps raising it."""
+    with AsyncEnvPool(_factories(2, per_env={1: {"fail_at_step": 1}})) as pool:
+        consumer = pool._local_consumer()  # the SlotConsumer that recv/send drive
+        consumer.raise_worker_errors()  # nothing wrong yet: returns
+        _answer(pool, pool.recv(min_get=2))  # env 1 fails on this step
+        assert _wait_until(lambda: _raises(consumer.raise_worker_errors), 10)
+        for _ in range(2):
+            with pytest.raises(EnvError) as info:
+                consumer.raise_worker_errors()
+            _assert_env_error(info.value, 1, "step", "OracleEnv 1: scripted failure at step 1")
+
+
+def _raises(fn) -> bool:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - any error counts
+        return True
+    return False
 
 
 def _raising_factory_for(bad_index):

@@ -211,3 +211,14 @@ def test_specs_of_an_env_on_the_gpu_are_on_the_cpu_as_the_records_are():
     specs = batched_specs(moved, N)
     assert all(leaf.device == torch.device("cpu") for spec in specs.values() for leaf in
                (spec[k] for k in spec.keys(True, True)))
+
+
+def test_layout_dtype_names_each_fields_dtype_and_refuses_other_keys():
+    """``layout_dtype``: the slot dtype of an action, an observation or a policy output, the same
+    as the pool's specs say; a key that is not a field: ``KeyError`` naming it."""
+    with AsyncEnvPool([lambda: gym.make("Pendulum-v1")] * 2) as pool:
+        assert pool.layout_dtype("action") == torch.float32 == pool.full_action_spec["action"].dtype
+        assert pool.layout_dtype("observation") == torch.float32
+        assert pool.layout_dtype(("observation",)) == torch.float32  # a nested-key tuple of one
+        with pytest.raises(KeyError, match="'velocity' is not a field of this pool"):
+            pool.layout_dtype("velocity")

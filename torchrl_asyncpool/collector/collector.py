@@ -881,6 +881,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 self._check()
 
     def _rollout_frames(self) -> TensorDictBase:
+        self._ensure_started()
+        self._serve()  # a rollout() called by hand, not from iterator(), lets the server answer too
         frames = self.frames_per_batch
         if self.total_frames >= 0:
             frames = min(frames, self.total_frames - self._frames)
@@ -893,6 +895,8 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         return td
 
     def _rollout_yield_trajs(self) -> TensorDictBase:
+        self._ensure_started()
+        self._serve()
         piece = max(1, min(self.frames_per_batch, self._pool._chunks.chunk_size))
         while not self._trajectories:
             td = self._take(piece)
@@ -914,7 +918,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     def rollout(self) -> Callable[[], TensorDictBase]:
         """The callable that :meth:`iterator` calls for each batch (TorchRL's ``rollout``): the next
         ``frames_per_batch`` transitions, or the next completed trajectory with
-        ``yield_completed_trajectories=True``."""
+        ``yield_completed_trajectories=True``. Called by hand (``collector.rollout()``) it
+        returns the same, without counting the frames against ``total_frames`` or running
+        ``postproc``, ``post_collect_hook`` and the replay buffer's write, as in TorchRL;
+        :class:`RuntimeError` after :meth:`shutdown`."""
         return self._rollout_yield_trajs if self.yield_completed_trajectories else self._rollout_frames
 
     def start(self) -> None:

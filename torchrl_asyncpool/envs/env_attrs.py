@@ -57,8 +57,9 @@ class EpisodePlan:
 
 
 def own_attr(env, name):
-    # the instance's own attribute only: batched TorchRL envs forward unknown attributes to
-    # their (possibly not yet built) sub-envs
+    """``env``'s own instance attribute ``name`` (``None`` when it has none), not one found on
+    its class or forwarded: batched TorchRL envs forward unknown attributes to their (possibly
+    not yet built) sub-envs, which reading them would build."""
     try:
         return vars(env).get(name)
     except TypeError:  # no __dict__
@@ -66,15 +67,19 @@ def own_attr(env, name):
 
 
 def plan_of(env):
+    """The fixed episode plan :func:`~torchrl_asyncpool.evaluation.evaluate` attached to ``env``
+    (an :class:`EpisodePlan`), or ``None`` for an env without one."""
     plan = own_attr(env, EPISODE_PLAN_ATTR)
     return None if plan is None else EpisodePlan(plan)
 
 
 def env_where(env_index) -> str:
+    """How error messages name an env: ``"env 3"``, or ``"the env"`` when its index is unknown."""
     return f"env {env_index}" if env_index is not None else "the env"
 
 
 def torch_dtype(np_dtype) -> torch.dtype:
+    """The torch dtype of numpy dtype ``np_dtype`` (``TypeError`` for one torch lacks)."""
     import numpy as np
 
     return torch.from_numpy(np.zeros((), dtype=np_dtype)).dtype

@@ -46,8 +46,12 @@ def check_ray_flags(parser, cfg) -> None:
     if not cfg.ray_hosts:
         parser.error("--remote-address needs --ray-hosts N: the hosts must build this script's env, with its "
                      "wrappers (`torchrl-asyncpool env-host` serves a plain gymnasium.make(env_id)).")
-    if ":" not in cfg.remote_address:
-        parser.error(f"--remote-address must be HOST:PORT, got {cfg.remote_address!r}.")
+    from torchrl_asyncpool.remote.ingress import check_address
+
+    try:
+        check_address(cfg.remote_address)
+    except ValueError as exc:
+        parser.error(f"--remote-address: {exc}")
     if cfg.on_env_failure == "restart" or cfg.step_timeout:
         parser.error("--on-env-failure restart and --step-timeout act on local envs: not with --remote-address "
                      "(Ray restarts a lost host's actor).")

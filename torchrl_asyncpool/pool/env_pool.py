@@ -23,7 +23,7 @@ from torchrl.data import Composite
 from torchrl_asyncpool._sys.affinity import resolve_worker_affinity, set_process_affinity
 from torchrl_asyncpool.delivery.chunks import ChunkBuffers, ChunkReader
 from torchrl_asyncpool.errors import PoolClosedError
-from torchrl_asyncpool.exchange.arena import Arena, as_key
+from torchrl_asyncpool.exchange.arena import Arena, as_key, key_repr
 from torchrl_asyncpool.exchange.consumer import ConsumerHandle, SlotConsumer
 from torchrl_asyncpool.exchange.doorbell import Doorbell
 from torchrl_asyncpool._sys.descriptors import InheritedFd
@@ -590,11 +590,12 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         Raises:
             KeyError: if ``key`` is not a field of this pool.
         """
-        key = as_key(key)
-        for f in self.layout.request + self.layout.response:
-            if f.key == key:
+        norm = as_key(key)
+        fields = self.layout.request + self.layout.response
+        for f in fields:
+            if f.key == norm:
                 return f.dtype
-        raise KeyError(f"{key!r} is not a field of this pool.")
+        raise KeyError(f"{key!r} is not a field of this pool (its fields: {sorted(key_repr(f.key) for f in fields)}).")
 
     def consumer_handle(self):
         """A picklable :class:`~torchrl_asyncpool.exchange.consumer.ConsumerHandle` for driving

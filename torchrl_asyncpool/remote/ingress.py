@@ -185,6 +185,8 @@ class _BoundedExecutor(futures.Executor):
 
 
 def check_address(address) -> None:
+    """Raises ``ValueError`` unless ``address`` is a ``"host:port"`` string with a port in
+    1..65535 (a pool's listening address, which hosts must be able to connect to)."""
     if not isinstance(address, str) or ":" not in address:
         raise ValueError(f"address must be 'host:port', got {address!r}.")
     port = address.rsplit(":", 1)[1]
