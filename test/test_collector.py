@@ -576,6 +576,54 @@ def test_pause_keeps_the_policy_idle():
         c.shutdown()
 
 
+def _in_thread(fn, timeout):
+    """``fn()``'s result or exception, or ``"hung"`` past ``timeout`` seconds."""
+    out = {"r": "hung"}
+
+    def run():
+        try:
+            out["r"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            out["r"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return out["r"]
+
+
+def test_a_batch_asked_for_inside_pause_by_its_thread_is_refused_another_thread_waits():
+    """Inside ``with collector.pause():`` nothing steps: the pausing thread's own ``next()`` (or
+    ``rollout()``) would wait forever (it hung before), so it raises; another thread's ``next()``
+    waits and gets its batch once the block ends."""
+    c = AsyncPoolCollector(oracle_factories(2), policy=oracle_policy, frames_per_batch=8, transition_chunk_size=2)
+    try:
+        it = iter(c)
+        next(it)
+        with c.pause():
+            with pytest.raises(RuntimeError, match="by the thread that paused"):
+                c.rollout()
+        got = []
+        with c.pause():
+            waiter = threading.Thread(target=lambda: got.append(next(it)), daemon=True)
+            waiter.start()
+            time.sleep(0.5)
+            assert not got  # waits while paused
+        waiter.join(20)
+        assert len(got) == 1 and got[0].shape == (8,)
+
+        def next_inside_pause():
+            with c.pause():
+                return next(it)
+
+        err = _in_thread(next_inside_pause, 20)
+        assert isinstance(err, RuntimeError) and "inside `with collector.pause():`" in str(err), err
+        with pytest.raises(RuntimeError, match="shut down"):  # an error out of iteration ends it, as in TorchRL
+            next(iter(c))
+    finally:
+        c.shutdown()
+
+
 def test_log_metrics_writes_pool_and_server_scalars_to_a_torchrl_logger(tmp_path):
     from torchrl.record.loggers.csv import CSVLogger
 

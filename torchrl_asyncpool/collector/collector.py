@@ -504,6 +504,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         self._replay_lock = threading.Lock()
         self._server_lock = threading.Lock()  # a weight update never lands on a server being replaced
         self._pause_lock = threading.Lock()
+        self._pausing_thread = None  # the thread inside pause(): it may not wait for a batch
         self._shutdown_event = threading.Event()
         self._replay_thread = None
         self._replay_error = None
@@ -817,7 +818,10 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         """A quiescent boundary: while the context is open, no batch is written and (with a
         thread server) the policy does not run, so modules can be compiled or swapped. With a
         process server the server keeps answering until the envs fill their chunks and stop
-        (back-pressure).
+        (back-pressure). Another thread's ``next()`` waits for the batch until the block ends;
+        the thread inside the block gets :class:`RuntimeError` if it asks for one (``next()``,
+        :attr:`rollout`), which nothing would ever deliver (out of iteration, the error ends the
+        collector, as any error out of a TorchRL collector's iteration does).
 
         Args:
             timeout (float, optional): seconds to wait for a running policy call to finish
@@ -834,13 +838,25 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             with self._replay_lock:
                 if self._acting is not None:
                     self._acting.pause(timeout)
+                self._pausing_thread = threading.get_ident()
                 try:
                     yield None
                 finally:
+                    self._pausing_thread = None
                     if self._acting is not None:
                         self._acting.resume()
         finally:
             self._pause_lock.release()
+
+    def _refuse_a_batch_inside_pause(self) -> None:
+        """A batch asked for by the thread inside :meth:`pause` would wait forever: nothing
+        steps until that thread leaves the block. Another thread's request waits for the resume."""
+        if self._pausing_thread == threading.get_ident():
+            raise RuntimeError(
+                "a batch was asked for inside `with collector.pause():` by the thread that paused the collector: "
+                "nothing steps until the block ends. Take batches after it (another thread's iteration waits for "
+                "the resume)."
+            )
 
     # -- data path --------------------------------------------------------------------------
     def _check(self) -> None:
@@ -882,6 +898,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
 
     def _rollout_frames(self) -> TensorDictBase:
         self._ensure_started()
+        self._refuse_a_batch_inside_pause()
         self._serve()  # a rollout() called by hand, not from iterator(), lets the server answer too
         frames = self.frames_per_batch
         if self.total_frames >= 0:
@@ -896,6 +913,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
 
     def _rollout_yield_trajs(self) -> TensorDictBase:
         self._ensure_started()
+        self._refuse_a_batch_inside_pause()
         self._serve()
         piece = max(1, min(self.frames_per_batch, self._pool._chunks.chunk_size))
         while not self._trajectories:
