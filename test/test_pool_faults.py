@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -1057,3 +1058,28 @@ def test_a_traceback_from_an_env_class_of_the_users_script_names_its_file_and_li
     assert "boom in my env" in proc.stdout, proc.stdout + proc.stderr
     assert f'File "{script}", line 10, in _step' in proc.stdout
     assert "<dynamic-code>" not in proc.stdout
+
+
+def test_a_recv_no_env_can_answer_warns_and_its_timeout_says_why(monkeypatch):
+    """A ``recv`` that waits while fewer than ``min_get`` envs can publish (the others await the
+    actions of records recv returned, never sent) would wait forever: it warns once past
+    ``RECV_STALL_WARN_S``, and its ``TimeoutError`` names the cause. A recv that waits for slow
+    envs that do step gets neither."""
+    from torchrl_asyncpool.exchange import consumer
+
+    monkeypatch.setattr(consumer, "RECV_STALL_WARN_S", 0.2)
+    with AsyncEnvPool(_factories(2)) as pool:
+        td = pool.recv(min_get=2)
+        with pytest.warns(RuntimeWarning, match=r"recv\(min_get=1\) has waited .* 2 of the pool's 2 envs await"):
+            with pytest.raises(TimeoutError, match="2 of the 2 envs await their actions"):
+                pool.recv(min_get=1, timeout=1.0)
+        _answer(pool, td[torch.tensor([0])])  # env 0 steps again; env 1 still awaits its action
+        with pytest.warns(RuntimeWarning, match=r"recv\(min_get=2\) has waited"):
+            with pytest.raises(TimeoutError, match="1 of the 2 envs await"):
+                pool.recv(min_get=2, timeout=1.0)
+        assert pool.recv(min_get=1).env_indices.tolist() == [0]
+    with AsyncEnvPool([functools.partial(OracleEnv, env_id=0, step_delay=1.0)]) as pool:
+        _answer(pool, pool.recv())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning: the env is stepping
+            assert pool.recv(timeout=10).numel() == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import select
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
@@ -34,6 +35,10 @@ __all__ = ["ConsumerHandle", "SlotConsumer"]
 _SENTINEL_PERIOD_S = 0.005
 #: how often a consumer with a ``watchdog`` runs it, blocked or not
 _WATCH_PERIOD_S = 0.02
+#: seconds a ``recv`` waits before it warns that too few envs can publish (every other env awaits
+#: its action: records recv returned and nobody answered with ``send``), which only another
+#: thread's ``send`` can end
+RECV_STALL_WARN_S = 10.0
 
 
 @dataclass
@@ -94,6 +99,7 @@ class SlotConsumer:
         # once), blocking in poll(2), at most a watchdog period (or an exit check's) at a time
         self._wait = WaitLoop(self._bell, list(self._sentinels), max_wait=self.wait_bound(None), idle_poll=False)
         self._want = (1, 1, None)  # what the running wait needs: (min_get or count, cap, deadline)
+        self._recv_since, self._stall_warned = 0.0, False  # the running recv's start, its warning given
         self._ready = 0  # records ready at the running wait's last look
         # keys: the request entries batches carry (all by default); a serving loop whose policies
         # declare what they read leaves the others in the slots instead of copying them per batch
@@ -150,10 +156,14 @@ class SlotConsumer:
         deadline = None if timeout is None else t_enter + timeout
         cap = n if max_get is None else min(max_get, n)
         self._want = (min_get, cap, deadline)
+        self._recv_since, self._stall_warned = t_enter, False
         wait = self._wait
-        if wait.run(self._recv_due, deadline, self._check_sentinels, self.raise_worker_errors) == TIMED_OUT:
+        if wait.run(self._recv_due, deadline, self._recv_health, self.raise_worker_errors) == TIMED_OUT:
+            leased = int((self.arena.state == S.LEASED).sum())
+            stalled = (f" ({leased} of the {n} envs await their actions: answer the records recv returned with "
+                       "send, or fewer than min_get envs can publish)" if n - leased < min_get else "")
             raise TimeoutError(
-                f"recv timed out after {timeout}s with {self._ready}/{min_get} envs ready; "
+                f"recv timed out after {timeout}s with {self._ready}/{min_get} envs ready{stalled}; "
                 "nothing was consumed, ready records stay available to the next call."
             )
         self._check_sentinels(wait.now)  # a dead worker is reported, not skipped
@@ -191,6 +201,23 @@ class SlotConsumer:
         ``ACTION_READY`` and ``ERROR``, and the earliest ``ready_time`` of the ready ones
         (``inf`` when none), in one pass over the slots."""
         return self._engine.scan()
+
+    def _recv_health(self, now: float) -> None:
+        """``recv``'s health hook: :meth:`_check_sentinels`, and past :data:`RECV_STALL_WARN_S`
+        a warning (once a call) when fewer envs than ``min_get`` can publish."""
+        self._check_sentinels(now)
+        if not self._stall_warned and now - self._recv_since > RECV_STALL_WARN_S:
+            leased = int((self.arena.state == S.LEASED).sum())
+            min_get = self._want[0]
+            if self.num_envs - leased < min_get:
+                self._stall_warned = True
+                warnings.warn(
+                    f"recv(min_get={min_get}) has waited {now - self._recv_since:.0f} s while {leased} of the pool's "
+                    f"{self.num_envs} envs await their actions: an env steps again only once send(actions, "
+                    "env_indices) answers the record recv returned for it, so fewer than min_get envs can publish. "
+                    "Answer them (from another thread, if this one waits), or this recv waits forever.",
+                    RuntimeWarning, stacklevel=5,  # the caller of AsyncEnvPool.recv
+                )
 
     def _check_sentinels(self, now: float) -> None:
         """Raises if a worker died, looking at most every :data:`_SENTINEL_PERIOD_S`: a consumer

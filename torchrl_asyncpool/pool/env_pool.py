@@ -465,6 +465,12 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
         raised and nothing is lost (the records stay ready for the next call). When more
         than ``max_get`` are ready, the ones that waited longest are taken.
 
+        An env steps again only once :meth:`send` answers the record ``recv`` returned for it.
+        A call that waits while fewer than ``min_get`` envs can publish (the others await
+        their actions) can only be ended by another thread's :meth:`send`: after
+        ``RECV_STALL_WARN_S`` (10 s, :mod:`torchrl_asyncpool.exchange.consumer`) it warns
+        (:class:`RuntimeWarning`, once a call), and its :class:`TimeoutError` names that cause.
+
         Args:
             min_get (int, optional): minimum batch size. Defaults to ``1``.
             max_get (int, optional): maximum batch size. Defaults to ``None`` (no maximum).
