@@ -1083,3 +1083,27 @@ def test_a_recv_no_env_can_answer_warns_and_its_timeout_says_why(monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no warning: the env is stepping
             assert pool.recv(timeout=10).numel() == 1
+
+
+@pytest.mark.parametrize("backend", ["multiprocessing", "threading"])
+def test_close_from_another_thread_ends_a_waiting_recv_with_pool_closed_error(backend):
+    """``close()`` while another thread waits in ``recv``: that recv raises
+    :class:`PoolClosedError`, not a :class:`WorkerDiedError` for workers that exit because they
+    were told to (``exit code 0``), nor an error about the descriptors closed under it."""
+    pool = AsyncEnvPool(_factories(2), backend=backend)
+    pool.recv(min_get=2)  # every env awaits its action: the next recv waits
+    out = []
+
+    def waiting_recv():
+        try:
+            pool.recv(min_get=1)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out.append(exc)
+
+    thread = threading.Thread(target=waiting_recv, daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    pool.close()
+    thread.join(10)
+    assert not thread.is_alive() and len(out) == 1
+    assert isinstance(out[0], PoolClosedError) and "closed while this call waited" in str(out[0]), out[0]

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from torchrl_asyncpool.errors import EnvError, WorkerDiedError
+from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
 from torchrl_asyncpool.exchange import slot_states as S
 from torchrl_asyncpool.exchange.arena import Arena, ArenaLayout
 from torchrl_asyncpool.exchange.doorbell import Doorbell
@@ -100,6 +100,7 @@ class SlotConsumer:
         self._wait = WaitLoop(self._bell, list(self._sentinels), max_wait=self.wait_bound(None), idle_poll=False)
         self._want = (1, 1, None)  # what the running wait needs: (min_get or count, cap, deadline)
         self._recv_since, self._stall_warned = 0.0, False  # the running recv's start, its warning given
+        self.closed_by_owner = False  # set by the pool's close(): workers that exit are not faults
         self._ready = 0  # records ready at the running wait's last look
         # keys: the request entries batches carry (all by default); a serving loop whose policies
         # declare what they read leaves the others in the slots instead of copying them per batch
@@ -158,7 +159,7 @@ class SlotConsumer:
         self._want = (min_get, cap, deadline)
         self._recv_since, self._stall_warned = t_enter, False
         wait = self._wait
-        if wait.run(self._recv_due, deadline, self._recv_health, self.raise_worker_errors) == TIMED_OUT:
+        if self._run(self._recv_due, deadline, self._recv_health) == TIMED_OUT:
             leased = int((self.arena.state == S.LEASED).sum())
             stalled = (f" ({leased} of the {n} envs await their actions: answer the records recv returned with "
                        "send, or fewer than min_get envs can publish)" if n - leased < min_get else "")
@@ -272,10 +273,20 @@ class SlotConsumer:
         self._want = (count, 0, None)
         wait = self._wait
         try:
-            wait.run(self._count_due, deadline, self._check_sentinels, self.raise_worker_errors)
+            self._run(self._count_due, deadline, self._check_sentinels)
         finally:  # the wait before a fault counts too
             record_wait(self._stats, wait.waited)
         return self._ready
+
+    def _run(self, due, deadline, health) -> str:
+        """One wait of ``recv`` or ``wait_ready``; a wait the pool's ``close()`` (in another
+        thread) cut short, its descriptors closed under it, ends in :class:`PoolClosedError`."""
+        try:
+            return self._wait.run(due, deadline, health, self.raise_worker_errors)
+        except (OSError, ValueError) as exc:
+            if self.closed_by_owner:
+                raise PoolClosedError("the pool was closed while this call waited for its envs.") from exc
+            raise
 
     def _count_due(self, now: float) -> float:
         """``wait_ready``'s readiness test: due once ``count`` records are ready (env errors
@@ -413,6 +424,8 @@ class SlotConsumer:
             self._raise_died(w, self._death_info(w) if self._death_info is not None else "exit status unknown here")
 
     def _raise_died(self, w: int, how: str) -> None:
+        if self.closed_by_owner:  # the workers exit because the pool is closing, not by a fault
+            raise PoolClosedError("the pool was closed while this call waited for its envs.")
         slots = np.flatnonzero(self._slot_worker == w).tolist()
         self.error = WorkerDiedError(
             f"worker {w} (pid {self.handle.worker_pids[w]}, hosting envs {slots}) died ({how}).", slots

@@ -709,6 +709,9 @@ class AsyncEnvPool(_PoolWorkers, _PoolWatchdog):
             return
         self._closed_for_good = True
         self._closed = True
+        consumer = getattr(self, "_consumer_obj", None)
+        if consumer is not None:  # a recv waiting in another thread sees its workers exit: say why
+            consumer.closed_by_owner = True
         self._stop_workers(timeout)
         for b in getattr(self, "_bells", []):
             b.close()
