@@ -56,6 +56,8 @@ def _run(args, cwd=ROOT, timeout=180, python_prelude=None) -> subprocess.Complet
     (["demo", "--env-id", "Pendulum-v1"], "--env-id"),  # a continuous action: the demo cannot train it
     (["eval", "--num-envs", "0", "--validate-only"], "--num-envs"),
     (["env-host", "--num-envs", "0", "--address", "localhost:1"], "--num-envs"),
+    (["env-host", "--address", "nonsense"], "--address"),  # waited the 30 s connect timeout before
+    (["env-host", "--address", "localhost:0", "--protocol", "2"], "--address"),
     (["demo", "--no-such-flag"], "--no-such-flag"),
 ])
 def test_an_argument_error_exits_2_with_one_line_naming_the_option(args, flag):

@@ -118,6 +118,9 @@ def test_an_env_class_is_a_factory():
     assert isinstance(EnvHost(OracleEnv, "localhost:1").env, TorchRLEnvView)
     env = OracleGymEnv(0)
     assert EnvHost(env, "localhost:1").env is env  # an env instance is served as is
+    for bad in ("localhost", "localhost:0", "localhost:http", None):  # refused at once, not after connect_timeout
+        with pytest.raises(ValueError, match="address"):
+            EnvHost(env, bad)
 
 
 def test_torchrl_envs_on_both_sides(dev_shm_guard):

@@ -20,7 +20,13 @@ def _cmd_env_host(args: argparse.Namespace) -> int:
               "pip install 'torchrl-asyncpool[remote]'.", file=sys.stderr)
         return 2
     from torchrl_asyncpool.remote import EnvHost, RemoteHostError
+    from torchrl_asyncpool.remote.ingress import check_address
 
+    try:
+        check_address(args.address)
+    except ValueError as exc:
+        print(f"torchrl-asyncpool env-host: --address: {exc}", file=sys.stderr)
+        return 2
     if args.protocol == 2:  # one stream for all --num-envs envs (a pool's RemoteVectorSlot)
         from torchrl_asyncpool.remote.vector_host import serve_from_command_line
 

@@ -85,6 +85,9 @@ class EnvHost:
     """
 
     def __init__(self, env, address: str, *, token: str | None = None, connect_timeout: float = 30.0):
+        from torchrl_asyncpool.remote.ingress import check_address
+
+        check_address(address)  # a malformed address fails here, not after connect_timeout
         self._env = env
         self.address = address
         self.token = token
