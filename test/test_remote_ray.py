@@ -205,6 +205,8 @@ def test_start_needs_ray_initialised_and_options_are_checked():
         RayEnvHosts(print, "a:1", protocol=3)
     with pytest.raises(TypeError, match="one per address"):
         RayEnvHosts([print], ["a:1", "a:2"])
+    with pytest.raises(ValueError, match="address must be 'host:port', got 'a'"):
+        RayEnvHosts(print, ["a:1", "a"])
 
 
 def _ppo(*args, timeout=280):

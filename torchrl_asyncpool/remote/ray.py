@@ -134,6 +134,10 @@ class RayEnvHosts:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses:
             raise ValueError("addresses is empty: give the pool's 'host:port' of each actor.")
+        from torchrl_asyncpool.remote.ingress import check_address
+
+        for address in self.addresses:  # here, not in each actor after its connect_timeout
+            check_address(address)
         factories = list(make_envs) if isinstance(make_envs, (list, tuple)) else [make_envs] * len(self.addresses)
         if len(factories) != len(self.addresses) or not all(callable(f) for f in factories):
             raise TypeError(f"make_envs must be a zero-argument factory, or one per address ({len(self.addresses)}).")
