@@ -973,3 +973,41 @@ def test_idle_poll_reaches_the_workers_and_the_policy_server_process(idle_poll):
             assert ("asyncpool-idle" in thread_names(pid)) is idle_poll, (name, thread_names(pid))
     finally:
         c.shutdown()
+
+
+class _Linear2(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+
+    def forward(self, obs):
+        return self.lin(obs).argmax(-1)
+
+
+def test_weights_that_do_not_match_are_refused_naming_the_names_and_a_prefix_that_differs():
+    """``update_policy_weights_`` with another module's names: ``KeyError`` listing the unknown
+    and missing ones, and when they differ by one segment (the inner module's state dict for a
+    TensorDictModule, or a wrapper's), which; a shape: ``ValueError``. Nothing is applied."""
+    import gymnasium as gym
+    from tensordict.nn import TensorDictModule
+
+    policy = TensorDictModule(_Linear2(), in_keys=["observation"], out_keys=["action"])
+    c = AsyncPoolCollector([lambda: gym.make("CartPole-v1")] * 2, policy=policy, frames_per_batch=32, total_frames=-1)
+    try:
+        it = iter(c)
+        next(it)
+        version = c.state_dict()["policy_version"]
+        with pytest.raises(KeyError, match=r"unknown \['policy.lin.bias', .*'module.'\): pass the served module"):
+            c.update_policy_weights_(_Linear2().state_dict())
+        wrapped = {"wrapper." + k: v for k, v in policy.state_dict().items()}
+        with pytest.raises(KeyError, match=r"state dict of a wrapper .*'wrapper.'"):
+            c.update_policy_weights_(wrapped)
+        with pytest.raises(KeyError, match=r"unknown \['policy.foo'\], missing") as info:
+            c.update_policy_weights_({"foo": torch.zeros(3)})
+        assert "look like" not in str(info.value)
+        with pytest.raises(ValueError, match=r"'policy.module.lin.weight' has shape \(7,\), expected \(2, 4\)"):
+            c.update_policy_weights_({k: torch.zeros(7) for k in policy.state_dict()})
+        assert c.state_dict()["policy_version"] == version  # none of them was applied
+        assert next(it).shape == (32,)
+    finally:
+        c.shutdown()

@@ -11,6 +11,7 @@ into pinned host buffers guarded by one event per batch.
 """
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from dataclasses import dataclass
@@ -381,12 +382,31 @@ def check_weights(targets: Dict[str, torch.Tensor], flat: Dict[str, torch.Tensor
     if unknown or missing:
         raise KeyError(
             f"weights for policy {name!r} do not match its parameters: unknown {unknown[:8]}, missing {missing[:8]}."
+            f"{_prefix_hint(unknown, missing)}"
         )
     for key, dst in targets.items():
         if tuple(flat[key].shape) != tuple(dst.shape):
             raise ValueError(
                 f"weights for policy {name!r}: {key!r} has shape {tuple(flat[key].shape)}, expected {tuple(dst.shape)}."
             )
+
+
+def _prefix_hint(unknown, missing) -> str:
+    """When the unknown names are the missing ones with one dotted segment less (or more), the
+    weights come from a submodule (or a wrapper) of the served policy: say which segment differs."""
+    if not unknown or len(unknown) != len(missing):
+        return ""
+    for longer, shorter, given in ((missing, unknown, "a submodule"), (unknown, missing, "a wrapper")):
+        extra = len(longer[0]) - len(shorter[0])
+        if extra <= 0:
+            continue
+        at = len(os.path.commonprefix([longer[0], shorter[0]]))
+        at = shorter[0].rfind(".", 0, at) + 1  # back to a segment boundary
+        segment = longer[0][at:at + extra]
+        if segment.endswith(".") and all(a == b[:at] + segment + b[at:] for a, b in zip(longer, shorter)):
+            return (f" They look like the state dict of {given} of the served policy (the names differ by "
+                    f"{segment!r}): pass the served module's own state_dict(), or the module itself.")
+    return ""
 
 
 def flatten_weights(weights) -> Dict[str, torch.Tensor]:
