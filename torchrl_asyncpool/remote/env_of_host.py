@@ -21,7 +21,7 @@ import numpy as np
 
 from torchrl_asyncpool.remote import protocol as P
 from torchrl_asyncpool.remote.ingress import (
-    BlockIngress, HostLost, Ingress, ProtocolError, check_slot_arguments, end_stream,
+    BlockIngress, HostLost, Ingress, ProtocolError, check_slot_arguments, end_stream, wait_for_host,
 )
 from torchrl_asyncpool.step_type import StepType
 
@@ -306,10 +306,9 @@ class _Group(BlockIngress):
 
     def wait_host(self, block):
         with self._cond:
-            while block.stream is None:
-                if self._closed:
-                    raise RuntimeError(f"{self._where()} were closed while waiting for a host.")
-                self._cond.wait()
+            wait_for_host(self._cond, lambda: block.stream is not None or self._closed, self._where(), self.address)
+            if block.stream is None:
+                raise RuntimeError(f"{self._where()} were closed while waiting for a host.")
             return block.stream
 
     def lose(self, block, stream, exc) -> None:

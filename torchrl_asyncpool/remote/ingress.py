@@ -20,8 +20,8 @@ from concurrent import futures
 
 from torchrl_asyncpool.remote import protocol as P
 
-__all__ = ["Ingress", "BlockIngress", "HostLost", "ProtocolError", "HELLO_MARGIN", "SILENT_HOST_WARN_S", "end_stream",
-           "check_address", "check_slot_arguments"]
+__all__ = ["Ingress", "BlockIngress", "HostLost", "ProtocolError", "HELLO_MARGIN", "SILENT_HOST_WARN_S",
+           "NO_HOST_WARN_S", "wait_for_host", "end_stream", "check_address", "check_slot_arguments"]
 
 _log = logging.getLogger("torchrl_asyncpool.remote")
 
@@ -198,6 +198,25 @@ def check_address(address) -> None:
 #: seconds a connected host may owe an answer before the ingress warns about it (when no
 #: ``step_timeout`` drops it first): a silent host holds its envs, and only its envs
 SILENT_HOST_WARN_S = 30.0
+
+#: seconds a remote slot waits for a host (its first, or a new one after it lost one) before it
+#: warns that none connected: the pool waits for hosts for as long as it takes
+NO_HOST_WARN_S = 30.0
+
+
+def wait_for_host(cond, done, where: str, address: str) -> None:
+    """``cond.wait()`` (``cond`` held by the caller) until ``done()``; past :data:`NO_HOST_WARN_S`
+    logs a warning, once, that no env host connected to ``address`` (hosts the user forgot to
+    start, or that connect elsewhere, would otherwise leave the pool waiting without a word)."""
+    since, warned = time.monotonic(), False
+    while not done():
+        left = NO_HOST_WARN_S - (time.monotonic() - since)
+        cond.wait(None if warned else max(left, 0.0))
+        if not warned and not done() and time.monotonic() - since >= NO_HOST_WARN_S:
+            warned = True
+            _log.warning("%s: no env host has connected to %s for %.0f s; the pool waits for one. Start hosts that "
+                         "connect there (`torchrl-asyncpool env-host --address %s`, EnvHost, RayEnvHosts).",
+                         where, address, time.monotonic() - since, address)
 
 #: seconds a client has to send its hello once connected
 _HELLO_TIMEOUT_S = 10.0

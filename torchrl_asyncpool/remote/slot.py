@@ -16,7 +16,7 @@ import gymnasium as gym
 
 from torchrl_asyncpool.remote import protocol as P
 from torchrl_asyncpool.step_type import StepType
-from torchrl_asyncpool.remote.ingress import HostLost, Ingress, ProtocolError, check_address, end_stream
+from torchrl_asyncpool.remote.ingress import HostLost, Ingress, ProtocolError, check_address, end_stream, wait_for_host
 
 __all__ = ["RemoteEnvSlot"]
 
@@ -228,10 +228,9 @@ class RemoteEnvSlot(gym.Env):
 
     def _wait_host(self):
         with self._cond:
-            while self._stream is None:
-                if self._closed:
-                    raise RuntimeError(f"{self._where()} was closed while waiting for a host.")
-                self._cond.wait()
+            wait_for_host(self._cond, lambda: self._stream is not None or self._closed, self._where(), self.address)
+            if self._stream is None:
+                raise RuntimeError(f"{self._where()} was closed while waiting for a host.")
             return self._stream
 
     def _read(self, stream):
