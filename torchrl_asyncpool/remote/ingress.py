@@ -204,15 +204,18 @@ SILENT_HOST_WARN_S = 30.0
 NO_HOST_WARN_S = 30.0
 
 
-def wait_for_host(cond, done, where: str, address: str) -> None:
+def wait_for_host(cond, done, where: str, address: str, connected=None) -> None:
     """``cond.wait()`` (``cond`` held by the caller) until ``done()``; past :data:`NO_HOST_WARN_S`
     logs a warning, once, that no env host connected to ``address`` (hosts the user forgot to
-    start, or that connect elsewhere, would otherwise leave the pool waiting without a word)."""
+    start, or that connect elsewhere, would otherwise leave the pool waiting without a word).
+    ``connected`` (optional): whether a host is there though not done yet (one building its
+    envs), which is no reason to warn."""
     since, warned = time.monotonic(), False
     while not done():
         left = NO_HOST_WARN_S - (time.monotonic() - since)
         cond.wait(None if warned else max(left, 0.0))
-        if not warned and not done() and time.monotonic() - since >= NO_HOST_WARN_S:
+        if (not warned and not done() and time.monotonic() - since >= NO_HOST_WARN_S
+                and not (connected is not None and connected())):
             warned = True
             _log.warning("%s: no env host has connected to %s for %.0f s; the pool waits for one. Start hosts that "
                          "connect there (`torchrl-asyncpool env-host --address %s`, EnvHost, RayEnvHosts).",

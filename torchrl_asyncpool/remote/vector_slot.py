@@ -21,7 +21,7 @@ import numpy as np
 
 from torchrl_asyncpool.remote import protocol as P
 from torchrl_asyncpool.remote.ingress import (
-    BlockIngress, HostLost, Ingress, ProtocolError, check_slot_arguments, end_stream,
+    BlockIngress, HostLost, Ingress, ProtocolError, check_slot_arguments, end_stream, wait_for_host,
 )
 from torchrl_asyncpool.step_type import StepType
 
@@ -177,8 +177,10 @@ class RemoteVectorSlot(BlockIngress, gym.vector.VectorEnv):
         with self._cond:
             for block in self._blocks:
                 while True:  # a host lost before its FIRST records: the next one's
-                    while not block.events:
-                        self._wait()
+                    wait_for_host(self._cond, lambda: bool(block.events) or self._closed, self._where(),
+                                  self.address, connected=lambda: block.stream is not None)
+                    if not block.events:
+                        self._wait()  # closed: raises
                     event = block.events.popleft()
                     if event is not _LOST:
                         break
