@@ -86,6 +86,35 @@ def host_running(host, **run_kwargs):
     return thread, result
 
 
+def wait_for_a_host_that_never_comes(monkeypatch, caplog, slot, wait):
+    """Runs ``wait()`` (a remote slot's wait for its host) in a thread with the no-host warning
+    due after 0.2 s, lets it wait 0.8 s, closes ``slot``; returns the warnings it logged and
+    what the wait raised. Asserts it was still waiting when closed and ended after."""
+    import logging
+
+    from torchrl_asyncpool.remote import ingress
+
+    monkeypatch.setattr(ingress, "NO_HOST_WARN_S", 0.2)
+    raised = []
+
+    def run():
+        try:
+            wait()
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    with caplog.at_level(logging.WARNING, logger="torchrl_asyncpool.remote"):
+        waiter = threading.Thread(target=run, daemon=True)
+        waiter.start()
+        time.sleep(0.8)
+        assert waiter.is_alive()  # still waiting, after the warning
+        slot.close()
+        waiter.join(5)
+    assert not waiter.is_alive()
+    warned = [r.getMessage() for r in caplog.records if "no env host has connected" in r.getMessage()]
+    return warned, raised
+
+
 def start_and_check(collector, rb, frames, timeout=60.0):
     """``collector.start()``, waits until ``rb`` holds ``frames`` transitions, checks them with
     the oracle and shuts the collector down."""

@@ -19,7 +19,7 @@ from tensordict import TensorDict
 
 grpc = pytest.importorskip("grpc")
 
-from conftest import free_address, host_running  # noqa: E402
+from conftest import free_address, host_running, wait_for_a_host_that_never_comes  # noqa: E402
 from torchrl_asyncpool import AsyncEnvPool, AsyncPoolCollector, EnvError, StepType  # noqa: E402
 from torchrl_asyncpool.remote import EnvHost, RemoteEnvSlot, RemoteHostError  # noqa: E402
 from torchrl_asyncpool.remote import protocol as P  # noqa: E402
@@ -101,30 +101,10 @@ def test_a_slot_waiting_for_a_host_warns_once_that_none_connected(monkeypatch, c
     """A remote slot whose host never comes (not started, or connecting elsewhere) logs one
     warning naming the address and how to start hosts, then goes on waiting; closing the slot
     ends the wait. The same helper serves the per-env slots of protocol 2."""
-    import logging
-
-    from torchrl_asyncpool.remote import ingress
-
-    monkeypatch.setattr(ingress, "NO_HOST_WARN_S", 0.2)
     slot = RemoteEnvSlot(free_address(), gym.spaces.Box(-1.0, 1.0, (2,)), gym.spaces.Discrete(2))
-    out = []
-
-    def wait():
-        try:
-            slot._wait_host()
-        except RuntimeError as exc:
-            out.append(exc)
-
-    with caplog.at_level(logging.WARNING, logger="torchrl_asyncpool.remote"):
-        waiter = threading.Thread(target=wait, daemon=True)
-        waiter.start()
-        time.sleep(0.8)
-        assert waiter.is_alive()  # still waiting, after one warning
-        slot.close()
-        waiter.join(5)
-    warned = [r.getMessage() for r in caplog.records if "no env host has connected" in r.getMessage()]
+    warned, raised = wait_for_a_host_that_never_comes(monkeypatch, caplog, slot, slot._wait_host)
     assert len(warned) == 1 and slot.address in warned[0] and "torchrl-asyncpool env-host --address" in warned[0]
-    assert len(out) == 1 and "closed while waiting for a host" in str(out[0])
+    assert len(raised) == 1 and "closed while waiting for a host" in str(raised[0])
 
 
 def test_each_address_gets_its_own_worker(dev_shm_guard):

@@ -13,7 +13,7 @@ from tensordict import TensorDict
 
 grpc = pytest.importorskip("grpc")
 
-from conftest import free_address, host_running  # noqa: E402
+from conftest import free_address, host_running, wait_for_a_host_that_never_comes  # noqa: E402
 from torchrl_asyncpool import AsyncEnvPool, StepType  # noqa: E402
 from torchrl_asyncpool.remote import EnvHost, RemoteEnvSlot, RemoteHostError, RemoteVectorSlot, VectorEnvHost  # noqa: E402
 from torchrl_asyncpool.remote import protocol as P  # noqa: E402
@@ -200,31 +200,11 @@ def test_a_dropped_host_ends_its_open_episodes_truncated_and_the_next_host_takes
 def test_a_vector_slot_whose_hosts_never_connect_warns_once(monkeypatch, caplog):
     """A RemoteVectorSlot's reset waiting for a host that never connects logs one warning naming
     its address, goes on waiting, and ends when the slot is closed."""
-    import logging
-
-    from torchrl_asyncpool.remote import ingress
-
-    monkeypatch.setattr(ingress, "NO_HOST_WARN_S", 0.2)
     slot = RemoteVectorSlot.like(OracleGymEnv(0), free_address(), num_envs=K)
     slot._ingress = Ingress.join(slot)  # listening, as its first reset does
-    out = []
-
-    def reset():
-        try:
-            slot.reset()
-        except RuntimeError as exc:
-            out.append(exc)
-
-    with caplog.at_level(logging.WARNING, logger="torchrl_asyncpool.remote"):
-        waiter = threading.Thread(target=reset, daemon=True)
-        waiter.start()
-        time.sleep(0.8)
-        assert waiter.is_alive()
-        slot.close()
-        waiter.join(5)
-    warned = [r.getMessage() for r in caplog.records if "no env host has connected" in r.getMessage()]
+    warned, raised = wait_for_a_host_that_never_comes(monkeypatch, caplog, slot, slot.reset)
     assert len(warned) == 1 and slot.address in warned[0], warned
-    assert len(out) == 1 and "closed while waiting" in str(out[0]), out
+    assert len(raised) == 1 and "closed while waiting" in str(raised[0]), raised
 
 
 def test_refusals_name_the_protocol_and_the_number_of_envs():

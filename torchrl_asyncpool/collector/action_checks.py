@@ -168,8 +168,8 @@ class ActionCheck:
         rule = self.rule
         if rule is None or not a.size:
             return True
-        if rule[0] == "onehot":  # a batch of indices (no row axis) is not a batch of one row
-            if a.ndim < 2 or (rule[1] is not None and a.shape[-1] != rule[1]):
+        if rule[0] == "onehot":
+            if not self._onehot_rows(a.shape):
                 return False
             return bool(((a == 0) | (a == 1)).all() and (a.sum(-1, dtype=np.int64) == 1).all())
         if rule[0] == "box":
@@ -205,11 +205,17 @@ class ActionCheck:
             self._check_bounds(value)
         return value if value.dtype == self.dtype else value.to(self.dtype)
 
+    def _onehot_rows(self, shape) -> bool:
+        """Whether a batch of this ``shape`` holds rows of the one-hot spec's width: a batch of
+        action indices (no row axis) is not a batch of one row."""
+        n = self.rule[1]
+        return len(shape) >= 2 and (n is None or shape[-1] == n)
+
     def _check_bounds(self, value: torch.Tensor) -> None:
         rule, key = self.rule, self.key
         if rule[0] == "onehot":
-            if value.dim() < 2 or (rule[1] is not None and value.shape[-1] != rule[1]):
-                bad = torch.ones(len(value), dtype=torch.bool, device=value.device)  # no rows at all
+            if not self._onehot_rows(value.shape):
+                bad = torch.ones(len(value), dtype=torch.bool, device=value.device)
             else:
                 ok = ((value == 0) | (value == 1)).all(-1) & (value.to(torch.int64).sum(-1) == 1)
                 bad = ~ok.reshape(len(value), -1).all(-1)

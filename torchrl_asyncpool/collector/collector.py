@@ -804,7 +804,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 self._respawn.weights = {k: v.detach().clone() for k, v in source.items()}
 
     def _serve(self) -> None:
-        """Lets the server (held since construction) answer the envs: at the first iteration."""
+        """Lets the server (held since construction) answer the envs: at the first batch request."""
         if not self._serving:
             self._serving = True
             self._server.release()
@@ -848,15 +848,19 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         finally:
             self._pause_lock.release()
 
-    def _refuse_a_batch_inside_pause(self) -> None:
-        """A batch asked for by the thread inside :meth:`pause` would wait forever: nothing
-        steps until that thread leaves the block. Another thread's request waits for the resume."""
+    def _begin_batch(self) -> None:
+        """What every batch request (:attr:`rollout`, from :meth:`iterator` or by hand) does first:
+        refuses one after :meth:`shutdown` and one asked for by the thread inside :meth:`pause`
+        (it would wait forever: nothing steps until that thread leaves the block; another
+        thread's request waits for the resume), then lets the server answer the envs."""
+        self._ensure_started()
         if self._pausing_thread == threading.get_ident():
             raise RuntimeError(
                 "a batch was asked for inside `with collector.pause():` by the thread that paused the collector: "
                 "nothing steps until the block ends. Take batches after it (another thread's iteration waits for "
                 "the resume)."
             )
+        self._serve()
 
     # -- data path --------------------------------------------------------------------------
     def _check(self) -> None:
@@ -897,9 +901,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
                 self._check()
 
     def _rollout_frames(self) -> TensorDictBase:
-        self._ensure_started()
-        self._refuse_a_batch_inside_pause()
-        self._serve()  # a rollout() called by hand, not from iterator(), lets the server answer too
+        self._begin_batch()
         frames = self.frames_per_batch
         if self.total_frames >= 0:
             frames = min(frames, self.total_frames - self._frames)
@@ -912,9 +914,7 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         return td
 
     def _rollout_yield_trajs(self) -> TensorDictBase:
-        self._ensure_started()
-        self._refuse_a_batch_inside_pause()
-        self._serve()
+        self._begin_batch()
         piece = max(1, min(self.frames_per_batch, self._pool._chunks.chunk_size))
         while not self._trajectories:
             td = self._take(piece)
@@ -973,7 +973,6 @@ class AsyncPoolCollector(AsyncBatchedCollector):
         if not self._iteration_lock.acquire(blocking=False):
             raise RuntimeError("The collector is already collecting.")
         try:
-            self._serve()
             total = self.total_frames
             while (total < 0 or self._frames < total) and not self._shutdown_event.is_set():
                 self._iter += 1

@@ -160,9 +160,9 @@ class SlotConsumer:
         self._recv_since, self._stall_warned = t_enter, False
         wait = self._wait
         if self._run(self._recv_due, deadline, self._recv_health) == TIMED_OUT:
-            leased = int((self.arena.state == S.LEASED).sum())
+            leased = self._leased_past(min_get)
             stalled = (f" ({leased} of the {n} envs await their actions: answer the records recv returned with "
-                       "send, or fewer than min_get envs can publish)" if n - leased < min_get else "")
+                       "send, or fewer than min_get envs can publish)" if leased is not None else "")
             raise TimeoutError(
                 f"recv timed out after {timeout}s with {self._ready}/{min_get} envs ready{stalled}; "
                 "nothing was consumed, ready records stay available to the next call."
@@ -208,9 +208,9 @@ class SlotConsumer:
         a warning (once a call) when fewer envs than ``min_get`` can publish."""
         self._check_sentinels(now)
         if not self._stall_warned and now - self._recv_since > RECV_STALL_WARN_S:
-            leased = int((self.arena.state == S.LEASED).sum())
             min_get = self._want[0]
-            if self.num_envs - leased < min_get:
+            leased = self._leased_past(min_get)
+            if leased is not None:
                 self._stall_warned = True
                 warnings.warn(
                     f"recv(min_get={min_get}) has waited {now - self._recv_since:.0f} s while {leased} of the pool's "
@@ -219,6 +219,16 @@ class SlotConsumer:
                     "Answer them (from another thread, if this one waits), or this recv waits forever.",
                     RuntimeWarning, stacklevel=5,  # the caller of AsyncEnvPool.recv
                 )
+
+    def _leased_past(self, min_get: int) -> Optional[int]:
+        """How many envs await their actions (records leased, not answered), when so many that
+        fewer than ``min_get`` can publish: a recv for ``min_get`` then waits for a ``send``
+        only; ``None`` otherwise."""
+        leased = int((self.arena.state == S.LEASED).sum())
+        return leased if self.num_envs - leased < min_get else None
+
+    def _pool_closed(self) -> PoolClosedError:
+        return PoolClosedError("the pool was closed while this call waited for its envs.")
 
     def _check_sentinels(self, now: float) -> None:
         """Raises if a worker died, looking at most every :data:`_SENTINEL_PERIOD_S`: a consumer
@@ -285,7 +295,7 @@ class SlotConsumer:
             return self._wait.run(due, deadline, health, self.raise_worker_errors)
         except (OSError, ValueError) as exc:
             if self.closed_by_owner:
-                raise PoolClosedError("the pool was closed while this call waited for its envs.") from exc
+                raise self._pool_closed() from exc
             raise
 
     def _count_due(self, now: float) -> float:
@@ -425,7 +435,7 @@ class SlotConsumer:
 
     def _raise_died(self, w: int, how: str) -> None:
         if self.closed_by_owner:  # the workers exit because the pool is closing, not by a fault
-            raise PoolClosedError("the pool was closed while this call waited for its envs.")
+            raise self._pool_closed()
         slots = np.flatnonzero(self._slot_worker == w).tolist()
         self.error = WorkerDiedError(
             f"worker {w} (pid {self.handle.worker_pids[w]}, hosting envs {slots}) died ({how}).", slots
