@@ -6,6 +6,21 @@ import argparse
 import sys
 
 
+def _refusal(args: argparse.Namespace):
+    """Why the command cannot start (grpcio missing, a malformed ``--address``), or ``None``."""
+    try:
+        import grpc  # noqa: F401 - only whether it is there: the hosts' threads need it
+    except ImportError:
+        return "needs grpcio, which is not installed: pip install 'torchrl-asyncpool[remote]'."
+    from torchrl_asyncpool.remote.ingress import check_address
+
+    try:
+        check_address(args.address)
+    except ValueError as exc:
+        return f"--address: {exc}"
+    return None
+
+
 def _cmd_env_host(args: argparse.Namespace) -> int:
     import os
     import threading
@@ -13,20 +28,12 @@ def _cmd_env_host(args: argparse.Namespace) -> int:
     import gymnasium as gym
     import tqdm
 
-    try:
-        import grpc  # noqa: F401 - only whether it is there: the hosts' threads need it
-    except ImportError:
-        print("torchrl-asyncpool env-host: needs grpcio, which is not installed: "
-              "pip install 'torchrl-asyncpool[remote]'.", file=sys.stderr)
+    refusal = _refusal(args)
+    if refusal is not None:
+        print(f"torchrl-asyncpool env-host: {refusal}", file=sys.stderr)
         return 2
     from torchrl_asyncpool.remote import EnvHost, RemoteHostError
-    from torchrl_asyncpool.remote.ingress import check_address
 
-    try:
-        check_address(args.address)
-    except ValueError as exc:
-        print(f"torchrl-asyncpool env-host: --address: {exc}", file=sys.stderr)
-        return 2
     if args.protocol == 2:  # one stream for all --num-envs envs (a pool's RemoteVectorSlot)
         from torchrl_asyncpool.remote.vector_host import serve_from_command_line
 
