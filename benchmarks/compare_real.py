@@ -20,6 +20,15 @@ Systems (``--systems``; each one cell per workload, policy and env count):
 * ``ours_torchrl``    the same with TorchRL factories: ``GymWrapper`` of the same gymnasium stack
                       (Atari), ``TransformedEnv(GymEnv("HalfCheetah-v5"), DoubleToFloat, StepCounter,
                       RewardSum)`` (MuJoCo)
+* ``ours_torchrl_idiom`` (Atari) TorchRL's own Atari idiom, as its IMPALA recipe builds each env:
+                      ``GymEnv("ALE/Pong-v5", frame_skip=4, from_pixels=True, pixels_only=False)``
+                      (``frameskip=1``, no sticky actions) with ``NoopResetEnv(30)``,
+                      ``ToTensorImage``, ``GrayScale``, ``Resize(84, 84)`` and ``CatFrames(4)``:
+                      4x84x84 float32 ``"pixels"`` in [0, 1], the frame skip in Python without
+                      max-pooling. ``Resize`` is a subclass that makes the call torchvision's tensor
+                      resize makes (``interpolate(..., "bilinear", align_corners=False,
+                      antialias=True)``): the torchvision wheels on PyPI link CUDA libraries that
+                      the CPU torch wheel lacks, so ``import torchvision`` fails there
 * ``ours_ale_vec``    the collector hosting ``gym.make_vec("ALE/Pong-v5", num_envs=k,
                       vectorization_mode="vector_entry_point")`` factories (ale-py's
                       ``AtariVectorEnv``), one factory per core (``--vec-factories``), Atari only
@@ -49,6 +58,8 @@ Env-only ceilings (not collectors: the same envs split over one bare process per
 actions drawn in advance, no policy, nothing stored):
 
 * ``env_only``          the gymnasium envs (``ours_gym``/``gym_*``'s stack)
+* ``env_only_torchrl_idiom`` TorchRL's Atari idiom (``ours_torchrl_idiom``'s envs), each stepped
+                        with ``step_and_maybe_reset`` as TorchRL's collectors step them, Atari only
 * ``env_only_ale``      one ``AtariVectorEnv`` of N/cores envs per process (synchronous), Atari only
 * ``env_only_envpool``  one EnvPool of N/cores envs (one thread) per process
 
@@ -90,16 +101,19 @@ from compare_collectors import _ShieldedCell  # noqa: E402
 from machine import cpu_model  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-FAST_SYSTEMS = ("ours_gym", "ours_torchrl", "ours_ale_vec", "ours_envpool", "ours_envpool_async", "gym_async",
-                "gym_sync", "envpool_async", "ale_async", "env_only", "env_only_ale", "env_only_envpool")
+COLLECTOR_SYSTEMS = ("ours_gym", "ours_torchrl", "ours_torchrl_idiom", "ours_ale_vec", "ours_envpool",
+                     "ours_envpool_async", "gym_async", "gym_sync", "envpool_async", "ale_async")
+CEILING_SYSTEMS = ("env_only", "env_only_torchrl_idiom", "env_only_ale", "env_only_envpool")
+FAST_SYSTEMS = COLLECTOR_SYSTEMS + CEILING_SYSTEMS
 TORCHRL_SYSTEMS = ("torchrl_sync", "torchrl_async")
 DIAGNOSTIC_SYSTEMS = ("ours_gym_unpinned", "ours_gym_shared")
-SYSTEMS = FAST_SYSTEMS[:9] + TORCHRL_SYSTEMS + FAST_SYSTEMS[9:] + DIAGNOSTIC_SYSTEMS
-CEILINGS = {"env_only", "env_only_ale", "env_only_envpool"}
+SYSTEMS = COLLECTOR_SYSTEMS + TORCHRL_SYSTEMS + CEILING_SYSTEMS + DIAGNOSTIC_SYSTEMS
+CEILINGS = set(CEILING_SYSTEMS)
 # the ceiling each system is set against: its own env stack's
-STACK_CEILING = {"ours_ale_vec": "env_only_ale", "ale_async": "env_only_ale", "ours_envpool": "env_only_envpool",
+STACK_CEILING = {"ours_torchrl_idiom": "env_only_torchrl_idiom", "ours_ale_vec": "env_only_ale",
+                 "ale_async": "env_only_ale", "ours_envpool": "env_only_envpool",
                  "ours_envpool_async": "env_only_envpool", "envpool_async": "env_only_envpool"}
-ATARI_ONLY = {"ours_ale_vec", "ale_async", "env_only_ale"}
+ATARI_ONLY = {"ours_torchrl_idiom", "ours_ale_vec", "ale_async", "env_only_torchrl_idiom", "env_only_ale"}
 TITLES = {"atari": "Atari", "mujoco": "MuJoCo"}
 ATARI_ACTIONS, MUJOCO_OBS, MUJOCO_ACT = 6, 17, 6
 
@@ -127,6 +141,45 @@ def make_torchrl_atari():
     from torchrl.envs import GymWrapper
 
     return GymWrapper(make_atari())
+
+
+def make_torchrl_idiom_atari():
+    """TorchRL's own Atari idiom (its IMPALA recipe's ``make_env``, without the training-only
+    transforms: life-loss episodes, reward sign, reward sum, step counter, VecNorm) on the same
+    Pong: the frame skip in ``GymEnv``, the preprocessing in TorchRL transforms."""
+    from torchrl.envs import CatFrames, Compose, GrayScale, GymEnv, NoopResetEnv, ToTensorImage, TransformedEnv
+
+    import ale_py
+
+    gym.register_envs(ale_py)
+    env = GymEnv("ALE/Pong-v5", frameskip=1, repeat_action_probability=0.0, frame_skip=4, from_pixels=True,
+                 pixels_only=False)
+    return TransformedEnv(env, Compose(NoopResetEnv(noops=30, random=True), ToTensorImage(), GrayScale(),
+                                       _interpolate_resize(84, 84), CatFrames(N=4, dim=-3)))
+
+
+def _interpolate_resize(w, h):
+    """TorchRL's ``Resize(w, h)`` whose resize is the call torchvision's tensor ``resize`` makes
+    (bilinear, ``align_corners=False``, ``antialias=True``): ``Resize`` refuses to exist without
+    torchvision, and PyPI's torchvision wheels do not import beside the CPU torch wheel."""
+    from torchrl.envs import Transform
+    from torchrl.envs.transforms import Resize
+
+    class InterpolateResize(Resize):
+        def __init__(self, w, h):
+            Transform.__init__(self, in_keys=["pixels"], out_keys=["pixels"])  # Resize's own refuses
+            self.w, self.h, self.interpolation = int(w), int(h), "bilinear"
+
+        def _apply_transform(self, obs):
+            if obs.shape[-2:] == torch.Size([self.w, self.h]):
+                return obs
+            lead = obs.shape[:-3]
+            flat = obs.reshape(-1, *obs.shape[-3:])
+            out = torch.nn.functional.interpolate(flat, size=[self.w, self.h], mode="bilinear", align_corners=False,
+                                                  antialias=True)
+            return out.reshape(*lead, *out.shape[-3:])
+
+    return InterpolateResize(w, h)
 
 
 def make_torchrl_mujoco():
@@ -218,12 +271,14 @@ class _TDAct(nn.Module):
         return a.to(self.dtype) if self.dtype is not None else a
 
 
-def make_td_policy(workload, policy, torchrl_specs=False):
+def make_td_policy(workload, policy, torchrl_specs=False, obs_key="observation"):
     """A ``TensorDictModule`` (observation -> action): what the collectors take. Its actions have
     the dtype of the action spec the collector reads from the envs: one-hot for TorchRL's Atari
     specs, float32 after ``DoubleToFloat``, int64 for a gymnasium ``Discrete`` space (EnvPool's
     too: the pool casts nothing, EnvPool casts to its int32 when stepped; the collector checks
-    the dtype: ``cast_actions=False`` by default)."""
+    the dtype: ``cast_actions=False`` by default). ``obs_key``: ``"pixels"`` for TorchRL's Atari
+    idiom, whose frames are float32 in [0, 1] (the CNN's ``/ 255`` then scales them once more: the
+    same cost, another greedy action)."""
     from tensordict.nn import TensorDictModule
 
     one_hot = ATARI_ACTIONS if (torchrl_specs and workload == "atari") else 0
@@ -231,7 +286,7 @@ def make_td_policy(workload, policy, torchrl_specs=False):
         dtype = torch.float32 if torchrl_specs else torch.float64
     else:
         dtype = None
-    return TensorDictModule(_TDAct(make_net(workload, policy), one_hot, dtype), in_keys=["observation"],
+    return TensorDictModule(_TDAct(make_net(workload, policy), one_hot, dtype), in_keys=[obs_key],
                             out_keys=["action"])
 
 
@@ -375,6 +430,10 @@ def build_ours(w, p, n, fpb, system, vec_factories=None):
             kwargs = dict(envs_per_worker=max(1, n // (2 * _cores())))
     elif system == "ours_torchrl":
         fns = [TORCHRL_FACTORY[w]] * n
+    elif system == "ours_torchrl_idiom":
+        if w != "atari":
+            raise _Skip("MuJoCo's TorchRL factory already is TorchRL's idiom (ours_torchrl)")
+        fns = [make_torchrl_idiom_atari] * n
     elif system == "ours_ale_vec":
         if w != "atari":
             raise _Skip("ale-py has no MuJoCo")
@@ -389,7 +448,8 @@ def build_ours(w, p, n, fpb, system, vec_factories=None):
         fns = [functools.partial(make_envpool, w, k, num_threads=threads, batch_size=max(1, k // 2)) for k in sizes]
     else:
         raise ValueError(system)
-    policy = make_td_policy(w, p, torchrl_specs=system == "ours_torchrl")
+    policy = make_td_policy(w, p, torchrl_specs=system in ("ours_torchrl", "ours_torchrl_idiom"),
+                            obs_key="pixels" if system == "ours_torchrl_idiom" else "observation")
     return AsyncPoolCollector(fns, policy=policy, frames_per_batch=fpb, total_frames=-1, **kwargs)
 
 
@@ -544,6 +604,20 @@ def _env_only_process(kind, w, k, conn) -> None:
                         if term or trunc:
                             e.reset()
                     count[0] += k
+        elif kind == "env_only_torchrl_idiom":
+            envs = [make_torchrl_idiom_atari() for _ in range(k)]
+            tds = [e.reset() for e in envs]
+            one_hot = torch.nn.functional.one_hot(torch.as_tensor(acts), ATARI_ACTIONS)
+
+            def loop():
+                j = 0
+                while not stop.is_set():
+                    a = one_hot[j % len(one_hot)]
+                    j += 1
+                    for i, e in enumerate(envs):
+                        tds[i]["action"] = a[i]
+                        _, tds[i] = e.step_and_maybe_reset(tds[i])
+                    count[0] += k
         else:
             if kind == "env_only_ale":
                 venv = make_ale_vec(k, num_threads=1)
@@ -577,6 +651,8 @@ def run_env_only(kind):
 
         if kind == "env_only_ale" and w != "atari":
             raise _Skip("ale-py has no MuJoCo")
+        if kind == "env_only_torchrl_idiom" and w != "atari":
+            raise _Skip("MuJoCo's TorchRL factory already is TorchRL's idiom (ours_torchrl)")
         if kind == "env_only_envpool":
             _need_envpool()
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else None)
@@ -629,6 +705,7 @@ def run_env_only(kind):
 RUNNERS = {
     "ours_gym": run_ours("ours_gym"),
     "ours_torchrl": run_ours("ours_torchrl"),
+    "ours_torchrl_idiom": run_ours("ours_torchrl_idiom"),
     "ours_ale_vec": run_ours("ours_ale_vec"),
     "ours_envpool": run_ours("ours_envpool"),
     "ours_envpool_async": run_ours("ours_envpool_async"),
@@ -641,6 +718,7 @@ RUNNERS = {
     "torchrl_sync": run_torchrl_sync,
     "torchrl_async": run_torchrl_async,
     "env_only": run_env_only("env_only"),
+    "env_only_torchrl_idiom": run_env_only("env_only_torchrl_idiom"),
     "env_only_ale": run_env_only("env_only_ale"),
     "env_only_envpool": run_env_only("env_only_envpool"),
 }
@@ -694,7 +772,7 @@ def main(argv=None):
                                                  "the committed results files are named in benchmarks/README.md)")
     ap.add_argument("--note", default="", help="free text stored in the JSON (what else ran on the machine)")
     a = ap.parse_args(argv)
-    systems = list(a.systems or (FAST_SYSTEMS[:9] + (TORCHRL_SYSTEMS if a.torchrl else ()) + FAST_SYSTEMS[9:]))
+    systems = list(a.systems or (COLLECTOR_SYSTEMS + (TORCHRL_SYSTEMS if a.torchrl else ()) + CEILING_SYSTEMS))
     if a.quick:
         a.repeats, a.seconds, a.warmup, a.frames = 1, 0.5, 0.2, 0
         a.envs = a.envs[:1]
@@ -714,6 +792,9 @@ def main(argv=None):
                 if p == "cnn" and a.cnn_envs and n not in a.cnn_envs:
                     continue
                 cell_systems = [s for s in systems if not (w != "atari" and s in ATARI_ONLY)]
+                if not cell_systems:
+                    print(f"{_cell_label(w, p, n)}: every system named is Atari only, cell left out", flush=True)
+                    continue
                 for rep in range(a.repeats):
                     k = rep % len(cell_systems)
                     for s in cell_systems[k:] + cell_systems[:k]:

@@ -68,3 +68,44 @@ def test_compare_real_hosts_envpool(tmp_path):
             assert "error" not in entry, (name, system, entry.get("error"))
             assert entry["median"] > 0, (name, system, entry)
             assert entry["collector"]["pool"]["slots_" + path] == 4  # every slot stepped by that EnvPool adapter
+
+
+def test_compare_real_torchrl_idiom(tmp_path):
+    """``ours_torchrl_idiom`` and its ceiling: TorchRL's own Atari idiom (``GymEnv`` + ``ToTensorImage``,
+    ``GrayScale``, ``Resize``, ``CatFrames``) run end to end, Atari only, set against its own stack's
+    env-only ceiling; MuJoCo cells leave both out."""
+    data = run_quick(tmp_path, ["ours_torchrl_idiom", "env_only_torchrl_idiom"], 4)
+    cells = {c["cell"]: c for c in data["cells"]}
+    atari = cells["Atari 4"]["systems"]
+    assert set(atari) == {"ours_torchrl_idiom", "env_only_torchrl_idiom"}, sorted(atari)
+    for system, entry in atari.items():
+        assert "error" not in entry, (system, entry.get("error"))
+        assert entry["median"] > 0, (system, entry)
+    assert atari["ours_torchrl_idiom"]["vs_ceiling"]["ceiling"] == "env_only_torchrl_idiom"
+    assert not cells.get("MuJoCo 4", {}).get("systems"), cells.get("MuJoCo 4")
+
+
+def test_torchrl_idiom_frames():
+    """The idiom's envs give what TorchRL's Atari recipe gives its policy: 4 stacked 84x84 grey
+    frames, float32 in [0, 1], a one-hot action of Pong's 6; its resize (torchvision's tensor call,
+    made without torchvision) keeps a constant image constant and maps 210x160 to 84x84."""
+    import torch
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from compare_real import _interpolate_resize, make_torchrl_idiom_atari
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    env = make_torchrl_idiom_atari()
+    try:
+        assert env.observation_spec["pixels"].shape == (4, 84, 84)
+        assert env.action_spec.shape == (6,)
+        td = env.rand_step(env.reset())
+        pixels = td["next", "pixels"]
+        assert pixels.dtype == torch.float32 and pixels.shape == (4, 84, 84)
+        assert 0.0 <= pixels.min() <= pixels.max() <= 1.0 and pixels.max() > 0
+    finally:
+        env.close()
+    resize = _interpolate_resize(84, 84)
+    out = resize._apply_transform(torch.full((2, 1, 210, 160), 0.25))
+    assert out.shape == (2, 1, 84, 84) and torch.allclose(out, torch.full_like(out, 0.25))
