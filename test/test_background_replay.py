@@ -5,6 +5,7 @@ transition the oracle envs produced is in the buffer exactly once, in order per 
 right step types, and no minibatch the learner sampled meanwhile held a torn transition."""
 import time
 
+import pytest
 import torch
 import torch.nn as nn
 from torchrl.data import LazyTensorStorage, ReplayBuffer
@@ -92,3 +93,26 @@ def test_sac_loop_on_the_oracle_fills_the_buffer_exactly_while_the_learner_sampl
         versions = data["policy_version"][data["env_index"] == env].reshape(-1)
         assert versions.numel() and (versions.diff() >= 0).all()  # each env acted on ever newer weights
     assert int(data["policy_version"].max()) > 0
+
+
+def test_a_policy_failing_in_background_collection_is_named_by_check_errors_and_shutdown(dev_shm_guard):
+    """The writer thread of start() stops on the policy's error; check_errors() (the learner's
+    poll) and shutdown() raise a RuntimeError whose message carries the cause, chained to it."""
+    from torchrl_asyncpool.testing.policies import RaisingPolicy
+
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000))
+    collector = AsyncPoolCollector(oracle_factories(2, max_episode_len=50), policy=RaisingPolicy(fail_at_step=20),
+                                   frames_per_batch=8, total_frames=-1, replay_buffer=rb)
+    try:
+        collector.start()
+        deadline = time.monotonic() + 60
+        while collector._replay_error is None:
+            assert time.monotonic() < deadline, "the failing policy did not stop the background collection"
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="scripted failure on a record at step") as info:
+            collector.check_errors()
+        assert "Background replay collection failed: InferenceServerError: policy" in str(info.value)
+        assert "RaisingPolicy" in str(info.value.__cause__)
+    finally:
+        with pytest.raises(RuntimeError, match="scripted failure"):
+            collector.shutdown()

@@ -961,9 +961,12 @@ class AsyncPoolCollector(AsyncBatchedCollector):
             self._replay_error = exc
 
     def check_errors(self) -> None:
-        """Raises the background writer's error, if :meth:`start` collection failed."""
-        if self._replay_error is not None:
-            raise RuntimeError("Background replay collection failed.") from self._replay_error
+        """Raises the background writer's error, if :meth:`start` collection failed: a
+        ``RuntimeError`` whose message names the cause (its type and first line), chained to it."""
+        error = self._replay_error
+        if error is not None:
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise RuntimeError(f"Background replay collection failed: {type(error).__name__}: {first}") from error
 
     def iterator(self) -> Iterator[TensorDictBase | None]:
         """Iterates over collected batches (``None`` per batch with a replay buffer)."""
