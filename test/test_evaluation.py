@@ -607,6 +607,22 @@ def _raising_after(n):
     return policy
 
 
+def test_a_policy_reading_a_key_the_env_lacks_is_told_which():
+    """A TensorDictModule reading "obs" from CartPole's records (they hold "observation") fails on
+    the None it is handed; the error names the key and the keys the records hold instead."""
+    from tensordict.nn import TensorDictModule
+
+    from torchrl_asyncpool.evaluation import EvaluationError
+
+    policy = TensorDictModule(lambda obs: (obs[:, 2] > 0).long(), in_keys=["obs"], out_keys=["action"])
+    with pytest.raises(EvaluationError, match=r"the policy reads \['obs'\], which the env's records do not provide; "
+                                              r"they hold \[.*'observation'") as info:
+        evaluate(functools.partial(gym.make, "CartPole-v1"), policy, [Episode("e0", seed=0)], num_envs=1)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert isinstance(info.value.__cause__.__cause__, TypeError)  # what reading None raised
+    assert "'truncated']. 0 of 1 episodes had ended" in str(info.value)  # one full stop between sentences
+
+
 def test_a_policy_that_raises_keeps_every_finished_result():
     from torchrl_asyncpool.evaluation import EvaluationError
 

@@ -450,7 +450,7 @@ class _Supervisor:
     def _failed(self, exc: Exception, run: EpisodeRun) -> "EvaluationError":
         """The evaluation itself failed with ``exc``: the running and unstarted episodes fail with
         its cause; returns the :class:`EvaluationError` that carries every result."""
-        cause = _describe_failure(exc)
+        cause = _describe_failure(exc).rstrip(".")  # a sentence follows it
         done = sum(r is not None for r in self.results)
         run.abandon(f"did not finish: the evaluation failed: {cause}", f"not started: the evaluation failed: {cause}")
         self.fail_unstarted(f"not started: the evaluation failed: {cause}")
