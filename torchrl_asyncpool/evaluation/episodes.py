@@ -82,6 +82,12 @@ class EpisodeResult:
         seed (int or None): the seed the env was reset with.
         env_index (int or None): the slot that ran it.
         error (str or None): why a ``"failed"`` or wall-clock ``"timeout"`` episode ended.
+
+    Examples:
+        >>> from torchrl_asyncpool.evaluation import EpisodeResult
+        >>> r = EpisodeResult("a", "completed", episode_return=21.0, length=812, terminated=True, seed=0)
+        >>> r.status, r.episode_return, r.error
+        ('completed', 21.0, None)
     """
 
     episode_id: str
@@ -96,7 +102,29 @@ class EpisodeResult:
 
 
 def load_manifest(path) -> List[Episode]:
-    """Reads a manifest (see the module doc) into episodes; ``ValueError`` names what is wrong."""
+    """Reads a manifest (see the module doc) into episodes; ``ValueError`` names what is wrong.
+
+    Args:
+        path (str or os.PathLike): a JSON file holding a list of episode objects (or
+            ``{"episodes": [...]}``), each with an ``"episode_id"`` and optionally ``"seed"``,
+            ``"max_steps"`` and ``"options"``.
+
+    Returns:
+        list of :class:`Episode`, in the file's order.
+
+    Raises:
+        ValueError: the file is not JSON, holds no episodes, or an entry lacks its id, has an
+            unknown field or repeats an id (the message names the entry).
+
+    Examples:
+        >>> import json, os, tempfile
+        >>> from torchrl_asyncpool.evaluation import load_manifest
+        >>> path = os.path.join(tempfile.mkdtemp(), "manifest.json")
+        >>> with open(path, "w") as f:
+        ...     json.dump([{"episode_id": "a", "seed": 0}, {"episode_id": "b", "seed": 1, "max_steps": 100}], f)
+        >>> [(e.episode_id, e.seed, e.max_steps) for e in load_manifest(path)]
+        [('a', 0, None), ('b', 1, 100)]
+    """
     with open(path) as f:
         try:
             data = json.load(f)
@@ -148,17 +176,23 @@ def write_results(results: Sequence[EpisodeResult], path) -> None:
     as ``null``. It is written atomically: into a temporary file next to ``path``, then renamed
     over it, so that ``path`` holds either its previous content or every result, never a part.
 
-    Parameters
-    ----------
-    results : sequence of EpisodeResult
-        What :func:`~torchrl_asyncpool.evaluation.evaluate` returned.
-    path : str or os.PathLike
-        The results file.
+    Args:
+        results (sequence of EpisodeResult): what :func:`~torchrl_asyncpool.evaluation.evaluate`
+            returned.
+        path (str or os.PathLike): the results file.
 
-    Raises
-    ------
-    OSError
-        ``path`` cannot be written (e.g. its folder does not exist); nothing is left behind.
+    Raises:
+        OSError: ``path`` cannot be written (e.g. its folder does not exist); nothing is left
+            behind.
+
+    Examples:
+        >>> import json, os, tempfile
+        >>> from torchrl_asyncpool.evaluation import EpisodeResult, write_results
+        >>> path = os.path.join(tempfile.mkdtemp(), "results.json")
+        >>> write_results([EpisodeResult("a", "completed", episode_return=float("nan"), length=3)], path)
+        >>> data = json.load(open(path))
+        >>> data["summary"]["completed"], data["episodes"][0]["episode_return"]
+        (1, None)
     """
     data = _finite({"summary": summarize(results), "episodes": [asdict(r) for r in results]})
     text = json.dumps(data, indent=1, allow_nan=False)
@@ -219,7 +253,23 @@ def _finite(value):
 
 
 def summarize(results: Sequence[EpisodeResult]) -> dict:
-    """Counts per status and the mean return and length of the completed episodes."""
+    """Counts per status and the mean return and length of the completed episodes.
+
+    Args:
+        results (sequence of EpisodeResult): what :func:`~torchrl_asyncpool.evaluation.evaluate`
+            returned.
+
+    Returns:
+        dict: ``"episodes"`` (how many), one count per status (``"completed"``, ``"timeout"``,
+        ``"failed"``), and ``"mean_return"`` / ``"mean_length"`` over the completed episodes
+        (``None`` when none completed).
+
+    Examples:
+        >>> from torchrl_asyncpool.evaluation import EpisodeResult, summarize
+        >>> summarize([EpisodeResult("a", "completed", 10.0, 5), EpisodeResult("b", "completed", 20.0, 7),
+        ...            EpisodeResult("c", "timeout", 3.0, 100)])
+        {'episodes': 3, 'completed': 2, 'timeout': 1, 'failed': 0, 'mean_return': 15.0, 'mean_length': 6.0}
+    """
     done = [r for r in results if r.status == "completed"]
     return {
         "episodes": len(results),

@@ -105,8 +105,18 @@ def _ident(target) -> str:
 def bucket_ladder(max_rows: int, spec="auto") -> Optional[Tuple[int, ...]]:
     """The padded batch sizes for a key whose batches hold at most ``max_rows`` records.
 
-    ``"auto"``: powers of two below ``max_rows``, plus ``max_rows`` itself. ``None``: no
-    padding. A sequence: those sizes, sorted; batches larger than the largest are split.
+    Args:
+        max_rows (int): the most records one batch of the key holds.
+        spec ("auto", None or sequence of int): ``"auto"``: powers of two below ``max_rows``,
+            plus ``max_rows`` itself. ``None``: no padding. A sequence: those sizes, sorted;
+            batches larger than the largest are split. Defaults to ``"auto"``.
+
+    Returns:
+        tuple of int, or ``None`` (no padding).
+
+    Raises:
+        ValueError: ``spec`` is another string, an empty sequence or holds a size that is not a
+            positive int.
 
     Examples:
         >>> from torchrl_asyncpool.inference import bucket_ladder
@@ -283,6 +293,14 @@ def auto_flush_timeout(mean_step_s: float, envs_in_turn: float = 1.0) -> float:
     per frame, against ~18 records and ~100 us with a deadline of 12.8 ms. A quarter of a step
     instead of three eighths gave 16 Atari envs batches of 4-6.5 records instead of ~8, and
     the serving thread ~210 us of CPU per frame instead of ~165.)
+
+    Args:
+        mean_step_s (float): the envs' mean step, in seconds.
+        envs_in_turn (float): envs each worker steps one after the other. Defaults to ``1``.
+
+    Returns:
+        float: the deadline in seconds (``0.0``: greedy, for envs cheaper than
+        ``BATCHING_STEP_S``).
 
     Examples:
         >>> from torchrl_asyncpool.inference import auto_flush_timeout

@@ -410,7 +410,30 @@ def _prefix_hint(unknown, missing) -> str:
 
 
 def flatten_weights(weights) -> Dict[str, torch.Tensor]:
-    """Normalizes a module, a TensorDict (``TensorDict.from_module`` layout) or a state dict."""
+    """Normalizes a module, a TensorDict (``TensorDict.from_module`` layout) or a state dict.
+
+    Args:
+        weights (nn.Module, TensorDictBase or mapping): the weights as
+            ``update_policy_weights_`` accepts them.
+
+    Returns:
+        dict: ``{dotted name: detached tensor}``, the names as ``state_dict()`` spells them.
+
+    Raises:
+        TypeError: ``weights`` is none of these, or a mapping holds a value that is not a tensor.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl_asyncpool.inference import flatten_weights
+        >>> net = torch.nn.Linear(2, 1)
+        >>> sorted(flatten_weights(net)) == sorted(flatten_weights(TensorDict.from_module(net))) == ["bias", "weight"]
+        True
+        >>> flatten_weights({"weight": 1.0})
+        Traceback (most recent call last):
+        ...
+        TypeError: weights['weight'] is float, expected a tensor.
+    """
     if isinstance(weights, torch.nn.Module):
         return {k: v.detach() for k, v in named_tensors(weights).items()}
     if isinstance(weights, TensorDictBase):

@@ -25,6 +25,15 @@ def oracle_episode(env_id: int, episode_id: int, max_episode_len: int = 7) -> tu
     Lengths vary between 1 and ``max_episode_len`` and one episode in three is truncated, so
     that envs end episodes at different times and both ending kinds occur.
 
+    Args:
+        env_id (int): the env's id (its slot in the oracle's factories).
+        episode_id (int): the episode's number in that env, from 0.
+        max_episode_len (int): the longest episode. Defaults to 7.
+
+    Returns:
+        ``(length, ending)``: the steps of the episode and how its last step ends it
+        (``StepType.TERMINATION`` or ``StepType.TRUNCATION``).
+
     Examples:
         >>> from torchrl_asyncpool.testing import oracle_episode
         >>> oracle_episode(0, 0)
@@ -38,8 +47,12 @@ def oracle_episode(env_id: int, episode_id: int, max_episode_len: int = 7) -> tu
 def oracle_action(tag: torch.Tensor) -> torch.Tensor:
     """A deterministic policy of the tag: what the oracle's consumer sends back.
 
-    Works on a single tag ``[3]`` or a batch ``[B, 3]``; returns int64 of shape ``[]`` /
-    ``[B]``.
+    Args:
+        tag (torch.Tensor): a single tag ``[3]`` or a batch ``[B, 3]`` of
+            ``(env_id, episode_id, step_id)``.
+
+    Returns:
+        torch.Tensor: int64 actions of shape ``[]`` / ``[B]``, in ``[0, 1000)``.
 
     Examples:
         >>> import torch
