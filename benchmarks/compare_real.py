@@ -589,34 +589,32 @@ def _env_only_process(kind, w, k, conn) -> None:
         acts = _random_actions(w, k)
         count = [0]
         stop = threading.Event()
-        if kind == "env_only":
-            envs = [GYM_FACTORY[w]() for _ in range(k)]
-            for i, e in enumerate(envs):
-                e.reset(seed=i)
+        if kind in ("env_only", "env_only_torchrl_idiom"):
+            if kind == "env_only":
+                envs = [GYM_FACTORY[w]() for _ in range(k)]
+                for i, e in enumerate(envs):
+                    e.reset(seed=i)
+
+                def step_env(i, a):
+                    _, _, term, trunc, _ = envs[i].step(a)
+                    if term or trunc:
+                        envs[i].reset()
+            else:
+                envs = [make_torchrl_idiom_atari() for _ in range(k)]
+                tds = [e.reset() for e in envs]
+                acts = torch.nn.functional.one_hot(torch.as_tensor(acts), ATARI_ACTIONS)
+
+                def step_env(i, a):
+                    tds[i]["action"] = a
+                    _, tds[i] = envs[i].step_and_maybe_reset(tds[i])
 
             def loop():
                 j = 0
                 while not stop.is_set():
                     a = acts[j % len(acts)]
                     j += 1
-                    for i, e in enumerate(envs):
-                        _, _, term, trunc, _ = e.step(a[i])
-                        if term or trunc:
-                            e.reset()
-                    count[0] += k
-        elif kind == "env_only_torchrl_idiom":
-            envs = [make_torchrl_idiom_atari() for _ in range(k)]
-            tds = [e.reset() for e in envs]
-            one_hot = torch.nn.functional.one_hot(torch.as_tensor(acts), ATARI_ACTIONS)
-
-            def loop():
-                j = 0
-                while not stop.is_set():
-                    a = one_hot[j % len(one_hot)]
-                    j += 1
-                    for i, e in enumerate(envs):
-                        tds[i]["action"] = a[i]
-                        _, tds[i] = e.step_and_maybe_reset(tds[i])
+                    for i in range(k):
+                        step_env(i, a[i])
                     count[0] += k
         else:
             if kind == "env_only_ale":
