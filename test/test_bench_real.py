@@ -91,11 +91,12 @@ def test_torchrl_idiom_frames():
     made without torchvision) keeps a constant image constant and maps 210x160 to 84x84."""
     import torch
 
-    sys.path.insert(0, str(SCRIPT.parent))
+    saved = list(sys.path)  # compare_real puts benchmarks/ on sys.path too: its conftest.py would then
+    sys.path.insert(0, str(SCRIPT.parent))  # shadow test/conftest.py in every fork server started later
     try:
         from compare_real import _interpolate_resize, make_torchrl_idiom_atari
     finally:
-        sys.path.remove(str(SCRIPT.parent))
+        sys.path[:] = saved
     env = make_torchrl_idiom_atari()
     try:
         assert env.observation_spec["pixels"].shape == (4, 84, 84)
