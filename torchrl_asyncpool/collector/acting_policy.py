@@ -16,7 +16,7 @@ from torchrl.envs.utils import set_exploration_type
 
 from torchrl_asyncpool.collector.action_checks import InvalidActionError
 from torchrl_asyncpool.collector.direct_call import direct_call
-from torchrl_asyncpool.exchange.arena import CARRY_KEY, as_key, key_repr, layout_repr, missing_in_keys
+from torchrl_asyncpool.exchange.arena import CARRY_KEY, as_key, key_repr, layout_repr, unread_keys_error
 from torchrl_asyncpool.inference.dtype_hint import dtype_mismatch_hint
 
 __all__ = [
@@ -151,13 +151,10 @@ def derive_policy_outputs(policy, request: dict, actions: dict, version_key, dev
     fake.set("env_index", torch.zeros(1, dtype=torch.int64))
     fake.set("valid_mask", torch.ones(1, dtype=torch.bool))
     inputs = set(fake.keys(True, True))
-    missing = missing_in_keys(policy, {as_key(k) for k in inputs})
-    if missing:
-        raise ValueError(
-            f"the policy reads {missing}, which the env's records do not provide; they hold "
-            f"{sorted(map(str, inputs))} (the env's observations and flags, and the env_index and valid_mask "
-            "the inference server adds)."
-        )
+    unread = unread_keys_error(policy, inputs, " (the env's observations and flags, and the env_index and "
+                               "valid_mask the inference server adds)")
+    if unread is not None:
+        raise unread
     try:
         with torch.no_grad():
             out = policy(fake)

@@ -23,7 +23,7 @@ from tensordict import TensorDictBase
 from torchrl_asyncpool.collector.action_checks import action_checks
 from torchrl_asyncpool.errors import EnvError, WorkerDiedError
 from torchrl_asyncpool.evaluation.episodes import EpisodeResult, PlanProgress
-from torchrl_asyncpool.exchange.arena import as_key, missing_in_keys
+from torchrl_asyncpool.exchange.arena import unread_keys_error
 from torchrl_asyncpool.pool.env_pool import AsyncEnvPool
 from torchrl_asyncpool.step_type import StepType
 from torchrl_asyncpool.workers.record_writer import RESTARTED_KEY
@@ -424,13 +424,10 @@ def kill_workers_of(pool: AsyncEnvPool, slots) -> None:
 
 def _missing_inputs(policy, td, exc: Exception) -> Exception:
     """``exc``, or, when ``policy`` declares ``in_keys`` the batch ``td`` lacks (a policy that
-    reads a key the env does not have fails with whatever reading ``None`` raises), a
-    ``ValueError`` naming them and the keys the records hold, caused by ``exc``."""
-    provided = set(td.keys(True, True))
-    missing = missing_in_keys(policy, {as_key(k) for k in provided})
-    if not missing:
+    reads a key the env does not have fails with whatever reading ``None`` raises), the
+    ``ValueError`` naming them, caused by ``exc``."""
+    error = unread_keys_error(policy, set(td.keys(True, True)))
+    if error is None:
         return exc
-    error = ValueError(f"the policy reads {missing}, which the env's records do not provide; they hold "
-                       f"{sorted(map(str, provided))}.")
     error.__cause__ = exc
     return error

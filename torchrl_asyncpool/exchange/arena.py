@@ -268,5 +268,26 @@ def missing_in_keys(reader, provided) -> list:
     return [key_repr(k) for k in wanted if k not in provided]
 
 
+
+def unread_keys_error(reader, provided, note: str = ""):
+    """A ``ValueError`` naming the ``in_keys`` that ``reader`` declares and the records'
+    ``provided`` keys (TensorDict keys) lack, with the keys they hold (and ``note`` after
+    them); ``None`` when nothing is missing (see :func:`missing_in_keys`).
+
+    Examples:
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl_asyncpool.exchange.arena import unread_keys_error
+        >>> policy = TensorDictModule(lambda x: x, in_keys=["obs"], out_keys=["action"])
+        >>> print(unread_keys_error(policy, {"observation", "done"}))
+        the policy reads ['obs'], which the env's records do not provide; they hold ['done', 'observation'].
+        >>> unread_keys_error(policy, {"obs"}) is None
+        True
+    """
+    missing = missing_in_keys(reader, {as_key(k) for k in provided})
+    if not missing:
+        return None
+    return ValueError(f"the policy reads {missing}, which the env's records do not provide; they hold "
+                      f"{sorted(map(str, provided))}{note}.")
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
