@@ -74,3 +74,17 @@ class PoolClosedError(RuntimeError):
 class PoolStartCancelled(RuntimeError):
     """The pool's start-up was abandoned because its ``cancel_start`` callable returned true
     (see :class:`~torchrl_asyncpool.AsyncEnvPool`); the pool's processes are gone."""
+
+
+def error_summary(exc: BaseException) -> str:
+    r"""``"<type>: <first line of its message>"``: one line naming an error inside another message.
+
+    Examples:
+        >>> from torchrl_asyncpool.errors import error_summary
+        >>> error_summary(ValueError("bad shape\nmore detail"))
+        'ValueError: bad shape'
+        >>> error_summary(RuntimeError())
+        'RuntimeError: (no message)'
+    """
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else '(no message)'}"

@@ -20,7 +20,7 @@ from torchrl_asyncpool.collector.action_checks import action_checks
 from torchrl_asyncpool.collector.acting_policy import WEIGHT_PREFIX, ActingPolicy, ActingPolicyFactory
 from torchrl_asyncpool.collector.config import CollectorConfig, as_int, check_slot_transport, check_transport_keys
 from torchrl_asyncpool.inference import FlushDeadline, InferenceServer, InferenceServerError, flatten_weights
-from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError
+from torchrl_asyncpool.errors import EnvError, PoolClosedError, WorkerDiedError, error_summary
 from torchrl_asyncpool.exchange.metrics import log_metrics
 from torchrl_asyncpool.collector.policy_cost import batch_gain, measure_policy_cost
 from torchrl_asyncpool.collector.policy_layout import PolicyLayout
@@ -963,10 +963,9 @@ class AsyncPoolCollector(AsyncBatchedCollector):
     def check_errors(self) -> None:
         """Raises the background writer's error, if :meth:`start` collection failed: a
         ``RuntimeError`` whose message names the cause (its type and first line), chained to it."""
-        error = self._replay_error
-        if error is not None:
-            first = (str(error).strip().splitlines() or [""])[0]
-            raise RuntimeError(f"Background replay collection failed: {type(error).__name__}: {first}") from error
+        if self._replay_error is not None:
+            raise RuntimeError(f"Background replay collection failed: {error_summary(self._replay_error)}") \
+                from self._replay_error
 
     def iterator(self) -> Iterator[TensorDictBase | None]:
         """Iterates over collected batches (``None`` per batch with a replay buffer)."""

@@ -45,7 +45,7 @@ import torch
 from torchrl.envs.utils import ExplorationType
 
 from torchrl_asyncpool.collector.acting_policy import ActingPolicy
-from torchrl_asyncpool.errors import EnvError, PoolStartCancelled, WorkerDiedError
+from torchrl_asyncpool.errors import EnvError, PoolStartCancelled, WorkerDiedError, error_summary
 from torchrl_asyncpool.evaluation.episode_run import (
     EpisodeRun,
     PolicyFailure,
@@ -503,14 +503,8 @@ def resolve_policy_device(policy, device=None) -> torch.device:
 def _describe_failure(exc: BaseException) -> str:
     """One line naming what made the evaluation fail (the policy's error, or ``exc``)."""
     if isinstance(exc, PolicyFailure):
-        cause = exc.__cause__
-        return f"the policy failed: {type(cause).__name__}: {_first_line(cause)}"
-    return f"{type(exc).__name__}: {_first_line(exc)}"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else "(no message)"
+        return f"the policy failed: {error_summary(exc.__cause__)}"
+    return error_summary(exc)
 
 
 def _check_restarts(on_env_failure, per_env, window_s, total) -> None:
