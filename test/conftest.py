@@ -230,3 +230,22 @@ def load_script(name: str):
     finally:
         del sys.modules[spec.name]
     return module
+
+
+def load_benchmark_script(name: str):
+    """Imports ``benchmarks/<name>.py`` as a module, as running it would (its folder on sys.path)."""
+    import importlib.util
+
+    # benchmarks/ on sys.path only while importing (the script may add it again itself): a fork
+    # server started later would inherit it and find benchmarks/conftest.py where the tests'
+    # factories live in test/conftest.py
+    folder = SCRIPTS.parent / "benchmarks"
+    saved = list(sys.path)
+    sys.path.insert(0, str(folder))
+    try:
+        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_benchmark_script
+
 pytest.importorskip("ale_py")
 pytest.importorskip("mujoco")
 pytest.importorskip("cv2")  # gymnasium's AtariPreprocessing resizes with OpenCV
@@ -91,13 +93,8 @@ def test_torchrl_idiom_frames():
     made without torchvision) keeps a constant image constant and maps 210x160 to 84x84."""
     import torch
 
-    saved = list(sys.path)  # compare_real puts benchmarks/ on sys.path too: its conftest.py would then
-    sys.path.insert(0, str(SCRIPT.parent))  # shadow test/conftest.py in every fork server started later
-    try:
-        from compare_real import _interpolate_resize, make_torchrl_idiom_atari
-    finally:
-        sys.path[:] = saved
-    env = make_torchrl_idiom_atari()
+    compare_real = load_benchmark_script("compare_real")
+    env = compare_real.make_torchrl_idiom_atari()
     try:
         assert env.observation_spec["pixels"].shape == (4, 84, 84)
         assert env.action_spec.shape == (6,)
@@ -107,6 +104,6 @@ def test_torchrl_idiom_frames():
         assert 0.0 <= pixels.min() <= pixels.max() <= 1.0 and pixels.max() > 0
     finally:
         env.close()
-    resize = _interpolate_resize(84, 84)
+    resize = compare_real._interpolate_resize(84, 84)
     out = resize._apply_transform(torch.full((2, 1, 210, 160), 0.25))
     assert out.shape == (2, 1, 84, 84) and torch.allclose(out, torch.full_like(out, 0.25))

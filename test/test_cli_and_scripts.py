@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_address, load_script, run_checked
+from conftest import free_address, load_benchmark_script, load_script, run_checked
 from torchrl_asyncpool import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -360,7 +360,7 @@ def test_profile_collector_script_hosts_envpool(tmp_path):
 
 
 def test_profile_collector_refuses_envpool_for_a_toy_workload():
-    module = _load_benchmark_script("profile_collector")
+    module = load_benchmark_script("profile_collector")
     with pytest.raises(ValueError, match="stack 'envpool' hosts EnvPool's own envs"):
         module.profile("cartpole", 2, 0.1, stack="envpool")
     with pytest.raises(ValueError, match="stack must be 'gym', 'envpool' or 'torchrl'"):
@@ -387,7 +387,7 @@ def test_profile_collector_finds_a_process_idle_poller():
     which is how the C idle poller names itself; no such process gives None."""
     import threading
 
-    module = _load_benchmark_script("profile_collector")
+    module = load_benchmark_script("profile_collector")
     started, stop = threading.Event(), threading.Event()
 
     def spin():
@@ -414,25 +414,8 @@ def test_profile_collector_finds_a_process_idle_poller():
     assert module._idle_poller_cpu(2**22 + 7) is None  # no such process
 
 
-def _load_benchmark_script(name: str):
-    """Imports ``benchmarks/<name>.py`` as a module, as running it would (its folder on sys.path)."""
-    import importlib.util
-
-    # benchmarks/ on sys.path only while importing: a fork server started later would inherit it
-    # and find benchmarks/conftest.py where the tests' factories live in test/conftest.py
-    saved = list(sys.path)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = saved
-    return module
-
-
 def test_profile_collector_rejects_a_bad_set(capsys):
-    module = _load_benchmark_script("profile_collector")
+    module = load_benchmark_script("profile_collector")
     assert module._kwarg("envs_per_worker=8") == ("envs_per_worker", 8)
     assert module._kwarg("exchange=python") == ("exchange", "python")
     with pytest.raises(SystemExit) as exit_info:
